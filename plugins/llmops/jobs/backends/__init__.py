@@ -1,0 +1,21 @@
+"""Backends by name. Registered as dotted paths so a backend's SDK is imported only when used."""
+
+from __future__ import annotations
+
+import importlib
+
+from llmops.jobs.backends.base import Backend, JobState, JobStatus
+
+BACKENDS = {
+    "local": "llmops.jobs.backends.local.LocalBackend",
+}
+
+
+def get_backend(name: str) -> Backend:
+    if name not in BACKENDS:
+        raise ValueError(f"Unknown backend {name!r}. Choose one of {sorted(BACKENDS)}.")
+    module, _, cls = BACKENDS[name].rpartition(".")
+    return getattr(importlib.import_module(module), cls)()
+
+
+__all__ = ["BACKENDS", "Backend", "JobState", "JobStatus", "get_backend"]

@@ -1,0 +1,176 @@
+"""Runs a job as local processes: `python -m <entrypoint>`, or torchrun for several processes.
+
+One directory per job name under `$LLMOPS_HOME/jobs/`: the spec, the stage config, the output
+log, the runner's pid and, once done, its exit code and the job's result.json. Submitting a name
+that is running or already succeeded reattaches to it; a failed or stopped one is started again
+(the stage resumes from its checkpoints), with the earlier attempt's log kept.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from llmops import settings
+from llmops.jobs.backends.base import Backend, JobState, JobStatus
+from llmops.jobs.spec import JobSpec, JobSpecError
+
+STOP_GRACE_SECONDS = 10
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+class LocalBackend(Backend):
+    name = "local"
+
+    def __init__(self, jobs_dir: str | os.PathLike | None = None):
+        self.jobs_dir = Path(jobs_dir or settings.home() / "jobs")
+
+    # -- submit ------------------------------------------------------------------------------
+    def command(self, spec: JobSpec, job_dir: Path) -> list[str]:
+        entry = ["-m", spec.entrypoint, "--config", str(job_dir / "config.json"),
+                 "--result", str(job_dir / "result.json"), *spec.argv]
+        if spec.nproc_per_node > 1:
+            # torchrun restarts nothing by itself here: in-job supervision belongs to the stage.
+            return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                    f"--nproc_per_node={spec.nproc_per_node}", *entry]
+        return [sys.executable, *entry]
+
+    def submit(self, spec: JobSpec) -> dict[str, Any]:
+        if not spec.name:
+            raise JobSpecError("JobSpec.name is required to submit: it makes retries reattach.")
+        if spec.instance_count != 1:
+            raise JobSpecError(f"The local backend runs on one machine; JobSpec.instance_count is "
+                               f"{spec.instance_count}. Use a cluster backend for several nodes.")
+        job_dir = self.jobs_dir / spec.name
+        handle = {"backend": self.name, "name": spec.name, "job_dir": str(job_dir)}
+        current = self.status(handle) if (job_dir / "runner.json").exists() else None
+        if current and current.state in (JobState.RUNNING, JobState.SUCCEEDED):
+            handle["reattached"] = True
+            return handle
+        job_dir.mkdir(parents=True, exist_ok=True)
+        attempt = self._archive_previous_attempt(job_dir)
+        env = {**os.environ, **spec.env,
+               "PYTHONUNBUFFERED": "1",
+               "PYTHONPATH": os.pathsep.join(p for p in (str(settings.tasks_root()),
+                                                         os.environ.get("PYTHONPATH", "")) if p)}
+        _write_atomic(job_dir / "spec.json", json.dumps(spec.to_dict(), indent=2))
+        _write_atomic(job_dir / "config.json", json.dumps(spec.config, indent=2))
+        _write_atomic(job_dir / "command.json", json.dumps(
+            {"argv": self.command(spec, job_dir), "cwd": str(settings.tasks_root()), "env": env}))
+        with open(job_dir / "output.log", "ab") as log:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "llmops.jobs.local_runner", str(job_dir)],
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                cwd=str(settings.tasks_root()), env={**env, "PYTHONPATH": _plugins_path(env)},
+                start_new_session=True,  # own process group: stop() signals the whole job
+            )
+        _write_atomic(job_dir / "runner.json", json.dumps(
+            {"pid": proc.pid, "started": time.time(), "attempt": attempt}))
+        handle["reattached"] = False
+        handle["attempt"] = attempt
+        return handle
+
+    def _archive_previous_attempt(self, job_dir: Path) -> int:
+        runner = job_dir / "runner.json"
+        if not runner.exists():
+            return 1
+        attempt = json.loads(runner.read_text()).get("attempt", 1)
+        for name in ("output.log", "exit_code", "stopped", "result.json"):
+            if (job_dir / name).exists():
+                os.replace(job_dir / name, job_dir / f"{name}.attempt{attempt}")
+        runner.unlink()
+        return attempt + 1
+
+    # -- observe -----------------------------------------------------------------------------
+    def status(self, handle: dict[str, Any]) -> JobStatus:
+        job_dir = Path(handle["job_dir"])
+        if (job_dir / "stopped").exists():
+            return JobStatus(JobState.STOPPED, (job_dir / "stopped").read_text())
+        exit_file = job_dir / "exit_code"
+        if exit_file.exists():
+            code = int(exit_file.read_text())
+            result_file = job_dir / "result.json"
+            if code == 0 and result_file.exists():
+                return JobStatus(JobState.SUCCEEDED, result=json.loads(result_file.read_text()))
+            if code == 0:
+                return JobStatus(JobState.FAILED, "the job exited 0 but wrote no result.json")
+            return JobStatus(JobState.FAILED, f"the job exited with code {code}",
+                             details={"exit_code": code})
+        runner = job_dir / "runner.json"
+        if not runner.exists():
+            return JobStatus(JobState.PENDING, "not started")
+        pid = json.loads(runner.read_text())["pid"]
+        if _alive(pid, job_dir):
+            return JobStatus(JobState.RUNNING, f"runner pid {pid}")
+        if exit_file.exists():  # it finished between the two checks
+            return self.status(handle)
+        return JobStatus(JobState.FAILED, "the job's runner died without recording an exit code")
+
+    def read_logs(self, handle: dict[str, Any], cursor: Any = None) -> tuple[list[str], Any]:
+        offset = int(cursor or 0)
+        path = Path(handle["job_dir"]) / "output.log"
+        if not path.exists():
+            return [], offset
+        with open(path, "rb") as fh:
+            fh.seek(offset)
+            data = fh.read()
+        # Hand back whole lines only; a partial last line waits for the next read.
+        end = data.rfind(b"\n") + 1
+        lines = data[:end].decode("utf-8", errors="replace").splitlines()
+        return lines, offset + end
+
+    # -- stop --------------------------------------------------------------------------------
+    def stop(self, handle: dict[str, Any]) -> None:
+        job_dir = Path(handle["job_dir"])
+        runner = job_dir / "runner.json"
+        if not runner.exists() or (job_dir / "exit_code").exists():
+            return
+        pid = json.loads(runner.read_text())["pid"]
+        _write_atomic(job_dir / "stopped", f"stopped at {time.strftime('%Y-%m-%dT%H:%M:%S')}")
+        if not _alive(pid, job_dir):
+            return
+        try:
+            os.killpg(pid, signal.SIGTERM)  # the runner leads its own group: pid == pgid
+            deadline = time.monotonic() + STOP_GRACE_SECONDS
+            while time.monotonic() < deadline and _alive(pid, job_dir):
+                time.sleep(0.2)
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _plugins_path(env: dict[str, str]) -> str:
+    """The runner lives in llmops; make it importable next to the tasks root."""
+    plugins = str(Path(__file__).resolve().parents[3])
+    return os.pathsep.join(p for p in (plugins, env.get("PYTHONPATH", "")) if p)
+
+
+def _alive(pid: int, job_dir: Path) -> bool:
+    """True if `pid` is our runner: alive, not a zombie, and started for this job directory."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            if fh.read().rsplit(")", 1)[1].split()[0] == "Z":
+                _reap(pid)
+                return False
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            return str(job_dir).encode() in fh.read()
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+
+
+def _reap(pid: int) -> None:
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass

@@ -1,0 +1,94 @@
+"""A backend-neutral description of one job.
+
+Every backend maps the same spec: the local backend runs `python -m <entrypoint>` (torchrun for
+several processes), SageMaker renders CreateTrainingJob, HyperPod a PyTorchJob, Batch a multi-node
+job. Arguments are a list, never a shell string, so no user value is ever interpreted by a shell.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+# SageMaker's rule for job names, the strictest of our backends: 1-63 chars of [a-zA-Z0-9-],
+# starting and ending alphanumeric, no double hyphen issues; Batch and Kubernetes accept it too.
+JOB_NAME_RE = re.compile(r"^[a-zA-Z0-9](-*[a-zA-Z0-9]){0,62}$")
+ENTRYPOINT_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+class JobSpecError(ValueError):
+    """The spec is invalid; the message names the field."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobSpec:
+    stage: str                                   # data_prep, sweep, pretrain, finetune, distill, evaluate
+    entrypoint: str                              # python module run as `python -m`, e.g. tasks.pretrain
+    config: dict = field(default_factory=dict)   # the stage config; handed over as --config FILE
+    argv: tuple = ()                             # extra arguments, one list element per argument
+    name: str = ""                               # unique and deterministic per task: a retry reattaches
+    backend: str = "local"
+    image: str = ""                              # container image URI (remote backends)
+    instance_type: str = "local"
+    instance_count: int = 1
+    nproc_per_node: int = 1                      # >1: torchrun launches that many processes per node
+    env: dict = field(default_factory=dict)
+    inputs: dict = field(default_factory=dict)   # channel name -> URI
+    output_uri: str = ""
+    checkpoint_uri: str = ""
+    max_run_seconds: int = 24 * 3600
+    tags: dict = field(default_factory=dict)
+    mlflow_experiment: str = ""
+    mlflow_parent_run_id: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.stage:
+            raise JobSpecError("JobSpec.stage is required (e.g. 'pretrain').")
+        if not ENTRYPOINT_RE.match(self.entrypoint):
+            raise JobSpecError(f"JobSpec.entrypoint must be a dotted module name, got {self.entrypoint!r}.")
+        if self.name and not JOB_NAME_RE.match(self.name):
+            raise JobSpecError(f"JobSpec.name {self.name!r} must be 1-63 letters, digits or hyphens, "
+                               "starting and ending with a letter or digit.")
+        if not all(isinstance(a, str) for a in self.argv):
+            raise JobSpecError("JobSpec.argv must be a list of strings (one per argument, no shell).")
+        for key, value in self.env.items():
+            if not ENV_NAME_RE.match(str(key)) or not isinstance(value, str):
+                raise JobSpecError(f"JobSpec.env entry {key!r} must map a valid name to a string.")
+        for label, number in (("instance_count", self.instance_count),
+                              ("nproc_per_node", self.nproc_per_node),
+                              ("max_run_seconds", self.max_run_seconds)):
+            if not isinstance(number, int) or number < 1:
+                raise JobSpecError(f"JobSpec.{label} must be a positive integer, got {number!r}.")
+
+    def to_dict(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["argv"] = list(self.argv)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "JobSpec":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise JobSpecError(f"Unknown JobSpec field(s): {unknown}.")
+        data = dict(data)
+        data["argv"] = tuple(data.get("argv", ()))
+        return cls(**data)
+
+    def replace(self, **changes: Any) -> "JobSpec":
+        return dataclasses.replace(self, **changes)
+
+
+def job_name(*parts: str, prefix: str = "") -> str:
+    """A valid, deterministic job name: readable prefix + hash of the identifying parts.
+
+    The same (dag, run, task, map index) always gives the same name, so a retried task finds the
+    job its earlier try submitted instead of starting a duplicate.
+    """
+    digest = hashlib.sha256("\x1f".join(parts).encode()).hexdigest()[:12]
+    readable = re.sub(r"[^a-zA-Z0-9]+", "-", prefix).strip("-")[: 63 - 13] or "job"
+    return f"{readable}-{digest}"

@@ -1,0 +1,52 @@
+"""A plain-text account of the latest lifecycle run, read back from MLflow: `python -m llmops.summary`."""
+
+from __future__ import annotations
+
+import sys
+
+from llmops import tracking
+from llmops.params import STAGES
+
+KEY_METRICS = ("documents_in", "documents_kept", "train_tokens", "val_loss", "tokens_per_s",
+               "task_accuracy_before", "task_accuracy_after", "params",
+               "teacher.task_accuracy", "student.task_accuracy", "pretrained.task_accuracy",
+               "teacher.perplexity", "student.perplexity", "teacher.params", "student.params")
+
+
+def summarize(dag_id: str) -> str:
+    client = tracking.client()
+    exp = client.get_experiment_by_name(dag_id)
+    if exp is None:
+        return f"No MLflow experiment {dag_id!r} in {tracking.tracking_uri()}."
+    parents = client.search_runs([exp.experiment_id], "tags.kind = 'lifecycle'",
+                                 order_by=["attributes.start_time DESC"], max_results=1)
+    if not parents:
+        return f"No lifecycle run in experiment {dag_id!r}."
+    parent = parents[0]
+    lines = [f"MLflow store: {tracking.tracking_uri()}",
+             f"Lifecycle run {parent.data.tags.get('run_id')}: {parent.info.status} "
+             f"(MLflow run {parent.info.run_id})"]
+    children = client.search_runs([exp.experiment_id],
+                                  f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'",
+                                  order_by=["attributes.start_time ASC"], max_results=200)
+    for stage in STAGES:
+        for run in (r for r in children if r.data.tags.get("stage") == stage):
+            shown = {k: v for k, v in run.data.metrics.items() if k in KEY_METRICS or k == "lr"}
+            figures = ", ".join(f"{k}={v:.4g}" for k, v in sorted(shown.items()))
+            lines.append(f"  {stage:<10} {run.data.tags.get('task_id', ''):<14} "
+                         f"{run.info.status:<9} {figures}")
+    champion = parent.data.tags.get("champion")
+    if champion:
+        name, version = champion.rsplit("/", 1)
+        mv = client.get_model_version(name, version)
+        lines.append(f"Registered model: {name} version {version} (alias 'champion'), "
+                     f"the {mv.tags.get('candidate')}: models:/{name}@champion")
+    else:
+        lines.append("No model was promoted to 'champion' in this run.")
+    lines.append(f"Open the MLflow UI: .venv/bin/mlflow ui --backend-store-uri "
+                 f"{tracking.tracking_uri()} --port 5000   (or `make up`)")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(summarize(sys.argv[1] if len(sys.argv) > 1 else "llm_lifecycle"))

@@ -1,0 +1,44 @@
+"""The one contract every stage entrypoint follows, on every backend.
+
+    python -m tasks.<stage> --config CONFIG.json --result RESULT.json
+
+The config is the stage's dataclass as JSON (validated, unknown keys refused). The stage returns
+a dict of metrics and output paths; it is written atomically to the result file, which is how a
+local process, a SageMaker container or a pod hands its outcome back to Airflow.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from typing import Any, Callable, TypeVar
+
+from tasks.common.io import read_json, write_json
+from tasks.configs import ConfigError, from_dict
+
+C = TypeVar("C")
+log = logging.getLogger("tasks")
+
+
+def run_stage(stage: str, config_cls: type[C], main: Callable[[C], dict[str, Any]],
+              argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog=f"python -m tasks.{stage}")
+    parser.add_argument("--config", required=True, help="Stage config JSON file.")
+    parser.add_argument("--result", required=True, help="Where to write the result JSON.")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stdout,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = from_dict(config_cls, read_json(args.config))
+    except (ConfigError, OSError, ValueError) as exc:
+        # Fail before any expensive work, with the field named.
+        log.error("invalid config %s: %s", args.config, exc)
+        sys.exit(2)
+    started = time.time()
+    result = main(config)
+    result.setdefault("stage", stage)
+    result.setdefault("seconds", round(time.time() - started, 3))
+    write_json(args.result, result)
+    log.info("%s finished in %.1fs; result written to %s", stage, time.time() - started, args.result)
