@@ -25,7 +25,7 @@ def stage_run(stage: str, config: Any) -> Iterator[Any]:
 
     run_id = os.environ.get("MLFLOW_RUN_ID")
     if not run_id:
-        mlflow.set_experiment(os.environ.get("MLFLOW_EXPERIMENT_NAME", "llmops"))
+        _set_experiment(os.environ.get("MLFLOW_EXPERIMENT_NAME", "llmops"))
     with mlflow.start_run(run_id=run_id or None) as run:
         if not run_id:
             mlflow.set_tag("stage", stage)
@@ -38,6 +38,22 @@ def stage_run(stage: str, config: Any) -> Iterator[Any]:
             mlflow.log_params(fresh)
         log_json_artifact(resolved, "config.json")
         yield run
+
+
+def _set_experiment(name: str) -> None:
+    """Select (creating if needed) an experiment. With a local SQLite store its artifacts go beside
+    the database: MLflow's default, ./mlruns, would land in whatever directory the job runs in."""
+    import mlflow
+
+    uri = mlflow.get_tracking_uri()
+    if uri.startswith("sqlite:///") and mlflow.get_experiment_by_name(name) is None:
+        db_dir = os.path.dirname(os.path.abspath(uri[len("sqlite:///"):]))
+        location = "file://" + os.path.join(db_dir, "mlartifacts", name)
+        try:
+            mlflow.create_experiment(name, artifact_location=location)
+        except Exception:  # created concurrently by another job
+            pass
+    mlflow.set_experiment(name)
 
 
 def log_json_artifact(data: Any, name: str, artifact_path: str | None = None) -> None:
