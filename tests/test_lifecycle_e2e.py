@@ -1,0 +1,87 @@
+"""The whole lifecycle DAG through Airflow on the tiny recipe: every stage leaves a tagged child
+run in MLflow under one parent run, and a model is registered with the alias `champion`."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.isolated_env import airflow_cli
+
+STAGES = ("data_prep", "sweep", "pretrain", "finetune", "distill", "evaluate")
+
+
+@pytest.fixture(scope="module")
+def lifecycle_run(airflow_db):
+    proc = airflow_cli("dags", "test", "llm_lifecycle", "-c", json.dumps({"recipe": "tiny"}),
+                       timeout=900)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "state=success" in output, output[-6000:]
+
+    from llmops import tracking
+
+    client = tracking.client()
+    exp = client.get_experiment_by_name("llm_lifecycle")
+    parent = client.search_runs([exp.experiment_id], "tags.kind = 'lifecycle'",
+                                order_by=["attributes.start_time DESC"], max_results=1)[0]
+    children = client.search_runs(
+        [exp.experiment_id], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'", max_results=100)
+    return {"client": client, "parent": parent, "children": children, "output": output}
+
+
+def test_every_stage_has_a_finished_child_run_with_the_tracking_tags(lifecycle_run):
+    parent, children = lifecycle_run["parent"], lifecycle_run["children"]
+    assert parent.info.status == "FINISHED"
+    by_stage: dict[str, list] = {}
+    for run in children:
+        by_stage.setdefault(run.data.tags["stage"], []).append(run)
+    assert set(by_stage) == set(STAGES)
+    assert len(by_stage["sweep"]) == 2, "the tiny recipe runs two trials, one child run each"
+    data_hash = by_stage["data_prep"][0].data.tags.get("data_hash") or None
+    for stage, runs in by_stage.items():
+        for run in runs:
+            tags = run.data.tags
+            assert run.info.status == "FINISHED", (stage, run.info.status)
+            for key in ("dag_id", "run_id", "task_id", "map_index", "try_number", "backend",
+                        "git_commit", "job_name"):
+                assert tags.get(key), (stage, key)
+            assert tags["dag_id"] == "llm_lifecycle" and tags["backend"] == "local"
+            assert tags["run_id"] == parent.data.tags["run_id"]
+            if stage != "data_prep":
+                assert len(tags["data_hash"]) == 64, (stage, "data manifest hash")
+                data_hash = data_hash or tags["data_hash"]
+                assert tags["data_hash"] == data_hash
+            assert run.data.params, f"{stage}: the resolved config is logged as params"
+
+
+def test_training_stages_log_step_wise_metrics_and_their_config(lifecycle_run):
+    client = lifecycle_run["client"]
+    for run in lifecycle_run["children"]:
+        stage = run.data.tags["stage"]
+        artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
+        assert "config.json" in artifacts, stage
+        if stage in ("pretrain", "finetune", "distill"):
+            history = client.get_metric_history(run.info.run_id, "loss")
+            assert len(history) >= 2 and history[0].step < history[-1].step, stage
+            for key in ("lr", "grad_norm", "tokens_per_s"):
+                assert key in run.data.metrics, (stage, key)
+
+
+def test_a_model_is_registered_as_champion_with_its_lineage(lifecycle_run):
+    client, parent = lifecycle_run["client"], lifecycle_run["parent"]
+    mv = client.get_model_version_by_alias("llm-lifecycle", "champion")
+    assert parent.data.tags["champion"] == f"llm-lifecycle/{mv.version}"
+    assert mv.tags["run_id"] == parent.data.tags["run_id"]
+    assert mv.tags["candidate"] in ("teacher", "student")
+    assert len(mv.tags["data_hash"]) == 64
+    assert mv.tags["evaluation_run_id"] and mv.tags["training_run_id"]
+    assert f"{mv.tags['candidate']}.task_accuracy" in mv.tags
+
+
+def test_evaluation_reports_both_candidates(lifecycle_run):
+    evaluation = next(r for r in lifecycle_run["children"] if r.data.tags["stage"] == "evaluate")
+    for name in ("pretrained", "teacher", "student"):
+        assert f"{name}.perplexity" in evaluation.data.metrics
+        assert f"{name}.task_accuracy" in evaluation.data.metrics
+    assert evaluation.data.metrics["student.params"] < evaluation.data.metrics["teacher.params"]
