@@ -73,7 +73,7 @@ def _latest_job_line(seen: dict[str, str]) -> str | None:
     job = logs[-1].parent.name
     if line and seen.get(job) != line:
         seen[job] = line
-        return f"    {job}: {line[-150:]}"
+        return f"    {job}: {line}"
     return None
 
 

@@ -31,7 +31,9 @@ def summarize(dag_id: str) -> str:
                                   order_by=["attributes.start_time ASC"], max_results=200)
     for stage in STAGES:
         for run in (r for r in children if r.data.tags.get("stage") == stage):
-            shown = {k: v for k, v in run.data.metrics.items() if k in KEY_METRICS or k == "lr"}
+            shown = {k: v for k, v in run.data.metrics.items() if k in KEY_METRICS}
+            if "optim.lr" in run.data.params:  # the configured peak, not the last decayed value
+                shown["peak_lr"] = float(run.data.params["optim.lr"])
             figures = ", ".join(f"{k}={v:.4g}" for k, v in sorted(shown.items()))
             lines.append(f"  {stage:<10} {run.data.tags.get('task_id', ''):<14} "
                          f"{run.info.status:<9} {figures}")

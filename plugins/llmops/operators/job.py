@@ -61,7 +61,8 @@ class JobOperator(BaseOperator):
 
             self.defer(trigger=JobTrigger(handle=self._handle, poll_interval=self.poll_interval,
                                           deadline=deadline,
-                                          context={"stage": spec.stage, "mlflow_run_id": run_id}),
+                                          context={"stage": spec.stage, "mlflow_run_id": run_id,
+                                                   "parent_run_id": spec.mlflow_parent_run_id}),
                        method_name="execute_complete")
         try:
             status = self._wait(backend, deadline)
@@ -69,14 +70,15 @@ class JobOperator(BaseOperator):
             # Task timeout, SIGTERM, a crash of ours: never leave the job running unwatched.
             backend.stop(self._handle)
             raise
-        return self._finish(context, status, spec.stage, run_id)
+        return self._finish(context, status, spec.stage, run_id, spec.mlflow_parent_run_id)
 
     def execute_complete(self, context: Any, event: dict[str, Any]) -> dict[str, Any]:
         self._handle = handle = event["handle"]
         status = get_backend(handle["backend"]).status(handle)
         if event.get("state") == "timeout":
             status = JobStatus(JobState.STOPPED, event["message"])
-        return self._finish(context, status, event["stage"], event["mlflow_run_id"])
+        return self._finish(context, status, event["stage"], event["mlflow_run_id"],
+                            event.get("parent_run_id", ""))
 
     def on_kill(self) -> None:
         if self._handle:
@@ -127,7 +129,8 @@ class JobOperator(BaseOperator):
                 return JobStatus(JobState.STOPPED, "the job ran past its max_run_seconds and was stopped")
             time.sleep(self.poll_interval)
 
-    def _finish(self, context: Any, status: JobStatus, stage: str, mlflow_run_id: str) -> dict[str, Any]:
+    def _finish(self, context: Any, status: JobStatus, stage: str, mlflow_run_id: str,
+                parent_run_id: str = "") -> dict[str, Any]:
         name = self._handle["name"]
         if status.state is JobState.SUCCEEDED:
             result = dict(status.result or {})
@@ -141,6 +144,9 @@ class JobOperator(BaseOperator):
             return result
         if mlflow_run_id:
             tracking.end_run(mlflow_run_id, "KILLED" if status.state is JobState.STOPPED else "FAILED")
+        if parent_run_id and context["ti"].try_number > self.retries:
+            # The last try failed: the lifecycle run as a whole has failed, say so in MLflow.
+            tracking.end_run(parent_run_id, "FAILED")
         tail = get_backend(self._handle["backend"]).read_logs(self._handle, 0)[0][-LOG_TAIL_LINES:]
         raise AirflowException(
             f"{stage} job {name} {status.state.value}: {status.message}.\n"

@@ -158,6 +158,13 @@ def _plugins_path(env: dict[str, str]) -> str:
 
 def _alive(pid: int, job_dir: Path) -> bool:
     """True if `pid` is our runner: alive, not a zombie, and started for this job directory."""
+    if not os.path.isdir("/proc"):  # macOS and other systems without procfs: liveness only
+        try:
+            _reap(pid)
+            os.kill(pid, 0)
+            return True
+        except (ProcessLookupError, PermissionError):
+            return False
     try:
         with open(f"/proc/{pid}/stat") as fh:
             if fh.read().rsplit(")", 1)[1].split()[0] == "Z":
