@@ -87,7 +87,9 @@ def run_standalone(conf: dict) -> int:
             ["airflow", "standalone"], stdout=log, stderr=subprocess.STDOUT, env=env,
             # A background start from a non-interactive shell inherits SIGINT ignored: restore it,
             # since SIGINT is how standalone stops cleanly (SIGTERM orphans its components).
-            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+            # Its own session: a Ctrl-C here stops the demo, which then stops Airflow in order.
+            start_new_session=True)
     try:
         print(f"Starting Airflow (log: {log_path}) ...", flush=True)
         _wait_for("the API server", lambda: _request("GET", "/api/v2/monitor/health"), 180, airflow)
@@ -137,6 +139,8 @@ def run_dags_test(conf: dict) -> int:
 
 
 def main() -> int:
+    # Started in the background by a script, we would inherit SIGINT ignored: take Ctrl-C back.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     conf = {"recipe": "demo", **json.loads(os.environ.get("DEMO_CONF") or "{}")}
     started = time.time()
     mode = os.environ.get("DEMO_MODE", "standalone")

@@ -22,7 +22,14 @@ def _default_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
+# Both servers run in sessions of their own (start_new_session): a terminal's Ctrl-C reaches
+# only this script, which then sends one SIGINT to each server. If the terminal's SIGINT also hit
+# every Airflow component directly, standalone's own orderly shutdown would hang.
+
+
 def main() -> int:
+    # Started in the background by a script, we would inherit SIGINT ignored: take Ctrl-C back.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     home = Path(os.environ["LLMOPS_HOME"])
     airflow_home = Path(os.environ["AIRFLOW_HOME"])
     env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
@@ -31,8 +38,9 @@ def main() -> int:
         ["mlflow", "server", "--backend-store-uri", os.environ["MLFLOW_TRACKING_URI"],
          "--default-artifact-root", (home / "mlartifacts").as_uri(),
          "--host", "127.0.0.1", "--port", str(MLFLOW_PORT), "--workers", "1"],
-        env=env, preexec_fn=_default_sigint)
-    airflow = subprocess.Popen(["airflow", "standalone"], env=env, preexec_fn=_default_sigint)
+        env=env, preexec_fn=_default_sigint, start_new_session=True)
+    airflow = subprocess.Popen(["airflow", "standalone"], env=env, preexec_fn=_default_sigint,
+                               start_new_session=True)
     password_file = airflow_home / "simple_auth_manager_passwords.json.generated"
     deadline = time.time() + 120
     while not password_file.exists() and time.time() < deadline and airflow.poll() is None:

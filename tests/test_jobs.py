@@ -181,3 +181,24 @@ def test_operator_fails_the_task_when_the_job_fails(airflow_db):
     output = proc.stdout + proc.stderr
     assert "sample job failing on purpose" in output  # the failure shows the job's last lines
     assert "exited with code 5" in output
+
+
+def test_task_timeout_stops_the_job_and_its_children(airflow_db, tmp_path):
+    from tests.isolated_env import airflow_cli
+
+    markers = tmp_path / "markers"
+    os.environ["AIRFLOW_VAR_MARKER_DIR"] = str(markers)
+    try:
+        started = time.time()
+        proc = airflow_cli("dags", "test", "job_operator_timeout", dags_folder=OPERATOR_DAGS.parent)
+    finally:
+        del os.environ["AIRFLOW_VAR_MARKER_DIR"]
+    output = proc.stdout + proc.stderr
+    assert "Timeout" in output or "timed out" in output.lower(), output[-3000:]
+    assert time.time() - started < 90, "the task must end at its timeout, not when the job ends"
+    job_pid = int((markers / "starts").read_text().split()[0])
+    child = int((markers / "child_pid").read_text())
+    deadline = time.time() + 15
+    while (pid_alive(job_pid) or pid_alive(child)) and time.time() < deadline:
+        time.sleep(0.2)
+    assert not pid_alive(job_pid) and not pid_alive(child)
