@@ -103,6 +103,18 @@ def test_resubmitting_a_running_or_finished_job_reattaches_instead_of_duplicatin
     assert first["job_dir"] == third["job_dir"]
 
 
+def test_a_job_just_started_is_never_mistaken_for_a_dead_one(tmp_path):
+    """Right after the runner starts, /proc can show it with an empty command line: polling at
+    that instant must say running (a flaky 'runner died' here once failed real tasks)."""
+    backend = LocalBackend(tmp_path / "jobs")
+    for i in range(15):
+        handle = backend.submit(sample_spec(f"fresh-{i}", exit_code=3))
+        status = backend.status(handle)
+        while not status.state.terminal:
+            status = backend.status(handle)
+        assert "code 3" in status.message, status
+
+
 def test_failed_job_reports_exit_code_and_a_resubmit_starts_a_new_attempt(tmp_path):
     backend = LocalBackend(tmp_path / "jobs")
     handle = backend.submit(sample_spec("fail-job", exit_code=3))

@@ -171,7 +171,10 @@ def _alive(pid: int, job_dir: Path) -> bool:
                 _reap(pid)
                 return False
         with open(f"/proc/{pid}/cmdline", "rb") as fh:
-            return str(job_dir).encode() in fh.read()
+            cmdline = fh.read()
+        # Just after Popen returns, cmdline can still read empty while the exec completes:
+        # a live process in that state is our runner starting, not a stranger.
+        return not cmdline or str(job_dir).encode() in cmdline
     except (FileNotFoundError, ProcessLookupError, IndexError):
         return False
 
