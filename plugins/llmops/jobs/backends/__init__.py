@@ -8,6 +8,11 @@ from llmops.jobs.backends.base import Backend, JobState, JobStatus
 
 BACKENDS = {
     "local": "llmops.jobs.backends.local.LocalBackend",
+    "sagemaker": "llmops.jobs.backends.sagemaker.SageMakerTrainingBackend",
+    "sagemaker_processing": "llmops.jobs.backends.sagemaker.SageMakerProcessingBackend",
+    "hyperpod": "llmops.jobs.backends.hyperpod.HyperPodBackend",
+    "batch": "llmops.jobs.backends.batch.BatchBackend",
+    "ray": "llmops.jobs.backends.ray.RayBackend",
 }
 
 

@@ -1,0 +1,360 @@
+"""The entry of every remote job: SageMaker Training and Processing, AWS Batch, HyperPod, Ray.
+
+It runs the stage exactly as the local backend does,
+
+    python -m tasks.<stage> --config CONFIG.json --result RESULT.json
+
+and does around it what a container needs and a local process does not:
+
+1. reads the stage config (a file, an s3:// object, or mounted input channel);
+2. maps the config's input URIs to where the platform mounted them (SageMaker channels,
+   Processing inputs: `--input-map`) and downloads any other s3:// input into the work dir;
+3. gives the stage a local output_dir when the real one is an s3:// URI, with
+   output_dir/checkpoints linked to the platform's synced checkpoint dir (SageMaker's
+   /opt/ml/checkpoints comes back on restart, so a new attempt resumes);
+4. launches the processes: none (the platform already did: SageMaker's toolkit runs torchrun or
+   mpirun around this script), `torchrun` (Batch multi-node, Kubeflow PyTorchJob) or
+   `hyperpodrun` (HyperPod's elastic agent), with nodes and ranks from the platform's variables;
+5. on the leader only (node 0 / rank 0 / first host): uploads the outputs and writes the result
+   JSON, with local paths rewritten to their URIs, to `--result` (a path or an s3:// URI).
+
+A failed stage exits with its own code, and on SageMaker leaves the tail of its log in
+/opt/ml/output/failure, which becomes the job's FailureReason.
+
+Standard library (and boto3 for S3) only: this file is copied into the images as
+/opt/llmops/job_entry.py and, for SageMaker Training, /opt/ml/code/job_entry.py.
+`LLMOPS_WORKDIR` and `LLMOPS_CHECKPOINT_DIR` relocate the work and checkpoint dirs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import hashlib
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("llmops.entry")
+FAILURE_FILE = "/opt/ml/output/failure"   # SageMaker reports its content as FailureReason
+RDZV_PORT = "29500"
+
+
+def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
+    p = argparse.ArgumentParser(prog="job_entry.py", description=__doc__.split("\n\n")[0])
+    # Hyperparameters reach this script as `--name value` (SageMaker's toolkit), so every option
+    # also has an underscore spelling.
+    p.add_argument("--entrypoint", required=True, help="Stage module, e.g. tasks.pretrain.")
+    p.add_argument("--config", help="Stage config JSON: a path or an s3:// URI ($VARS expanded).")
+    p.add_argument("--config-json", "--config_json", help="The stage config itself, as JSON text.")
+    p.add_argument("--result", required=True, help="Where the leader writes the result JSON.")
+    p.add_argument("--output-uri", "--output_uri", default="",
+                   help="Where the outputs go when output_dir is a URI.")
+    p.add_argument("--checkpoint-uri", "--checkpoint_uri", default="")
+    p.add_argument("--checkpoint-dir", "--checkpoint_dir", default=None,
+                   help="A local dir the platform syncs with checkpoint-uri (default $LLMOPS_CHECKPOINT_DIR).")
+    p.add_argument("--output-local", "--output_local", default="",
+                   help="The platform uploads this dir to output-uri itself (SageMaker Processing).")
+    p.add_argument("--input-map", "--input_map", default="", help="JSON {URI prefix: local path}.")
+    p.add_argument("--input-map-file", "--input_map_file", default="", help="The same, as a file.")
+    p.add_argument("--launcher", default="none", choices=("none", "torchrun", "hyperpodrun"))
+    p.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=1)
+    p.add_argument("--nnodes", type=int, default=0, help="Nodes, when the platform does not say.")
+    p.add_argument("--workdir", default=None, help="Scratch space (default $LLMOPS_WORKDIR or a temp dir).")
+    p.add_argument("--argv", default="", help="Extra stage arguments as a JSON list.")
+    args, rest = p.parse_known_args(argv)
+    extra = json.loads(args.argv) if args.argv else []
+    if "--" in rest:
+        extra += rest[rest.index("--") + 1:]
+        rest = rest[: rest.index("--")]
+    if rest:  # e.g. SageMaker's --mp_parameters, meant for the toolkit, not for the stage
+        log.info("ignoring platform arguments %s", rest)
+    return args, extra
+
+
+# -- where are we ------------------------------------------------------------------------------
+
+def hosts() -> tuple[int, int]:
+    """(this host's index, number of hosts) on SageMaker; (0, 1) elsewhere."""
+    for path in ("/opt/ml/input/config/resourceconfig.json", "/opt/ml/config/resourceconfig.json"):
+        if os.path.exists(path):
+            config = json.loads(Path(path).read_text())
+            names = sorted(config.get("hosts", [])) or [config.get("current_host")]
+            return names.index(config.get("current_host", names[0])), len(names)
+    if os.environ.get("SM_HOSTS") and os.environ.get("SM_CURRENT_HOST"):
+        names = sorted(json.loads(os.environ["SM_HOSTS"]))
+        return names.index(os.environ["SM_CURRENT_HOST"]), len(names)
+    return 0, 1
+
+
+def node_rank_and_count(args: argparse.Namespace) -> tuple[int, int]:
+    """(node rank, nodes) from whichever platform launched us."""
+    env = os.environ
+    if "AWS_BATCH_JOB_NUM_NODES" in env:
+        return int(env.get("AWS_BATCH_JOB_NODE_INDEX", "0")), int(env["AWS_BATCH_JOB_NUM_NODES"])
+    if "PET_NNODES" in env:  # Kubeflow training operator with nprocPerNode set
+        nodes = env["PET_NNODES"].split(":")[-1]
+        return int(env.get("PET_NODE_RANK", "0")), int(nodes)
+    if args.launcher != "none" and "WORLD_SIZE" in env and "RANK" in env:  # PyTorchJob, one process per pod
+        return int(env["RANK"]), int(env["WORLD_SIZE"])
+    return hosts()
+
+
+def is_leader(args: argparse.Namespace) -> bool:
+    """Only one process writes outputs and the result: node 0, and there rank 0."""
+    node, _ = node_rank_and_count(args)
+    if args.launcher != "none":
+        return node == 0
+    for name in ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"):
+        if name in os.environ:
+            return int(os.environ[name]) == 0 and node == 0
+    return node == 0
+
+
+def launch_command(args: argparse.Namespace, stage_argv: list[str]) -> list[str]:
+    module = [args.entrypoint, *stage_argv]
+    if args.launcher == "none":
+        return [sys.executable, "-m", *module]
+    node, nodes = node_rank_and_count(args)
+    nodes = max(nodes, args.nnodes)
+    if args.launcher == "hyperpodrun":
+        # HyperPod's elastic agent: torchrun's interface, rendezvous handled by the operator.
+        return ["hyperpodrun", f"--nnodes={nodes}:{nodes}", f"--nproc_per_node={args.nproc_per_node}",
+                "-m", *module]
+    if "PET_NNODES" in os.environ:  # the Kubeflow operator set every PET_* torchrun reads
+        return [sys.executable, "-m", "torch.distributed.run", "-m", *module]
+    if nodes == 1:
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                f"--nproc_per_node={args.nproc_per_node}", "-m", *module]
+    main = os.environ.get("AWS_BATCH_JOB_MAIN_NODE_PRIVATE_IPV4_ADDRESS") or os.environ.get("MASTER_ADDR")
+    if not main:  # Batch's main node is not told its own address
+        main = socket.gethostbyname(socket.gethostname())
+    return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}", f"--node_rank={node}",
+            f"--nproc_per_node={args.nproc_per_node}", f"--master_addr={main}",
+            f"--master_port={os.environ.get('MASTER_PORT', RDZV_PORT)}", "-m", *module]
+
+
+# -- storage -----------------------------------------------------------------------------------
+
+def _s3():
+    import boto3  # in the job images; not needed for jobs that only touch shared paths
+
+    return boto3.client("s3")
+
+
+def split_s3(uri: str) -> tuple[str, str]:
+    bucket, _, key = uri[len("s3://"):].partition("/")
+    return bucket, key
+
+
+def read_text(location: str) -> str:
+    if location.startswith("s3://"):
+        bucket, key = split_s3(location)
+        return _s3().get_object(Bucket=bucket, Key=key)["Body"].read().decode()
+    return Path(location).read_text()
+
+
+def write_text(location: str, text: str) -> None:
+    if location.startswith("s3://"):
+        bucket, key = split_s3(location)
+        _s3().put_object(Bucket=bucket, Key=key, Body=text.encode())
+        return
+    path = Path(location)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def download(uri: str, target: Path) -> None:
+    """Everything under an s3:// prefix (or the one object) into `target`, once."""
+    if target.exists():
+        return
+    bucket, key = split_s3(uri)
+    client = _s3()
+    tmp = Path(tempfile.mkdtemp(prefix=".download-", dir=target.parent))
+    prefix = key.rstrip("/") + "/"
+    count = 0
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
+        for obj in page.get("Contents", []):
+            rel = obj["Key"][len(prefix):]
+            if rel and not rel.endswith("/"):
+                (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+                client.download_file(bucket, obj["Key"], str(tmp / rel))
+                count += 1
+    if count == 0:  # not a prefix: a single object
+        client.download_file(bucket, key, str(tmp / key.rsplit("/", 1)[-1]))
+    os.replace(tmp, target)
+    log.info("downloaded %s (%d files) to %s", uri, max(count, 1), target)
+
+
+def upload(local: Path, uri: str, skip: tuple[str, ...] = ("checkpoints",)) -> int:
+    """Copy a directory tree to an s3:// prefix, or to a shared path; skips `checkpoints`, which
+    the platform syncs (or which already sit at the checkpoint URI)."""
+    files = [p for p in sorted(local.rglob("*"))
+             if p.is_file() and p.relative_to(local).parts[0] not in skip]
+    if uri.startswith("s3://"):
+        bucket, key = split_s3(uri)
+        client = _s3()
+        for path in files:
+            client.upload_file(str(path), bucket, f"{key.rstrip('/')}/{path.relative_to(local).as_posix()}")
+    else:
+        for path in files:
+            target = Path(uri, path.relative_to(local))
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(path, target)
+    return len(files)
+
+
+def rewrite(data: Any, mapping: dict[str, str]) -> Any:
+    """Replace path prefixes in every string of `data`, longest prefix first."""
+    keys = sorted((k for k in mapping if k), key=len, reverse=True)
+    if isinstance(data, dict):
+        return {k: rewrite(v, mapping) for k, v in data.items()}
+    if isinstance(data, list):
+        return [rewrite(v, mapping) for v in data]
+    if isinstance(data, str):
+        for key in keys:
+            base = key.rstrip("/")
+            if data == base or data.startswith(base + "/"):
+                return mapping[key].rstrip("/") + data[len(base):]
+    return data
+
+
+def map_inputs(config: dict[str, Any], input_map: dict[str, str], workdir: Path) -> dict[str, Any]:
+    """Mounted inputs to their mount points; any other s3:// input downloaded into the work dir."""
+    config = rewrite(config, input_map)
+    downloads: dict[str, str] = {}
+
+    def find(value: Any, key: str = "") -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                if k != "output_dir":
+                    find(v, k)
+        elif isinstance(value, list):
+            for v in value:
+                find(v)
+        elif isinstance(value, str) and value.startswith(("s3://", "fsx://")):
+            if value.startswith("fsx://"):
+                raise SystemExit(f"{value}: FSx inputs must be mounted by the platform (SageMaker "
+                                 "FSx channels, a Kubernetes volume); this job has no mount for it.")
+            parts = value.split("/")
+            cut = next((i for i, part in enumerate(parts) if any(c in part for c in "*?[")), len(parts))
+            base = "/".join(parts[:cut])
+            if base not in downloads:
+                target = workdir / "inputs" / hashlib.sha256(base.encode()).hexdigest()[:12]
+                target.parent.mkdir(parents=True, exist_ok=True)
+                download(base, target)
+                single = [p for p in target.iterdir()] if target.is_dir() else []
+                is_object = len(single) == 1 and single[0].name == base.rsplit("/", 1)[-1] and "." in single[0].name
+                downloads[base] = str(single[0] if is_object else target)
+
+    find(config)
+    return rewrite(config, downloads)
+
+
+# -- run ---------------------------------------------------------------------------------------
+
+def run(cmd: list[str], env: dict[str, str]) -> tuple[int, list[str]]:
+    """Run the stage, echoing its output; SIGTERM (stop, spot interruption) is passed on so the
+    stage can checkpoint. Returns the exit code and the last lines for a failure report."""
+    tail: collections.deque[str] = collections.deque(maxlen=40)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            bufsize=1)
+    signal.signal(signal.SIGTERM, lambda signum, _: proc.send_signal(signum))
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        sys.stdout.write(line)
+        sys.stdout.flush()
+        tail.append(line.rstrip("\n"))
+    return proc.wait(), list(tail)
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, stream=sys.stdout,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args, stage_argv = parse_args(argv)
+    workdir = Path(args.workdir or os.environ.get("LLMOPS_WORKDIR") or tempfile.mkdtemp(prefix="llmops-job-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    checkpoint_dir = args.checkpoint_dir if args.checkpoint_dir is not None else os.environ.get(
+        "LLMOPS_CHECKPOINT_DIR", "")
+
+    if args.config_json:
+        config = json.loads(args.config_json)
+    elif args.config:
+        config = json.loads(read_text(os.path.expandvars(args.config)))
+    else:
+        raise SystemExit("job_entry.py needs --config or --config-json.")
+    input_map = json.loads(args.input_map) if args.input_map else {}
+    if args.input_map_file:
+        input_map.update(json.loads(read_text(os.path.expandvars(args.input_map_file))))
+    input_map = {k: os.path.expandvars(v) for k, v in input_map.items()}
+    config = map_inputs(config, input_map, workdir)
+
+    host, n_hosts = hosts()
+    output_uri = args.output_uri
+    target = str(config.get("output_dir", ""))
+    upload_outputs = False
+    if args.output_local:  # the platform uploads this dir (Processing): one subdir per host
+        local_out = Path(args.output_local) / (f"host-{host}" if n_hosts > 1 else "")
+        if n_hosts > 1:
+            output_uri = f"{output_uri.rstrip('/')}/host-{host}"
+    elif "://" in target:
+        local_out, upload_outputs = workdir / "output", True
+    else:  # a path on storage the job shares with Airflow
+        local_out = Path(target or workdir / "output")
+    local_out.mkdir(parents=True, exist_ok=True)
+    if checkpoint_dir:
+        Path(checkpoint_dir).mkdir(parents=True, exist_ok=True)
+        link = local_out / "checkpoints"
+        if not link.exists() and not link.is_symlink():
+            link.symlink_to(checkpoint_dir, target_is_directory=True)
+    if "output_dir" in config:
+        config["output_dir"] = str(local_out)
+
+    config_file, result_file = workdir / "config.json", workdir / "result.json"
+    config_file.write_text(json.dumps(config, indent=2))
+    result_file.unlink(missing_ok=True)
+    cmd = launch_command(args, ["--config", str(config_file), "--result", str(result_file), *stage_argv])
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    log.info("running %s", " ".join(cmd))
+    code, tail = run(cmd, env)
+    if code != 0:
+        if os.path.isdir(os.path.dirname(FAILURE_FILE)):
+            Path(FAILURE_FILE).write_text(f"{args.entrypoint} exited with {code}:\n" + "\n".join(tail[-15:]))
+        log.error("%s exited with code %d", args.entrypoint, code)
+        return code
+    # Processing hosts each own a share of the data and report it; elsewhere only the leader does.
+    if not is_leader(args) and not args.output_local:
+        return 0
+    if not result_file.exists():
+        log.error("%s exited 0 but wrote no result JSON", args.entrypoint)
+        return 3
+    result = json.loads(result_file.read_text())
+    if upload_outputs:
+        count = upload(local_out, output_uri)
+        log.info("uploaded %d output files to %s", count, output_uri)
+    mapping = {str(local_out): output_uri or str(local_out)}
+    if args.checkpoint_uri:
+        mapping[str(local_out / "checkpoints")] = args.checkpoint_uri
+        if checkpoint_dir:
+            mapping[checkpoint_dir] = args.checkpoint_uri
+            mapping[os.path.realpath(checkpoint_dir)] = args.checkpoint_uri
+    result = rewrite(result, mapping)
+    destination = args.result if n_hosts == 1 or host == 0 else args.result.replace(
+        "result.json", f"result-host-{host}.json")
+    write_text(destination, json.dumps(result, indent=2, sort_keys=True, default=str))
+    log.info("result written to %s", destination)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

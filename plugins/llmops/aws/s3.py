@@ -1,0 +1,85 @@
+"""S3 transfers for the Airflow side, through the Amazon provider's S3Hook (credentials, region
+and endpoint come from the Airflow connection). Used to stage a job's config, to read its result,
+and, when a stage's storage is a local directory, to move its inputs up and its outputs back."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Iterable
+
+SKIP_DIRS = ("checkpoints",)  # synced by the job itself (SageMaker CheckpointConfig), never copied back
+
+
+def is_s3(uri: str) -> bool:
+    return uri.startswith("s3://")
+
+
+def split_s3(uri: str) -> tuple[str, str]:
+    """s3://bucket/some/key -> ("bucket", "some/key")."""
+    if not is_s3(uri):
+        raise ValueError(f"Not an S3 URI: {uri!r} (expected s3://bucket/key).")
+    bucket, _, key = uri[len("s3://"):].partition("/")
+    if not bucket:
+        raise ValueError(f"S3 URI {uri!r} has no bucket.")
+    return bucket, key
+
+
+def join(uri: str, *parts: str) -> str:
+    return "/".join([uri.rstrip("/"), *(p.strip("/") for p in parts if p)])
+
+
+def s3_hook(aws_conn_id: str | None, region_name: str | None = None):
+    from airflow.providers.amazon.aws.hooks.s3 import S3Hook
+
+    return S3Hook(aws_conn_id=aws_conn_id, region_name=region_name or None)
+
+
+def write_json(hook: Any, uri: str, data: Any) -> None:
+    bucket, key = split_s3(uri)
+    hook.load_string(json.dumps(data, indent=2, sort_keys=True, default=str), key=key,
+                     bucket_name=bucket, replace=True)
+
+
+def read_json(hook: Any, uri: str) -> Any | None:
+    """The JSON object at `uri`, or None if there is none."""
+    bucket, key = split_s3(uri)
+    if not hook.check_for_key(key, bucket_name=bucket):
+        return None
+    return json.loads(hook.read_key(key, bucket_name=bucket))
+
+
+def upload_path(hook: Any, local: str | os.PathLike, uri: str) -> int:
+    """Upload a file, or a directory tree under the prefix `uri`; returns bytes uploaded."""
+    local = Path(local)
+    bucket, prefix = split_s3(uri)
+    files = [local] if local.is_file() else sorted(p for p in local.rglob("*") if p.is_file())
+    total = 0
+    for path in files:
+        rel = path.name if local.is_file() else path.relative_to(local).as_posix()
+        key = f"{prefix.rstrip('/')}/{rel}" if prefix else rel
+        hook.load_file(str(path), key=key, bucket_name=bucket, replace=True)
+        total += path.stat().st_size
+    return total
+
+
+def download_prefix(hook: Any, uri: str, local: str | os.PathLike,
+                    skip_dirs: Iterable[str] = SKIP_DIRS) -> int:
+    """Download every object under the prefix `uri` into `local`; returns the number of files."""
+    bucket, prefix = split_s3(uri)
+    prefix = prefix.rstrip("/") + "/"
+    client = hook.get_conn()
+    count = 0
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
+        for obj in page.get("Contents", []):
+            rel = obj["Key"][len(prefix):]
+            if not rel or rel.endswith("/") or rel.split("/", 1)[0] in skip_dirs:
+                continue
+            target = Path(local, rel)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            tmp = target.with_name(f".{target.name}.part")
+            client.download_file(bucket, obj["Key"], str(tmp))
+            os.replace(tmp, target)
+            count += 1
+    return count

@@ -1,0 +1,72 @@
+"""The provider's SageMakerHook, plus what a retried task and a deferred wait need.
+
+The provider's operators wait at most `max_attempts` x `check_interval` (60 x 30 s) and, on a name
+that exists, either fail or append a timestamp: a retried task would start a second training run.
+Here a job is looked up by name (None when absent), stopped only while it runs, and its CloudWatch
+log is read from a cursor that survives deferral.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from airflow.providers.amazon.aws.hooks.sagemaker import SageMakerHook
+from botocore.exceptions import ClientError
+
+from llmops.aws.logs import follow
+
+KINDS = {
+    # kind: (describe call, name field, status field, stop call, log group)
+    "training": ("describe_training_job", "TrainingJobName", "TrainingJobStatus",
+                 "stop_training_job", "/aws/sagemaker/TrainingJobs"),
+    "processing": ("describe_processing_job", "ProcessingJobName", "ProcessingJobStatus",
+                   "stop_processing_job", "/aws/sagemaker/ProcessingJobs"),
+}
+RUNNING = {"InProgress"}
+
+
+class SageMakerJobsHook(SageMakerHook):
+    def describe_job(self, kind: str, name: str) -> dict[str, Any] | None:
+        """The job's description, or None if no job has this name."""
+        describe, field, *_ = KINDS[kind]
+        try:
+            return getattr(self.get_conn(), describe)(**{field: name})
+        except ClientError as exc:
+            # SageMaker answers ValidationException "Requested resource not found" for a missing job.
+            if exc.response["Error"]["Code"] in ("ValidationException", "ResourceNotFound"):
+                return None
+            raise
+
+    def status_of(self, kind: str, description: dict[str, Any]) -> str:
+        return description[KINDS[kind][2]]
+
+    def stop_job(self, kind: str, name: str) -> bool:
+        """Stop the job if it is still running; True if a stop was requested."""
+        description = self.describe_job(kind, name)
+        if description is None or self.status_of(kind, description) not in RUNNING:
+            return False
+        _, field, _, stop, _ = KINDS[kind]
+        try:
+            getattr(self.get_conn(), stop)(**{field: name})
+        except ClientError as exc:
+            # It ended between the describe and the stop: nothing left to stop.
+            if exc.response["Error"]["Code"] != "ValidationException":
+                raise
+            return False
+        return True
+
+    def log_lines(self, kind: str, name: str, cursor: dict[str, str] | None
+                  ) -> tuple[list[str], dict[str, str]]:
+        """New CloudWatch lines of every instance's stream, and the cursor for the next call.
+
+        One stream per instance (`<job>/algo-1-...`); the cursor keeps each stream's forward token.
+        """
+        group = KINDS[kind][4]
+        logs = self.logs_hook.get_conn()
+        try:
+            found = logs.describe_log_streams(logGroupName=group, logStreamNamePrefix=f"{name}/")
+        except ClientError as exc:
+            if exc.response["Error"]["Code"] == "ResourceNotFoundException":
+                return [], dict(cursor or {})  # no container has written a line yet
+            raise
+        return follow(logs, group, [s["logStreamName"] for s in found.get("logStreams", [])], cursor)

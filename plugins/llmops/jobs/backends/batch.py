@@ -1,0 +1,271 @@
+"""AWS Batch backend (`batch`): a multi-node parallel job per stage.
+
+    spec.image + settings (vCPUs, memory, GPUs, EFA devices, roles) -> a job definition
+        `llmops-<stage>` of type multinode; a revision is registered only when they change
+    spec.instance_count                  -> nodeOverrides.numNodes (node 0 is the main node)
+    spec.instance_type                   -> the nodes' instanceType (EC2 names, e.g. p4d.24xlarge)
+    spec.entrypoint/config/outputs       -> containerOverrides.command: docker/job_entry.py with
+        `--launcher torchrun`, which starts torchrun on every node with the node index and the
+        main node's address Batch provides (AWS_BATCH_JOB_*)
+    spec.env (+ EFA/NCCL with EFA)       -> containerOverrides.environment (secrets refused)
+    spec.tags["team"]                    -> shareIdentifier (the fair-share scheduling policy's
+                                            share; only set when the run names a team)
+    spec.tags["priority"]                -> schedulingPriorityOverride (0-9999, higher runs first)
+    spec.max_run_seconds                 -> timeout.attemptDurationSeconds
+    settings.retry_attempts              -> retryStrategy (retry host failures, not job errors)
+
+Submitted through the provider's BatchClientHook, with the arguments of BatchOperator.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+from typing import Any
+
+from llmops.aws import s3
+from llmops.aws.logs import follow
+from llmops.aws.validation import validate_request
+from llmops.jobs.backends import remote
+from llmops.jobs.backends.base import Backend, JobState, JobStatus
+from llmops.jobs.backends.sagemaker import fabric_env
+from llmops.jobs.backends.settings import BatchSettings, load
+from llmops.jobs.spec import JobSpec, JobSpecError
+
+log = logging.getLogger(__name__)
+
+STOP_REASON = "Stopped by its Airflow task (llmops)"
+# Rules AWS documents but botocore's Batch model does not carry.
+JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,127}$")
+SHARE_IDENTIFIER = re.compile(r"^[A-Za-z0-9]{1,255}\*?$")
+PENDING = {"SUBMITTED", "PENDING", "RUNNABLE", "STARTING"}
+
+
+def batch_tags(tags: dict[str, str]) -> dict[str, str]:
+    """Batch tags: at most 50, keys up to 128 and values up to 256 characters, no `aws:` keys."""
+    out = {}
+    for key, value in sorted(tags.items()):
+        if str(key).lower().startswith("aws:") or not str(key):
+            continue
+        out[str(key)[:128]] = str(value)[:256]
+    return dict(list(out.items())[:50])
+
+
+def scheduling(spec: JobSpec) -> dict[str, Any]:
+    """shareIdentifier and schedulingPriorityOverride from the run's team and priority."""
+    out: dict[str, Any] = {}
+    team = spec.tags.get("team", "")
+    if team:
+        if not SHARE_IDENTIFIER.match(team):
+            raise JobSpecError(f"Team {team!r} is not a valid Batch fair-share identifier "
+                               "(letters and digits only, at most 255).")
+        out["shareIdentifier"] = team
+    priority = spec.tags.get("priority", "")
+    if priority != "":
+        value = int(priority)
+        if not 0 <= value <= 9999:
+            raise JobSpecError(f"Priority {value} is outside Batch's 0-9999.")
+        out["schedulingPriorityOverride"] = value
+    return out
+
+
+def job_definition(spec: JobSpec, settings: BatchSettings, image: str, nodes: int) -> dict[str, Any]:
+    """RegisterJobDefinition request for the stage; its content hash is in its tags."""
+    resources = [{"type": "VCPU", "value": str(settings.vcpus)},
+                 {"type": "MEMORY", "value": str(settings.memory_mib)}]
+    if settings.gpus:
+        resources.append({"type": "GPU", "value": str(settings.gpus)})
+    container: dict[str, Any] = {"image": image, "command": ["python3", settings.entry_script, "--help"],
+                                 "resourceRequirements": resources}
+    if settings.job_role_arn:
+        container["jobRoleArn"] = settings.job_role_arn
+    if settings.execution_role_arn:
+        container["executionRoleArn"] = settings.execution_role_arn
+    linux: dict[str, Any] = {}
+    if settings.efa_devices:
+        # EFA needs its devices in the container and unlimited locked memory for RDMA buffers.
+        linux["devices"] = [{"hostPath": f"/dev/infiniband/uverbs{i}",
+                             "containerPath": f"/dev/infiniband/uverbs{i}",
+                             "permissions": ["READ", "WRITE", "MKNOD"]}
+                            for i in range(settings.efa_devices)]
+        container["ulimits"] = [{"name": "memlock", "softLimit": -1, "hardLimit": -1}]
+    if settings.shared_memory_mib:
+        linux["sharedMemorySize"] = settings.shared_memory_mib
+    if linux:
+        container["linuxParameters"] = linux
+    request: dict[str, Any] = {
+        "jobDefinitionName": f"llmops-{spec.stage}".replace("_", "-"),
+        "type": "multinode",
+        "nodeProperties": {"numNodes": nodes, "mainNode": 0,
+                           "nodeRangeProperties": [{"targetNodes": "0:", "container": container}]},
+        "platformCapabilities": ["EC2"],
+        "propagateTags": settings.propagate_tags,
+    }
+    fingerprint = hashlib.sha256(json.dumps(request, sort_keys=True).encode()).hexdigest()[:16]
+    request["tags"] = {"llmops:fingerprint": fingerprint, "llmops:stage": spec.stage}
+    return request
+
+
+def submit_request(spec: JobSpec, settings: BatchSettings, staged: remote.Staged, job_name: str,
+                   definition_arn: str) -> dict[str, Any]:
+    """The SubmitJob request (the keyword arguments BatchOperator would pass)."""
+    res = remote.merged(spec, settings)
+    nodes = res["instance_count"]
+    env = {**fabric_env(res["instance_type"], nodes, efa=settings.efa_devices > 0), **res["env"]}
+    remote.check_environment(env)
+    args = remote.entry_args(spec, staged, launcher="torchrun", nproc_per_node=res["nproc_per_node"])
+    overrides: dict[str, Any] = {"command": ["python3", settings.entry_script, *args],
+                                 "environment": [{"name": k, "value": v} for k, v in sorted(env.items())]}
+    if res["instance_type"]:
+        if res["instance_type"].startswith("ml."):
+            raise JobSpecError(f"{res['instance_type']} is a SageMaker instance type; Batch takes "
+                               "EC2 names such as p4d.24xlarge.")
+        overrides["instanceType"] = res["instance_type"]
+    request: dict[str, Any] = {
+        "jobName": job_name,
+        "jobQueue": settings.job_queue,
+        "jobDefinition": definition_arn,
+        "nodeOverrides": {"numNodes": nodes, "nodePropertyOverrides": [
+            {"targetNodes": "0:", "containerOverrides": overrides}]},
+        "timeout": {"attemptDurationSeconds": max(60, spec.max_run_seconds)},
+        "propagateTags": settings.propagate_tags,
+        "tags": batch_tags(res["tags"]),
+        **scheduling(spec),
+    }
+    if settings.retry_attempts > 1:
+        # Retry when the host went away (spot reclaim, hardware), not when the job itself failed.
+        request["retryStrategy"] = {"attempts": min(settings.retry_attempts, 10), "evaluateOnExit": [
+            {"onStatusReason": "Host EC2*", "action": "RETRY"},
+            {"onReason": "*", "action": "EXIT"}]}
+    if not JOB_NAME.match(job_name):
+        raise JobSpecError(f"Batch job name {job_name!r} must be 1-128 letters, digits, - or _.")
+    return request
+
+
+class BatchBackend(Backend):
+    name = "batch"
+    _cache = remote.StatusCache()
+
+    def __init__(self, settings: dict[str, Any] | None = None):
+        self._settings = settings
+
+    def _hook(self, aws_conn_id: str, region_name: str = ""):
+        from airflow.providers.amazon.aws.hooks.batch_client import BatchClientHook
+
+        return BatchClientHook(aws_conn_id=aws_conn_id or None, region_name=region_name or None)
+
+    def _find(self, hook: Any, queue: str, name: str) -> dict[str, Any] | None:
+        """The newest job of this name in the queue (Batch names are not unique), or None."""
+        jobs = hook.client.list_jobs(jobQueue=queue, filters=[{"name": "JOB_NAME", "values": [name]}])
+        matches = [j for j in jobs.get("jobSummaryList", []) if j["jobName"] == name]
+        return max(matches, key=lambda j: j.get("createdAt", 0)) if matches else None
+
+    def _definition(self, hook: Any, request: dict[str, Any]) -> str:
+        """An ACTIVE revision with the same content, else a newly registered one."""
+        wanted = request["tags"]["llmops:fingerprint"]
+        found = hook.client.describe_job_definitions(jobDefinitionName=request["jobDefinitionName"],
+                                                     status="ACTIVE")
+        for definition in sorted(found.get("jobDefinitions", []), key=lambda d: -d["revision"]):
+            if definition.get("tags", {}).get("llmops:fingerprint") == wanted:
+                return definition["jobDefinitionArn"]
+        validate_request("batch", "RegisterJobDefinition", request)
+        return hook.client.register_job_definition(**request)["jobDefinitionArn"]
+
+    def submit(self, spec: JobSpec) -> dict[str, Any]:
+        if not spec.name:
+            raise JobSpecError("JobSpec.name is required to submit: it makes retries reattach.")
+        settings = load("batch", BatchSettings, self._settings).for_stage(spec.stage)
+        settings.require("job_queue", "staging_uri", backend="batch")
+        remote.check_environment(spec.env)
+        remote.warn_if_unreachable(spec.env, log)
+        res = remote.merged(spec, settings)
+        if not res["image"]:
+            raise JobSpecError(f"No image for the {spec.stage} job: set stage_resources."
+                               f"{spec.stage}.image or `image` in the batch settings.")
+        hook = self._hook(settings.aws_conn_id, settings.region_name)
+        attempt, found = remote.latest_attempt(spec.name, lambda n: self._find(hook, settings.job_queue, n),
+                                               max_len=128)
+        if found is not None and found["status"] != "FAILED":
+            job_name = remote.attempt_name(spec.name, attempt, 128)
+            staged = remote.plan(spec, job_name, settings.staging_uri)
+            return self._handle(spec, settings, staged, job_name, found["jobId"], attempt, True)
+        attempt += 1
+        job_name = remote.attempt_name(spec.name, attempt, 128)
+        staged = remote.plan(spec, job_name, settings.staging_uri)
+        definition = job_definition(spec, settings, res["image"], res["instance_count"])
+        # Checked before anything is registered or uploaded.
+        validate_request("batch", "RegisterJobDefinition", definition)
+        request = submit_request(spec, settings, staged, job_name, "placeholder")
+        validate_request("batch", "SubmitJob", request)
+        s3_hook = s3.s3_hook(settings.aws_conn_id, settings.region_name)
+        remote.upload(staged, s3_hook, log)
+        request["jobDefinition"] = self._definition(hook, definition)
+        s3.write_json(s3_hook, s3.join(staged.prefix, "request.json"), request)
+        job_id = hook.client.submit_job(**request)["jobId"]
+        log.info("Submitted Batch job %s (%s) to queue %s, %d node(s)%s", job_name, job_id,
+                 settings.job_queue, res["instance_count"],
+                 f", share {request['shareIdentifier']}" if "shareIdentifier" in request else "")
+        return self._handle(spec, settings, staged, job_name, job_id, attempt, False)
+
+    def _handle(self, spec, settings, staged, job_name, job_id, attempt, reattached) -> dict[str, Any]:
+        return {"backend": self.name, "name": spec.name, "job_name": job_name, "job_id": job_id,
+                "attempt": attempt, "aws_conn_id": settings.aws_conn_id,
+                "region_name": settings.region_name, "result_uri": staged.result_uri,
+                "staging_prefix": staged.prefix, "copy_back": staged.copy_back,
+                "output_uri": staged.output_uri, "reattached": reattached}
+
+    def status(self, handle: dict[str, Any]) -> JobStatus:
+        cached = self._cache.get(handle["job_id"])
+        return cached or self._cache.put(handle["job_id"], self._status(handle))
+
+    def _status(self, handle: dict[str, Any]) -> JobStatus:
+        hook = self._hook(handle["aws_conn_id"], handle.get("region_name", ""))
+        jobs = hook.client.describe_jobs(jobs=[handle["job_id"]]).get("jobs", [])
+        if not jobs:
+            return JobStatus(JobState.FAILED, f"AWS Batch has no job {handle['job_id']}")
+        job = jobs[0]
+        state, reason = job["status"], job.get("statusReason", "")
+        details = {"status": state, "job_id": handle["job_id"], "reason": reason}
+        if state in PENDING:
+            return JobStatus(JobState.PENDING, f"{state} {reason}".strip(), details=details)
+        if state == "RUNNING":
+            return JobStatus(JobState.RUNNING, state, details=details)
+        if state == "SUCCEEDED":
+            s3_hook = s3.s3_hook(handle["aws_conn_id"], handle.get("region_name", ""))
+            result, why = remote.fetch_result(handle, s3_hook, log)
+            if result is None:
+                return JobStatus(JobState.FAILED, why, details=details)
+            return JobStatus(JobState.SUCCEEDED, result=result, details=details)
+        if reason.startswith(STOP_REASON):
+            return JobStatus(JobState.STOPPED, f"Batch job {handle['job_name']} was stopped", details=details)
+        exit_code = job.get("container", {}).get("exitCode")
+        return JobStatus(JobState.FAILED, f"Batch job {handle['job_name']} failed: {reason or state}"
+                         + (f" (exit code {exit_code})" if exit_code is not None else ""), details=details)
+
+    def stop(self, handle: dict[str, Any]) -> None:
+        hook = self._hook(handle["aws_conn_id"], handle.get("region_name", ""))
+        # TerminateJob also cancels jobs that have not started; it is a no-op on finished ones.
+        hook.client.terminate_job(jobId=handle["job_id"], reason=STOP_REASON)
+        log.info("Terminating Batch job %s (%s)", handle["job_name"], handle["job_id"])
+
+    def read_logs(self, handle: dict[str, Any], cursor: Any = None) -> tuple[list[str], Any]:
+        if not remote.log_due(cursor) and not self._cache.finished(handle["job_id"]):
+            return [], cursor
+        tokens = {k: v for k, v in cursor.items() if not k.startswith("_")} if isinstance(cursor, dict) else {}
+        hook = self._hook(handle["aws_conn_id"], handle.get("region_name", ""))
+        try:
+            infos = hook.get_job_all_awslogs_info(handle["job_id"])
+        except Exception:  # no stream yet, or the job was not found: nothing to show
+            return [], remote.log_cursor(tokens)
+        if not infos:
+            return [], remote.log_cursor(tokens)
+        group = infos[0]["awslogs_group"]
+        streams = list(dict.fromkeys(i["awslogs_stream_name"] for i in infos))
+        from airflow.providers.amazon.aws.hooks.logs import AwsLogsHook
+
+        logs = AwsLogsHook(aws_conn_id=handle["aws_conn_id"] or None,
+                           region_name=infos[0].get("awslogs_region") or None).get_conn()
+        lines, tokens = follow(logs, group, streams, tokens)
+        return lines, remote.log_cursor(tokens)

@@ -1,0 +1,188 @@
+"""Deployment settings of the remote backends: one typed block per backend, read at submit time.
+
+They live in the Airflow Variable `llmops_backends` (JSON; on MWAA a Variable or a Secrets Manager
+entry, locally `AIRFLOW_VAR_LLMOPS_BACKENDS`). Credentials are NOT here: AWS access comes from the
+Airflow connection named by `aws_conn_id` (on MWAA the execution role), the Ray token from the
+connection named by `ray_conn_id`. Nothing in a block may be secret: it is copied into job
+requests, which AWS shows to anyone who can describe the job.
+
+    {"sagemaker": {"role_arn": "arn:aws:iam::123456789012:role/llmops-training",
+                   "staging_uri": "s3://my-bucket/llmops", "image": "<ecr>/llmops-train:0.1.0",
+                   "instance_type": "ml.g5.2xlarge",
+                   "stages": {"pretrain": {"instance_type": "ml.p5.48xlarge", "instance_count": 2,
+                                           "spot": true}}},
+     "batch": {...}, "hyperpod": {...}, "ray": {...}}
+
+A block's `stages` entry overrides its fields for one stage; a run's `stage_resources` Param
+(instance type and count, processes per node, image, max run time) overrides both.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from tasks.configs import ConfigError, from_dict, to_dict
+
+VARIABLE = "llmops_backends"
+S = TypeVar("S", bound="RemoteSettings")
+
+
+class BackendSettingsError(ValueError):
+    """A backend's settings are missing or wrong; the message names the key and the fix."""
+
+
+@dataclass(kw_only=True)
+class RemoteSettings:
+    aws_conn_id: str = "aws_default"   # Airflow connection for AWS (region, endpoint, role)
+    region_name: str = ""              # empty = the connection's region
+    staging_uri: str = ""              # s3:// prefix for configs, results and staged local inputs
+    image: str = ""                    # default image when the run does not pick one
+    instance_type: str = ""
+    instance_count: int = 0            # 0 = the spec's
+    nproc_per_node: int = 0            # 0 = the spec's
+    entry_script: str = "/opt/llmops/job_entry.py"  # where docker/job_entry.py sits in the image
+    env: dict = field(default_factory=dict)         # extra (non-secret) environment for every job
+    tags: dict = field(default_factory=dict)        # extra tags for every job (cost allocation)
+    stages: dict = field(default_factory=dict)      # stage -> overrides of the fields above
+
+    def for_stage(self: S, stage: str) -> S:
+        """These settings with the stage's overrides applied (unknown keys refused)."""
+        overrides = self.stages.get(stage) or {}
+        if not isinstance(overrides, dict):
+            raise BackendSettingsError(f"{type(self).__name__}.stages.{stage} must be an object.")
+        data = {**to_dict(self), **overrides, "stages": {}}
+        try:
+            return from_dict(type(self), data, where=f"{type(self).__name__}.stages.{stage}")
+        except ConfigError as exc:
+            raise BackendSettingsError(str(exc)) from None
+
+    def require(self, *names: str, backend: str) -> None:
+        missing = [n for n in names if not getattr(self, n)]
+        if missing:
+            raise BackendSettingsError(
+                f"The {backend} backend needs {', '.join(missing)} in the Airflow Variable "
+                f"'{VARIABLE}' (key '{backend}'), e.g. "
+                + json.dumps({backend: {n: EXAMPLES.get(n, "...") for n in missing}}))
+
+
+EXAMPLES = {
+    "role_arn": "arn:aws:iam::123456789012:role/llmops-sagemaker",
+    "staging_uri": "s3://my-bucket/llmops",
+    "image": "123456789012.dkr.ecr.us-east-1.amazonaws.com/llmops-train:0.1.0",
+    "instance_type": "ml.g5.2xlarge",
+    "job_queue": "llmops-gpu",
+    "eks_cluster_name": "my-hyperpod-eks",
+}
+
+
+@dataclass(kw_only=True)
+class SageMakerSettings(RemoteSettings):
+    role_arn: str = ""
+    # How SageMaker launches processes across instances: torch_distributed (torchrun),
+    # pytorchddp (mpirun), smdistributed_dataparallel, smdistributed_modelparallel, mpi, none;
+    # auto = torch_distributed when the job has several instances or processes, else none.
+    distribution: str = "auto"
+    mp_parameters: dict = field(default_factory=dict)  # smdistributed model parallel parameters
+    mpi_processes_per_host: int = 0                     # 0 = the spec's nproc_per_node
+    mpi_custom_options: str = ""
+    input_mode: str = "File"            # File (copied before start) or FastFile (streamed from S3)
+    volume_size_gb: int = 100
+    volume_kms_key_id: str = ""
+    output_kms_key_id: str = ""
+    spot: bool = False                  # managed spot training (needs checkpoints to resume)
+    max_wait_seconds: int = 0           # spot: 0 = the spec's max_run_seconds (the DAG's budget)
+    retry_attempts: int = 0             # SageMaker's own retries of internal errors (RetryStrategy)
+    keep_alive_seconds: int = 0         # warm pool: keep the instances for the next job
+    subnets: list = field(default_factory=list)
+    security_group_ids: list = field(default_factory=list)
+    encrypt_inter_container_traffic: bool = False
+
+
+@dataclass(kw_only=True)
+class ProcessingSettings(RemoteSettings):
+    role_arn: str = ""
+    volume_size_gb: int = 50
+    volume_kms_key_id: str = ""
+    shard_inputs: bool = True           # several instances: each gets a share of the S3 keys
+    subnets: list = field(default_factory=list)
+    security_group_ids: list = field(default_factory=list)
+
+
+@dataclass(kw_only=True)
+class BatchSettings(RemoteSettings):
+    job_queue: str = ""
+    job_role_arn: str = ""              # the role the containers run with (S3, MLflow access)
+    execution_role_arn: str = ""        # pulls the image, writes logs (Fargate/ECR)
+    vcpus: int = 8
+    memory_mib: int = 30000
+    gpus: int = 0                       # per node
+    efa_devices: int = 0                # per node; >0 adds /dev/infiniband/uverbs* and EFA env
+    shared_memory_mib: int = 0          # /dev/shm for data loader workers; 0 = Docker's default
+    retry_attempts: int = 1             # Batch attempts per job (1-10)
+    propagate_tags: bool = True
+
+
+@dataclass(kw_only=True)
+class HyperPodSettings(RemoteSettings):
+    kind: str = "HyperPodPyTorchJob"    # or PyTorchJob (Kubeflow training operator)
+    eks_cluster_name: str = ""          # credentials through EksHook and aws_conn_id ...
+    kubernetes_conn_id: str = ""        # ... or a Kubernetes connection instead
+    namespace: str = "default"          # may use {team}: hyperpod-ns-{team} under task governance
+    queue_name: str = ""                # Kueue local queue, e.g. hyperpod-ns-{team}-localqueue
+    priority_classes: dict = field(default_factory=dict)  # min priority -> class, {"0": "low", "500": "high"}
+    service_account: str = ""
+    gpus_per_node: int = 0
+    efa_per_node: int = 0
+    cpu: str = ""                       # per node, Kubernetes quantities: "90", "1000Gi"
+    memory: str = ""
+    node_selector: dict = field(default_factory=dict)
+    max_retry_count: int = 3            # HyperPod auto-resume: restarts after a node fault
+    # HyperPod hang/slowness detection from the job's log lines (HyperPodPyTorchJob only).
+    log_monitoring: list = field(default_factory=lambda: [{
+        "name": "training-step-progress",
+        "logPattern": r".*step (\d+)/\d+.*",
+        "expectedStartCutOffInSeconds": 1800,
+        "expectedRecurringFrequencyInSeconds": 900,
+    }])
+
+
+@dataclass(kw_only=True)
+class RaySettings(RemoteSettings):
+    ray_conn_id: str = "ray_default"    # HTTP connection: host = dashboard URL, password = token
+    python: str = "python"
+    runtime_env: dict = field(default_factory=dict)  # extra Ray runtime_env (working_dir, pip, ...)
+    entrypoint_num_cpus: float = 0.0
+    entrypoint_num_gpus: float = 0.0
+
+
+def load(backend: str, cls: type[S], settings: dict[str, Any] | None = None) -> S:
+    """The settings block of `backend`, from `settings` or else the Airflow Variable."""
+    raw = settings if settings is not None else _variable()
+    block = raw.get(backend, {}) if isinstance(raw, dict) else {}
+    try:
+        return from_dict(cls, block, where=f"{VARIABLE}.{backend}")
+    except ConfigError as exc:
+        raise BackendSettingsError(str(exc)) from None
+
+
+def _variable() -> dict[str, Any]:
+    text = None
+    try:
+        from airflow.sdk import Variable
+
+        text = Variable.get(VARIABLE, default=None)
+    except Exception:  # outside a task (a script, a test): the environment only
+        text = os.environ.get(f"AIRFLOW_VAR_{VARIABLE.upper()}")
+    if not text:
+        return {}
+    try:
+        data = json.loads(text) if isinstance(text, str) else text
+    except json.JSONDecodeError as exc:
+        raise BackendSettingsError(f"The Airflow Variable '{VARIABLE}' is not valid JSON: {exc}.") from None
+    if not isinstance(data, dict):
+        raise BackendSettingsError(f"The Airflow Variable '{VARIABLE}' must be a JSON object.")
+    return data
+

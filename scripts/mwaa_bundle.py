@@ -1,0 +1,151 @@
+"""Write what Amazon MWAA takes into dist/mwaa/ (`make mwaa-bundle`).
+
+    dist/mwaa/dags/            the DAG files: upload to the environment's DAGs folder in S3
+    dist/mwaa/plugins.zip      llmops (the Airflow side) + tasks/__init__.py + tasks/configs.py
+    dist/mwaa/requirements.txt requirements.txt behind MWAA's Airflow 3.3.1 constraints line
+    dist/mwaa/startup.sh       the environment variables the Airflow side reads
+
+MWAA unpacks plugins.zip into its plugins folder, which is on every component's sys.path, so
+`import llmops` and `import tasks.configs` work as they do locally. tasks/ is the job side: only
+the modules the Airflow side imports travel (tasks/configs.py and what the DAGs and plugins name,
+found by reading their imports), and each must need nothing but the standard library, since
+torch, ray and numpy never reach the workers. A module that does fails the build, naming it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import shutil
+import sys
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+AIRFLOW_VERSION = "3.3.1"
+PYTHON_VERSION = "3.12"   # MWAA 3.3.1's Python
+CONSTRAINTS_URL = (f"https://raw.githubusercontent.com/apache/airflow/constraints-{AIRFLOW_VERSION}/"
+                   f"constraints-{PYTHON_VERSION}.txt")
+TASKS_ALWAYS = ("tasks.configs",)   # the typed stage configs the Params are generated from
+PLUGIN_DATA = (".json",)  # the CRD schemas the hyperpod backend validates against
+
+STARTUP = """#!/bin/sh
+# MWAA runs this on every scheduler, worker and web server before Airflow starts.
+# MLflow: a tracking server every worker and every job can reach (an MLflow server URL, or a
+# SageMaker managed MLflow ARN, which needs `sagemaker-mlflow` in requirements.txt). Never a
+# local file: MWAA workers do not share a disk.
+export MLFLOW_TRACKING_URI="{tracking_uri}"
+# Where stage outputs go: an s3:// prefix the jobs' IAM roles can write.
+export LLMOPS_STORAGE_ROOT="{storage_root}"
+# Scratch space of the Airflow side (job records of the local backend, not used by remote jobs).
+export LLMOPS_HOME="/usr/local/airflow/llmops"
+if [ -z "$MLFLOW_TRACKING_URI" ] || [ -z "$LLMOPS_STORAGE_ROOT" ]; then
+  echo "llmops: set MLFLOW_TRACKING_URI and LLMOPS_STORAGE_ROOT in startup.sh (make mwaa-bundle" \\
+       "MLFLOW_TRACKING_URI=... STORAGE_ROOT=s3://...)" >&2
+fi
+"""
+
+
+class BundleError(RuntimeError):
+    """The Airflow side needs something MWAA workers will not have."""
+
+
+def _imports(path: Path) -> set[str]:
+    """Every module a file imports, at any depth (lazy imports inside functions included)."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return names
+
+
+def _module_file(module: str) -> Path | None:
+    path = ROOT.joinpath(*module.split("."))
+    for candidate in (path.with_suffix(".py"), path / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def tasks_modules() -> list[str]:
+    """The tasks/ files the DAGs and plugins import, with their packages' __init__ files."""
+    sources = [*(ROOT / "dags").glob("*.py"), *(ROOT / "plugins").rglob("*.py")]
+    todo = set(TASKS_ALWAYS) | {m for src in sources for m in _imports(src) if m.split(".")[0] == "tasks"}
+    files: dict[str, Path] = {}
+    while todo:
+        module = todo.pop()
+        path = _module_file(module)
+        if path is None or module in files:
+            continue
+        files[module] = path
+        for name in _imports(path):
+            top = name.split(".")[0]
+            if top == "tasks":
+                todo.add(name)
+            elif top not in sys.stdlib_module_names and top != "__future__":
+                raise BundleError(
+                    f"The Airflow side imports {module} ({path.relative_to(ROOT)}), which imports "
+                    f"{name}: MWAA workers only have requirements.txt. Move what the Airflow side "
+                    f"needs into a standard-library-only module, or import it inside the job.")
+        parts = module.split(".")
+        todo.update(".".join(parts[:i]) for i in range(1, len(parts)))
+    return sorted({path.relative_to(ROOT).as_posix() for path in files.values()})
+
+
+def plugin_files() -> list[tuple[Path, str]]:
+    files = []
+    for path in sorted((ROOT / "plugins").rglob("*")):
+        if path.is_file() and "__pycache__" not in path.parts and (
+                path.suffix == ".py" or path.suffix in PLUGIN_DATA):
+            files.append((path, path.relative_to(ROOT / "plugins").as_posix()))
+    return files + [(ROOT / name, name) for name in tasks_modules()]
+
+
+def requirements() -> str:
+    lines = [f'--constraint "{CONSTRAINTS_URL}"']
+    for line in (ROOT / "requirements.txt").read_text().splitlines():
+        requirement = line.split("#", 1)[0].strip()
+        if requirement:
+            lines.append(requirement)
+    return "\n".join(lines) + "\n"
+
+
+def build(out: Path, tracking_uri: str = "", storage_root: str = "") -> Path:
+    if out.exists():
+        shutil.rmtree(out)
+    (out / "dags").mkdir(parents=True)
+    for dag in sorted((ROOT / "dags").glob("*.py")):
+        shutil.copy2(dag, out / "dags" / dag.name)
+    with zipfile.ZipFile(out / "plugins.zip", "w", zipfile.ZIP_DEFLATED) as zf:
+        for path, name in plugin_files():
+            # A fixed timestamp: the same sources give the same zip, and MWAA sees no change.
+            info = zipfile.ZipInfo(name, date_time=(2020, 1, 1, 0, 0, 0))
+            info.compress_type = zipfile.ZIP_DEFLATED
+            info.external_attr = 0o644 << 16
+            zf.writestr(info, path.read_bytes())
+    (out / "requirements.txt").write_text(requirements())
+    startup = out / "startup.sh"
+    startup.write_text(STARTUP.format(tracking_uri=tracking_uri, storage_root=storage_root))
+    startup.chmod(0o755)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=str(ROOT / "dist" / "mwaa"))
+    parser.add_argument("--tracking-uri", default="", help="MLFLOW_TRACKING_URI for startup.sh")
+    parser.add_argument("--storage-root", default="", help="LLMOPS_STORAGE_ROOT (s3://...) for startup.sh")
+    args = parser.parse_args()
+    out = build(Path(args.out), args.tracking_uri, args.storage_root)
+    for path in sorted(p for p in out.rglob("*") if p.is_file()):
+        print(f"{path.relative_to(out.parent)}  {path.stat().st_size:>9,d} bytes")
+    print("Upload: aws s3 sync dist/mwaa/dags s3://<bucket>/dags; aws s3 cp dist/mwaa/plugins.zip "
+          "dist/mwaa/requirements.txt dist/mwaa/startup.sh s3://<bucket>/, then point the "
+          "environment at their new object versions.")
+
+
+if __name__ == "__main__":
+    main()

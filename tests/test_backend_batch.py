@@ -1,0 +1,189 @@
+"""The AWS Batch backend: a multi-node parallel job with the run's team as fair-share identifier
+and its priority as scheduling priority, checked against botocore's model and run against moto
+(submit, poll, result, reattach, stop, fail), and its launch command started for real on this
+machine as two Batch nodes would start it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from llmops.aws.validation import validate_request
+from llmops.jobs.backends import JobState, remote
+from llmops.jobs.backends.batch import BatchBackend, job_definition, submit_request
+from llmops.jobs.backends.settings import BatchSettings
+from llmops.jobs.spec import JobSpec, JobSpecError, job_name
+from tests.aws_fixtures import CONN_ID, ENTRY, IMAGE, ROOT, Moto, free_port, stop_process_group, wait_http
+
+QUEUE = "llmops-gpu"
+
+
+def settings(**changes) -> dict:
+    return {"batch": {"aws_conn_id": CONN_ID, "job_queue": QUEUE, "staging_uri": "s3://llmops-test/staging",
+                      "image": IMAGE, "gpus": 8, "efa_devices": 4, "vcpus": 96, "memory_mib": 1_000_000,
+                      "instance_type": "p4d.24xlarge", "retry_attempts": 3, "shared_memory_mib": 65536,
+                      **changes}}
+
+
+def pretrain(name: str, **changes) -> JobSpec:
+    spec = JobSpec(stage="pretrain", entrypoint="tests.sample_job", name=name, config={"seconds": 0.1},
+                   instance_count=2, nproc_per_node=8, max_run_seconds=3 * 24 * 3600,
+                   env={"MLFLOW_RUN_ID": "abc123"}, tags={"team": "research", "priority": "70"})
+    return spec.replace(**changes)
+
+
+def test_multi_node_request_carries_nodes_fair_share_and_priority():
+    spec = pretrain(job_name("b", prefix="pretrain"))
+    cfg = BatchSettings(**{k: v for k, v in settings()["batch"].items()})
+    staged = remote.plan(spec, spec.name, cfg.staging_uri)
+    definition = job_definition(spec, cfg, IMAGE, 2)
+    validate_request("batch", "RegisterJobDefinition", definition)
+    container = definition["nodeProperties"]["nodeRangeProperties"][0]["container"]
+    assert definition["type"] == "multinode" and definition["nodeProperties"]["mainNode"] == 0
+    assert {"type": "GPU", "value": "8"} in container["resourceRequirements"]
+    assert len(container["linuxParameters"]["devices"]) == 4            # EFA devices
+    assert container["ulimits"] == [{"name": "memlock", "softLimit": -1, "hardLimit": -1}]
+    request = submit_request(spec, cfg, staged, spec.name, "arn:aws:batch:us-east-1:1:job-definition/x:1")
+    validate_request("batch", "SubmitJob", request)
+    assert request["shareIdentifier"] == "research" and request["schedulingPriorityOverride"] == 70
+    assert request["nodeOverrides"]["numNodes"] == 2
+    overrides = request["nodeOverrides"]["nodePropertyOverrides"][0]["containerOverrides"]
+    assert overrides["instanceType"] == "p4d.24xlarge"
+    command = overrides["command"]
+    assert command[:2] == ["python3", "/opt/llmops/job_entry.py"]
+    assert command[command.index("--launcher") + 1] == "torchrun"
+    env = {e["name"]: e["value"] for e in overrides["environment"]}
+    assert env["FI_PROVIDER"] == "efa" and env["FI_EFA_USE_DEVICE_RDMA"] == "1" and env["MLFLOW_RUN_ID"] == "abc123"
+    assert request["timeout"] == {"attemptDurationSeconds": 3 * 24 * 3600}
+    assert request["retryStrategy"]["evaluateOnExit"][0] == {"onStatusReason": "Host EC2*", "action": "RETRY"}
+
+
+@pytest.mark.parametrize("tags, message", [({"team": "ml-research"}, "fair-share identifier"),
+                                           ({"priority": "10000"}, "0-9999")])
+def test_scheduling_values_batch_would_refuse_are_refused_first(tags, message):
+    spec = pretrain("pretrain-0123456789ab", tags=tags)
+    cfg = BatchSettings(**settings()["batch"])
+    with pytest.raises(JobSpecError, match=message):
+        submit_request(spec, cfg, remote.plan(spec, spec.name, cfg.staging_uri), spec.name, "arn")
+
+
+def _queue(moto: Moto) -> None:
+    batch, iam = moto.client("batch"), moto.client("iam")
+    if batch.describe_job_queues(jobQueues=[QUEUE])["jobQueues"]:
+        return
+    role = iam.create_role(RoleName=f"batch-{QUEUE}", AssumeRolePolicyDocument="{}")["Role"]["Arn"]
+    env = batch.create_compute_environment(computeEnvironmentName="gpu", type="UNMANAGED",
+                                           state="ENABLED", serviceRole=role)
+    policy = batch.create_scheduling_policy(name="teams", fairsharePolicy={
+        "shareDecaySeconds": 3600, "shareDistribution": [{"shareIdentifier": "research", "weightFactor": 1.0}]})
+    batch.create_job_queue(jobQueueName=QUEUE, state="ENABLED", priority=1,
+                           schedulingPolicyArn=policy["arn"],
+                           computeEnvironmentOrder=[{"order": 1, "computeEnvironment": env["computeEnvironmentArn"]}])
+
+
+@pytest.fixture()
+def aws(moto_server):
+    moto_server.bucket("llmops-test")
+    _queue(moto_server)
+    return moto_server
+
+
+def staged_request(moto: Moto, handle: dict) -> dict:
+    bucket, key = handle["staging_prefix"][len("s3://"):].split("/", 1)
+    body = moto.client("s3").get_object(Bucket=bucket, Key=f"{key}/request.json")["Body"]
+    return json.loads(body.read())
+
+
+def test_submit_poll_reattach_and_stop_against_moto(aws, tmp_path):
+    backend = BatchBackend(settings=settings())
+    spec = pretrain(job_name("batch-ok", prefix="pretrain"))
+    handle = backend.submit(spec)
+    assert handle["reattached"] is False
+    sent = staged_request(aws, handle)
+    validate_request("batch", "SubmitJob", sent)   # what went to Batch, share and priority included
+    assert sent["shareIdentifier"] == "research" and sent["schedulingPriorityOverride"] == 70
+    described = aws.client("batch").describe_jobs(jobs=[handle["job_id"]])["jobs"][0]
+    assert described["nodeProperties"]["numNodes"] == 2
+    # moto marks Batch jobs SUCCEEDED at once without running the container: no result yet.
+    status = backend.status(handle)
+    assert status.details["status"] == "SUCCEEDED" and status.state is JobState.FAILED
+    assert "wrote no result" in status.message
+    # The main node's entry would write this; write it as it would, then poll again.
+    aws.client("s3").put_object(Bucket="llmops-test", Key=handle["result_uri"].split("/", 3)[3],
+                                Body=json.dumps({"metrics": {"answer": 42.0}}).encode())
+    assert backend.status(handle).result == {"metrics": {"answer": 42.0}}
+    again = backend.submit(spec)
+    assert again["reattached"] is True and again["job_id"] == handle["job_id"]
+    jobs = aws.client("batch").list_jobs(jobQueue=QUEUE, filters=[{"name": "JOB_NAME", "values": [spec.name]}])
+    assert len(jobs["jobSummaryList"]) == 1, "a retried task must not submit a second job"
+    backend.stop(again)   # TerminateJob is accepted; on a finished job it changes nothing
+    described = aws.client("batch").describe_jobs(jobs=[handle["job_id"]])["jobs"][0]
+    assert described["statusReason"].startswith("Stopped by its Airflow task")
+    # The job definition is reused while nothing about it changes.
+    backend.submit(pretrain(job_name("batch-ok-2", prefix="pretrain")))
+    definitions = aws.client("batch").describe_job_definitions(jobDefinitionName="llmops-pretrain",
+                                                               status="ACTIVE")["jobDefinitions"]
+    assert len(definitions) == 1
+
+
+def test_a_failed_job_is_reported_and_retried_as_a_new_attempt(tmp_path):
+    """A moto server whose Batch jobs fail (MOTO_SIMPLE_BATCH_FAIL_AFTER)."""
+    port = free_port()
+    env = {**os.environ, "MOTO_SIMPLE_BATCH_FAIL_AFTER": "0"}
+    proc = subprocess.Popen([str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1",
+                             "-p", str(port)], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    conn = "llmops_aws_failing"
+    try:
+        moto = Moto(f"http://127.0.0.1:{port}")
+        wait_http(f"{moto.endpoint}/moto-api/")
+        moto.api("config", {"batch": {"use_docker": False}})
+        os.environ[f"AIRFLOW_CONN_{conn.upper()}"] = json.dumps(
+            {"conn_type": "aws", "login": "testing", "password": "testing",
+             "extra": {"region_name": "us-east-1", "endpoint_url": moto.endpoint}})
+        moto.bucket("llmops-test")
+        _queue(moto)
+        backend = BatchBackend(settings=settings(aws_conn_id=conn))
+        spec = pretrain(job_name("batch-fail", prefix="pretrain"))
+        handle = backend.submit(spec)
+        status = backend.status(handle)
+        assert status.state is JobState.FAILED and status.message.startswith(f"Batch job {spec.name} failed")
+        retry = backend.submit(spec)
+        assert retry["reattached"] is False and retry["job_name"] == f"{spec.name}-r2"
+    finally:
+        os.environ.pop(f"AIRFLOW_CONN_{conn.upper()}", None)
+        stop_process_group(proc)
+
+
+def test_the_launch_command_runs_two_nodes_with_torchrun(tmp_path):
+    """Two entry processes given the variables Batch gives node 0 and node 1 of a multi-node
+    job: torchrun rendezvous between them, and only the main node writes the result."""
+    port = str(free_port())
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"seconds": 0.2}))
+    procs = []
+    for node in (0, 1):
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "AWS_BATCH_JOB_NUM_NODES": "2",
+               "AWS_BATCH_JOB_NODE_INDEX": str(node), "AWS_BATCH_JOB_MAIN_NODE_INDEX": "0",
+               "MASTER_PORT": port, "LLMOPS_WORKDIR": str(tmp_path / f"node{node}")}
+        if node:
+            env["AWS_BATCH_JOB_MAIN_NODE_PRIVATE_IPV4_ADDRESS"] = "127.0.0.1"
+        else:
+            env["MASTER_ADDR"] = "127.0.0.1"
+        procs.append(subprocess.Popen(
+            [sys.executable, str(ENTRY), "--entrypoint", "tests.sample_job", "--config", str(config),
+             "--result", str(tmp_path / "result.json"), "--launcher", "torchrun",
+             "--nproc-per-node", "1"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True))
+    outputs = [p.communicate(timeout=180)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    assert "--nnodes=2 --node_rank=0" in outputs[0] and "--nnodes=2 --node_rank=1" in outputs[1]
+    assert all("sample job starting" in out for out in outputs)
+    assert json.loads((tmp_path / "result.json").read_text())["metrics"] == {"answer": 42.0}
+    assert "llmops.entry: result written" in outputs[0]
+    assert "llmops.entry: result written" not in outputs[1]
