@@ -21,13 +21,15 @@ export PATH := $(VENV)/bin:$(PATH)
 export RAY_AUTH_MODE ?= disabled
 export MPLBACKEND ?= Agg
 
-.PHONY: help install demo test up airflow-db clean
+.PHONY: help install demo test up airflow-db clean bench-data mwaa-bundle mwaa-check
 
 help:
 	@echo "make demo   - run the whole LLM lifecycle DAG locally (sets everything up first)"
 	@echo "make test   - run the test suite"
 	@echo "make up     - Airflow UI on :8080 and MLflow UI on :5000, to trigger runs with Params"
 	@echo "make clean  - remove local state (.llmops); keeps the venv"
+	@echo "make bench-data - data prep throughput against datatrove (creates .llmops/bench-venv)"
+	@echo "make mwaa-bundle - dags/, plugins.zip, requirements.txt, startup.sh for Amazon MWAA in dist/mwaa"
 
 $(VENV)/.installed: requirements.txt requirements-dev.txt docker/requirements-job.txt
 	@test -n "$(PYTHON)" || { echo "Python 3.11 or 3.12 is required"; exit 1; }
@@ -53,3 +55,23 @@ up: airflow-db
 
 clean:
 	rm -rf $(LLMOPS_HOME)
+
+# Data prep throughput against datatrove, which gets a venv of its own (~1 min to create).
+BENCH_VENV := $(LLMOPS_HOME)/bench-venv
+$(BENCH_VENV)/.installed:
+	$(PYTHON) -m venv $(BENCH_VENV)
+	$(BENCH_VENV)/bin/pip install -q "datatrove[io,processing]==0.10.1" "spacy==3.8.18"
+	touch $@
+
+bench-data: install $(BENCH_VENV)/.installed
+	$(PY) benchmarks/data_prep_bench.py --datatrove-python $(BENCH_VENV)/bin/python
+
+# Amazon MWAA: what the environment takes, in dist/mwaa/. Optional: MWAA_TRACKING_URI=...
+# STORAGE_ROOT=s3://... are written into startup.sh.
+mwaa-bundle: install
+	$(PY) scripts/mwaa_bundle.py --tracking-uri "$(MWAA_TRACKING_URI)" --storage-root "$(STORAGE_ROOT)"
+
+# The bundle's DAGs import with only its requirements.txt (MWAA's constraints, no torch, no
+# ray): a venv of its own under .llmops/, ~1-2 min to create the first time, then cached.
+mwaa-check: install
+	$(PY) -m pytest tests/test_mwaa.py -q

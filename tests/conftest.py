@@ -4,7 +4,11 @@ is built once per session for every stage's tests."""
 from __future__ import annotations
 
 import os
+import socket
+import subprocess
+import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -27,3 +31,52 @@ def tiny_data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     config.engine = "local"
     prepare(config)
     return Path(config.output_dir)
+
+
+@pytest.fixture(scope="session")
+def prose_documents() -> list[str]:
+    """Realistic multi-paragraph prose that passes the quality filters: the demo documents."""
+    from tasks.data.corpus import demo_documents
+
+    return demo_documents()
+
+
+@pytest.fixture
+def moto_s3(monkeypatch: pytest.MonkeyPatch):
+    """A local S3 (moto_server on 127.0.0.1, a free port) and a boto3 client for it. Every boto3
+    client made during the test talks to it through AWS_ENDPOINT_URL; never to real AWS."""
+    import boto3
+
+    server = Path(sys.executable).parent / "moto_server"
+    if not server.exists():
+        pytest.skip("moto_server is not installed (pip install 'moto[server]')")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    proc = subprocess.Popen([str(server), "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        endpoint = f"http://127.0.0.1:{port}"
+        for name, value in {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "testing",
+                            "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}.items():
+            monkeypatch.setenv(name, value)
+        monkeypatch.delenv("AWS_PROFILE", raising=False)
+        deadline = time.time() + 20
+        while True:
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                    break
+            except OSError:
+                if time.time() > deadline or proc.poll() is not None:
+                    raise RuntimeError("moto_server did not start")
+                time.sleep(0.05)
+        from tasks.data.readers import s3_client
+
+        s3_client.cache_clear()  # a client cached by an earlier test points elsewhere
+        yield boto3.client("s3")
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+        from tasks.data.readers import s3_client
+
+        s3_client.cache_clear()

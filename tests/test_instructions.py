@@ -65,10 +65,16 @@ def test_tiny_data_dir_has_the_demo_task(tiny_data_dir):
 
 
 def _prose_input(tmp_path):
+    # Repetitive on purpose, so the web-text filters and near dedup are off where it is used.
     text = "Plain prose for pretraining, long enough to fill a few rows of tokens. " * 4
     path = tmp_path / "docs.jsonl"
     path.write_text("".join(json.dumps({"id": f"d{i}", "text": f"{i} {text}"}) + "\n" for i in range(20)))
     return str(path)
+
+
+def _config(tmp_path, sft_inputs) -> DataPrepConfig:
+    return DataPrepConfig(inputs=[_prose_input(tmp_path)], sft_inputs=sft_inputs, filters=[], near_dedup=False,
+                          output_dir=str(tmp_path / "out"), vocab_size=270, seq_len=16, engine="local")
 
 
 def test_given_sft_files_are_copied(tmp_path):
@@ -77,8 +83,7 @@ def test_given_sft_files_are_copied(tmp_path):
     train.write_text(json.dumps({"prompt": "Say hi:", "completion": " hi"}) + "\n")
     evaluation.write_text(json.dumps({"id": "e1", "prompt": "Say bye:", "completion": " bye",
                                       "skill": "greeting"}) + "\n")
-    config = DataPrepConfig(inputs=[_prose_input(tmp_path)], sft_inputs=[str(train), str(evaluation)],
-                            output_dir=str(tmp_path / "out"), vocab_size=270, seq_len=16, engine="local")
+    config = _config(tmp_path, [str(train), str(evaluation)])
     manifest = prepare(config).manifest
     assert (manifest["sft"]["train_examples"], manifest["sft"]["eval_examples"]) == (1, 1)
     assert load_examples(tmp_path / "out/sft/eval.jsonl") == [
@@ -95,7 +100,6 @@ def test_given_sft_files_are_refused_when_bad_or_leaking(tmp_path):
         load_examples(train)
 
     train.write_text(json.dumps({"prompt": "Say hi:", "completion": " hi"}) + "\n")
-    config = DataPrepConfig(inputs=[_prose_input(tmp_path)], sft_inputs=[str(train), str(evaluation)],
-                            output_dir=str(tmp_path / "out"), vocab_size=270, seq_len=16, engine="local")
+    config = _config(tmp_path, [str(train), str(evaluation)])
     with pytest.raises(ValueError, match="1 eval prompt\\(s\\) also appear in train"):
         prepare(config)

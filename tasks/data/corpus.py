@@ -1,9 +1,11 @@
-"""The demo pretraining corpus: prose paragraphs from the installed Python's own documentation.
+"""The demo pretraining corpus: prose from the installed Python's own documentation.
 
 Made offline from what every Python install carries (module, class and function docstrings, and
 `pydoc_data.topics`, the text behind `help('if')`), so the demo needs no download and is the same
-on every run with the same Python. Paragraphs repeated across the library (inherited method docs)
-are kept on purpose: exact deduplication downstream has real work to do.
+on every run with the same Python. A document is a run of consecutive prose paragraphs of one
+module (or help topic), at least DOC_MIN_WORDS words, paragraphs separated by a blank line: long
+enough to be judged by the web-text quality filters the way a page would be. Paragraphs repeated
+across the library (inherited method docs) are kept on purpose: deduplication has real work to do.
 """
 
 from __future__ import annotations
@@ -43,6 +45,10 @@ STDLIB_MODULES = tuple(sorted("""
 """.split()))
 
 MIN_PARAGRAPH_CHARS = 40
+DOC_MIN_WORDS = 100  # Gopher's quality filter wants 50 words after C4 has removed some lines
+# Share of words (punctuation tokens included) that hold a letter, per paragraph: the Gopher
+# quality filter's own minimum, so reference tables and signatures are left out.
+MIN_ALPHA_WORD_RATIO = 0.8
 
 
 def _docstrings_of(module_name: str) -> list[tuple[str, str]]:
@@ -94,23 +100,52 @@ def demo_paragraphs() -> list[dict[str, str]]:
             for source, text in sources for paragraph in _prose_paragraphs(text)]
 
 
-def write_demo_corpus(out_dir: str | Path, n_docs: int, seed: int, n_shards: int = 4) -> list[Path]:
-    """Write `n_docs` paragraphs, sampled with `seed`, as JSONL shards {"id", "text", "source"}.
+def _module_of(source: str) -> str:
+    kind, _, name = source.partition(":")
+    return f"{kind}:{name if kind == 'pydoc_topics' else name.split('.')[0]}"
 
-    Asking for more paragraphs than this Python has writes all of them (a warning says so):
-    repeating paragraphs would only feed the deduplicator, not the model.
+
+def demo_documents() -> list[str]:
+    """Every demo document, in a fixed order: consecutive prose paragraphs of one module or
+    topic, joined by blank lines, cut once a document reaches DOC_MIN_WORDS words."""
+    from tasks.data.text import has_alpha, split_words
+
+    by_module: dict[str, list[str]] = {}
+    for paragraph in demo_paragraphs():
+        words = split_words(paragraph["text"])
+        if sum(map(has_alpha, words)) >= MIN_ALPHA_WORD_RATIO * len(words):
+            by_module.setdefault(_module_of(paragraph["source"]), []).append(paragraph["text"])
+    documents = []
+    for paragraphs in by_module.values():
+        current: list[str] = []
+        n_words = 0
+        for text in paragraphs:
+            current.append(text)
+            n_words += len(text.split())
+            if n_words >= DOC_MIN_WORDS:
+                documents.append("\n\n".join(current))
+                current, n_words = [], 0
+        if n_words >= DOC_MIN_WORDS // 2:  # a module's short tail stands on its own if long enough
+            documents.append("\n\n".join(current))
+    return documents
+
+
+def write_demo_corpus(out_dir: str | Path, n_docs: int, seed: int, n_shards: int = 4) -> list[Path]:
+    """Write `n_docs` documents, sampled with `seed`, as JSONL shards {"id", "text"}.
+
+    Asking for more documents than this Python has writes all of them (a warning says so):
+    repeating documents would only feed the deduplicator, not the model.
     """
     out_dir = Path(out_dir)
-    pool = demo_paragraphs()
+    pool = demo_documents()
     if n_docs > len(pool):
-        log.warning("demo corpus: %d documents requested but this Python's documentation has %d "
-                    "paragraphs; writing %d. Pass real `inputs` for a bigger corpus.",
-                    n_docs, len(pool), len(pool))
+        log.warning("demo corpus: %d documents requested but this Python's documentation makes %d; "
+                    "writing %d. Pass real `inputs` for a bigger corpus.", n_docs, len(pool), len(pool))
     chosen = sorted(random.Random(seed).sample(range(len(pool)), min(n_docs, len(pool))))
     n_shards = max(1, min(n_shards, len(chosen)))
     paths = []
     for shard in range(n_shards):
-        rows = [{"id": f"demo-{i:07d}", **pool[i]} for i in chosen[shard::n_shards]]
+        rows = [{"id": f"demo-{i:07d}", "text": pool[i]} for i in chosen[shard::n_shards]]
         data = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows).encode()
         paths.append(atomic_write(out_dir / f"demo_{shard:05d}.jsonl",
                                   lambda fh, data=data: fh.write(data)))

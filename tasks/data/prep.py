@@ -1,252 +1,112 @@
-"""Data prep: raw text -> normalized, exact-deduplicated, tokenized, packed train/val shards.
+"""Data prep: raw text -> filtered, redacted, deduplicated documents -> tokenized, packed shards.
 
-    python -m tasks.data.prep --config CONFIG.json --result RESULT.json
+    python -m tasks.data.prep --config CONFIG.json --result RESULT.json      (Airflow, any backend)
+    python -m tasks.data.prep --input PATH [PATH ...] --output DIR [--config FILE] [--workers N]
 
-Each input file is one shard, processed with no coordination (parse, normalize, filter, hash)
-as a Ray task or in-process; then one global step deduplicates, splits, trains the tokenizer and
-packs tokens. What lands in `output_dir`:
+Inputs (DataPrepConfig.inputs): JSONL, Parquet or text files, directories or globs, local or
+s3://; each entry is a *source* with an optional mix weight (input_weights). Each input file is a
+shard, the unit of parallelism and of restart.
 
-    raw/demo_*.jsonl              the demo corpus, written when `inputs` is empty
+Stages (the order they run in; [shard] stages are shared-nothing, one task per input file):
+
+  1 [shard]  parse -> binary-junk check -> normalize (NFC, whitespace, control characters) ->
+             min length -> quality filters (Gopher repetition, Gopher quality, C4, FineWeb, at the
+             published thresholds) -> blocklist -> PII redaction -> content hash + MinHash LSH keys
+  2 global   exact and near-duplicate detection across all shards (reads hashes and keys only)
+  3 global   tokenizer: byte-level BPE trained on a seeded sample of training documents, or
+             DataPrepConfig.tokenizer_path; the train/validation split (seeded hash of the id)
+  4 [shard]  documents/ and dropped/ written; documents tokenized into per-shard token streams
+             (training documents repeated or sampled by their source's mix weight)
+  5 global   the streams cut into rows of seq_len + 1 tokens; manifest.json written last
+
+What lands in the output directory:
+
+    documents/NNNNN.parquet       kept documents: id, text (normalized, redacted), source (input
+                                  file), line, split (train | val), metadata (JSON of other fields)
+    dropped/NNNNN.parquet         one row per dropped document: id, source, line, step, reason,
+                                  duplicate_of (the kept document, for duplicates), detail
+    tokenizer.json                byte-level BPE; <|endoftext|> is id 0 when trained here
+    tokens/train_NNNNN.bin ...    little-endian rows of seq_len + 1 tokens (uint16 or uint32)
+    tokens/index.json             dtype, row_len, eos_id and the token files of each split
     sft/train.jsonl, eval.jsonl   the instruction set for fine-tuning and evaluation
-    shards/00000.docs.jsonl       per input file: kept documents, normalized, with content hash
-    shards/00000.dropped.jsonl    per input file: {id, step, reason} of every document dropped
-    dropped.jsonl                 every dropped document, exact duplicates included
-    tokenizer.json                byte-level BPE; <|endoftext|> is id 0
-    tokens/train_00000.bin ...    little-endian rows of seq_len + 1 tokens
+    raw/demo_*.jsonl              the demo corpus, written when `inputs` is empty
     completions/*.json            markers of finished steps; a rerun after a crash skips them
-    manifest.json                 written last: the data set is complete once it exists
+    staging/                      intermediate per-shard files; removed once the manifest exists
+    manifest.json                 written last: the data set is complete once it exists. Holds
+                                  the config, tokenizer hash, per-step counts and drop reasons,
+                                  per-source counts and tokens, tokens per split, the sha256 of
+                                  every output file and their combined content_hash.
+
+Every input document ends up in exactly one of documents/ and dropped/.
+
+Restart: every file is written to a temporary name and renamed; a step's completion marker is
+written after its files. A rerun skips shards whose marker matches the input file's fingerprint
+(size and mtime, or S3 ETag) and global steps whose inputs are unchanged, so a crash loses only the
+shards in flight. A rerun after the manifest exists is a no-op; one with a different config
+(engine and workers aside) is refused.
+
+Engines (DataPrepConfig.engine): `ray` (Ray Data, local with `workers` CPUs, or the cluster at
+RAY_ADDRESS) or `local` (in this process).
+
+SageMaker Processing (one container per instance) -- the contract for a backend:
+
+  * Job 1, N instances, each runs `python -m tasks.data.prep --config C --result R --stage shards`
+    with the same config. Instance `rank` of N (from /opt/ml/config/resourceconfig.json, or the
+    DATA_PREP_HOST_RANK / DATA_PREP_NUM_HOSTS environment variables, which win when set) processes
+    the shards with index % N == rank, and writes only staging/NNNNN.* and completions/shard_NNNNN.json
+    (and completions/config.json, identical on every host) under output_dir. Inputs should be
+    s3:// URIs (read directly with boto3) or a ProcessingInput mounted at the same local path on
+    every instance; output_dir is a local path such as /opt/ml/processing/output/data, uploaded by
+    a ProcessingOutput to one S3 prefix shared by all instances (file names never collide).
+  * Job 2, 1 instance, runs the same command with `--stage finalize`, output_dir holding that S3
+    prefix (a ProcessingInput downloaded to output_dir, and a ProcessingOutput uploading it back).
+    It checks that every shard's marker is there (or fails naming the missing ones), then runs
+    stages 2-5 and writes manifest.json. Its result file is the one Airflow reads.
+  * `--stage all` (the default) does both on one machine. The stage may also come from the
+    DATA_PREP_STAGE environment variable.
 """
 
 from __future__ import annotations
 
-import glob
+import argparse
 import hashlib
 import json
 import logging
+import math
 import os
-import re
 import shutil
-import tempfile
+import sys
 import time
-import unicodedata
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import numpy as np
 
 from tasks.common.io import atomic_write, read_json, sha256_file, write_json
-from tasks.configs import DataPrepConfig, to_dict
+from tasks.configs import ConfigError, DataPrepConfig, from_dict, to_dict
+from tasks.data.readers import InputFile, dropped_record, fingerprint, read_bytes, read_documents, resolve_inputs
+from tasks.data.steps import build_pipeline, merge_stats, normalize_text, run_steps
+from tasks.data.tokens import EOS, EOS_ID, check_tokenizer, encode_stream, pack_split, token_dtype, \
+    train_tokenizer, write_index
+
+__all__ = ["EOS", "EOS_ID", "normalize_text", "prepare", "load_manifest", "open_token_rows",
+           "split_score", "main", "Prepared"]
 
 log = logging.getLogger(__name__)
 
-EOS = "<|endoftext|>"
-EOS_ID = 0  # the tokenizer's first special token; train_tokenizer checks it
-MAX_TOKENS_PER_SHARD = 1 << 27  # 256 MiB of uint16 per token file
-# Config fields that change how the work is spread, not what is written.
-LAYOUT_ONLY_FIELDS = ("engine", "workers")
+# Config fields that change where and how the work is spread, not what is written: a data set
+# may be moved, or finished by another engine, without redoing anything.
+LAYOUT_ONLY_FIELDS = ("engine", "workers", "output_dir")
+STAGES = ("all", "shards", "finalize")
+# Kept-document length histogram: log-spaced character counts, fixed so shards can be summed.
+LENGTH_BINS = np.unique(np.round(np.geomspace(1, 10_000_000, 57)).astype(np.int64))
+DROPPED_COLUMNS = ("id", "source", "line", "step", "reason", "duplicate_of", "detail")
 
 
 # --------------------------------------------------------------------------------------------
-# Per-shard work: parse, then a plain list of steps, each able to drop a document with a reason.
-
-
-@dataclass
-class Doc:
-    id: str
-    text: str
-    line: int  # 1-based line where the document starts in its input file
-    hash: str = ""
-
-
-def dropped_record(doc_id: str, line: int, step: str, reason: str, **extra: Any) -> dict:
-    return {"id": doc_id, "line": line, "step": step, "reason": reason, **extra}
-
-
-_HORIZONTAL_SPACE = re.compile(r"[^\S\n]+")  # any whitespace but newline, Unicode spaces too
-_CONTROL_CHARS = dict.fromkeys([*range(0x00, 0x09), *range(0x0B, 0x20), *range(0x7F, 0xA0)])
-
-
-def normalize_text(text: str) -> str:
-    """NFC, one space for any run of spaces, at most one blank line, no control characters."""
-    text = unicodedata.normalize("NFC", text.replace("\r\n", "\n").replace("\r", "\n"))
-    # Whitespace controls (tab, form feed) become spaces first, so words they separate stay apart.
-    text = _HORIZONTAL_SPACE.sub(" ", text).translate(_CONTROL_CHARS)
-    text = re.sub(r" ?\n ?", "\n", text)
-    return re.sub(r"\n{3,}", "\n\n", text).strip()
-
-
-def normalize(doc: Doc, config: DataPrepConfig) -> str | None:
-    doc.text = normalize_text(doc.text)
-    return None if doc.text else "empty_after_normalize"
-
-
-def drop_short(doc: Doc, config: DataPrepConfig) -> str | None:
-    return "too_short" if len(doc.text) < config.min_chars else None
-
-
-def add_content_hash(doc: Doc, config: DataPrepConfig) -> str | None:
-    doc.hash = hashlib.sha256(doc.text.encode()).hexdigest()
-    return None
-
-
-# Run in order on every parsed document; the first reason returned drops it. Quality filters
-# and near-duplicate signatures are added here as more small functions.
-SHARD_STEPS: list[Callable[[Doc, DataPrepConfig], str | None]] = [normalize, drop_short,
-                                                                  add_content_hash]
-
-
-def _parse_jsonl_line(raw: bytes, line: int, default_id: str) -> Doc | dict:
-    try:
-        record = json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError:
-        return dropped_record(default_id, line, "parse", "invalid_utf8")
-    except json.JSONDecodeError:
-        return dropped_record(default_id, line, "parse", "malformed_json")
-    if not isinstance(record, dict):
-        return dropped_record(default_id, line, "parse", "not_an_object")
-    doc_id = str(record["id"]) if record.get("id") is not None else default_id
-    text = record.get("text")
-    if text is None:
-        return dropped_record(doc_id, line, "parse", "missing_text")
-    if not isinstance(text, str):
-        return dropped_record(doc_id, line, "parse", "non_string_text")
-    if not text.strip():
-        return dropped_record(doc_id, line, "parse", "empty_text")
-    return Doc(doc_id, text, line)
-
-
-def read_documents(path: Path) -> Iterator[Doc | dict]:
-    """Yield each document of a JSONL or text file, or a dropped record where one is unreadable.
-
-    Text files hold one document per block of lines separated by blank lines. Bytes are decoded
-    per document, so one bad byte sequence costs one document, not the file.
-    """
-    data = path.read_bytes()
-    if not data.strip():
-        yield dropped_record(path.name, 0, "parse", "empty_file")
-        return
-    lines = data.split(b"\n")
-    if path.suffix in (".jsonl", ".json"):
-        for line_no, raw in enumerate(lines, 1):
-            if raw.strip():  # blank lines separate nothing in JSONL; they are not records
-                yield _parse_jsonl_line(raw, line_no, f"{path.name}:{line_no}")
-        return
-    block: list[bytes] = []
-    for line_no, raw in enumerate([*lines, b""], 1):
-        if raw.strip():
-            block.append(raw)
-            continue
-        if block:
-            start = line_no - len(block)
-            try:
-                yield Doc(f"{path.name}:{start}", b"\n".join(block).decode("utf-8"), start)
-            except UnicodeDecodeError:
-                yield dropped_record(f"{path.name}:{start}", start, "parse", "invalid_utf8")
-            block = []
-
-
-def _jsonl_bytes(records: list[dict]) -> bytes:
-    return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode()
-
-
-def shard_paths(out_dir: Path, index: int) -> tuple[Path, Path, Path]:
-    """(kept docs, dropped records, completion marker) of input shard `index`."""
-    return (out_dir / "shards" / f"{index:05d}.docs.jsonl",
-            out_dir / "shards" / f"{index:05d}.dropped.jsonl",
-            out_dir / "completions" / f"shard_{index:05d}.json")
-
-
-def input_fingerprint(path: str) -> dict:
-    """Enough to notice that an input changed between a crashed run and its rerun."""
-    stat = os.stat(path)
-    return {"path": os.path.abspath(path), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
-
-
-def process_shard(index: int, path: str, out_dir: str, config: DataPrepConfig) -> dict:
-    """Parse, normalize and filter one input file; write its kept and dropped records, then a
-    completion marker. Runs anywhere (Ray worker or in-process): it touches only its own files."""
-    docs_path, dropped_path, marker = shard_paths(Path(out_dir), index)
-    kept: list[dict] = []
-    dropped: list[dict] = []
-    n_documents = 0
-    for item in read_documents(Path(path)):
-        n_documents += 1
-        if isinstance(item, dict):
-            dropped.append(item)
-            continue
-        for step in SHARD_STEPS:
-            reason = step(item, config)
-            if reason:
-                dropped.append(dropped_record(item.id, item.line, step.__name__, reason))
-                break
-        else:
-            kept.append({"id": item.id, "line": item.line, "hash": item.hash, "text": item.text})
-    atomic_write(docs_path, lambda fh: fh.write(_jsonl_bytes(kept)))
-    atomic_write(dropped_path, lambda fh: fh.write(_jsonl_bytes(dropped)))
-    summary = {"input": input_fingerprint(path), "documents": n_documents, "kept": len(kept),
-               "dropped": len(dropped)}
-    write_json(marker, summary)
-    return summary
-
-
-# --------------------------------------------------------------------------------------------
-# Running the shards: Ray tasks, or a loop in this process.
-
-
-def _run_local(jobs: list[tuple[int, str]], out_dir: Path, config: DataPrepConfig) -> None:
-    for index, path in jobs:
-        process_shard(index, path, str(out_dir), config)
-
-
-def _run_on_ray(jobs: list[tuple[int, str]], out_dir: Path, config: DataPrepConfig) -> None:
-    """One Ray task per shard: on the cluster at RAY_ADDRESS if set, else on a local one."""
-    import ray
-
-    # Local ray clusters of this Ray version ask for an auth token unless told not to.
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    started_here, temp_dir = not ray.is_initialized(), None
-    if started_here and os.environ.get("RAY_ADDRESS"):
-        # A running cluster: its workers must already have this repo (the job image does).
-        ray.init(log_to_driver=False)
-    elif started_here:
-        # Ray's socket paths must stay under ~107 characters, so no deep pytest tmp dirs here.
-        temp_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")
-        repo_root = str(Path(__file__).resolve().parents[2])
-        pythonpath = os.pathsep.join(p for p in (repo_root, os.environ.get("PYTHONPATH")) if p)
-        ray.init(num_cpus=config.workers, include_dashboard=False, _temp_dir=temp_dir,
-                 log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": pythonpath}})
-    try:
-        # Retries are safe: a shard only ever writes its own files, atomically.
-        task = ray.remote(num_cpus=1, max_retries=2)(process_shard)
-        ray.get([task.remote(index, path, str(out_dir), config) for index, path in jobs])
-    finally:
-        if started_here:
-            ray.shutdown()
-        if temp_dir:
-            shutil.rmtree(temp_dir, ignore_errors=True)
-
-
-ENGINES = {"local": _run_local, "ray": _run_on_ray}
-
-
-# --------------------------------------------------------------------------------------------
-# Inputs: the user's files, or the demo corpus and task written into output_dir.
-
-
-def resolve_inputs(patterns: list[str]) -> list[str]:
-    """Each pattern expanded and sorted, in the order given; a pattern matching nothing is an error."""
-    paths: list[str] = []
-    for pattern in patterns:
-        matches = sorted(p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p))
-        if not matches:
-            raise FileNotFoundError(f"DataPrepConfig.inputs: {pattern!r} matches no file. "
-                                    "Fix the path or glob, or leave inputs empty for the demo corpus.")
-        paths += [p for p in matches if p not in paths]
-    return paths
-
-
-# A global step's marker holds a key: a digest of everything the step was built from. A rerun
+# Markers: a step's marker holds a key, a digest of everything the step was built from. A rerun
 # redoes the step when the key differs, e.g. when a shard it read was redone after a crash.
 
 
@@ -263,14 +123,325 @@ def _finished(out_dir: Path, name: str, key: str) -> dict | None:
     if not marker.exists():
         return None
     done = read_json(marker)
-    if done["key"] != key or not all((out_dir / f).exists() for f in done["files"]):
+    if done.get("key") != key or not all((out_dir / f).exists() for f in done["files"]):
         return None
     return done
 
 
-def _mark_finished(out_dir: Path, name: str, key: str, files: list[Path], **data: Any) -> None:
-    write_json(out_dir / "completions" / f"{name}.json",
-               {"key": key, "files": [str(f.relative_to(out_dir)) for f in files], **data})
+def _mark_finished(out_dir: Path, name: str, key: str, files: list[Path], **data: Any) -> dict:
+    marker = {"key": key, "files": [str(Path(f).relative_to(out_dir)) for f in files], **data}
+    write_json(out_dir / "completions" / f"{name}.json", marker)
+    return marker
+
+
+def _write_table(path: Path, columns: dict[str, list], schema: Any) -> str:
+    """Write a Parquet file atomically; returns its sha256."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.table({name: pa.array(columns[name], type=schema.field(name).type) for name in schema.names},
+                     schema=schema)
+    atomic_write(path, lambda fh: pq.write_table(table, fh, compression="zstd"))
+    return sha256_file(path)
+
+
+def _schemas() -> dict[str, Any]:
+    import pyarrow as pa
+
+    string, integer = pa.string(), pa.int64()
+    return {
+        "staging": pa.schema([("id", string), ("text", string), ("line", integer),
+                              ("metadata", string), ("hash", pa.binary(16))]),
+        "documents": pa.schema([("id", string), ("text", string), ("source", string),
+                                ("line", integer), ("split", string), ("metadata", string)]),
+        "dropped": pa.schema([(name, integer if name == "line" else string) for name in DROPPED_COLUMNS]),
+    }
+
+
+def shard_files(out_dir: Path, index: int) -> dict[str, Path]:
+    staging = out_dir / "staging"
+    return {"docs": staging / f"{index:05d}.docs.parquet",
+            "minhash": staging / f"{index:05d}.minhash.npy",
+            "dropped": staging / f"{index:05d}.dropped.parquet",
+            "train": staging / f"{index:05d}.train.bin",
+            "val": staging / f"{index:05d}.val.bin",
+            "documents": out_dir / "documents" / f"{index:05d}.parquet",
+            "dropped_out": out_dir / "dropped" / f"{index:05d}.parquet"}
+
+
+# --------------------------------------------------------------------------------------------
+# Stage 1 (per shard): parse, clean, filter, redact, hash.
+
+
+def process_shard(job: dict) -> dict:
+    """Read one input file and run every document through the steps; write the survivors with
+    their content hash and LSH keys, and the dropped records; then the shard's marker. Touches
+    only this shard's files, so it runs anywhere (Ray worker, SageMaker host, this process)."""
+    from tasks.data.dedup import MinHasher, content_hash
+
+    started = time.perf_counter()
+    config = from_dict(DataPrepConfig, job["config"])
+    out_dir, index, file = Path(job["out_dir"]), job["index"], InputFile(**job["file"])
+    paths = shard_files(out_dir, index)
+    steps = build_pipeline(config)
+    hasher = MinHasher(config.minhash_ngram, config.minhash_bands, config.minhash_rows,
+                       seed=config.seed) if config.near_dedup else None
+    kept: dict[str, list] = {"id": [], "text": [], "line": [], "metadata": [], "hash": []}
+    keys: list[np.ndarray] = []
+    dropped: list[dict] = []
+    parse = Counter()
+    n_documents = n_bytes = 0
+    for item in read_documents(file, config.text_field, config.id_field):
+        n_documents += 1
+        if isinstance(item, dict):
+            parse[f"dropped.{item['reason']}"] += 1
+            dropped.append(item)
+            continue
+        n_bytes += len(item.text.encode("utf-8"))
+        drop = run_steps(steps, item)
+        if drop is not None:
+            dropped.append(dropped_record(item.id, item.line, *drop))
+            continue
+        kept["id"].append(item.id)
+        kept["text"].append(item.text)
+        kept["line"].append(item.line)
+        kept["metadata"].append(json.dumps(item.metadata, ensure_ascii=False, default=str)
+                                if item.metadata else None)
+        kept["hash"].append(content_hash(item.text))
+        if hasher is not None:
+            keys.append(hasher.band_keys(item.text))
+    parse["in"], parse["kept"] = n_documents, n_documents - sum(parse.values())
+
+    schemas = _schemas()
+    _write_table(paths["docs"], kept, schemas["staging"])
+    band_keys = np.stack(keys) if keys else \
+        np.zeros((len(kept["id"]), config.minhash_bands if hasher else 0), dtype=np.uint64)
+    atomic_write(paths["minhash"], lambda fh: np.save(fh, band_keys))
+    _write_table(paths["dropped"], _dropped_columns(dropped, file.path), schemas["dropped"])
+    reasons = Counter(r["reason"] for r in dropped)
+    summary = {"input": job["fingerprint"], "documents": n_documents, "kept": len(kept["id"]),
+               "text_bytes": n_bytes, "dropped": dict(reasons),
+               "steps": {"parse": dict(parse), **{s.name: dict(s.stats) for s in steps}},
+               "seconds": round(time.perf_counter() - started, 3)}
+    _mark_finished(out_dir, f"shard_{index:05d}", job["key"],
+                   [paths["docs"], paths["minhash"], paths["dropped"]], **summary)
+    return summary
+
+
+def _dropped_columns(records: list[dict], source: str) -> dict[str, list]:
+    columns: dict[str, list] = {name: [] for name in DROPPED_COLUMNS}
+    for record in records:
+        columns["id"].append(record["id"])
+        columns["source"].append(source)
+        columns["line"].append(record.get("line", 0))
+        columns["step"].append(record["step"])
+        columns["reason"].append(record["reason"])
+        columns["duplicate_of"].append(record.get("duplicate_of"))
+        columns["detail"].append(record.get("error"))
+    return columns
+
+
+# --------------------------------------------------------------------------------------------
+# Stage 2 (global): exact and near duplicates across all shards.
+
+
+def deduplicate(out_dir: Path, n_shards: int, config: DataPrepConfig, key: str) -> dict:
+    """Find duplicates among every shard's survivors; write staging/dedup.parquet with one row
+    per duplicate (shard, row, reason, duplicate_of id)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from tasks.data.dedup import EXACT, find_duplicates, hashes_to_array
+
+    path = out_dir / "staging" / "dedup.parquet"
+    if done := _finished(out_dir, "dedup", key):
+        return done
+    ids, hashes, keys, shard_of, row_of = [], [], [], [], []
+    for index in range(n_shards):
+        paths = shard_files(out_dir, index)
+        table = pq.read_table(paths["docs"], columns=["id", "hash"])
+        ids += table.column("id").to_pylist()
+        hashes += table.column("hash").to_pylist()
+        keys.append(np.load(paths["minhash"]))
+        shard_of.append(np.full(table.num_rows, index, dtype=np.int32))
+        row_of.append(np.arange(table.num_rows, dtype=np.int64))
+    band_keys = np.concatenate(keys) if keys else np.zeros((0, 0), dtype=np.uint64)
+    duplicate_of, kind, stats = find_duplicates(hashes_to_array(hashes), band_keys,
+                                                exact=config.exact_dedup, near=config.near_dedup)
+    removed = np.flatnonzero(kind)
+    shards, rows = np.concatenate(shard_of or [np.zeros(0, np.int32)]), np.concatenate(row_of or [np.zeros(0, np.int64)])
+    table = pa.table({
+        "shard": pa.array(shards[removed], type=pa.int32()),
+        "row": pa.array(rows[removed], type=pa.int64()),
+        "reason": pa.array(["exact_duplicate" if kind[i] == EXACT else "near_duplicate" for i in removed],
+                           type=pa.string()),
+        "duplicate_of": pa.array([ids[duplicate_of[i]] for i in removed], type=pa.string()),
+    })
+    atomic_write(path, lambda fh: pq.write_table(table, fh))
+    stats["kept"] = stats["in"] - int(removed.size)
+    return _mark_finished(out_dir, "dedup", key, [path], stats=stats)
+
+
+# --------------------------------------------------------------------------------------------
+# Stage 3 (global): the split, then the tokenizer.
+
+
+def split_score(doc_id: str, seed: int) -> float:
+    """Uniform in [0, 1) from the id alone, so a document's split never depends on the others."""
+    value = hashlib.sha256(f"{seed}:{doc_id}".encode()).digest()
+    return int.from_bytes(value[:8], "big") / 2**64
+
+
+def _kept_index(out_dir: Path, n_shards: int) -> list[tuple[int, int, str]]:
+    """(shard, row, id) of every document that survived deduplication, in input order."""
+    import pyarrow.parquet as pq
+
+    removed = pq.read_table(out_dir / "staging" / "dedup.parquet", columns=["shard", "row"])
+    gone = set(zip(removed.column("shard").to_pylist(), removed.column("row").to_pylist()))
+    kept = []
+    for index in range(n_shards):
+        ids = pq.read_table(shard_files(out_dir, index)["docs"], columns=["id"]).column("id").to_pylist()
+        kept += [(index, row, doc_id) for row, doc_id in enumerate(ids) if (index, row) not in gone]
+    return kept
+
+
+def _read_texts(out_dir: Path, wanted: list[tuple[int, int, str]]) -> list[str]:
+    """Texts of the given (shard, row, id) documents, in the order given."""
+    import pyarrow.parquet as pq
+
+    by_shard: dict[int, list[int]] = {}
+    for shard, row, _ in wanted:
+        by_shard.setdefault(shard, []).append(row)
+    texts: dict[tuple[int, int], str] = {}
+    for shard, rows in by_shard.items():
+        column = pq.read_table(shard_files(out_dir, shard)["docs"], columns=["text"]).column("text")
+        for row in rows:
+            texts[(shard, row)] = column[row].as_py()
+    return [texts[(shard, row)] for shard, row, _ in wanted]
+
+
+def tokenizer_and_split(out_dir: Path, n_shards: int, config: DataPrepConfig, sft_texts: list[str],
+                        key: str) -> dict:
+    """Train (or load) the tokenizer; decide which documents are validation. Validation is every
+    document whose split score is below val_fraction; when that holds less than one row of tokens
+    (tiny inputs), the training documents with the lowest scores are lent to it until it fills one."""
+    from tokenizers import Tokenizer
+
+    path = out_dir / "tokenizer.json"
+    if done := _finished(out_dir, "tokenizer", key):
+        return done
+    kept = _kept_index(out_dir, n_shards)
+    if not kept:
+        reasons: Counter = Counter()
+        for index in range(n_shards):
+            reasons.update(read_json(out_dir / "completions" / f"shard_{index:05d}.json")["dropped"])
+        raise ValueError(f"No documents left after filtering and deduplication (dropped: "
+                         f"{dict(reasons.most_common())}); {out_dir}/staging/*.dropped.parquet says "
+                         "why each was dropped. Check the inputs, or relax DataPrepConfig.filters.")
+    scored = sorted(kept, key=lambda d: split_score(d[2], config.seed))
+    val = [d for d in scored if split_score(d[2], config.seed) < config.val_fraction]
+    train = [d for d in scored if split_score(d[2], config.seed) >= config.val_fraction]
+
+    if config.tokenizer_path:
+        data = read_bytes(config.tokenizer_path)
+        tokenizer = Tokenizer.from_str(data.decode("utf-8"))
+        eos_id = check_tokenizer(tokenizer, config.tokenizer_path)
+        atomic_write(path, lambda fh: fh.write(data))
+    else:
+        # A seeded sample by a second hash, so the sample is not just the validation neighbours.
+        sample = sorted(train, key=lambda d: split_score(d[2], config.seed + 1))[:config.tokenizer_sample_docs]
+        sample.sort()  # read shard by shard
+        texts = _read_texts(out_dir, sample) + sft_texts
+        # SFT text is in the tokenizer's training text so every character of the task has tokens;
+        # it never enters the pretraining rows (the pretrained model must not see the task).
+        tokenizer = train_tokenizer(texts, config.vocab_size, length=len(texts))
+        eos_id = EOS_ID
+        atomic_write(path, lambda fh: fh.write(tokenizer.to_str(pretty=True).encode()))
+
+    row_len = config.seq_len + 1
+    borrowed: list[str] = []
+    if len(val) < row_len:  # fewer documents than tokens in a row: count the tokens
+        val_tokens = sum(len(e.ids) + 1 for e in tokenizer.encode_batch(
+            _read_texts(out_dir, val), add_special_tokens=False))
+        while val_tokens < row_len and len(train) > 1:
+            doc = train.pop(0)
+            borrowed.append(doc[2])
+            val_tokens += len(tokenizer.encode(_read_texts(out_dir, [doc])[0], add_special_tokens=False).ids) + 1
+    return _mark_finished(out_dir, "tokenizer", key, [path], eos_id=eos_id, borrowed=borrowed,
+                          vocab_size=tokenizer.get_vocab_size(), kept_documents=len(kept))
+
+
+# --------------------------------------------------------------------------------------------
+# Stage 4 (per shard): documents/, dropped/, token streams.
+
+
+def mix_repeats(doc_id: str, weight: float, seed: int) -> int:
+    """How many times a training document enters the rows under its source's mix weight:
+    floor(weight), plus one more for a seeded fraction of the documents (weight's remainder)."""
+    whole, part = int(math.floor(weight)), weight - math.floor(weight)
+    return whole + (1 if part and split_score(doc_id, seed + 2) < part else 0)
+
+
+def finalize_shard(job: dict) -> dict:
+    import pyarrow.parquet as pq
+    from tokenizers import Tokenizer
+
+    started = time.perf_counter()
+    config = from_dict(DataPrepConfig, job["config"])
+    out_dir, index, file = Path(job["out_dir"]), job["index"], InputFile(**job["file"])
+    paths = shard_files(out_dir, index)
+    docs = pq.read_table(paths["docs"]).to_pydict()
+    removed = pq.read_table(out_dir / "staging" / "dedup.parquet",
+                            filters=[("shard", "==", index)]).to_pydict()
+    gone = dict(zip(removed["row"], zip(removed["reason"], removed["duplicate_of"])))
+    borrowed = set(job["borrowed"])
+
+    def split_of(doc_id: str) -> str:
+        return "val" if split_score(doc_id, config.seed) < config.val_fraction or doc_id in borrowed \
+            else "train"
+
+    rows = [r for r in range(len(docs["id"])) if r not in gone]
+    splits = [split_of(docs["id"][r]) for r in rows]
+    schemas = _schemas()
+    documents_sha = _write_table(paths["documents"], {
+        "id": [docs["id"][r] for r in rows], "text": [docs["text"][r] for r in rows],
+        "source": [file.path] * len(rows), "line": [docs["line"][r] for r in rows],
+        "split": splits, "metadata": [docs["metadata"][r] for r in rows]}, schemas["documents"])
+    dropped = pq.read_table(paths["dropped"]).to_pydict()
+    for row, (reason, duplicate_of) in sorted(gone.items()):
+        for name, value in (("id", docs["id"][row]), ("source", file.path), ("line", docs["line"][row]),
+                            ("step", "dedup"), ("reason", reason), ("duplicate_of", duplicate_of),
+                            ("detail", None)):
+            dropped[name].append(value)
+    dropped_sha = _write_table(paths["dropped_out"], dropped, schemas["dropped"])
+
+    # Documents in split-score order: a seeded shuffle, so rows mix documents from the whole file.
+    tokenizer = Tokenizer.from_file(str(out_dir / "tokenizer.json"))
+    dtype = token_dtype(tokenizer.get_vocab_size())
+    order = sorted(zip(rows, splits), key=lambda rs: split_score(docs["id"][rs[0]], config.seed))
+    weight = config.input_weights[file.source] if config.input_weights else 1.0
+    tokens = {}
+    for split in ("train", "val"):
+        chosen = [r for r, s in order if s == split]
+        # Mix weights shape the training mixture only; validation keeps the natural distribution.
+        repeats = [mix_repeats(docs["id"][r], weight, config.seed) for r in chosen] if split == "train" else None
+        stream, lengths = encode_stream(tokenizer, [docs["text"][r] for r in chosen], job["eos_id"], dtype, repeats)
+        atomic_write(paths[split], lambda fh, s=stream: fh.write(s.tobytes()))
+        tokens[split] = {"documents": len(chosen), "tokens": int(stream.size),
+                         "unique_tokens": int(sum(lengths))}
+    lengths = np.array([len(docs["text"][r]) for r in rows], dtype=np.int64)
+    summary = {"kept": len(rows), "dropped": len(dropped["id"]), "tokens": tokens,
+               "length_histogram": np.histogram(lengths, bins=LENGTH_BINS)[0].tolist(),
+               "sha256": {str(paths["documents"].relative_to(out_dir)): documents_sha,
+                          str(paths["dropped_out"].relative_to(out_dir)): dropped_sha},
+               "seconds": round(time.perf_counter() - started, 3)}
+    _mark_finished(out_dir, f"final_{index:05d}", job["key"],
+                   [paths["documents"], paths["dropped_out"], paths["train"], paths["val"]], **summary)
+    return summary
+
+
+# --------------------------------------------------------------------------------------------
+# Inputs that are not the user's: the demo corpus and the instruction set.
 
 
 def _demo_corpus(config: DataPrepConfig, out_dir: Path) -> list[str]:
@@ -289,7 +460,7 @@ def _sft_set(config: DataPrepConfig, out_dir: Path) -> tuple[list[dict], list[di
     from tasks.data.instructions import load_examples, write_demo_sft, write_examples
 
     train_path, eval_path = out_dir / "sft" / "train.jsonl", out_dir / "sft" / "eval.jsonl"
-    key = digest(config.demo_sft_examples, config.seed, [input_fingerprint(p) for p in config.sft_inputs])
+    key = digest(config.demo_sft_examples, config.seed, [fingerprint(os.path.abspath(p)) for p in config.sft_inputs])
     if not _finished(out_dir, "sft", key):
         if config.sft_inputs:
             train, evaluation = (load_examples(p) for p in config.sft_inputs)
@@ -307,125 +478,14 @@ def _sft_set(config: DataPrepConfig, out_dir: Path) -> tuple[list[dict], list[di
 
 
 # --------------------------------------------------------------------------------------------
-# The global step: exact dedup across shards, split, tokenizer, packed token rows.
-
-
-def split_score(doc_id: str, seed: int) -> float:
-    """Uniform in [0, 1) from the id alone, so a document's split never depends on the others."""
-    digest = hashlib.sha256(f"{seed}:{doc_id}".encode()).digest()
-    return int.from_bytes(digest[:8], "big") / 2**64
-
-
-def deduplicate(out_dir: Path, n_shards: int) -> tuple[list[dict], list[dict]]:
-    """(kept docs, dropped records) over all shards; of equal texts the first by (shard, line) wins."""
-    kept, dropped, first_with = [], [], {}
-    for index in range(n_shards):
-        docs_path, dropped_path, _ = shard_paths(out_dir, index)
-        dropped += [{**r, "shard": index} for r in _read_jsonl(dropped_path)]
-        for doc in _read_jsonl(docs_path):
-            if doc["hash"] in first_with:
-                dropped.append(dropped_record(doc["id"], doc["line"], "dedup", "exact_duplicate",
-                                              duplicate_of=first_with[doc["hash"]], shard=index))
-            else:
-                first_with[doc["hash"]] = doc["id"]
-                kept.append(doc)
-    dropped.sort(key=lambda r: (r["shard"], r["line"]))
-    return kept, dropped
-
-
-def _read_jsonl(path: Path) -> list[dict]:
-    with open(path, encoding="utf-8") as fh:
-        return [json.loads(line) for line in fh]
-
-
-def train_tokenizer(texts: list[str], vocab_size: int) -> Any:
-    """Byte-level BPE with digits kept one per token; the EOS special token gets id 0."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Digits(individual_digits=True),  # numbers are spelled out digit by digit
-        pre_tokenizers.ByteLevel(add_prefix_space=False),
-    ])
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tokenizer.train_from_iterator(texts, trainer=trainer, length=len(texts))
-    if tokenizer.token_to_id(EOS) != EOS_ID:  # models and loaders rely on it
-        raise RuntimeError(f"{EOS} got id {tokenizer.token_to_id(EOS)}, expected {EOS_ID}.")
-    return tokenizer
-
-
-def _tokenizer(out_dir: Path, train_texts: list[str], vocab_size: int) -> Any:
-    from tokenizers import Tokenizer
-
-    path = out_dir / "tokenizer.json"
-    key = digest(vocab_size, hashlib.sha256("\0".join(train_texts).encode()).hexdigest())
-    if _finished(out_dir, "tokenizer", key):
-        return Tokenizer.from_file(str(path))
-    tokenizer = train_tokenizer(train_texts, vocab_size)
-    atomic_write(path, lambda fh: fh.write(tokenizer.to_str(pretty=True).encode()))
-    _mark_finished(out_dir, "tokenizer", key, [path])
-    return tokenizer
-
-
-def write_split(out_dir: Path, split: str, token_lists: list[list[int]], row_len: int,
-                dtype: str) -> dict:
-    """Concatenate documents, each followed by EOS, into rows of row_len; write the full rows."""
-    little_endian = np.dtype(dtype).newbyteorder("<")
-    pieces = [np.asarray([*ids, EOS_ID], dtype=little_endian) for ids in token_lists]
-    stream = np.concatenate(pieces) if pieces else np.zeros(0, dtype=little_endian)
-    n_rows = len(stream) // row_len
-    rows = stream[: n_rows * row_len].reshape(n_rows, row_len)
-    rows_per_file = max(1, MAX_TOKENS_PER_SHARD // row_len)
-    shards = []
-    for number, start in enumerate(range(0, n_rows, rows_per_file)):
-        chunk = rows[start:start + rows_per_file]
-        data = chunk.tobytes()
-        rel = f"tokens/{split}_{number:05d}.bin"
-        atomic_write(out_dir / rel, lambda fh: fh.write(data))
-        shards.append({"path": rel, "rows": len(chunk), "sha256": hashlib.sha256(data).hexdigest()})
-    return {"shards": shards, "rows": n_rows, "tokens": n_rows * row_len,
-            "documents": len(token_lists), "remainder_tokens": len(stream) - n_rows * row_len}
-
-
-def _pack(out_dir: Path, tokenizer: Any, train: list[dict], val: list[dict],
-          config: DataPrepConfig) -> tuple[str, dict]:
-    row_len = config.seq_len + 1  # seq_len inputs plus the one-shifted targets
-    dtype = "uint16" if tokenizer.get_vocab_size() < 2**16 else "uint32"
-    key = digest(sha256_file(out_dir / "tokenizer.json"), row_len,
-                 [d["hash"] for d in train], [d["hash"] for d in val])
-    if done := _finished(out_dir, "tokens", key):
-        return dtype, done["splits"]
-    encode = lambda docs: [e.ids for e in tokenizer.encode_batch([d["text"] for d in docs],
-                                                                    add_special_tokens=False)]
-    train_ids, val_ids = encode(train), encode(val)
-    # Training and evaluation both need validation rows. Tiny inputs may hash too few documents
-    # into val, so lend it the train documents with the lowest split scores until it fills a row.
-    while sum(len(ids) + 1 for ids in val_ids) < row_len and len(train_ids) > 1:
-        val_ids.append(train_ids.pop(0))
-    splits = {"train": write_split(out_dir, "train", train_ids, row_len, dtype),
-              "val": write_split(out_dir, "val", val_ids, row_len, dtype)}
-    for name, split in splits.items():
-        if split["rows"] == 0:
-            total = sum(len(ids) + 1 for ids in train_ids + val_ids)
-            raise ValueError(f"The {name} split has no full row of seq_len + 1 = {row_len} tokens "
-                             f"({total} tokens in all kept documents). Add more input data or "
-                             "lower DataPrepConfig.seq_len.")
-    files = [out_dir / s["path"] for split in splits.values() for s in split["shards"]]
-    _mark_finished(out_dir, "tokens", key, files, splits=splits)
-    return dtype, splits
-
-
-# --------------------------------------------------------------------------------------------
 # The stage
 
 
 @dataclass
 class Prepared:
     manifest: dict
-    doc_lengths: list[int]  # characters per kept document; empty when the output was reused
     reused: bool
+    seconds: dict[str, float] = field(default_factory=dict)  # wall time per stage, this run
 
 
 def _output_fields(config: dict) -> dict:
@@ -451,70 +511,203 @@ def _reuse_or_reset(out_dir: Path, config: DataPrepConfig) -> dict | None:
     return None
 
 
-def prepare(config: DataPrepConfig) -> Prepared:
-    """Run (or resume, or reuse) data prep into config.output_dir and return its manifest."""
+def _remove_temporaries(out_dir: Path) -> None:
+    """Temporary files a killed run left behind (atomic_write's `.name.*.tmp`)."""
+    for tmp in out_dir.rglob(".*.tmp"):
+        tmp.unlink(missing_ok=True)
+
+
+def _shard_jobs(config: DataPrepConfig, out_dir: Path, files: list[InputFile],
+                trust_markers: bool = False) -> tuple[list[dict], list[dict]]:
+    """(every shard's job, the jobs whose output is missing or stale). With `trust_markers`
+    (the finalize job) a marker for the same input path counts as done without fingerprinting
+    the input again: that job may not have the inputs, or has copies with new timestamps."""
+    cfg = to_dict(config)
+    jobs, todo = [], []
+    for index, file in enumerate(files):
+        name = f"shard_{index:05d}"
+        if trust_markers:
+            marker = out_dir / "completions" / f"{name}.json"
+            done = read_json(marker) if marker.exists() else None
+            if done and done["input"]["path"] == file.path and _finished(out_dir, name, done["key"]):
+                jobs.append({"index": index, "file": file.__dict__, "fingerprint": done["input"],
+                             "key": done["key"], "out_dir": str(out_dir), "config": cfg})
+                continue
+        fp = fingerprint(file.path)
+        key = digest(fp, _output_fields(cfg))
+        job = {"index": index, "file": file.__dict__, "fingerprint": fp, "key": key,
+               "out_dir": str(out_dir), "config": cfg}
+        jobs.append(job)
+        if not _finished(out_dir, name, key):
+            todo.append(job)
+    return jobs, todo
+
+
+def prepare(config: DataPrepConfig, stage: str = "all") -> Prepared:
+    """Run (or resume, or reuse) data prep into config.output_dir and return its manifest.
+    `stage` is "all", or "shards" / "finalize" for the two SageMaker jobs (module docstring)."""
+    from tasks.data.engine import host_share, open_engine
+
+    if stage not in STAGES:
+        raise ValueError(f"Unknown data prep stage {stage!r}; use one of {list(STAGES)}.")
+    build_pipeline(config)  # refuse bad filter settings before any work
     out_dir = Path(config.output_dir)
     existing = _reuse_or_reset(out_dir, config)
     if existing is not None:
         log.info("%s is complete for this config; nothing to do", out_dir)
-        return Prepared(existing, [], reused=True)
+        return Prepared(existing, reused=True)
+    if stage != "shards":
+        _remove_temporaries(out_dir)
+    seconds: dict[str, float] = {}
+    clock = time.perf_counter()
 
-    inputs = resolve_inputs(config.inputs) if config.inputs else _demo_corpus(config, out_dir)
+    def lap(name: str) -> None:
+        nonlocal clock
+        now = time.perf_counter()
+        seconds[name] = round(now - clock, 3)
+        clock = now
+
+    if config.inputs:
+        files = resolve_inputs(config.inputs)
+    else:  # the demo corpus is one source, its files labelled by name
+        files = [InputFile(p, 0, Path(p).name) for p in _demo_corpus(config, out_dir)]
     sft_train, sft_eval = _sft_set(config, out_dir)
+    jobs, todo = _shard_jobs(config, out_dir, files, trust_markers=stage == "finalize")
+    lap("plan")
 
-    jobs = []
-    for index, path in enumerate(inputs):
-        marker = shard_paths(out_dir, index)[2]
-        if not (marker.exists() and read_json(marker)["input"] == input_fingerprint(path)):
-            jobs.append((index, path))
-    log.info("%d input shards, %d to process with engine=%s", len(inputs), len(jobs), config.engine)
-    if jobs:
-        ENGINES[config.engine](jobs, out_dir, config)
-    n_documents = sum(read_json(shard_paths(out_dir, i)[2])["documents"] for i in range(len(inputs)))
+    with open_engine(config.engine, config.workers) as engine:
+        if stage == "shards":
+            rank, hosts = host_share()
+            mine = [job for job in todo if job["index"] % hosts == rank]
+            log.info("host %d of %d: %d of %d shards to process", rank, hosts, len(mine), len(jobs))
+            summaries = engine.map(process_shard, mine)
+            lap("shards")
+            return Prepared({"shards_processed": len(mine), "shards_total": len(jobs),
+                             "host": [rank, hosts],
+                             "documents": sum(s["documents"] for s in summaries)}, False, seconds)
+        if stage == "finalize" and todo:
+            missing = [f"{j['index']:05d} ({j['file']['path']})" for j in todo]
+            raise RuntimeError(f"{len(todo)} shard(s) have no completion marker in {out_dir}/completions: "
+                               f"{missing[:10]}. Rerun the shards job for them, or use --stage all.")
+        log.info("%d input shards, %d to process with engine=%s", len(jobs), len(todo), engine.name)
+        engine.map(process_shard, todo)
+        shards = [read_json(out_dir / "completions" / f"shard_{j['index']:05d}.json") for j in jobs]
+        lap("shards")
 
-    kept, dropped = deduplicate(out_dir, len(inputs))
-    atomic_write(out_dir / "dropped.jsonl", lambda fh: fh.write(_jsonl_bytes(dropped)))
-    if not kept:
-        raise ValueError(f"No documents left after filtering ({n_documents} read); see "
-                         f"{out_dir / 'dropped.jsonl'} for why each was dropped.")
-    # Ordering by split score shuffles documents (seeded) so packed rows mix sources.
-    kept.sort(key=lambda d: split_score(d["id"], config.seed))
-    val = [d for d in kept if split_score(d["id"], config.seed) < config.val_fraction]
-    train = [d for d in kept if split_score(d["id"], config.seed) >= config.val_fraction]
+        dedup_key = digest([s["key"] for s in shards], config.exact_dedup, config.near_dedup)
+        dedup = deduplicate(out_dir, len(jobs), config, dedup_key)
+        lap("dedup")
 
-    # SFT text is in the tokenizer's training text so every character of the task has tokens,
-    # but it stays out of the pretraining rows: the pretrained model must not have seen the task.
-    tokenizer = _tokenizer(out_dir, [d["text"] for d in train] +
-                           [ex["prompt"] + ex["completion"] for ex in sft_train], config.vocab_size)
-    dtype, splits = _pack(out_dir, tokenizer, train, val, config)
+        sft_texts = [ex["prompt"] + ex["completion"] for ex in sft_train]
+        tok_key = digest(dedup_key, config.tokenizer_path, config.tokenizer_sample_docs,
+                         hashlib.sha256("\0".join(sft_texts).encode()).hexdigest())
+        tok = tokenizer_and_split(out_dir, len(jobs), config, sft_texts, tok_key)
+        lap("tokenizer")
 
-    outputs = [out_dir / "tokenizer.json", out_dir / "dropped.jsonl", out_dir / "sft" / "train.jsonl",
-               out_dir / "sft" / "eval.jsonl"]
-    outputs += [p for i in range(len(inputs)) for p in shard_paths(out_dir, i)[:2]]
-    outputs += [out_dir / s["path"] for split in splits.values() for s in split["shards"]]
-    outputs += [Path(p) for p in inputs if not config.inputs]  # the demo corpus we wrote
-    hashes = sorted((str(p.relative_to(out_dir)), sha256_file(p)) for p in outputs)
-    reasons: dict[str, int] = {}
-    for record in dropped:
-        reasons[record["reason"]] = reasons.get(record["reason"], 0) + 1
+        final_key = digest(tok_key, sha256_file(out_dir / "tokenizer.json"), tok["borrowed"])
+        final_jobs = [{**job, "key": final_key, "borrowed": tok["borrowed"], "eos_id": tok["eos_id"]}
+                      for job in jobs]
+        engine.map(finalize_shard, [j for j in final_jobs
+                                    if not _finished(out_dir, f"final_{j['index']:05d}", final_key)])
+        finals = [read_json(out_dir / "completions" / f"final_{j['index']:05d}.json") for j in jobs]
+        lap("documents_and_tokens")
+
+    manifest = _pack_and_write_manifest(out_dir, config, files, shards, dedup, tok, finals,
+                                        sft_train, sft_eval, demo=not config.inputs)
+    lap("pack_and_manifest")
+    shutil.rmtree(out_dir / "staging", ignore_errors=True)
+    return Prepared(manifest, reused=False, seconds=seconds)
+
+
+def _pack_and_write_manifest(out_dir: Path, config: DataPrepConfig, files: list[InputFile],
+                             shards: list[dict], dedup: dict, tok: dict, finals: list[dict],
+                             sft_train: list[dict], sft_eval: list[dict], demo: bool) -> dict:
+    row_len = config.seq_len + 1
+    dtype = token_dtype(tok["vocab_size"])
+    n = len(files)
+    splits = {split: pack_split(out_dir, split, [shard_files(out_dir, i)[split] for i in range(n)],
+                                row_len, dtype) for split in ("train", "val")}
+    for name, split in splits.items():
+        split["documents"] = sum(f["tokens"][name]["documents"] for f in finals)
+        if split["rows"] == 0:
+            total = sum(f["tokens"][s]["tokens"] for f in finals for s in ("train", "val"))
+            raise ValueError(f"The {name} split has no full row of seq_len + 1 = {row_len} tokens "
+                             f"({total} tokens in all kept documents). Add more input data or "
+                             "lower DataPrepConfig.seq_len.")
+    index_path = write_index(out_dir, {"dtype": dtype, "row_len": row_len, "seq_len": config.seq_len,
+                                       "eos_id": tok["eos_id"], "splits": splits})
+
+    hashes: dict[str, str] = {}
+    for final in finals:
+        hashes.update(final["sha256"])
+    for split in splits.values():
+        hashes.update({s["path"]: s["sha256"] for s in split["shards"]})
+    small = [out_dir / "tokenizer.json", index_path, out_dir / "sft" / "train.jsonl", out_dir / "sft" / "eval.jsonl"]
+    small += [Path(f.path) for f in files] if demo else []  # the demo corpus we wrote
+    hashes.update({str(p.relative_to(out_dir)): sha256_file(p) for p in small})
+    _remove_stale_outputs(out_dir, set(hashes))
+
+    dropped: Counter = Counter()
+    steps: dict[str, dict[str, int]] = {}
+    for shard in shards:
+        dropped.update(shard["dropped"])
+        merge_stats(steps, shard["steps"])
+    dedup_stats = dedup["stats"]
+    dropped.update({"exact_duplicate": dedup_stats["exact_duplicates"],
+                    "near_duplicate": dedup_stats["near_duplicates"]})
+    steps["dedup"] = dedup_stats
+    dropped = Counter({k: v for k, v in dropped.items() if v})
+    counts = {"input_documents": sum(s["documents"] for s in shards),
+              "kept_documents": sum(f["kept"] for f in finals),
+              "dropped": dict(sorted(dropped.items()))}
+    sources = []
+    for source, pattern in enumerate(config.inputs or ["<demo corpus>"]):
+        mine = [i for i, f in enumerate(files) if f.source == source]
+        sources.append({
+            "input": pattern, "files": len(mine),
+            "weight": config.input_weights[source] if config.input_weights else 1.0,
+            "documents_in": sum(shards[i]["documents"] for i in mine),
+            "documents_kept": sum(finals[i]["kept"] for i in mine),
+            "text_bytes": sum(shards[i]["text_bytes"] for i in mine),
+            "train_documents": sum(finals[i]["tokens"]["train"]["documents"] for i in mine),
+            "train_tokens": sum(finals[i]["tokens"]["train"]["tokens"] for i in mine),
+            "unweighted_train_tokens": sum(finals[i]["tokens"]["train"]["unique_tokens"] for i in mine),
+            "val_tokens": sum(finals[i]["tokens"]["val"]["tokens"] for i in mine)})
+    listing = "".join(f"{path}\t{sha}\n" for path, sha in sorted(hashes.items()))
     manifest = {
         "config": to_dict(config),
         "tokenizer": "tokenizer.json",
-        "tokenizer_sha256": dict(hashes)["tokenizer.json"],
-        "vocab_size": tokenizer.get_vocab_size(),
-        "eos_id": tokenizer.token_to_id(EOS),
+        "tokenizer_sha256": hashes["tokenizer.json"],
+        "vocab_size": tok["vocab_size"],
+        "eos_id": tok["eos_id"],
         "dtype": dtype,
         "seq_len": config.seq_len,
-        "row_len": config.seq_len + 1,
+        "row_len": row_len,
         "splits": splits,
         "sft": {"train": "sft/train.jsonl", "eval": "sft/eval.jsonl",
                 "train_examples": len(sft_train), "eval_examples": len(sft_eval)},
-        "counts": {"input_documents": n_documents, "kept_documents": len(kept),
-                   "dropped": dict(sorted(reasons.items()))},
-        "content_hash": hashlib.sha256("".join(f"{p}\t{h}\n" for p, h in hashes).encode()).hexdigest(),
+        "counts": counts,
+        "steps": steps,
+        "sources": sources,
+        "documents": {"files": sorted(p for p in hashes if p.startswith("documents/")),
+                      "rows": counts["kept_documents"]},
+        "dropped": {"files": sorted(p for p in hashes if p.startswith("dropped/")),
+                    "rows": sum(dropped.values())},
+        "length_histogram": {"bin_edges": LENGTH_BINS.tolist(),
+                             "counts": np.sum([f["length_histogram"] for f in finals], axis=0).tolist()},
+        "files": dict(sorted(hashes.items())),
+        "content_hash": hashlib.sha256(listing.encode()).hexdigest(),
     }
     write_json(out_dir / "manifest.json", manifest)
-    return Prepared(manifest, [len(d["text"]) for d in kept], reused=False)
+    return manifest
+
+
+def _remove_stale_outputs(out_dir: Path, keep: set[str]) -> None:
+    """Files of an earlier attempt with more input files must not pass for part of this data set."""
+    for folder in ("documents", "dropped", "tokens"):
+        for path in (out_dir / folder).glob("*"):
+            if path.is_file() and str(path.relative_to(out_dir)) not in keep:
+                path.unlink()
 
 
 def load_manifest(data_dir: str | Path) -> dict:
@@ -534,9 +727,13 @@ def open_token_rows(data_dir: str | Path, split: str) -> list[np.memmap]:
             for shard in manifest["splits"][split]["shards"]]
 
 
+# --------------------------------------------------------------------------------------------
+# MLflow and the entrypoints
+
+
 def _metrics(manifest: dict) -> dict[str, float]:
     counts, splits = manifest["counts"], manifest["splits"]
-    return {
+    metrics = {
         "documents_in": counts["input_documents"],
         "documents_kept": counts["kept_documents"],
         "documents_dropped": sum(counts["dropped"].values()),
@@ -548,49 +745,127 @@ def _metrics(manifest: dict) -> dict[str, float]:
         "sft_train_examples": manifest["sft"]["train_examples"],
         "sft_eval_examples": manifest["sft"]["eval_examples"],
     }
+    for step, stats in manifest.get("steps", {}).items():
+        for key, value in stats.items():
+            if key.startswith("redacted.") or key in ("exact_duplicates", "near_duplicates", "clusters"):
+                metrics[f"{step}.{key}"] = value
+    return metrics
 
 
-def _figure(manifest: dict, doc_lengths: list[int]) -> Any:
+def _figure(manifest: dict) -> Any:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (reasons_ax, lengths_ax, sources_ax) = plt.subplots(1, 3, figsize=(16, 4.5))
     reasons = manifest["counts"]["dropped"]
-    left.barh(list(reasons) or ["(none)"], list(reasons.values()) or [0], height=0.6)
-    left.set_title(f"Dropped documents ({sum(reasons.values())} of "
-                   f"{manifest['counts']['input_documents']})")
-    left.set_xlabel("documents")
-    right.hist(doc_lengths, bins=np.geomspace(max(1, min(doc_lengths)), max(doc_lengths) + 1, 40))
-    right.set_xscale("log")
-    right.set_title(f"Kept document length ({len(doc_lengths)} documents)")
-    right.set_xlabel("characters")
+    reasons_ax.barh(list(reasons) or ["(none)"], list(reasons.values()) or [0], height=0.6)
+    reasons_ax.set_title(f"Dropped documents ({sum(reasons.values())} of "
+                         f"{manifest['counts']['input_documents']})")
+    reasons_ax.set_xlabel("documents")
+    hist = manifest["length_histogram"]
+    edges, counts = np.array(hist["bin_edges"]), np.array(hist["counts"])
+    lengths_ax.stairs(counts, edges, fill=True)
+    lengths_ax.set_xscale("log")
+    lengths_ax.set_title(f"Kept document length ({int(counts.sum())} documents)")
+    lengths_ax.set_xlabel("characters")
+    names = [os.path.basename(s["input"].rstrip("/")) or s["input"] for s in manifest["sources"]]
+    sources_ax.barh(names, [s["train_tokens"] for s in manifest["sources"]], height=0.6, label="train")
+    sources_ax.barh(names, [s["val_tokens"] for s in manifest["sources"]], height=0.6,
+                    left=[s["train_tokens"] for s in manifest["sources"]], label="val")
+    sources_ax.set_title("Tokens per source (after mix weights)")
+    sources_ax.set_xlabel("tokens")
+    sources_ax.legend()
     fig.tight_layout()
     return fig
 
 
-def main(config: DataPrepConfig) -> dict[str, Any]:
+def main(config: DataPrepConfig, stage: str = "all") -> dict[str, Any]:
+    """Prepare and log to the stage's MLflow run (the one in MLFLOW_RUN_ID, or a new one)."""
     import mlflow
 
     from tasks.common.tracking import log_figure, log_json_artifact, stage_run
 
+    out_dir = Path(config.output_dir)
+    if stage == "shards":  # one of several hosts: the finalize job logs the data set
+        prepared = prepare(config, stage)
+        return {"outputs": {"data_dir": str(out_dir), "manifest": ""},
+                "metrics": prepared.manifest, "data_hash": ""}
     started = time.time()
     with stage_run("data_prep", config):
-        prepared = prepare(config)
+        prepared = prepare(config, stage)
         manifest = prepared.manifest
         metrics = _metrics(manifest)
         mlflow.log_metrics({**metrics, "seconds": time.time() - started,
+                            **{f"seconds.{k}": v for k, v in prepared.seconds.items()},
                             **{f"dropped.{r}": n for r, n in manifest["counts"]["dropped"].items()}})
+        mlflow.set_tag("data_hash", manifest["content_hash"])
         log_json_artifact(manifest, "manifest.json")
         if not prepared.reused:
-            log_figure(_figure(manifest, prepared.doc_lengths), "data_prep.png")
-    out_dir = Path(config.output_dir)
+            log_figure(_figure(manifest), "data_prep.png")
     return {"outputs": {"data_dir": str(out_dir), "manifest": str(out_dir / "manifest.json")},
             "metrics": metrics, "data_hash": manifest["content_hash"]}
 
 
-if __name__ == "__main__":
+def _run_without_tracking(config: DataPrepConfig, stage: str) -> dict[str, Any]:
+    """The CLI outside Airflow with no MLflow configured: prepare and report, no tracking store."""
+    prepared = prepare(config, stage)
+    out_dir = Path(config.output_dir)
+    if stage == "shards":
+        return {"outputs": {"data_dir": str(out_dir), "manifest": ""}, "metrics": prepared.manifest,
+                "data_hash": ""}
+    return {"outputs": {"data_dir": str(out_dir), "manifest": str(out_dir / "manifest.json")},
+            "metrics": {**_metrics(prepared.manifest), **{f"seconds.{k}": v for k, v in prepared.seconds.items()}},
+            "data_hash": prepared.manifest["content_hash"]}
+
+
+def cli(argv: list[str] | None = None) -> None:
     from tasks.common.entry import run_stage
 
-    run_stage("data.prep", DataPrepConfig, main)
+    parser = argparse.ArgumentParser(
+        prog="python -m tasks.data.prep",
+        description="Either --config FILE --result FILE (the stage contract), or --input PATH... "
+                    "--output DIR (standalone; --config then supplies the other settings).")
+    parser.add_argument("--input", nargs="+", metavar="PATH", help="Input files, dirs or globs (local or s3://).")
+    parser.add_argument("--output", metavar="DIR", help="Output directory.")
+    parser.add_argument("--config", help="DataPrepConfig JSON file.")
+    parser.add_argument("--result", help="Where to write the result JSON.")
+    parser.add_argument("--workers", type=int, help="Parallel shard workers (overrides the config).")
+    parser.add_argument("--stage", choices=STAGES, default=os.environ.get("DATA_PREP_STAGE", "all"),
+                        help="all (default), or shards / finalize for multi-host runs.")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stdout,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    standalone = args.input is not None or args.output is not None
+    try:
+        data = read_json(args.config) if args.config else {}
+        if standalone:
+            if not args.input or not args.output:
+                parser.error("--input and --output go together (or use --config and --result).")
+            data = {**data, "inputs": args.input, "output_dir": args.output}
+        elif not (args.config and args.result):
+            parser.error("give --config and --result, or --input and --output.")
+        if args.workers is not None:
+            data["workers"] = args.workers
+        config = from_dict(DataPrepConfig, data)
+        build_pipeline(config)  # filter names and thresholds, before any work
+    except (ConfigError, OSError, ValueError) as exc:
+        log.error("invalid data prep config: %s", exc)
+        sys.exit(2)
+    if not standalone and args.workers is None:
+        # The stage contract: the shared entry point validates, runs and writes the result.
+        run_stage("data.prep", DataPrepConfig, lambda cfg: main(cfg, args.stage),
+                  ["--config", args.config, "--result", args.result])
+        return
+    started = time.time()
+    tracked = os.environ.get("MLFLOW_TRACKING_URI") or os.environ.get("MLFLOW_RUN_ID")
+    result = main(config, args.stage) if tracked else _run_without_tracking(config, args.stage)
+    result.update(stage="data.prep", seconds=round(time.time() - started, 3))
+    if args.result:
+        write_json(args.result, result)
+    print(json.dumps(result, indent=2, sort_keys=True))
+
+
+if __name__ == "__main__":
+    cli()

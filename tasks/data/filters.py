@@ -1,0 +1,388 @@
+"""Quality filters with their published defaults, and the blocklist filter.
+
+Thresholds and drop reasons follow the papers and the reference implementations used to build
+FineWeb (the reason strings are datatrove's, so a drop reads the same in both tools):
+
+- Gopher repetition and quality: Rae et al. 2021, "Scaling Language Models: Methods, Analysis &
+  Insights from Training Gopher", Table A1 and section A.1.1.
+- C4: Raffel et al. 2020, section 2.2, as implemented in TensorFlow Datasets' c4_utils.
+- FineWeb: Penedo et al. 2024, "The FineWeb Datasets", section 3.3 (custom filters).
+
+Each filter reads `doc.words` (split once per text version, see text.py). The n-gram statistics
+are computed on integer word ids with numpy instead of joined strings; they give the same numbers.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from tasks.data.steps import Doc, Filter
+from tasks.data.text import TABLE, TERMINAL_PUNCTUATION, count_sentences, split_lines, split_words
+
+
+def duplicates(items: list[str]) -> tuple[int, int]:
+    """(number of repeated items, characters in them): every occurrence after the first counts."""
+    seen: set[str] = set()
+    count = chars = 0
+    for item in items:
+        if item in seen:
+            count += 1
+            chars += len(item)
+        else:
+            seen.add(item)
+    return count, chars
+
+
+# --------------------------------------------------------------------------------------------
+# Gopher repetition
+
+
+_PRIME = np.uint64(0x100000001B3)
+
+
+def _mixed(ids: np.ndarray) -> np.ndarray:
+    """Word ids spread over 64 bits, so that n-gram keys of small ids do not collide."""
+    return (ids.astype(np.uint64) + np.uint64(0x9E3779B97F4A7C15)) * np.uint64(0xBF58476D1CE4E5B9)
+
+
+def _ngram_keys(ids: np.ndarray, n: int) -> np.ndarray:
+    """One uint64 per n-gram of word ids (a polynomial hash of the mixed ids)."""
+    mixed = _mixed(ids)
+    keys = mixed[: len(ids) - n + 1].copy()
+    for k in range(1, n):
+        keys = keys * _PRIME + mixed[k:len(ids) - n + 1 + k]
+    return keys
+
+
+def _runs(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(stable sort order, start of each run of equal keys in it, length of each run)."""
+    order = np.argsort(keys, kind="stable")
+    ordered = keys[order]
+    starts = np.flatnonzero(np.concatenate(([True], ordered[1:] != ordered[:-1])))
+    return order, starts, np.diff(np.append(starts, len(keys)))
+
+
+def _top_ngram_chars(keys: np.ndarray, lengths: np.ndarray, n: int,
+                     runs: tuple | None = None) -> int:
+    """Characters covered by the most frequent n-gram: its length (words joined by spaces)
+    times its count. Ties go to the n-gram seen first, as with collections.Counter."""
+    order, starts, counts = runs if runs is not None else _runs(keys)
+    top = counts.max()
+    start = int(order[starts[counts == top]].min())  # stable sort: a run starts at its first index
+    return (int(lengths[start:start + n].sum()) + n - 1) * int(top)
+
+
+def _duplicated_ngram_chars(keys: np.ndarray, prefix: np.ndarray, n: int,
+                            runs: tuple | None = None) -> int:
+    """Characters in n-grams that repeat an earlier one, scanning left to right and jumping past
+    each repeat (so overlapping repeats are not counted twice). Word characters only, no spaces.
+
+    Only n-grams that occur more than once can ever be a repeat, and an n-gram occurring once
+    only ever adds itself to the seen set, which nothing later looks up: so the scan visits just
+    the positions of repeated n-grams, in order, remembering how far the last jump reached."""
+    order, starts, counts = runs if runs is not None else _runs(keys)
+    repeated_runs = counts > 1
+    if not repeated_runs.any():
+        return 0
+    member = np.repeat(repeated_runs, counts)  # per position in sort order
+    positions = np.sort(order[member])
+    seen: set[int] = set()
+    chars, resume_at = 0, 0
+    for i, key in zip(positions.tolist(), keys[positions].tolist()):
+        if i < resume_at:
+            continue
+        if key in seen:
+            chars += int(prefix[i + n] - prefix[i])
+            resume_at = i + n
+        else:
+            seen.add(key)
+    return chars
+
+
+@dataclass(kw_only=True)
+class GopherRepetitionParams:
+    dup_line_frac: float | None = 0.3
+    dup_para_frac: float | None = 0.3
+    dup_line_char_frac: float | None = 0.2
+    dup_para_char_frac: float | None = 0.2
+    top_n_grams: list = field(default_factory=lambda: [[2, 0.2], [3, 0.18], [4, 0.16]])
+    dup_n_grams: list = field(default_factory=lambda: [[5, 0.15], [6, 0.14], [7, 0.13], [8, 0.12],
+                                                       [9, 0.11], [10, 0.10]])
+
+
+_PARAGRAPH_BREAK = re.compile(r"\n{2,}")
+_LINE_BREAK = re.compile(r"\n+")
+
+
+class GopherRepetition(Filter):
+    """Drops documents that repeat themselves: duplicated lines or paragraphs, one n-gram
+    covering too much of the text, or too many characters inside repeated n-grams."""
+
+    name = "gopher_repetition"
+    Params = GopherRepetitionParams
+
+    def filter(self, doc: Doc) -> bool | tuple[bool, str]:
+        p, text = self.params, doc.text
+        paragraphs = _PARAGRAPH_BREAK.split(text.strip())
+        repeated, chars = duplicates(paragraphs)
+        if p.dup_para_frac and repeated / len(paragraphs) > p.dup_para_frac:
+            return False, "dup_para_frac"
+        if p.dup_para_char_frac and chars / len(text) > p.dup_para_char_frac:
+            return False, "dup_para_char_frac"
+        lines = _LINE_BREAK.split(text)
+        repeated, chars = duplicates(lines)
+        if p.dup_line_frac and repeated / len(lines) > p.dup_line_frac:
+            return False, "dup_line_frac"
+        if p.dup_line_char_frac and chars / len(text) > p.dup_line_char_frac:
+            return False, "dup_line_char_frac"
+
+        ids = doc.word_ids
+        n_words = len(ids)
+        lengths = TABLE.length[ids]
+        mixed = _mixed(ids)
+        keys = mixed
+        top = dict(p.top_n_grams)
+        dup = dict(p.dup_n_grams)
+        prefix, repeats_possible = None, True
+        for n in range(2, max([*top, *dup, 1]) + 1):
+            if n_words < n:
+                break
+            # n-gram keys from (n-1)-gram keys: one multiply-add per word, not n.
+            keys = keys[:-1] * _PRIME + mixed[n - 1:]
+            if n not in top and not (n in dup and repeats_possible):
+                continue
+            runs = _runs(keys)
+            if n in top and _top_ngram_chars(keys, lengths, n, runs) / len(text) > top[n]:
+                return False, f"top_{n}_gram"
+            if n in dup and repeats_possible:
+                if runs[2].max() == 1:  # no repeated n-gram, so no repeated longer one either
+                    repeats_possible = False
+                    continue
+                if prefix is None:
+                    prefix = np.concatenate(([0], np.cumsum(lengths)))
+                if _duplicated_ngram_chars(keys, prefix, n, runs) / len(text) > dup[n]:
+                    return False, f"duplicated_{n}_n_grams"
+        return True
+
+
+# --------------------------------------------------------------------------------------------
+# Gopher quality
+
+GOPHER_STOP_WORDS = ("the", "be", "to", "of", "and", "that", "have", "with")
+
+
+@dataclass(kw_only=True)
+class GopherQualityParams:
+    min_doc_words: int | None = 50
+    max_doc_words: int | None = 100_000
+    min_avg_word_length: float | None = 3
+    max_avg_word_length: float | None = 10
+    max_symbol_word_ratio: float | None = 0.1
+    max_bullet_lines_ratio: float | None = 0.9
+    max_ellipsis_lines_ratio: float | None = 0.3
+    max_non_alpha_words_ratio: float | None = 0.8  # the minimum share of words with a letter
+    min_stop_words: int | None = 2
+    stop_words: list = field(default_factory=lambda: list(GOPHER_STOP_WORDS))
+
+
+class GopherQuality(Filter):
+    """Drops documents that do not read like prose: too short or long, odd mean word length,
+    many hashes or ellipses, mostly bullets, few words with letters, too few stop words."""
+
+    name = "gopher_quality"
+    Params = GopherQualityParams
+
+    def filter(self, doc: Doc) -> bool | tuple[bool, str]:
+        p, text, ids = self.params, doc.text, doc.word_ids
+        n_words = len(ids)
+        kinds = TABLE.kind[ids]
+        is_word = kinds != TABLE.SYMBOL
+        n_non_symbol = int(np.count_nonzero(is_word))
+        if p.min_doc_words and n_non_symbol < p.min_doc_words:
+            return False, "gopher_short_doc"
+        if p.max_doc_words and n_non_symbol > p.max_doc_words:
+            return False, "gopher_long_doc"
+        if not n_non_symbol:  # only reachable with min_doc_words disabled
+            return False, "gopher_short_doc"
+        mean_length = int(TABLE.length[ids][is_word].sum()) / n_non_symbol
+        if p.min_avg_word_length and mean_length < p.min_avg_word_length:
+            return False, "gopher_below_avg_threshold"
+        if p.max_avg_word_length and mean_length > p.max_avg_word_length:
+            return False, "gopher_above_avg_threshold"
+        if p.max_symbol_word_ratio and text.count("#") / n_words > p.max_symbol_word_ratio:
+            return False, "gopher_too_many_hashes"
+        if p.max_symbol_word_ratio and (text.count("...") + text.count("…")) / n_words > p.max_symbol_word_ratio:
+            return False, "gopher_too_many_ellipsis"
+        lines = text.splitlines()
+        if p.max_bullet_lines_ratio and sum(
+                line.lstrip().startswith(("•", "-")) for line in lines) / len(lines) > p.max_bullet_lines_ratio:
+            return False, "gopher_too_many_bullets"
+        if p.max_ellipsis_lines_ratio and sum(
+                line.rstrip().endswith(("...", "…")) for line in lines) / len(lines) > p.max_ellipsis_lines_ratio:
+            return False, "gopher_too_many_end_ellipsis"
+        if p.max_non_alpha_words_ratio and \
+                np.count_nonzero(kinds == TABLE.ALPHA) / n_words < p.max_non_alpha_words_ratio:
+            return False, "gopher_below_alpha_threshold"
+        # Case-sensitive, as published: "The" at the start of a sentence is not counted.
+        if p.min_stop_words and len(set(p.stop_words).intersection(doc.words)) < p.min_stop_words:
+            return False, "gopher_enough_stop_words"
+        return True
+
+
+# --------------------------------------------------------------------------------------------
+# C4
+
+_CITATION = re.compile(r"\[(?:\d*|edit|citation needed)\]")
+_C4_END_PUNCTUATION = (".", "?", "!", '"', "'")
+_POLICY_PHRASES = ("terms of use", "privacy policy", "cookie policy", "uses cookies",
+                   "use of cookies", "use cookies")
+
+
+@dataclass(kw_only=True)
+class C4QualityParams:
+    remove_citations: bool = True
+    filter_no_terminal_punct: bool = True
+    min_num_sentences: int = 5  # -1 disables
+    min_words_per_line: int = 3  # -1 disables
+    max_word_length: int = 1000  # -1 disables
+    filter_lorem_ipsum: bool = True
+    filter_javascript: bool = True
+    filter_curly_bracket: bool = True
+    filter_policy: bool = True
+
+
+class C4Quality(Filter):
+    """C4's rules. Line rules remove lines (no terminal punctuation, fewer than 3 words, a word
+    over 1000 characters, "javascript", cookie and policy boilerplate) and rewrite the text with
+    the kept lines; document rules drop the page ("lorem ipsum", a curly bracket, fewer than 5
+    sentences left)."""
+
+    name = "c4_quality"
+    Params = C4QualityParams
+
+    def filter(self, doc: Doc) -> bool | tuple[bool, str]:
+        p = self.params
+        kept_lines: list[str] = []
+        kept_words: list[list[str]] = []
+        sentences = 0
+        for line, tokens in zip(split_lines(doc.text), doc.line_words):
+            line = line.strip()  # a line's tokens do not change: they never hold whitespace
+            words = line.split()
+            # A word cannot be longer than its line: most lines skip the per-word check.
+            if p.max_word_length != -1 and len(line) > p.max_word_length \
+                    and any(len(w) > p.max_word_length for w in words):
+                self.stats["lines_dropped.too_long_word"] += 1
+                continue
+            if p.remove_citations and "[" in line:
+                cited, line = line, _CITATION.sub("", line)
+                if line != cited:
+                    tokens = split_words(line)
+            if p.filter_no_terminal_punct and (not line.endswith(_C4_END_PUNCTUATION) or line.endswith("...")):
+                self.stats["lines_dropped.no_terminal_punct"] += 1
+                continue
+            if len(words) < p.min_words_per_line:
+                self.stats["lines_dropped.too_few_words"] += 1
+                continue
+            lower = line.lower()
+            if p.filter_lorem_ipsum and "lorem ipsum" in lower:
+                return False, "lorem_ipsum"
+            if p.filter_javascript and "javascript" in lower:
+                self.stats["lines_dropped.javascript"] += 1
+                continue
+            if p.filter_curly_bracket and "{" in line:
+                return False, "curly_bracket"
+            if p.filter_policy and any(phrase in lower for phrase in _POLICY_PHRASES):
+                self.stats["lines_dropped.policy"] += 1
+                continue
+            if p.min_num_sentences != -1 and sentences < p.min_num_sentences:  # enough is enough
+                sentences += count_sentences(line, tokens)
+            kept_lines.append(line)
+            kept_words.append(tokens)
+        if sentences < p.min_num_sentences:
+            return False, "too_few_sentences"
+        text = "\n".join(kept_lines)
+        if text != doc.text:
+            self.stats["modified"] += 1
+            if text == text.strip():  # as always with the default rules: kept lines hold words
+                doc.rewrite(text, kept_words)
+            else:
+                doc.text = text.strip()
+        return True
+
+
+# --------------------------------------------------------------------------------------------
+# FineWeb
+
+
+@dataclass(kw_only=True)
+class FineWebQualityParams:
+    line_punct_thr: float = 0.12
+    line_punct_exclude_zero: bool = False
+    short_line_thr: float = 0.67
+    short_line_length: int = 30
+    char_duplicates_ratio: float = 0.01
+    new_line_ratio: float = 0.3
+
+
+class FineWebQuality(Filter):
+    """FineWeb's rules: enough lines end in punctuation, not mostly short lines, few characters
+    in duplicated lines, not a list (many newlines per word)."""
+
+    name = "fineweb_quality"
+    Params = FineWebQualityParams
+
+    def filter(self, doc: Doc) -> bool | tuple[bool, str]:
+        p, text = self.params, doc.text
+        lines = [line for line in text.split("\n") if line.strip()]
+        if not lines:
+            return False, "empty"
+        ratio = sum(line.endswith(TERMINAL_PUNCTUATION) for line in lines) / len(lines)
+        if ratio < p.line_punct_thr and not (ratio == 0 and p.line_punct_exclude_zero):
+            return False, "line_punct_ratio"
+        if sum(len(line) <= p.short_line_length for line in lines) / len(lines) > p.short_line_thr:
+            return False, "short_line_ratio"
+        if duplicates(lines)[1] / len(text.replace("\n", "")) > p.char_duplicates_ratio:
+            return False, "char_dup_ratio"
+        if text.count("\n") / len(doc.words) > p.new_line_ratio:
+            return False, "list_ratio"
+        return True
+
+
+QUALITY_FILTERS: dict[str, type[Filter]] = {
+    f.name: f for f in (GopherRepetition, GopherQuality, C4Quality, FineWebQuality)}
+
+
+# --------------------------------------------------------------------------------------------
+# Blocklist
+
+
+@dataclass(kw_only=True)
+class BlocklistParams:
+    words: list = field(default_factory=list)  # words or phrases, matched as whole words
+
+
+class Blocklist(Filter):
+    """Drops a document that contains any blocked word or phrase (whole words, any case)."""
+
+    name = "blocklist"
+    Params = BlocklistParams
+
+    def __init__(self, params: BlocklistParams | None = None) -> None:
+        super().__init__(params)
+        words = sorted({w.strip().lower() for w in self.params.words if w.strip()}, key=len, reverse=True)
+        # One alternation, longest first, so a phrase wins over a word it starts with.
+        self._pattern = re.compile(r"(?<!\w)(?:" + "|".join(map(re.escape, words)) + r")(?!\w)",
+                                   re.IGNORECASE) if words else None
+
+    def filter(self, doc: Doc) -> bool | tuple[bool, str]:
+        if self._pattern is not None and self._pattern.search(doc.text):
+            return False, "blocklisted_word"
+        return True
+
+
+def step_stats(steps: list) -> dict[str, dict[str, int]]:
+    return {step.name: dict(Counter(step.stats)) for step in steps}

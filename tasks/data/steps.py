@@ -1,0 +1,253 @@
+"""The per-document steps of data prep: a document, two small base classes, and the pipeline.
+
+A step is a *filter* (implements `filter(doc) -> True | (False, reason)`) or a *formatter*
+(implements `format(doc) -> new text`). The base classes do the rest: counting what went in,
+what was kept and why each document was dropped, so every step reports its own stats and a
+pipeline is a plain list of steps.
+
+Thresholds live in a small params dataclass per step, with the published defaults; a config
+overrides them by name (`DataPrepConfig.filter_params`), and an unknown name or key is refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import unicodedata
+from collections import Counter
+from itertools import chain
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from tasks.configs import ConfigError
+from tasks.data.text import TABLE, split_lines, split_words
+
+
+@dataclass(slots=True)
+class Doc:
+    id: str
+    text: str
+    source: int = 0  # index of the `inputs` entry the document came from
+    line: int = 0  # 1-based line (JSONL, text) or row (Parquet) where it starts in its file
+    metadata: dict = field(default_factory=dict)
+    _words: list | None = None
+    _line_words: list | None = None
+    _ids: Any = None
+    _words_of: str | None = None
+
+    def _split(self) -> None:
+        if self._words_of is not self.text:
+            # Per line (words never span lines): C4 reuses a kept line's words.
+            self._line_words = [split_words(line) for line in split_lines(self.text)]
+            self._words = list(chain.from_iterable(self._line_words))
+            self._ids, self._words_of = None, self.text
+
+    @property
+    def words(self) -> list[str]:
+        """The text split into words, computed once per version of the text."""
+        self._split()
+        return self._words
+
+    @property
+    def line_words(self) -> list[list[str]]:
+        """The words of each line of split_lines(text)."""
+        self._split()
+        return self._line_words
+
+    def rewrite(self, text: str, line_words: list[list[str]]) -> None:
+        """Replace the text by one whose lines are known to split into `line_words`."""
+        self.text = text
+        self._line_words = line_words
+        self._words = list(chain.from_iterable(line_words))
+        self._ids, self._words_of = None, text
+
+    @property
+    def word_ids(self) -> Any:
+        """`words` as ids of the process's WordTable (numpy int64), for vectorized statistics."""
+        words = self.words
+        if self._ids is None:
+            self._ids = TABLE.encode(words)
+        return self._ids
+
+
+@dataclass(kw_only=True)
+class NoParams:
+    pass
+
+
+class Step:
+    """One block of the per-document pipeline; `stats` counts what it saw and did."""
+
+    name: ClassVar[str]
+    Params: ClassVar[type] = NoParams
+
+    def __init__(self, params: Any = None) -> None:
+        self.params = params if params is not None else self.Params()
+        self.stats: Counter = Counter()
+
+    def __call__(self, doc: Doc) -> str | None:
+        """Apply the step; return the reason to drop `doc`, or None to keep it."""
+        raise NotImplementedError
+
+
+class Filter(Step):
+    """Keeps or drops a document. Subclasses implement `filter` only."""
+
+    def filter(self, doc: Doc) -> bool | tuple[bool, str]:
+        raise NotImplementedError
+
+    def __call__(self, doc: Doc) -> str | None:
+        self.stats["in"] += 1
+        result = self.filter(doc)
+        if result is True:
+            self.stats["kept"] += 1
+            return None
+        reason = result[1] if isinstance(result, tuple) else self.name
+        self.stats[f"dropped.{reason}"] += 1
+        return reason
+
+
+class Formatter(Step):
+    """Rewrites a document's text. Subclasses implement `format` (and may count in `stats`).
+    A document whose text becomes empty is dropped with reason `empty_after_<name>`."""
+
+    def format(self, doc: Doc) -> str:
+        raise NotImplementedError
+
+    def __call__(self, doc: Doc) -> str | None:
+        self.stats["in"] += 1
+        text = self.format(doc)
+        if text != doc.text:
+            self.stats["modified"] += 1
+            doc.text = text
+        if not text:
+            reason = f"empty_after_{self.name}"
+            self.stats[f"dropped.{reason}"] += 1
+            return reason
+        self.stats["kept"] += 1
+        return None
+
+
+# --------------------------------------------------------------------------------------------
+# Always-on steps: clean the text, refuse binary junk and tiny fragments.
+
+# Runs of whitespace other than newline (Unicode spaces too) that are not already one plain
+# space: matching only those leaves the common case, a single space, untouched and fast.
+_HORIZONTAL_SPACE = re.compile(r"[^\S\n]{2,}|[^\S\n ]")
+_CONTROL_CHARS = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+_SPACE_AROUND_NEWLINE = re.compile(r" \n ?|\n ")
+_BLANK_LINES = re.compile(r"\n{3,}")
+
+
+def normalize_text(text: str) -> str:
+    """NFC, one space for any run of spaces, at most one blank line, no control characters."""
+    text = text.replace("\r\n", "\n").replace("\r", "\n")
+    if not text.isascii():  # ASCII is already NFC; skipping the call saves most of its cost
+        text = unicodedata.normalize("NFC", text)
+    # Whitespace controls (tab, form feed) become spaces first, so words they separate stay apart.
+    text = _CONTROL_CHARS.sub("", _HORIZONTAL_SPACE.sub(" ", text))
+    text = _SPACE_AROUND_NEWLINE.sub("\n", text)
+    return _BLANK_LINES.sub("\n\n", text).strip()
+
+
+class Normalize(Formatter):
+    name = "normalize"
+
+    def format(self, doc: Doc) -> str:
+        return normalize_text(doc.text)
+
+
+_JUNK = re.compile("[\x00-\x08\x0e-\x1f\x7f\ufffd\ufffe\uffff]")
+
+
+@dataclass(kw_only=True)
+class BinaryParams:
+    max_junk_ratio: float = 0.05  # share of control / replacement characters in the raw text
+
+
+class BinaryJunk(Filter):
+    """Binary data that happens to decode (or was decoded with replacement characters):
+    normalization would strip its control characters and leave plausible-looking garbage."""
+
+    name = "binary"
+    Params = BinaryParams
+
+    def filter(self, doc: Doc) -> bool | tuple[bool, str]:
+        if _JUNK.search(doc.text) is None:  # the common case, one scan
+            return True
+        junk = len(_JUNK.findall(doc.text))
+        if junk and junk > self.params.max_junk_ratio * len(doc.text):
+            return False, "binary_junk"
+        return True
+
+
+@dataclass(kw_only=True)
+class MinCharsParams:
+    min_chars: int = 20
+
+
+class MinChars(Filter):
+    name = "min_chars"
+    Params = MinCharsParams
+
+    def filter(self, doc: Doc) -> bool | tuple[bool, str]:
+        return True if len(doc.text) >= self.params.min_chars else (False, "too_short")
+
+
+# --------------------------------------------------------------------------------------------
+# The pipeline of a run, built from its config.
+
+
+def make_params(step_cls: type[Step], overrides: dict) -> Any:
+    """The step's params with `overrides` applied; unknown keys are refused by name."""
+    known = {f.name for f in dataclasses.fields(step_cls.Params)}
+    unknown = sorted(set(overrides) - known)
+    if unknown:
+        raise ConfigError(f"DataPrepConfig.filter_params[{step_cls.name!r}]: unknown key(s) {unknown}. "
+                          f"Known keys: {sorted(known)}.")
+    return step_cls.Params(**overrides)
+
+
+def build_pipeline(config: Any) -> list[Step]:
+    """The ordered steps for `config` (a DataPrepConfig). Raises ConfigError on bad params."""
+    from tasks.data.filters import QUALITY_FILTERS, Blocklist
+    from tasks.data.pii import RedactPII
+
+    overrides = dict(config.filter_params)
+    optional = {**QUALITY_FILTERS, "blocklist": Blocklist, "pii": RedactPII}
+    unknown = sorted(set(overrides) - set(optional) - {"binary"})
+    if unknown:
+        raise ConfigError(f"DataPrepConfig.filter_params: unknown step(s) {unknown}. "
+                          f"Known: {sorted({*optional, 'binary'})}.")
+    for name, value in overrides.items():
+        if not isinstance(value, dict):
+            raise ConfigError(f"DataPrepConfig.filter_params[{name!r}] must be an object of "
+                              f"threshold overrides, got {type(value).__name__}.")
+
+    def make(cls: type[Step]) -> Step:
+        return cls(make_params(cls, overrides.get(cls.name, {})))
+
+    steps: list[Step] = [make(BinaryJunk), Normalize(), MinChars(MinCharsParams(min_chars=config.min_chars))]
+    steps += [make(QUALITY_FILTERS[name]) for name in config.filters]
+    if config.blocklist:
+        steps.append(Blocklist(make_params(Blocklist, {"words": list(config.blocklist),
+                                                       **overrides.get("blocklist", {})})))
+    if config.redact_pii:
+        steps.append(make(RedactPII))
+    return steps
+
+
+def run_steps(steps: list[Step], doc: Doc) -> tuple[str, str] | None:
+    """Run `doc` through the steps in order; (step name, reason) of the first drop, else None."""
+    for step in steps:
+        reason = step(doc)
+        if reason is not None:
+            return step.name, reason
+    return None
+
+
+def merge_stats(into: dict[str, dict[str, int]], stats: dict[str, dict[str, int]]) -> None:
+    for step, counts in stats.items():
+        target = into.setdefault(step, {})
+        for key, value in counts.items():
+            target[key] = target.get(key, 0) + value

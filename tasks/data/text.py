@@ -1,0 +1,347 @@
+"""Text primitives the filters share: word splitting, sentence counting, punctuation classes.
+
+The published filters (Gopher, C4, FineWeb) are defined over *words* and *sentences* as a
+tokenizer sees them; datatrove uses spaCy's English tokenizer and sentencizer. split_words and
+count_sentences apply the same rules (below), without spaCy: on the benchmark corpus 99% of
+documents split into exactly the same tokens, several times faster. Every filter reads the same
+cached word list of a document (`Doc.words`), so a document is split once, not once per filter.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import string
+import unicodedata
+from functools import lru_cache
+
+import numpy as np
+
+# spaCy's English tokenizer, the one datatrove's filters count words with, works per whitespace-
+# separated chunk: special cases (contractions, abbreviations, emoticons) stay as listed; else
+# punctuation, quotes and currency signs are peeled off the front, punctuation, quotes and a few
+# conditional marks off the back, and what is left is split only at a few infixes (a hyphen or
+# comma between letters, "/" or ":" before a letter, a period between lower and upper case).
+# These are the same rules, written from its documented character classes.
+_PUNCT = "… , : ; ! ? ¿ ؟ ¡ ( ) [ ] { } < > _ # * & 。 ？ ！ ， 、 ； ： ～ · । ، ۔ ؛ ٪".split()
+_QUOTES = "' \" ” “ ` ‘ ´ ’ ‚ , „ » « 「 」 『 』 （ ） 〔 〕 【 】 《 》 〈 〉 ⟦ ⟧".split()
+_CURRENCY = r"\$ £ € ¥ ฿ US\$ C\$ A\$ ₽ ﷼ ₴ ₡ ₢ ₣ ₤ ₥ ₦ ₧ ₨ ₩ ₪ ₫ ₭ ₮ ₯ ₰ ₱ ₲ ₳ ₵ ₶ ₷ ₸ ₹ ₺ ₻ ₼ ₾ ₿".split()
+_UNITS = ("km km² km³ m m² m³ dm cm cm² mm ha µm nm yd in ft kg g mg µg t lb oz m/s km/h kmh mph "
+          "hPa Pa mbar mb MB kb KB gb GB tb TB T G M K %").split()
+_ICONS = "\u00a6\u00a9\u00ae\u00b0\u2100-\u214f\u2190-\u21ff\u2300-\u23ff\u2500-\u27bf\u2b00-\u2bff\U0001f300-\U0001faff"
+_LOWER, _UPPER = "a-zß-öø-ÿ", "A-ZÀ-ÖØ-Þ"
+_ALPHA = _LOWER + _UPPER
+_Q = "'\"”“`‘´’‚,„»«"  # quotes, as the period rules use them
+_PUNCT_CLASS = "".join(re.escape(c) for c in "".join(_PUNCT))
+_alts = lambda items: "|".join(items)  # noqa: E731
+
+_PREFIX = re.compile("^(?:" + _alts(["§", "%", "=", "—", "–", r"\+(?![0-9])", r"\.\.+", "……",
+                                     *map(re.escape, _PUNCT + _QUOTES), *_CURRENCY, f"[{_ICONS}]"]) + ")")
+_SUFFIX = re.compile(_alts([f"(?:{x})$" for x in [
+    r"\.\.+", "……", *map(re.escape, _PUNCT + _QUOTES), f"[{_ICONS}]", "'s", "'S", "’s", "’S", "—", "–",
+    r"(?<=[0-9])\+", r"(?<=°[FfCcKk])\.", rf"(?<=[0-9])(?:{_alts(_CURRENCY)})",
+    rf"(?<=[0-9])(?:{_alts(map(re.escape, _UNITS))})",
+    rf"(?<=[0-9{_LOWER}%²\-+{_PUNCT_CLASS}{re.escape(_Q)}])\.", rf"(?<=[{_UPPER}][{_UPPER}])\."]]))
+_INFIX = re.compile(_alts([r"\.\.+", "…", f"[{_ICONS}]", r"(?<=[0-9])[+\-*^](?=[0-9-])",
+                           rf"(?<=[{_LOWER}{re.escape(_Q)}])\.(?=[{_UPPER}{re.escape(_Q)}])",
+                           rf"(?<=[{_ALPHA}]),(?=[{_ALPHA}])",
+                           rf"(?<=[{_ALPHA}0-9])(?:-|–|—|--|---|——|~)(?=[{_ALPHA}])",
+                           rf"(?<=[{_ALPHA}0-9])[:<>=/](?=[{_ALPHA}])"]))
+_URL = re.compile(r"^(?:[a-zA-Z][a-zA-Z+.-]*://|www\.)\S+$")
+_NOT = re.compile(r"^(\w+)([nN]['’][tT])$")
+_CLITIC = re.compile(r"^(\w+)(['’](?:[mMdD]|re|RE|ve|VE|ll|LL))$")
+
+
+def _special_cases() -> dict[str, list[str]]:
+    special: dict[str, list[str]] = {
+        "cannot": ["can", "not"], "Cannot": ["Can", "not"], "and/or": ["and/or"],
+        "gonna": ["gon", "na"], "gotta": ["got", "ta"], "'cause": ["'cause"],
+    }
+    for word in ("dont doesnt didnt isnt arent wasnt werent hasnt havent hadnt couldnt wouldnt "
+                 "shouldnt mustnt neednt aint wont cant").split():
+        for orth in (word, word.capitalize()):
+            special[orth] = [orth[:-2] if not orth.lower() in ("wont", "cant") else orth[:2], "nt"]
+    for abbreviation in ("Mr. Mrs. Ms. Dr. Jr. Sr. St. Mt. vs. Inc. Ltd. Co. Corp. Bros. e.g. i.e. "
+                         "a.m. p.m. U.S. U.K. Jan. Feb. Mar. Apr. Jun. Jul. Aug. Sep. Sept. Oct. "
+                         "Nov. Dec. Gov. Sen. Rep. Rev. Gen. Prof. Ph.D. vs. v. Mich. Calif. "
+                         "E.g. I.e.").split():
+        special[abbreviation] = [abbreviation]
+    # Pronoun contractions written without the apostrophe; the ones that are also words
+    # ("its", "well", "shell", "ill", "wed") are left alone.
+    for word in ("im:i,m id:i,d ive:i,ve youre:you,re youd:you,d youll:you,ll youve:you,ve hes:he,s "
+                 "hed:he,d shes:she,s theyre:they,re theyd:they,d theyll:they,ll theyve:they,ve "
+                 "weve:we,ve whats:what,s").split():
+        orth, parts = word.split(":")
+        special[orth] = parts.split(",")
+        special[orth.capitalize()] = [parts.split(",")[0].capitalize(), *parts.split(",")[1:]]
+    special["Im"] = ["I", "m"]
+    special["Id"] = ["I", "d"]
+    for letter in "abcdefghijklmnopqrstuvwxyz":
+        special[letter + "."] = [letter + "."]
+        special[letter.upper() + "."] = [letter.upper() + "."]
+    for emoticon in (":) :-) :)) (: (-: =) (= :] :-] [: =] :( :-( ): )-: :[ :-[ ]: :/ :-/ :| :-| "
+                     ":P :-P :p :-p :D :-D ;) ;-) :* :-* :o :O <3 </3 :'( :') ^_^ -_- o.O O.o "
+                     "xD XD ;( :/ =( =/").split():
+        special[emoticon] = [emoticon]
+    return special
+
+
+_SPECIAL = _special_cases()
+
+
+def _split_chunk(chunk: str) -> list[str]:
+    """One whitespace chunk that is neither a special case nor a plain word."""
+    special = _SPECIAL
+    prefixes: list[str] = []
+    suffixes: list[str] = []
+    last = -1
+    while chunk and len(chunk) != last and chunk not in special:
+        last = len(chunk)
+        pre = _PREFIX.match(chunk)
+        pre_len = pre.end() if pre else 0
+        if pre_len and chunk[pre_len:] in special:
+            prefixes.append(chunk[:pre_len])
+            chunk = chunk[pre_len:]
+            break
+        # Suffixes are short: search only the tail (lookbehinds still see the whole chunk).
+        suf = _SUFFIX.search(chunk, max(pre_len, len(chunk) - 12))
+        suf_len = len(suf.group()) if suf else 0
+        if suf_len and chunk[:-suf_len] in special:
+            suffixes.append(chunk[-suf_len:])
+            chunk = chunk[:-suf_len]
+            break
+        if pre_len and suf_len and pre_len + suf_len <= len(chunk):
+            prefixes.append(chunk[:pre_len])
+            suffixes.append(chunk[-suf_len:])
+            chunk = chunk[pre_len:-suf_len]
+        elif pre_len:
+            prefixes.append(chunk[:pre_len])
+            chunk = chunk[pre_len:]
+        elif suf_len:
+            suffixes.append(chunk[-suf_len:])
+            chunk = chunk[:-suf_len]
+    tokens = prefixes
+    if chunk in special:
+        tokens.extend(special[chunk])
+    elif _URL.match(chunk):
+        tokens.append(chunk)
+    elif (m := _NOT.match(chunk) or _CLITIC.match(chunk)) is not None:
+        tokens.extend(m.groups())
+    elif chunk:
+        start = 0
+        for m in _INFIX.finditer(chunk):
+            if m.start() > start:
+                tokens.append(chunk[start:m.start()])
+            tokens.append(m.group())
+            start = m.end()
+        if start < len(chunk):
+            tokens.append(chunk[start:])
+    tokens.extend(reversed(suffixes))
+    return tokens
+
+
+# Punctuation-only special cases that spaCy re-forms from pieces after splitting ("):", "''").
+_MERGE = {e for e in _SPECIAL if not any(c.isalnum() for c in e)} | {"''"}
+_MERGE_RE = re.compile("|".join(map(re.escape, sorted(_MERGE, key=len, reverse=True))))
+_ALWAYS_SUFFIX = frozenset(c for c in _PUNCT + _QUOTES if len(c) == 1)
+_ALWAYS_PREFIX = _ALWAYS_SUFFIX | frozenset("§%=—–$£€¥")
+
+
+def _merge_specials(tokens: list[str]) -> list[str]:
+    i, out = 0, []
+    while i < len(tokens):
+        for width in (3, 2):
+            if i + width <= len(tokens) and "".join(tokens[i:i + width]) in _MERGE:
+                out.append("".join(tokens[i:i + width]))
+                i += width
+                break
+        else:
+            out.append(tokens[i])
+            i += 1
+    return out
+
+
+def split_words(text: str) -> list[str]:
+    """Words and punctuation tokens, in order, as spaCy's English tokenizer splits them."""
+    out: list[str] = []
+    special = _SPECIAL
+    for chunk in text.split():
+        if chunk in special:
+            out.extend(special[chunk])
+            continue
+        if chunk.isalpha():  # most chunks: one plain word
+            out.append(chunk)
+            continue
+        if chunk.isdigit():  # a plain number: no mark applies to it
+            out.append(chunk)
+            continue
+        last = chunk[-1]
+        if last in _ALWAYS_SUFFIX:  # "word," "word)": the next most common shape
+            word = chunk[:-1]
+            if word.isalpha():
+                out.extend(special.get(word, (word,)))
+                out.append(last)
+                continue
+        # Next most common: a word inside marks that always split off ("(word", "word)," '"word".'),
+        # maybe hyphenated; settled here by the same rules, without the regular expressions.
+        i, j = 0, len(chunk)
+        while i < j and chunk[i] in _ALWAYS_PREFIX:
+            i += 1
+        while j > i:
+            last = chunk[j - 1]
+            if last in _ALWAYS_SUFFIX:
+                j -= 1
+            elif last == "." and j - 1 > i and (chunk[j - 2] in _ALWAYS_SUFFIX or chunk[j - 2].islower() or (
+                    j - 2 > i and chunk[j - 2].isupper() and chunk[j - 3].isupper())):
+                j -= 1
+            else:
+                break
+        core = chunk[i:j]
+        # (Unless a special case hides inside: "(Mr." keeps "Mr.", "(:)" is a smiley.)
+        if core and _MERGE_RE.search(chunk) is None and not (chunk[j:j + 1] == "." and core + "." in special):
+            if core.isalpha():
+                out.extend(chunk[:i])
+                out.extend(special.get(core, (core,)))
+                out.extend(chunk[j:])
+                continue
+            if "-" in core and core[0] != "-" and core[-1] != "-" and "--" not in core \
+                    and core.replace("-", "").isalpha():  # well-known: a hyphen between letters splits
+                out.extend(chunk[:i])
+                for k, part in enumerate(core.split("-")):
+                    out.extend(("-", part) if k else (part,))
+                out.extend(chunk[j:])
+                continue
+        tokens = _split_chunk(chunk)
+        out.extend(_merge_specials(tokens) if len(tokens) > 1 and _MERGE_RE.search(chunk) else tokens)
+    return out
+
+
+@lru_cache(maxsize=1)
+def punctuation_chars() -> frozenset[str]:
+    """What counts as a symbol, not a word: ASCII punctuation and symbols, every Unicode
+    punctuation character (category P*), control characters, and the arrows and box-drawing
+    marks that menus and bullet lists are made of."""
+    chars = set(string.punctuation) | {chr(c) for c in [*range(0, 32), *range(127, 160)]}
+    chars |= set("►▶◄◀•·━─│※→←↑↓")
+    for code in range(0x20000):  # the BMP and plane 1 hold every punctuation mark in use
+        if unicodedata.category(chr(code)).startswith("P"):
+            chars.add(chr(code))
+    return frozenset(chars)
+
+
+# Characters that end a sentence in the scripts the filters are meant for (Unicode's
+# Sentence_Terminal property, common subset): what FineWeb's "line ends in punctuation" checks.
+TERMINAL_PUNCTUATION = tuple(
+    ".!?։؟۔܀܁܂।॥။።፧፨᙮᠃᠉‼‽⁇⁈⁉⸮⸼。꓿꘎꘏꛳꛷﹒﹖﹗！．？｡")
+
+_SENTENCE_END_TOKENS = frozenset(TERMINAL_PUNCTUATION)
+
+
+def _is_punct(token: str) -> bool:
+    return not token[0].isalnum() and all(unicodedata.category(c)[0] == "P" for c in token)
+
+
+def count_sentences(line: str, tokens: list[str] | None = None) -> int:
+    """Sentences in one line of text, as spaCy's rule-based sentencizer finds them: a sentence
+    ends after a token that is a sentence-final mark, once a token that is not punctuation
+    follows. So "e.g." (one token) and "..." (not a final mark) end nothing. 0 for a blank line.
+    `tokens`, when given, are split_words(line), already computed."""
+    tokens = split_words(line) if tokens is None else tokens
+    if not tokens:
+        return 0
+    sentences, seen_end = 1, False
+    for token in tokens:
+        if token in _SENTENCE_END_TOKENS:
+            seen_end = True
+        elif seen_end and not _is_punct(token):
+            sentences += 1
+            seen_end = False
+    return sentences
+
+
+# Line breaks other than "\n" that str.splitlines() honours; normalized text has none of them.
+_OTHER_LINE_BREAKS = re.compile("[\r\x0b\x0c\x1c-\x1e\x85\u2028\u2029]")
+
+
+def split_lines(text: str) -> list[str]:
+    """text.splitlines(), faster when the only line break is "\n"."""
+    if _OTHER_LINE_BREAKS.search(text):
+        return text.splitlines()
+    lines = text.split("\n")
+    if lines[-1] == "":  # splitlines() drops the empty string after a final newline
+        lines.pop()
+    return lines
+
+
+_HAS_ALPHA = re.compile(r"[^\W\d_]")
+
+
+class WordTable:
+    """Interned tokens of this process: an id per distinct token, and per id its length, its
+    class (symbol, word without a letter, word with a letter) and a stable 64-bit hash. Filters
+    then work on numpy arrays of ids instead of calling Python functions per word; word
+    frequencies are Zipfian, so after the first documents nearly every token is already known."""
+
+    SYMBOL, NO_ALPHA, ALPHA = 0, 1, 2
+    MAX_TOKENS = 4_000_000  # then start over: ids only need to be consistent within a document
+
+    def __init__(self) -> None:
+        self._reset()
+
+    def _reset(self) -> None:
+        self.ids: dict[str, int] = {}
+        self.kind = np.zeros(1 << 16, dtype=np.int8)
+        self.length = np.zeros(1 << 16, dtype=np.int64)
+        self.hash = np.zeros(1 << 16, dtype=np.uint64)
+
+    def encode(self, words: list[str]) -> np.ndarray:
+        ids = self.ids
+        missing = set(words).difference(ids)
+        if missing:
+            if len(ids) + len(missing) > self.MAX_TOKENS:
+                self._reset()
+                ids, missing = self.ids, set(words)
+            start = len(ids)
+            if start + len(missing) > len(self.kind):
+                size = max(2 * len(self.kind), start + len(missing))
+                for name in ("kind", "length", "hash"):
+                    old = getattr(self, name)
+                    grown = np.zeros(size, dtype=old.dtype)
+                    grown[:start] = old[:start]
+                    setattr(self, name, grown)
+            for i, word in enumerate(missing, start):
+                ids[word] = i
+                self.length[i] = len(word)
+                self.kind[i] = self.SYMBOL if is_symbol(word) else self.ALPHA if has_alpha(word) else self.NO_ALPHA
+                self.hash[i] = int.from_bytes(hashlib.blake2b(word.encode("utf-8"), digest_size=8).digest(), "little")
+        return np.fromiter(map(ids.__getitem__, words), dtype=np.int64, count=len(words))
+
+
+TABLE = WordTable()  # one per process (each Ray worker has its own)
+
+
+def has_alpha(word: str) -> bool:
+    return word.isalpha() or _HAS_ALPHA.search(word) is not None
+
+
+def is_symbol(word: str) -> bool:
+    """True when every character of the token is punctuation (a "symbol", not a word)."""
+    if word[:1].isalnum():  # words from split_words start with a letter or digit
+        return False
+    punct = punctuation_chars()
+    return all(ch in punct for ch in word)
+
+
+# For near-duplicate shingles: lowercase, numbers folded, punctuation dropped, accents stripped,
+# so trivial edits (a changed date, a comma, an accent) do not hide a copy.
+_NUMBER = re.compile(r"\d+(?:[.,]\d+)*")
+_NOT_WORD = re.compile(r"[^\w\s]|_")
+_COMBINING = re.compile("[\u0300-\u036f\u1ab0-\u1aff\u1dc0-\u1dff\u20d0-\u20ff\ufe20-\ufe2f]")
+
+
+def simplify_for_shingles(text: str) -> list[str]:
+    """The words near-duplicate detection compares."""
+    text = _NOT_WORD.sub(" ", _NUMBER.sub("0", text.lower()))
+    if not text.isascii():
+        text = _COMBINING.sub("", unicodedata.normalize("NFD", text))
+    return text.split()
