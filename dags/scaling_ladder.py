@@ -1,0 +1,56 @@
+"""A scaling ladder: small models across sizes N and token counts D, the law L(N, D) fitted to
+their losses, and the compute-optimal N and D for a FLOP budget. Wiring only: what each step does
+lives in plugins/llmops/sweep/ladder.py and tasks/ladder.py."""
+
+from __future__ import annotations
+
+import pendulum
+from airflow.sdk import Asset, dag, get_current_context, task
+
+from llmops import lifecycle
+from llmops.operators.job import JobOperator
+from llmops.params import ladder_params
+from llmops.sweep import LADDER_RECOMMENDATION_URI, POOL
+from llmops.sweep import ladder
+
+RECOMMENDATION = Asset(LADDER_RECOMMENDATION_URI)
+
+
+@dag(
+    dag_id="scaling_ladder",
+    schedule=None,
+    start_date=pendulum.datetime(2026, 1, 1, tz="UTC"),
+    catchup=False,
+    max_active_runs=1,
+    params=ladder_params(),
+    default_args={"retries": 1, "retry_delay": pendulum.duration(seconds=5)},
+    tags=["llm", "scaling"],
+    doc_md=__doc__,
+)
+def scaling_ladder():
+    @task
+    def start_ladder() -> dict:
+        """Validate the Params, refuse a ladder over budget (before any job starts), open the
+        MLflow parent run."""
+        ctx = get_current_context()
+        return ladder.start_ladder(ctx["params"], dag_id=ctx["dag"].dag_id, run_id=ctx["run_id"])
+
+    @task(outlets=[RECOMMENDATION])
+    def publish(run: dict, fit: dict) -> dict:
+        recommendation = ladder.publish(run, fit)
+        get_current_context()["outlet_events"][RECOMMENDATION].extra = recommendation
+        return recommendation
+
+    run = start_ladder()
+    data = JobOperator(task_id="data_prep", build_spec=lifecycle.data_prep_spec,
+                       op_kwargs={"run": run})
+    # One mapped task per rung, in the same accelerator pool as the sweep's trials.
+    rungs = JobOperator.partial(task_id="ladder_rung", build_spec=ladder.rung_spec,
+                                pool=POOL).expand(
+        op_kwargs=task(ladder.plan_rungs, task_id="plan_rungs")(run, data.output))
+    fit = JobOperator(task_id="fit_law", build_spec=ladder.fit_spec, trigger_rule="all_done",
+                      op_kwargs={"run": run, "data": data.output, "results": rungs.output})
+    publish(run, fit.output)
+
+
+scaling_ladder()

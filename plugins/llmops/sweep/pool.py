@@ -1,0 +1,96 @@
+"""The Airflow pool that bounds how many sweep trials and ladder rungs run at once.
+
+Its slots are the team's accelerator quota for experiments: with 2 slots, 8 trials run 2 at a time
+whatever the executor's parallelism, across every DAG run that uses the pool.
+
+A task whose pool does not exist is never scheduled (the scheduler only logs "Tasks using
+non-existent pool"), so a missing pool would hang a run without a word. Two guards:
+
+- set-up creates it: `python -m llmops.sweep.pool` (run by `make demo`, `make up` and the tests)
+  creates it with 2 slots when missing and leaves an existing one alone;
+- a fall-back: the listener below, loaded by the scheduler with the project's plugins, creates the
+  pool with the default slots when a DAG run that needs it starts and it is missing, and says so in
+  the scheduler's log. (Task code cannot do this: Airflow 3 tasks have no access to pools.)
+
+Resize it any time: `airflow pools set llmops_sweep 4 "..."` or Admin -> Pools in the UI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from llmops.sweep import POOL, POOL_DEFAULT_SLOTS, POOL_DESCRIPTION
+
+log = logging.getLogger(__name__)
+
+
+def ensure_pool(name: str = POOL, slots: int = POOL_DEFAULT_SLOTS,
+                description: str = POOL_DESCRIPTION) -> tuple[int, bool]:
+    """Create the pool unless it exists: (its slots, whether it was created now). Needs the
+    Airflow metadata database (set-up scripts, the scheduler), not a task."""
+    from airflow.models.pool import Pool
+
+    existing = Pool.get_pool(name)
+    if existing is not None:
+        return existing.slots, False
+    Pool.create_or_update_pool(name, slots, description, include_deferred=False)
+    return slots, True
+
+
+# -- the fall-back: a listener on DAG runs, in the scheduler ----------------------------------
+
+try:
+    from airflow.listeners import hookimpl
+    from airflow.plugins_manager import AirflowPlugin
+except ImportError:  # pragma: no cover - not in an Airflow environment (a job image)
+    hookimpl = None
+    AirflowPlugin = object
+
+
+if hookimpl is not None:
+    @hookimpl
+    def on_dag_run_running(dag_run, msg: str) -> None:
+        """A run that needs the experiments pool is starting: create the pool if it is missing,
+        so its trials are scheduled instead of waiting forever."""
+        dag = getattr(dag_run, "dag", None)
+        if dag is None or not any(getattr(t, "pool", None) == POOL for t in dag.tasks):
+            return
+        from sqlalchemy import select
+        from sqlalchemy.orm import object_session
+
+        from airflow.models.pool import Pool
+
+        session = object_session(dag_run)
+        if session is None or session.scalar(select(Pool).where(Pool.pool == POOL)) is not None:
+            return
+        # In the scheduler's own transaction: no second writer on the database.
+        session.add(Pool(pool=POOL, slots=POOL_DEFAULT_SLOTS, description=POOL_DESCRIPTION,
+                         include_deferred=False))
+        session.flush()
+        log.warning("DAG run %s/%s uses pool %r, which did not exist: created it with %d slots. "
+                    "Set the team's quota with `airflow pools set %s <slots> \"...\"`.",
+                    dag_run.dag_id, dag_run.run_id, POOL, POOL_DEFAULT_SLOTS, POOL)
+
+
+class SweepPoolPlugin(AirflowPlugin):
+    """Registers the listener above (Airflow loads every module in the plugins folder)."""
+
+    name = "llmops_sweep_pool"
+    listeners = [sys.modules[__name__]] if hookimpl is not None else []
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m llmops.sweep.pool",
+                                     description="Create the experiments pool unless it exists.")
+    parser.add_argument("--slots", type=int, default=POOL_DEFAULT_SLOTS,
+                        help="slots for a new pool (an existing pool keeps its own)")
+    args = parser.parse_args(argv)
+    slots, created = ensure_pool(slots=args.slots)
+    print(f"Airflow pool {POOL!r}: {slots} slots" + (" (created)" if created else " (exists)"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,142 @@
+"""The lifecycle DAG's sweep, on the Airflow side: plan the slots of the run's study, pick the best
+trial once every slot is done (whatever happened to the others), hand its config to pretraining.
+
+    plan_trials ─► sweep_trial ×slots (TrialOperator, pool llmops_sweep) ─► pick_best ─► pretrain
+
+MLflow: every trial is a child run of the DAG run's parent run (params, loss and val_loss curves,
+tag `trial_state` = complete / pruned / failed); the parent gets the study's outcome: the best
+config (`sweep/best_config.json`), every trial (`sweep/trials.json`), counts and the steps pruning
+saved. The best config also goes downstream as XCom and as an event of the Asset
+`llmops://sweeps/<dag_id>/best`, so later runs and other DAGs can reuse it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import tempfile
+from typing import Any
+
+from llmops import tracking
+from llmops.sweep import study as studies
+from tasks import configs
+
+log = logging.getLogger(__name__)
+
+
+def study_for(run: dict[str, Any]) -> dict[str, Any]:
+    """The run's study reference: the same on every retry and rerun of the DAG run."""
+    return studies.study_ref(dag_id=run["dag_id"], run_id=run["run_id"], sweep=run["config"]["sweep"])
+
+
+def plan_trials(run: dict[str, Any], data: dict[str, Any]) -> list[dict[str, Any]]:
+    """Create (or reopen) the study; one op_kwargs per slot for the mapped TrialOperator."""
+    ref = study_for(run)
+    study = studies.open_study(ref, create=True)
+    kept = [t for t in studies.summary(study) if t["state"] in ("complete", "pruned")]
+    log.info("Study %s in %s: %d slots, sampler %s, pruner %s; %d trials already finished%s",
+             ref["name"], studies.redact(ref["storage"]), ref["slots"], ref["sampler"], ref["pruner"],
+             len(kept), " (kept: this is a rerun)" if kept else "")
+    client = tracking.client()
+    for key, value in {"sweep.study": ref["name"], "sweep.storage": studies.redact(ref["storage"]),
+                       "sweep.sampler": ref["sampler"], "sweep.pruner": ref["pruner"]}.items():
+        client.set_tag(run["parent_run_id"], key, value)
+    return [{"run": run, "data": data, "study": ref, "slot": slot} for slot in range(ref["slots"])]
+
+
+def pick_best(run: dict[str, Any], recommendation: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The best complete trial of the run's study, after every slot's task is done (failed and
+    pruned trials are reported, never chosen). With `size_from_ladder`, also the pretraining size
+    from the scaling ladder's `recommendation`."""
+    sweep = configs.from_dict(configs.SweepConfig, run["config"]["sweep"])
+    size = _size_from(recommendation, run) if sweep.size_from_ladder else None
+    ref = study_for(run)
+    study = studies.open_study(ref)
+    orphans = studies.fail_orphans(study)
+    if orphans:
+        log.warning("Trials %s lost their task without an outcome: marked failed.", orphans)
+    trials = studies.summary(study)
+    counts = {state: sum(t["state"] == state for t in trials) for state in ("complete", "pruned", "fail")}
+    complete = [t for t in trials if t["state"] == "complete"]
+    if not complete:
+        raise ValueError(f"No trial of study {ref['name']} completed ({counts['pruned']} pruned, "
+                         f"{counts['fail']} failed): see the sweep_trial logs. Clear the failed "
+                         "sweep_trial tasks to run them again; finished trials are kept.")
+    best = min(complete, key=lambda t: t["value"])
+    max_steps = ref["steps"]
+    saved = sum(max_steps - (t["steps_run"] or t["last_step"] or max_steps)
+                for t in trials if t["state"] == "pruned")
+    out = {"lr": best["params"]["optim.lr"], "val_loss": best["value"], "params": best["params"],
+           "trial": best["number"], "mlflow_run_id": best["mlflow_run_id"], "study": ref["name"],
+           "counts": counts, "steps_saved_by_pruning": saved,
+           "trials": [{k: t[k] for k in ("number", "state", "params", "value", "steps_run")}
+                      for t in trials]}
+    if size:
+        out["size"] = size
+    _log_outcome(run, ref, out, trials, saved, len(trials) * max_steps)
+    log.info("Best of %d trials: trial %d, val_loss %.4f, %s; %d pruned (%d steps saved), %d failed",
+             len(trials), best["number"], best["value"], best["params"], counts["pruned"], saved,
+             counts["fail"])
+    return out
+
+
+def apply_best(config: dict[str, Any], best: dict[str, Any]) -> None:
+    """Pretraining's config (a TrainConfig dict) with the best trial's hyperparameters and, when
+    chosen, the ladder's size."""
+    for path, value in (best.get("params") or {"optim.lr": best["lr"]}).items():
+        *parents, leaf = path.split(".")
+        node = config
+        for name in parents:
+            node = node[name]
+        node[leaf] = value
+    size = best.get("size")
+    if size:
+        config["model"]["n_embd"] = size["n_embd"]
+        config["max_steps"] = size["max_steps"]
+
+
+def _size_from(recommendation: dict[str, Any] | None, run: dict[str, Any]) -> dict[str, Any]:
+    from tasks.scaling.ladder import recommend
+
+    if not recommendation or "compute_optimal" not in recommendation:
+        raise ValueError("Param 'pretrain_size_from_ladder' is set but no scaling_ladder run has "
+                         "published a recommendation yet: run the scaling_ladder DAG first, or "
+                         "leave the Param off.")
+    pretrain = configs.from_dict(configs.TrainConfig, run["config"]["pretrain"])
+    per_step = pretrain.batch_size * run["config"]["data"]["seq_len"]
+    best = recommendation["compute_optimal"]
+    size = recommend(best["n_params"], best["tokens"], pretrain.model, per_step)
+    return {**size, "from_ladder_run": recommendation.get("mlflow_run_id", ""),
+            "target_flops": recommendation.get("target_flops")}
+
+
+def _log_outcome(run: dict[str, Any], ref: dict[str, Any], best: dict[str, Any],
+                 trials: list[dict[str, Any]], saved: int, total_steps: int) -> None:
+    client = tracking.client()
+    parent = run["parent_run_id"]
+    metrics = {"sweep.best_val_loss": best["val_loss"],
+               "sweep.trials_complete": best["counts"]["complete"],
+               "sweep.trials_pruned": best["counts"]["pruned"],
+               "sweep.trials_failed": best["counts"]["fail"],
+               "sweep.steps_saved_by_pruning": saved,
+               "sweep.share_of_steps_saved": saved / total_steps if total_steps else 0.0}
+    for key, value in metrics.items():
+        if isinstance(value, (int, float)) and math.isfinite(value):
+            client.log_metric(parent, key, value)
+    client.set_tag(parent, "sweep.best_trial", str(best["trial"]))
+    client.set_tag(parent, "sweep.best_run_id", best["mlflow_run_id"])
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, data in (("best_config.json", {k: v for k, v in best.items() if k != "trials"}),
+                           ("trials.json", trials)):
+            path = os.path.join(tmp, name)
+            with open(path, "w") as fh:
+                json.dump(data, fh, indent=2, sort_keys=True, default=str)
+            client.log_artifact(parent, path, artifact_path="sweep")
+
+
+def latest_extra(events: Any) -> dict[str, Any] | None:
+    """The `extra` of an asset's newest event (from a task's inlet_events), or None."""
+    newest = events.ascending(False).limit(1)
+    return dict(newest[0].extra or {}) if len(newest) else None
