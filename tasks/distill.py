@@ -1,16 +1,23 @@
-"""Distillation: a smaller student learns to match a frozen teacher on the SFT task.
+"""Distillation: a smaller student learns to match a frozen teacher.
 
     python -m tasks.distill --config CONFIG.json --result RESULT.json   (a DistillConfig)
 
-Loss on completion tokens only: alpha * T^2 * KL(softmax(teacher/T) || softmax(student/T))
-+ (1 - alpha) * CE(student, reference completion). The student shares the teacher's tokenizer,
-so its vocab_size and block_size are taken from the teacher whatever cfg.student says.
+Loss on completion tokens: alpha * T^2 * KL(softmax(teacher/T) || softmax(student/T))
++ (1 - alpha) * CE(student, reference completion). A share of every step (replay_fraction) is
+pretraining rows under the same loss on every token, so the student learns prose from the
+teacher's logits as well as the task; a student that only sees the task cannot model text.
+
+The teacher runs in this job, or (teacher_cache set) its top-k logits are read from the cache
+`python -m tasks.distill_cache` wrote with the same config. The student shares the teacher's
+tokenizer, so its vocab_size and block_size are taken from the teacher whatever cfg.student says.
+With quantize_int8 the trained student is also quantized and measured against its float self.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from pathlib import Path
 from typing import Any
 
@@ -21,70 +28,171 @@ from tasks.configs import DistillConfig, to_dict
 log = logging.getLogger("tasks.distill")
 
 
+def student_config(cfg: DistillConfig, teacher_dir: Path):
+    from tasks.common.io import read_json
+
+    teacher = read_json(teacher_dir / "model_config.json")
+    return dataclasses.replace(cfg.student, vocab_size=teacher["vocab_size"],
+                               block_size=teacher["block_size"])
+
+
 def main(cfg: DistillConfig) -> dict[str, Any]:
     import mlflow
 
     from tasks.model import GPT
-    from tasks.train.data import SFTBatches, load_sft_splits, prompt_example
-    from tasks.train.export import load_model, publish_model
-    from tasks.train.losses import distillation
+    from tasks.posttrain.batches import SFTSteps
+    from tasks.posttrain.datasets import load_sft_data
+    from tasks.posttrain.objectives import cached_kd, online_kd, with_replay
+    from tasks.posttrain.sources import resolve_model_dir
+    from tasks.posttrain.teacher_cache import TeacherCache, cache_key, replayed_rows
+    from tasks.train.data import prompt_example
+    from tasks.train.export import load_model, publish_model, read_meta
     from tasks.train.loop import train
     from tasks.train.runtime import pick_device, seed_everything
-    from tasks.train.scoring import answer_budget, completion_loss, exact_match
+    from tasks.train.scoring import answer_budget, completion_loss, exact_match, shard_loss
 
     with stage_run("distill", cfg) as run:
         device = pick_device()
-        teacher, teacher_meta = load_model(cfg.teacher_model, device)
-        # frozen: eval mode (no dropout) and no gradients, so it costs one forward per batch
-        teacher.eval().requires_grad_(False)
-        student_cfg = dataclasses.replace(cfg.student, vocab_size=teacher.config.vocab_size,
-                                          block_size=teacher.config.block_size)
+        teacher_dir = resolve_model_dir(cfg.teacher_model, Path(cfg.output_dir) / "sources")
+        teacher_meta = read_meta(teacher_dir)
+        student_cfg = student_config(cfg, teacher_dir)
         seed_everything(cfg.seed)
         student = GPT(student_cfg).to(device)
-        data, tokenizer, train_ex, eval_ex = load_sft_splits(
-            cfg.data_dir, cfg.teacher_model, student_cfg.block_size, cfg.eval_examples)
-        log.info("distill: teacher %d parameters -> student %d (%.1fx smaller); %d train examples",
-                 teacher.num_params(), student.num_params(),
-                 teacher.num_params() / student.num_params(), len(train_ex))
-        mlflow.set_tag("data.content_hash", data.content_hash)
-        mlflow.log_metrics({"params": student.num_params(), "teacher_params": teacher.num_params()})
+        sft = load_sft_data(cfg.data_dir, teacher_dir, student_cfg.block_size, cfg.eval_examples)
+        val_rows = sft.val_rows()
+        steps_kwargs = dict(batch_size=cfg.batch_size, seed=cfg.seed,
+                            block_size=student_cfg.block_size, pad_id=sft.eos_id,
+                            packing=cfg.packing,
+                            replay_rows=sft.replay_rows() if cfg.replay_fraction else None,
+                            replay_fraction=cfg.replay_fraction)
+
+        teacher, cache = None, None
+        if cfg.teacher_cache:
+            key = cache_key(teacher_dir=teacher_dir, data_hash=sft.data.content_hash,
+                            sft_sha256=sft.sha256, top_k=cfg.cache_top_k,
+                            block_size=student_cfg.block_size,
+                            replay_rows=replayed_rows(SFTSteps(sft.train, **steps_kwargs),
+                                                      cfg.max_steps))
+            cache = TeacherCache(cfg.teacher_cache, expected_key=key)
+            loss = cached_kd(cfg.temperature, cfg.alpha)
+            teacher_params = int(cache.teacher_metrics["params"])
+        else:
+            teacher, _ = load_model(teacher_dir, device)
+            # frozen: eval mode (no dropout) and no gradients, so it costs one forward per batch
+            teacher.eval().requires_grad_(False)
+            loss = online_kd(teacher, cfg.temperature, cfg.alpha)
+            teacher_params = teacher.num_params()
+        log.info("distill: teacher %d parameters -> student %d (%.1fx smaller); %d train "
+                 "examples; teacher %s", teacher_params, student.num_params(),
+                 teacher_params / student.num_params(), len(sft.train),
+                 f"from cache {cfg.teacher_cache}" if cache else "online")
+        mlflow.set_tag("data.content_hash", sft.data.content_hash)
+        mlflow.log_metrics({"params": student.num_params(), "teacher_params": teacher_params})
+
+        def held_out(m) -> dict[str, float]:
+            # plain completion CE, comparable with fine-tuning's val_loss
+            return {"val_loss": completion_loss(m, sft.eval, cfg.batch_size, device),
+                    "prose_val_loss": shard_loss(m, val_rows, cfg.batch_size, cfg.eval_batches,
+                                                 device)}
 
         result = train(
             model=student, cfg=cfg, device=device, resolved_config=to_dict(cfg),
-            get_batch=SFTBatches(train_ex, cfg.batch_size, cfg.seed, student_cfg.block_size,
-                                 data.eos_id),
-            loss_fn=distillation(teacher, cfg.temperature, cfg.alpha),
-            # the held-out metric is plain completion CE, comparable with fine-tuning's val_loss
-            evaluate=lambda m: {"val_loss": completion_loss(m, eval_ex, cfg.batch_size, device)})
+            get_batch=SFTSteps(sft.train, teacher_cache=cache, **steps_kwargs),
+            loss_fn=with_replay(loss, cfg.replay_fraction), evaluate=held_out)
 
-        budget = answer_budget(eval_ex)
-        student_task = exact_match(student, tokenizer, eval_ex, data.eos_id, budget, device)
-        teacher_task = exact_match(teacher, tokenizer, eval_ex, data.eos_id, budget, device)
-        teacher_loss = completion_loss(teacher, eval_ex, cfg.batch_size, device)
-        log.info("task accuracy: student %.3f, teacher %.3f", student_task["accuracy"],
-                 teacher_task["accuracy"])
-        mlflow.log_metrics({"task_accuracy": student_task["accuracy"],
-                            "teacher_task_accuracy": teacher_task["accuracy"],
-                            "teacher_val_loss": teacher_loss}, step=result.step)
-        log_json_artifact({"student": student_task, "teacher": teacher_task}, "task_eval.json")
+        budget = answer_budget(sft.eval)
+        student_task = exact_match(student, sft.tokenizer, sft.eval, sft.eos_id, budget, device)
+        student_held_out = held_out(student)
+        if teacher is not None:
+            teacher_metrics = teacher_scores(teacher, sft, cfg, device)
+        else:
+            teacher_metrics = cache.teacher_metrics
+        log.info("task accuracy: student %.3f, teacher %.3f; prose perplexity: student %.2f, "
+                 "teacher %.2f", student_task["accuracy"], teacher_metrics["task_accuracy"],
+                 math.exp(student_held_out["prose_val_loss"]),
+                 math.exp(teacher_metrics["prose_val_loss"]))
+        metrics = {"val_loss": student_held_out["val_loss"],
+                   "prose_perplexity": math.exp(student_held_out["prose_val_loss"]),
+                   "task_accuracy": student_task["accuracy"],
+                   "teacher_val_loss": teacher_metrics["val_loss"],
+                   "teacher_prose_perplexity": math.exp(teacher_metrics["prose_val_loss"]),
+                   "teacher_task_accuracy": teacher_metrics["task_accuracy"],
+                   "params_ratio": student.num_params() / teacher_params}
+        mlflow.log_metrics(metrics, step=result.step)
+        log_json_artifact({"student": student_task, "teacher": teacher_metrics}, "task_eval.json")
 
         model_dir, model_uri = publish_model(
-            student, cfg.output_dir, stage="distill", step=result.step, data_hash=data.content_hash,
-            tokenizer_path=Path(cfg.teacher_model) / "tokenizer.json",
+            student, cfg.output_dir, stage="distill", step=result.step,
+            data_hash=sft.data.content_hash, tokenizer_path=teacher_dir / "tokenizer.json",
             source_checkpoint=result.checkpoint, parent_model_dir=cfg.teacher_model,
-            parent=teacher_meta, example=prompt_example(eval_ex))
-        return {
-            "metrics": {"val_loss": result.val["val_loss"], "teacher_val_loss": teacher_loss,
-                        "task_accuracy": student_task["accuracy"],
-                        "teacher_task_accuracy": teacher_task["accuracy"],
-                        "train_loss": result.train_loss, "tokens_per_s": result.tokens_per_s,
-                        "params": student.num_params(), "teacher_params": teacher.num_params(),
-                        "step": result.step},
+            parent=teacher_meta, example=prompt_example(sft.eval),
+            extra_lineage={"sft_sha256": sft.sha256,
+                           "teacher_cache": cfg.teacher_cache or None})
+        out = {
+            "metrics": {**metrics, "train_loss": result.train_loss,
+                        "tokens_per_s": result.tokens_per_s, "params": student.num_params(),
+                        "teacher_params": teacher_params, "step": result.step},
             "outputs": {"model_dir": str(model_dir), "checkpoint": result.checkpoint},
             "model_uri": model_uri,
             "resumed_from": result.resumed_from,
             "mlflow_run_id": run.info.run_id,
         }
+        if cfg.quantize_int8:
+            int8 = quantize_student(student, sft, cfg, model_dir, device)
+            out["metrics"].update({f"int8.{k}": v for k, v in int8["report"].items()})
+            out["outputs"]["int8_model_dir"] = int8["model_dir"]
+        return out
+
+
+def teacher_scores(teacher, sft, cfg: DistillConfig, device) -> dict[str, Any]:
+    """The teacher's held-out numbers, for the student to be compared with."""
+    from tasks.train.scoring import answer_budget, completion_loss, exact_match, shard_loss
+
+    task = exact_match(teacher, sft.tokenizer, sft.eval, sft.eos_id, answer_budget(sft.eval),
+                       device)
+    return {"task_accuracy": task["accuracy"], "per_skill": task["per_skill"],
+            "val_loss": completion_loss(teacher, sft.eval, cfg.batch_size, device),
+            "prose_val_loss": shard_loss(teacher, sft.val_rows(), cfg.batch_size,
+                                         cfg.eval_batches, device),
+            "params": teacher.num_params()}
+
+
+def quantize_student(student, sft, cfg: DistillConfig, model_dir: Path, device) -> dict[str, Any]:
+    """Quantize the float student to int8, measure both on CPU, write model_int8/ beside it."""
+    import mlflow
+    import torch
+
+    from tasks.common.tracking import log_json_artifact
+    from tasks.posttrain.quantize import compare_int8, export_int8, quantize_int8
+    from tasks.train.export import read_meta
+    from tasks.train.scoring import answer_budget, exact_match, shard_loss
+
+    cpu = torch.device("cpu")
+    val_rows = sft.val_rows()
+    budget = answer_budget(sft.eval)
+
+    def quality(m) -> dict[str, float]:
+        return {"perplexity": math.exp(shard_loss(m, val_rows, cfg.batch_size, cfg.eval_batches,
+                                                  cpu)),
+                "task_accuracy": exact_match(m, sft.tokenizer, sft.eval, sft.eos_id, budget,
+                                             cpu)["accuracy"]}
+
+    quantized = quantize_int8(student)
+    inputs = val_rows.take(val_rows.in_order(cfg.batch_size, 1)[0]).inputs
+    report = compare_int8(student, quantized, inputs, quality)
+    log.info("int8 student: %.2f MB vs %.2f MB float (x%.2f), %.0f vs %.0f tokens/s on CPU "
+             "(x%.2f), perplexity %.2f vs %.2f, task accuracy %.3f vs %.3f",
+             report["size_bytes_int8"] / 1e6, report["size_bytes_float"] / 1e6,
+             report["size_ratio"], report["tokens_per_s_int8"], report["tokens_per_s_float"],
+             report["speedup"], report["perplexity_int8"], report["perplexity_float"],
+             report["task_accuracy_int8"], report["task_accuracy_float"])
+    path = export_int8(quantized, Path(cfg.output_dir), Path(model_dir) / "tokenizer.json",
+                       {**read_meta(model_dir), "float_model_dir": str(model_dir),
+                        "comparison": report})
+    mlflow.log_metrics({f"int8.{k}": v for k, v in report.items()})
+    log_json_artifact(report, "int8_report.json")
+    _ = device  # measured on CPU whatever the training device: int8 dynamic is a CPU feature
+    return {"report": report, "model_dir": str(path)}
 
 
 if __name__ == "__main__":

@@ -1,108 +1,140 @@
-"""Evaluation: the numbers that decide what ships, for each named model directory.
+"""Evaluation: the numbers that decide what ships, for each named model.
 
     python -m tasks.evaluate --config CONFIG.json --result RESULT.json   (an EvalConfig)
 
-Per model: held-out perplexity on the val shards, and exact-match accuracy of greedy answers on
-up to max_task_examples of sft/eval.jsonl (overall and per skill). Writes output_dir/report.json,
-logs "<name>.perplexity", "<name>.task_accuracy", "<name>.params" and a comparison plot.
+Per model (a directory, an int8 directory from distill, a checkpoint or an MLflow model URI;
+each scored with its own tokenizer):
+held-out perplexity and bits per byte on the val shards (tasks/eval/language.py), exact-match
+accuracy of greedy answers on up to max_task_examples of sft/eval.jsonl (overall and per skill),
+every task suite (tasks/eval/suites.py: multiple choice by log-likelihood, generation by exact
+match) and, with lm_eval, the same suites through lm-evaluation-harness (tasks/eval/harness.py).
+Writes output_dir/report.json and report.md; logs "<name>.<metric>" metrics, the table as an
+MLflow table, and plots.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 from pathlib import Path
 from typing import Any
 
 from tasks.common.entry import run_stage
-from tasks.common.tracking import log_figure, stage_run
+from tasks.common.tracking import stage_run
 from tasks.configs import EvalConfig
 
 log = logging.getLogger("tasks.evaluate")
 
+LINEAGE_KEYS = ("stage", "step", "source_checkpoint", "data_content_hash", "sft_sha256",
+                "parent_run_id", "parent_model_uri", "parent_registered_version",
+                "registered_model", "registered_version")
 
-def evaluate_model(name: str, model_dir: str, cfg: EvalConfig, device) -> dict[str, Any]:
-    from tasks.train.data import DataDir, load_sft, model_tokenizer
+
+def evaluate_model(name: str, ref: str, cfg: EvalConfig, suites: list, device) -> dict[str, Any]:
+    import torch
+
+    from tasks.eval.harness import run_harness
+    from tasks.eval.language import (eos_id_of, held_out_batches, language_scores,
+                                     token_byte_lengths)
+    from tasks.eval.suites import score_suite
+    from tasks.posttrain.sources import resolve_model_dir
+    from tasks.train.data import DataDir, load_sft, load_tokenizer
     from tasks.train.export import load_model
-    from tasks.train.scoring import exact_match, shard_loss
+    from tasks.train.scoring import exact_match
 
-    model, meta = load_model(model_dir, device)
+    model_dir = resolve_model_dir(ref, Path(cfg.output_dir) / "sources")
+    if (model_dir / "model_int8.pt").is_file():  # distill's quantize_int8 output: CPU only
+        from tasks.posttrain.quantize import load_int8
+
+        device = torch.device("cpu")
+        model, meta = load_int8(model_dir)
+    else:
+        model, meta = load_model(model_dir, device)
     data = DataDir(cfg.data_dir)
-    tokenizer = model_tokenizer(data, model_dir)
-    examples = load_sft(data.sft_path("eval"), tokenizer, data.eos_id, limit=cfg.max_task_examples)
-    val_loss = shard_loss(model, data.split("val"), cfg.batch_size, cfg.eval_batches, device)
-    task = exact_match(model, tokenizer, examples, data.eos_id, cfg.max_new_tokens, device)
-    log.info("%s: perplexity %.2f, task accuracy %.3f (%d examples), %d parameters", name,
-             math.exp(val_loss), task["accuracy"], task["n"], model.num_params())
+    tokenizer_path = model_dir / "tokenizer.json"
+    tokenizer = load_tokenizer(tokenizer_path)
+    eos_id = eos_id_of(tokenizer, data, tokenizer_path)
+
+    batches = held_out_batches(data, tokenizer, eos_id, tokenizer_path, model.config.block_size,
+                               cfg.batch_size, cfg.eval_batches)
+    metrics: dict[str, float] = {"params": model.num_params()}
+    language = language_scores(model, batches, token_byte_lengths(tokenizer_path, tokenizer),
+                               device)
+    metrics.update({k: language[k] for k in ("val_loss", "perplexity", "bits_per_byte")})
+    examples = load_sft(data.sft_path("eval"), tokenizer, eos_id, limit=cfg.max_task_examples)
+    task = exact_match(model, tokenizer, examples, eos_id, cfg.max_new_tokens, device)
+    metrics["task_accuracy"] = task["accuracy"]
+    metrics.update({f"task_accuracy.{skill}": acc for skill, acc in task["per_skill"].items()})
+    for suite in suites:
+        for key, value in score_suite(model, tokenizer, eos_id, suite, device).items():
+            metrics[f"suite.{suite.name}.{key}"] = value
+    if cfg.lm_eval:
+        metrics.update(run_harness(model, tokenizer, eos_id, [s.path for s in suites], device,
+                                   limit=cfg.suite_examples))
+    log.info("%s: perplexity %.2f, %.3f bits/byte, task accuracy %.3f (%d examples), %d "
+             "parameters%s", name, metrics["perplexity"], metrics["bits_per_byte"],
+             task["accuracy"], task["n"], model.num_params(),
+             "".join(f", {s.name} {metrics[f'suite.{s.name}.accuracy']:.3f}" for s in suites))
     return {
+        "model_ref": str(ref),
         "model_dir": str(model_dir),
         "model_uri": meta.get("model_uri"),
         "stage": meta.get("stage"),
         "mlflow_run_id": meta.get("run_id"),
+        "lineage": {k: meta[k] for k in LINEAGE_KEYS if meta.get(k) not in (None, "")},
         "params": model.num_params(),
-        "val_loss": val_loss,
-        "perplexity": math.exp(val_loss),
+        "val_loss": metrics["val_loss"],
+        "perplexity": metrics["perplexity"],
         "task_accuracy": task["accuracy"],
         "task_examples": task["n"],
         "per_skill": task["per_skill"],
         "samples": task["samples"],
+        "metrics": metrics,
     }
 
 
-def plot_report(models: dict[str, dict[str, Any]]):
-    """Accuracy and perplexity side by side, with parameter counts in the labels."""
-    import matplotlib
+def load_suites(cfg: EvalConfig) -> list:
+    from tasks.eval.suites import load_suite, suite_files, write_demo_suites
 
-    matplotlib.use("Agg")  # no display on a worker
-    import matplotlib.pyplot as plt
-
-    names = list(models)
-    labels = [f"{n}\n{models[n]['params'] / 1e6:.2f}M params" for n in names]
-    fig, (acc_ax, ppl_ax) = plt.subplots(1, 2, figsize=(4 + 1.5 * len(names), 3.5))
-    acc_ax.bar(labels, [models[n]["task_accuracy"] for n in names], color="tab:green")
-    acc_ax.set_ylim(0, 1)
-    acc_ax.set_title("task exact match")
-    ppl_ax.bar(labels, [models[n]["perplexity"] for n in names], color="tab:blue")
-    # log scale: a model tuned on one narrow task can be orders of magnitude off on prose
-    ppl_ax.set_yscale("log")
-    ppl_ax.set_title("held-out perplexity (log)")
-    for ax, key, fmt in ((acc_ax, "task_accuracy", "{:.2f}"), (ppl_ax, "perplexity", "{:.3g}")):
-        for i, n in enumerate(names):
-            ax.annotate(fmt.format(models[n][key]), (i, models[n][key]), ha="center", va="bottom")
-    fig.tight_layout()
-    return fig
+    paths = suite_files(cfg.suites)
+    if cfg.demo_suites:
+        paths += write_demo_suites(cfg.data_dir, Path(cfg.output_dir) / "suites",
+                                   cfg.suite_examples)
+    return [load_suite(p, limit=cfg.suite_examples) for p in paths]
 
 
 def main(cfg: EvalConfig) -> dict[str, Any]:
     import mlflow
 
     from tasks.common.io import write_json
+    from tasks.eval.harness import INSTALL_HINT, available
+    from tasks.eval.report import log_report
     from tasks.train.runtime import pick_device
 
+    if cfg.lm_eval and not available():
+        raise ImportError(INSTALL_HINT)  # before any model is scored
     with stage_run("evaluate", cfg) as run:
         device = pick_device()
-        models = {name: evaluate_model(name, str(model_dir), cfg, device)
-                  for name, model_dir in cfg.models.items()}
-        metrics: dict[str, float] = {}
-        for name, m in models.items():
-            metrics[f"{name}.perplexity"] = m["perplexity"]
-            metrics[f"{name}.val_loss"] = m["val_loss"]
-            metrics[f"{name}.task_accuracy"] = m["task_accuracy"]
-            metrics[f"{name}.params"] = m["params"]
-            for skill, acc in m["per_skill"].items():
-                metrics[f"{name}.task_accuracy.{skill}"] = acc
+        Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
+        suites = load_suites(cfg)
+        models = {name: evaluate_model(name, str(ref), cfg, suites, device)
+                  for name, ref in cfg.models.items()}
+        metrics = {f"{name}.{key}": value for name, m in models.items()
+                   for key, value in m["metrics"].items()}
         mlflow.log_metrics(metrics)
         report_path = write_json(Path(cfg.output_dir) / "report.json",
                                  {"models": models, "metrics": metrics,
+                                  "suites": {s.name: str(s.path) for s in suites},
                                   "data_dir": cfg.data_dir, "mlflow_run_id": run.info.run_id})
         mlflow.log_artifact(str(report_path))
-        log_figure(plot_report(models), "eval_report.png")
+        for suite in suites:
+            mlflow.log_artifact(str(suite.path), artifact_path="suites")
+        markdown = log_report(models, cfg.output_dir)
         return {
             "metrics": metrics,
-            "models": {name: {"model_dir": m["model_dir"], "model_uri": m["model_uri"],
-                              "params": m["params"], "mlflow_run_id": m["mlflow_run_id"]}
+            "models": {name: {k: m[k] for k in ("model_ref", "model_dir", "model_uri", "params",
+                                                "mlflow_run_id", "stage", "lineage")}
                        for name, m in models.items()},
-            "outputs": {"report": str(report_path)},
+            "outputs": {"report": str(report_path), "report_md": str(markdown)},
             "mlflow_run_id": run.info.run_id,
         }
 

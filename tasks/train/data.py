@@ -1,8 +1,11 @@
 """Reading what data prep wrote: memory-mapped token shards and prompt/completion examples.
 
-Batch order is a pure function of (seed, step): batch `s` holds positions s*B .. s*B+B-1 of an
-endless stream made of one seeded permutation of all rows per epoch. The data cursor is therefore
-just the step, and a job resumed at step s reads exactly the batches the uninterrupted job would.
+Batch order is a pure function of (seed, batch index): batch `b` holds positions b*B .. b*B+B-1
+of an endless stream made of one seeded permutation of all rows per epoch. The training loop's
+data cursor is the index of the next batch (the step, plus any batches skipped after a loss
+spike), kept in every checkpoint, so a job resumed from one reads exactly the batches the
+uninterrupted job would. With several processes, global batch b is split across ranks the way
+DistributedSampler splits a dataset: each position is read by exactly one rank.
 """
 
 from __future__ import annotations
@@ -122,19 +125,33 @@ class EpochSampler:
         return self._cache[epoch]
 
     def indices(self, step: int) -> np.ndarray:
-        positions = np.arange(step * self.batch_size, (step + 1) * self.batch_size)
+        return self.at(np.arange(step * self.batch_size, (step + 1) * self.batch_size))
+
+    def at(self, positions: np.ndarray) -> np.ndarray:
+        """Row indices at the given positions of the stream."""
         return np.array([self._perm(int(p // self.n))[p % self.n] for p in positions])
 
 
 class PretrainBatches:
-    """Batch `step` of next-token training: input = row[:-1], target = row[1:]."""
+    """Batch `b` of next-token training (input = row[:-1], target = row[1:]), this rank's share.
 
-    def __init__(self, rows: TokenRows, batch_size: int, seed: int) -> None:
-        self.rows = rows
+    Global batch b is positions b*B*W .. (b+1)*B*W - 1 of the stream (B per rank, W ranks); rank
+    r takes positions r, r+W, r+2W, ... of it, as DistributedSampler does. With W = 1 this is
+    batch b of the single-process stream.
+    """
+
+    def __init__(self, rows: TokenRows, batch_size: int, seed: int, rank: int = 0,
+                 world_size: int = 1) -> None:
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside world_size {world_size}.")
+        self.rows, self.batch_size = rows, batch_size
+        self.rank, self.world_size = rank, world_size
         self.sampler = EpochSampler(rows.rows, batch_size, seed)
 
-    def __call__(self, step: int) -> Batch:
-        return self.rows.take(self.sampler.indices(step))
+    def __call__(self, b: int) -> Batch:
+        start = b * self.batch_size * self.world_size
+        positions = start + self.rank + self.world_size * np.arange(self.batch_size)
+        return self.rows.take(self.sampler.at(positions))
 
 
 # --------------------------------------------------------------------------------------------
@@ -155,6 +172,8 @@ class SFTExample:
     skill: str
     prompt_ids: list[int]
     completion_ids: list[int]  # ends with EOS
+    # chat: True where a prompt token is an earlier assistant turn, which carries loss too
+    prompt_trainable: list[bool] | None = None
 
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
@@ -162,11 +181,73 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
         return [json.loads(line) for line in fh if line.strip()]
 
 
+CHAT_ROLES = {"system": "System", "user": "User", "assistant": "Assistant"}
+
+
+def render_chat(messages: list[dict[str, Any]], where: str = "chat record") -> list[tuple[str, bool]]:
+    """A chat as (text, trainable) segments: "User: ...\nAssistant: ...\n" with only the
+    assistant replies trainable. The last message must be the assistant's: it is the completion."""
+    if not messages or not isinstance(messages, list):
+        raise ValueError(f"{where}: 'messages' must be a non-empty list of {{role, content}}.")
+    for m in messages:
+        if not isinstance(m, dict) or m.get("role") not in CHAT_ROLES or not isinstance(m.get("content"), str):
+            raise ValueError(f"{where}: every message needs a role in {sorted(CHAT_ROLES)} and a "
+                             f"string content, got {m!r}.")
+    if messages[-1]["role"] != "assistant":
+        raise ValueError(f"{where}: the last message must be the assistant's reply (the completion).")
+    segments: list[tuple[str, bool]] = []
+    for i, m in enumerate(messages):
+        last = i == len(messages) - 1
+        if m["role"] == "assistant":
+            segments.append(("Assistant:", False))
+            # the reply ends at a newline (where exact match and generation stop), except the last
+            # one, whose end is the EOS collate appends
+            segments.append((" " + m["content"].strip() + ("" if last else "\n"), True))
+        else:
+            segments.append((f"{CHAT_ROLES[m['role']]}: {m['content'].strip()}\n", False))
+    return segments
+
+
+def _chat_example(i: int, r: dict[str, Any], tokenizer, eos_id: int, where: str) -> SFTExample:
+    segments = render_chat(r["messages"], where)
+    encoded = tokenizer.encode_batch([text for text, _ in segments], add_special_tokens=False)
+    prompt_ids: list[int] = []
+    trainable: list[bool] = []
+    for (text, train), enc in zip(segments[:-1], encoded[:-1]):
+        prompt_ids += enc.ids
+        trainable += [train] * len(enc.ids)
+    return SFTExample(id=str(r.get("id", i)), prompt="".join(t for t, _ in segments[:-1]),
+                      completion=segments[-1][0], skill=str(r.get("skill", "chat")),
+                      prompt_ids=prompt_ids, completion_ids=encoded[-1].ids + [eos_id],
+                      prompt_trainable=trainable if any(trainable) else None)
+
+
 def load_sft(path: str | Path, tokenizer, eos_id: int, limit: int | None = None) -> list[SFTExample]:
+    """Prompt/completion records ({"prompt", "completion"}) or chat records ({"messages": [...]},
+    see render_chat), mixed freely in one JSONL file."""
     records = read_jsonl(path)[:limit]
     if not records:
         raise ValueError(f"{path} holds no examples; data prep should write prompt/completion "
                          "JSONL there.")
+    chats = {i: _chat_example(i, r, tokenizer, eos_id, f"{path}:{i + 1}")
+             for i, r in enumerate(records) if "messages" in r}
+    plain = [(i, r) for i, r in enumerate(records) if i not in chats]
+    for i, r in plain:
+        if not isinstance(r.get("prompt"), str) or not isinstance(r.get("completion"), str):
+            raise ValueError(f"{path}:{i + 1}: expected {{\"prompt\", \"completion\"}} strings or "
+                             f"{{\"messages\": [...]}}, got keys {sorted(r)}.")
+    if chats:
+        out = dict(chats)
+        out.update({i: ex for (i, _), ex in zip(plain, _plain_examples(plain, tokenizer, eos_id))})
+        return [out[i] for i in range(len(records))]
+    return _plain_examples(plain, tokenizer, eos_id)
+
+
+def _plain_examples(indexed: list[tuple[int, dict[str, Any]]], tokenizer, eos_id: int
+                    ) -> list[SFTExample]:
+    records = [r for _, r in indexed]
+    if not records:
+        return []
     # Prompt and completion are tokenized separately, as at inference time the model sees the
     # prompt's tokens alone and must produce the completion's tokens from there.
     prompts = tokenizer.encode_batch([r["prompt"] for r in records], add_special_tokens=False)
@@ -174,29 +255,37 @@ def load_sft(path: str | Path, tokenizer, eos_id: int, limit: int | None = None)
     return [SFTExample(id=str(r.get("id", i)), prompt=r["prompt"], completion=r["completion"],
                        skill=str(r.get("skill", "all")), prompt_ids=p.ids,
                        completion_ids=c.ids + [eos_id])
-            for i, (r, p, c) in enumerate(zip(records, prompts, completions))]
+            for (i, r), p, c in zip(indexed, prompts, completions)]
 
 
 def collate_sft(examples: list[SFTExample], block_size: int, pad_id: int) -> Batch:
     """Right-padded (B, T) inputs and targets; targets are IGNORE_INDEX on prompt and padding,
     so only completion tokens (and the EOS that ends them) carry loss."""
-    seqs, n_prompt = [], []
+    seqs, losses = [], []
     for ex in examples:
-        ids = ex.prompt_ids + ex.completion_ids
-        # too long: drop the oldest prompt tokens, never the completion the loss is about
-        cut = max(0, len(ids) - (block_size + 1))
-        seqs.append(ids[cut:])
-        n_prompt.append(max(0, len(ex.prompt_ids) - cut))
+        ids, carries = sft_sequence(ex, block_size)
+        seqs.append(ids)
+        losses.append(carries)
     T = max(len(s) for s in seqs) - 1
     inputs = torch.full((len(seqs), T), pad_id, dtype=torch.long)
     targets = torch.full((len(seqs), T), IGNORE_INDEX, dtype=torch.long)
-    for b, (ids, p) in enumerate(zip(seqs, n_prompt)):
+    for b, (ids, carries) in enumerate(zip(seqs, losses)):
         ids_t = torch.tensor(ids, dtype=torch.long)
         inputs[b, : len(ids) - 1] = ids_t[:-1]
-        targets[b, : len(ids) - 1] = ids_t[1:]
-        # target position t predicts token t+1: it is a prompt token while t+1 < p
-        targets[b, : max(0, p - 1)] = IGNORE_INDEX
+        # target position t predicts token t+1, which carries loss only in the completion (and
+        # in earlier assistant turns of a chat)
+        targets[b, : len(ids) - 1] = torch.where(torch.tensor(carries[1:]), ids_t[1:],
+                                                 torch.tensor(IGNORE_INDEX))
     return Batch(inputs, targets, sum(len(ids) - 1 for ids in seqs))
+
+
+def sft_sequence(ex: SFTExample, block_size: int) -> tuple[list[int], list[bool]]:
+    """An example's token ids (at most block_size + 1) and, per token, whether predicting it
+    carries loss. Too long: the oldest prompt tokens are dropped, never the completion."""
+    ids = ex.prompt_ids + ex.completion_ids
+    carries = (ex.prompt_trainable or [False] * len(ex.prompt_ids)) + [True] * len(ex.completion_ids)
+    cut = max(0, len(ids) - (block_size + 1))
+    return ids[cut:], carries[cut:]
 
 
 class SFTBatches:

@@ -49,3 +49,25 @@ def distillation(teacher: nn.Module, temperature: float, alpha: float) -> LossFn
         return kd_loss(student_logits, teacher_logits, batch.targets, temperature, alpha)
 
     return loss_fn
+
+
+def topk_kd_loss(student_logits: torch.Tensor, teacher_values: torch.Tensor,
+                 teacher_indices: torch.Tensor, targets: torch.Tensor, temperature: float,
+                 alpha: float) -> torch.Tensor:
+    """kd_loss with the teacher known only by its top-k logits per position (a cached teacher).
+
+    The teacher's distribution is its softmax over those k logits (the tail it did not keep is
+    dropped and the rest renormalized); the student's log-probabilities are taken over the full
+    vocabulary and read at the teacher's k token ids. With k = vocab this is exactly kd_loss.
+    teacher_values/indices: (B, T, k), meaningful where targets is not IGNORE_INDEX.
+    """
+    mask = targets != IGNORE_INDEX
+    s = student_logits[mask].float()  # (N, V)
+    t = teacher_values[mask].float()  # (N, k)
+    idx = teacher_indices[mask].long()
+    T = temperature
+    log_p = F.log_softmax(t / T, dim=-1)
+    log_q = F.log_softmax(s / T, dim=-1).gather(-1, idx)
+    kl = (log_p.exp() * (log_p - log_q)).sum(-1).mean()
+    ce = F.cross_entropy(s, targets[mask])
+    return alpha * T * T * kl + (1.0 - alpha) * ce

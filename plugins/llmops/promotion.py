@@ -1,0 +1,351 @@
+"""The promotion gate: a challenger becomes `champion` only when it is good enough on its own and
+not worse than the champion it would replace.
+
+    gate_decisions   per candidate, the reasons it may not ship: the absolute thresholds
+                     (GateConfig.min_task_accuracy, max_perplexity) and, when the evaluation also
+                     scored the current champion, GateConfig.champion_margins: metric -> how much
+                     worse than the champion a challenger may be (0 = at least as good, negative
+                     = must beat it by that much). Metrics named *loss, *perplexity or
+                     *bits_per_byte are lower-is-better, every other one higher-is-better.
+    gate             registers the candidate as a model version with its lineage (data manifest,
+                     checkpoint, parent runs, evaluation run) and the gate's verdict as tags; it
+                     holds the alias `challenger` until crowned. A refused version keeps it, with
+                     the reasons in the tag `gate.reasons`.
+    crown            moves `champion` to a version that passed (after a human approval, when
+                     the DAG asks for one: Airflow's ApprovalOperator).
+    promote          gate + crown, for DAGs without an approval step.
+
+Also the retraining DAG's Airflow side (start_retrain, next_step, finish). MLflow client only.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from typing import Any
+
+from llmops import settings, tracking
+from llmops.params import RETRAIN_KNOBS, set_path
+from tasks import configs
+
+log = logging.getLogger(__name__)
+
+CHAMPION, CHALLENGER = "champion", "challenger"
+LOWER_IS_BETTER = ("loss", "perplexity", "bits_per_byte")
+# the metrics copied onto a registered version as tags "<candidate>.<metric>"
+TAGGED_METRICS = ("task_accuracy", "perplexity", "bits_per_byte", "val_loss", "params")
+
+
+class LifecycleGateError(RuntimeError):
+    """No candidate met the gate (kept for callers that want to fail instead of skip)."""
+
+
+def lower_is_better(metric: str) -> bool:
+    return metric.endswith(LOWER_IS_BETTER)
+
+
+# -- decisions ------------------------------------------------------------------------------------
+
+
+def threshold_reasons(gate: configs.GateConfig, metrics: dict[str, float], name: str) -> list[str]:
+    accuracy = metrics.get(f"{name}.task_accuracy")
+    perplexity = metrics.get(f"{name}.perplexity")
+    if accuracy is None or perplexity is None:
+        return ["not evaluated"]
+    reasons = []
+    if accuracy < gate.min_task_accuracy:
+        reasons.append(f"task accuracy {accuracy:.3f} < {gate.min_task_accuracy}")
+    if perplexity > gate.max_perplexity:
+        reasons.append(f"perplexity {perplexity:.2f} > {gate.max_perplexity}")
+    return reasons
+
+
+def champion_reasons(gate: configs.GateConfig, metrics: dict[str, float], name: str,
+                     champion: str = CHAMPION) -> list[str]:
+    """Why `name` is worse than `champion` beyond the allowed margins; empty when no champion
+    was evaluated (the first model has nothing to beat)."""
+    reasons = []
+    for metric, margin in gate.champion_margins.items():
+        theirs = metrics.get(f"{champion}.{metric}")
+        if theirs is None:
+            continue
+        ours = metrics.get(f"{name}.{metric}")
+        if ours is None:
+            reasons.append(f"{metric} not evaluated (the champion has {theirs:.4g})")
+        elif lower_is_better(metric) and ours > theirs + margin:
+            reasons.append(f"{metric} {ours:.4g} is worse than the champion's {theirs:.4g} "
+                           f"(at most +{margin:g} allowed)")
+        elif not lower_is_better(metric) and ours < theirs - margin:
+            reasons.append(f"{metric} {ours:.4g} is worse than the champion's {theirs:.4g} "
+                           f"(at most -{margin:g} allowed)")
+    return reasons
+
+
+def gate_decisions(gate: configs.GateConfig, evaluation: dict[str, Any],
+                   candidates: tuple[str, ...] = ("teacher", "student")) -> dict[str, list[str]]:
+    """For each candidate, the reasons it may not ship (an empty list means it passes)."""
+    metrics = evaluation["metrics"]
+    return {name: threshold_reasons(gate, metrics, name) + champion_reasons(gate, metrics, name)
+            for name in candidates}
+
+
+def _order(gate: configs.GateConfig, candidates: tuple[str, ...]) -> list[str]:
+    return sorted(candidates, key=lambda n: n != gate.prefer)  # stable: the preferred one first
+
+
+# -- the registry ---------------------------------------------------------------------------------
+
+
+def current_champion(model_name: str) -> dict[str, Any] | None:
+    """The version holding `champion`, pinned by number, or None when there is none yet."""
+    from mlflow.exceptions import MlflowException
+
+    client = tracking.client()
+    try:
+        mv = client.get_model_version_by_alias(model_name, CHAMPION)
+    except MlflowException:
+        return None
+    return {"version": str(mv.version), "uri": f"models:/{model_name}/{mv.version}",
+            "run_id": mv.tags.get("training_run_id") or mv.run_id or "", "tags": dict(mv.tags)}
+
+
+def _register_once(client: Any, name: str, model_uri: str, lineage: dict[str, str]) -> str:
+    """Register `model_uri` as a new version, or return the version this DAG run already
+    registered for this candidate (a retried task must not register twice)."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        client.create_registered_model(name, description="Champion of the LLM lifecycle DAGs; "
+                                                         "see the alias `champion`.")
+    except MlflowException:
+        pass  # already exists
+    for mv in client.search_model_versions(f"name = '{name}'"):
+        if all(mv.tags.get(k) == lineage[k] for k in ("run_id", "dag_id", "candidate")):
+            return mv.version
+    import mlflow
+
+    mlflow.set_tracking_uri(tracking.tracking_uri())
+    mlflow.set_registry_uri(tracking.tracking_uri())
+    return mlflow.register_model(model_uri, name, tags=lineage).version
+
+
+def gate(run: dict[str, Any], evaluation: dict[str, Any], data: dict[str, Any],
+         candidates: tuple[str, ...] = ("teacher", "student")) -> dict[str, Any]:
+    """Decide, register the chosen candidate (the preferred passing one, else the preferred one)
+    with its lineage and verdict, and give it the alias `challenger`. Returns the decision."""
+    gate_cfg = configs.from_dict(configs.GateConfig, run["config"]["gate"])
+    decisions = gate_decisions(gate_cfg, evaluation, candidates)
+    order = _order(gate_cfg, candidates)
+    passing = [n for n in order if not decisions[n]]
+    evaluated = [n for n in order if n in evaluation.get("models", {})]
+    chosen = passing[0] if passing else (evaluated[0] if evaluated else None)
+    decision: dict[str, Any] = {"passed": bool(passing), "candidate": chosen, "gate": decisions,
+                                "model_name": run["model_name"], "version": None,
+                                "champion_before": _champion_version(evaluation)}
+    if chosen is None:
+        decision["reasons"] = "no candidate was evaluated"
+        return decision
+    model = evaluation["models"][chosen]
+    metrics = {k: v for k, v in evaluation["metrics"].items() if k.startswith(f"{chosen}.")}
+    reasons = "; ".join(decisions[chosen])
+    lineage = {"run_id": run["run_id"], "dag_id": run["dag_id"], "candidate": chosen,
+               "data_hash": data.get("data_hash", ""), "model_dir": model.get("model_dir", ""),
+               "training_run_id": model.get("mlflow_run_id") or "",
+               "evaluation_run_id": evaluation.get("mlflow_run_id", ""),
+               "lifecycle_run_id": run["parent_run_id"],
+               **{f"lineage.{k}": str(v) for k, v in (model.get("lineage") or {}).items()}}
+    client = tracking.client()
+    name = run["model_name"]
+    version = _register_once(client, name, model["model_uri"], lineage)
+    tags = {"gate.passed": str(bool(passing)).lower(), "gate.reasons": reasons or "none",
+            "gate.compared_to": decision["champion_before"] or "no champion yet",
+            **{k: str(v) for k, v in metrics.items()
+               if k.split(".", 1)[1] in TAGGED_METRICS or ".suite." in k}}
+    for key, value in tags.items():
+        client.set_model_version_tag(name, version, key, value)
+    client.set_registered_model_alias(name, CHALLENGER, version)
+    client.set_tag(run["parent_run_id"], "gate", "passed" if passing else "refused")
+    decision.update(version=str(version), reasons=reasons, metrics=metrics,
+                    uri=f"models:/{name}/{version}",
+                    champion_metrics={k.split(".", 1)[1]: v for k, v in evaluation["metrics"].items()
+                                      if k.startswith(f"{CHAMPION}.")})
+    log.info("gate: %s version %s (%s) %s%s", name, version, chosen,
+             "passed" if passing else "refused: ", "" if passing else reasons)
+    return decision
+
+
+def _champion_version(evaluation: dict[str, Any]) -> str | None:
+    champion = evaluation.get("models", {}).get(CHAMPION)
+    if not champion:
+        return None
+    return champion.get("lineage", {}).get("registered_version") or champion.get("model_ref")
+
+
+def crown(run: dict[str, Any], decision: dict[str, Any],
+          approval: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Point `champion` at the version the gate passed (and a human approved, if asked)."""
+    if not decision.get("passed"):
+        raise LifecycleGateError(f"version {decision.get('version')} did not pass the gate "
+                                 f"({decision.get('reasons')}); it stays `challenger`.")
+    client = tracking.client()
+    name, version = decision["model_name"], decision["version"]
+    if approval:
+        client.set_model_version_tag(name, version, "approval", approval_text(approval))
+    client.set_registered_model_alias(name, CHAMPION, version)
+    if str(client.get_registered_model(name).aliases.get(CHALLENGER)) == str(version):
+        client.delete_registered_model_alias(name, CHALLENGER)
+    client.set_tag(run["parent_run_id"], CHAMPION, f"{name}/{version}")
+    log.info("%s version %s is now `champion` (was %s)", name, version,
+             decision.get("champion_before") or "none")
+    return {**decision, "alias": CHAMPION}
+
+
+def approval_text(approval: dict[str, Any]) -> str:
+    """'Approve by admin at 2026-...' from the ApprovalOperator's XCom."""
+    chosen = ", ".join(approval.get("chosen_options") or []) or "no answer"
+    user = approval.get("responded_by_user") or {}
+    who = user.get("name") or user.get("id") or "unknown" if isinstance(user, dict) else str(user)
+    return f"{chosen} by {who} at {approval.get('responded_at')}"
+
+
+def promote(run: dict[str, Any], evaluation: dict[str, Any], data: dict[str, Any],
+            candidates: tuple[str, ...] = ("teacher", "student")) -> dict[str, Any]:
+    """The lifecycle DAG's last step: gate, then crown what passed. Ends the MLflow parent run.
+    Returns the decision with `promoted`; a refused challenger is recorded, not raised."""
+    decision = gate(run, evaluation, data, candidates)
+    if decision["passed"]:
+        decision = crown(run, decision)
+    tracking.end_run(run["parent_run_id"], "FINISHED")
+    return {**decision, "promoted": decision["passed"],
+            "alias": CHAMPION if decision["passed"] else CHALLENGER}
+
+
+def summary(decision: dict[str, Any]) -> str:
+    """One line for logs, skip messages and the approval request."""
+    who = f"{decision['model_name']} version {decision.get('version')} ({decision.get('candidate')})"
+    if decision.get("passed"):
+        return f"{who} passed the gate against {decision.get('champion_before') or 'no champion'}."
+    return f"{who} refused, kept as `challenger`: {decision.get('reasons')}"
+
+
+# -- scheduled retraining (dags/retrain.py) -------------------------------------------------------
+
+
+def curated_data(params: dict[str, Any], events: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Where the new data is: the `data_dir` Param, else the newest curated-data asset event's
+    extra ({"data_dir", "data_hash"}), else None. Events are given oldest first."""
+    if params.get("data_dir"):
+        return {"data_dir": params["data_dir"], "data_hash": params.get("data_hash") or ""}
+    for extra in reversed(events):
+        if extra and extra.get("data_dir"):
+            return {"data_dir": extra["data_dir"], "data_hash": extra.get("data_hash") or ""}
+    return None
+
+
+def start_retrain(params: dict[str, Any], *, dag_id: str, run_id: str,
+                  events: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Resolve the retraining run: recipe settings, the champion to start from (pinned by
+    version), the new data; open the MLflow parent run. None when there is nothing to do."""
+    from llmops import lifecycle
+
+    name = params.get("registered_model_name") or "llm-lifecycle"
+    champion = current_champion(name)
+    data = curated_data(params, events)
+    if champion is None or data is None:
+        log.info("nothing to retrain: %s", "no champion of %r yet (run llm_lifecycle first)" % name
+                 if champion is None else "no curated data (no asset event, no data_dir Param)")
+        return None
+    manifest = os.path.join(data["data_dir"], "manifest.json")
+    if "://" not in data["data_dir"] and not os.path.isfile(manifest):
+        raise lifecycle.LifecycleParamError(f"curated data {data['data_dir']} has no manifest.json; "
+                                            "point data_dir at a finished data prep output.")
+    if not data["data_hash"] and os.path.isfile(manifest):
+        import json
+
+        with open(manifest) as fh:
+            data["data_hash"] = json.load(fh)["content_hash"]
+    cfg = lifecycle.resolve({"recipe": params.get("recipe") or "demo"})
+    for knob, path in RETRAIN_KNOBS.items():
+        if params.get(knob) is not None:
+            set_path(cfg, path, params[knob])
+    try:
+        cfg = configs.from_dict(configs.LifecycleConfig, configs.to_dict(cfg))
+    except configs.ConfigError as exc:
+        raise lifecycle.LifecycleParamError(f"Invalid retraining parameters: {exc}") from None
+    root = os.path.join(params.get("storage_root") or settings.storage_root(), dag_id,
+                        re.sub(r"[^A-Za-z0-9_.-]+", "_", run_id))
+    config = configs.to_dict(cfg)
+    backend = params.get("backend") or "local"
+    backends = {stage: backend for stage in ("finetune", "evaluate")}
+    parent = tracking.start_parent_run(
+        experiment=dag_id, dag_id=dag_id, run_id=run_id,
+        config={**config, "champion": champion["uri"], "data": data, "root": root})
+    return {"dag_id": dag_id, "run_id": run_id, "root": root, "config": config,
+            "backends": backends, "experiment": dag_id, "parent_run_id": parent,
+            "model_name": name, "champion": {k: champion[k] for k in ("version", "uri", "run_id")},
+            "data": {"outputs": {"data_dir": data["data_dir"]}, "data_hash": data["data_hash"]}}
+
+
+def champion_as_base(run: dict[str, Any]) -> dict[str, Any]:
+    """The champion, shaped like a stage result, for finetune_spec / evaluate_models_spec."""
+    return {"outputs": {"model_dir": run["champion"]["uri"]},
+            "mlflow_run_id": run["champion"]["run_id"]}
+
+
+def next_step(run: dict[str, Any], decision: dict[str, Any]) -> str | None:
+    """Branch after the gate: 'approve' (a human decides), 'promote', or None (refused)."""
+    if not decision.get("passed"):
+        return None
+    return "approve" if run["config"]["gate"].get("require_approval") else "promote"
+
+
+def finish(run: dict[str, Any], decision: dict[str, Any] | None,
+           approval: dict[str, Any] | None, promoted: dict[str, Any] | None) -> dict[str, Any]:
+    """Record how the retraining run ended and close its MLflow parent run."""
+    client = tracking.client()
+    rejected = bool(approval) and "Approve" not in (approval.get("chosen_options") or [])
+    if promoted:
+        outcome = "promoted"
+    elif decision and not decision.get("passed"):
+        outcome = "refused"
+    else:
+        outcome = "rejected" if rejected else "not promoted"
+    if decision and decision.get("version") and approval and not promoted:
+        client.set_model_version_tag(decision["model_name"], decision["version"], "approval",
+                                     approval_text(approval))
+    client.set_tag(run["parent_run_id"], "outcome", outcome)
+    tracking.end_run(run["parent_run_id"], "FINISHED")
+    return {"outcome": outcome, "version": (decision or {}).get("version")}
+
+
+def retrain_finetune_spec(run: dict[str, Any]) -> dict[str, Any]:
+    """Fine-tune the pinned champion on the run's curated data (the lifecycle's finetune job)."""
+    from llmops import lifecycle
+
+    return lifecycle.finetune_spec(run, run["data"], champion_as_base(run))
+
+
+def retrain_evaluate_spec(run: dict[str, Any], challenger: dict[str, Any]) -> dict[str, Any]:
+    """Challenger and champion, scored by one evaluation job on the same data."""
+    from llmops import lifecycle
+
+    return lifecycle.evaluate_models_spec(run, run["data"], {"challenger": challenger,
+                                                             CHAMPION: champion_as_base(run)})
+
+
+def approval_body(decision: dict[str, Any]) -> str:
+    """Markdown for the approver: the verdict and the challenger's numbers next to the
+    champion's."""
+    rows = []
+    metrics = decision.get("metrics") or {}
+    for key in sorted(metrics):
+        metric = key.split(".", 1)[1]
+        rows.append(f"| {metric} | {metrics[key]:.4g} | "
+                    f"{_fmt((decision.get('champion_metrics') or {}).get(metric))} |")
+    table = "\n".join(["| metric | challenger | champion |", "|---|---|---|", *rows])
+    return f"{summary(decision)}\n\n{table}\n"
+
+
+def _fmt(value: Any) -> str:
+    return "" if value is None else f"{value:.4g}"

@@ -1,0 +1,252 @@
+"""Task suites defined as local files, and how a model is scored on them.
+
+A suite is a JSONL file; its name is the file's stem. Each line is one item, of either kind:
+
+    {"query": "Q: What number comes after 41?\\nA:", "choices": [" 42", " 40", " 17"], "gold": 0}
+        multiple choice, scored by log-likelihood: the model picks the choice whose tokens it
+        finds most likely after the query (accuracy), and the same per byte of the choice
+        (acc_norm, which does not favour short choices), as lm-evaluation-harness does
+    {"prompt": "Q: What number comes after 41?\\nA:", "answer": " 42"}
+        generation, scored by exact match of the greedy answer (up to the first newline)
+
+Nothing is downloaded: suites are files in the repo, made by data prep, or written by
+`write_demo_suites` from a prepared data dir (a multiple-choice version of the held-out SFT task
+and a prose cloze from the held-out documents, which shows lost general ability directly).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from tasks.common.io import atomic_write
+from tasks.train.data import SFTExample, read_jsonl
+from tasks.train.runtime import autocast
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Suite:
+    name: str
+    path: Path
+    choice_items: list[dict[str, Any]]
+    generation_items: list[dict[str, Any]]
+
+    @property
+    def size(self) -> int:
+        return len(self.choice_items) + len(self.generation_items)
+
+
+def suite_files(paths: list[str]) -> list[Path]:
+    """Suite files from files and directories (every *.jsonl inside), in a stable order."""
+    found: list[Path] = []
+    for p in map(Path, paths):
+        if p.is_dir():
+            found += sorted(p.glob("*.jsonl"))
+        elif p.is_file():
+            found.append(p)
+        else:
+            raise FileNotFoundError(f"suite {p} does not exist; give JSONL files or directories.")
+    names = [f.stem for f in found]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise ValueError(f"suite names must be unique (the file stem); {dupes} appear twice.")
+    return found
+
+
+def load_suite(path: str | Path, limit: int | None = None) -> Suite:
+    path = Path(path)
+    choice, generation = [], []
+    for i, item in enumerate(read_jsonl(path)[:limit]):
+        where = f"{path}:{i + 1}"
+        if "choices" in item:
+            ok = (isinstance(item.get("query"), str) and isinstance(item["choices"], list)
+                  and len(item["choices"]) >= 2 and all(isinstance(c, str) and c for c in item["choices"])
+                  and isinstance(item.get("gold"), int) and 0 <= item["gold"] < len(item["choices"]))
+            if not ok:
+                raise ValueError(f"{where}: a multiple-choice item needs a string 'query', two or "
+                                 "more non-empty string 'choices' and an int 'gold' indexing them.")
+            choice.append(item)
+        elif isinstance(item.get("prompt"), str) and isinstance(item.get("answer"), str):
+            generation.append(item)
+        else:
+            raise ValueError(f"{where}: expected {{query, choices, gold}} or {{prompt, answer}}, "
+                             f"got keys {sorted(item)}.")
+    if not choice and not generation:
+        raise ValueError(f"suite {path} holds no items.")
+    return Suite(path.stem, path, choice, generation)
+
+
+# -- scoring --------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def continuation_logprobs(model, pairs: list[tuple[list[int], list[int]]], device: torch.device,
+                          batch_size: int = 32) -> list[tuple[float, bool]]:
+    """For each (context ids, continuation ids): the summed log-probability of the continuation
+    after the context, and whether greedy decoding would have produced it exactly. Sequences
+    longer than the model's context lose their oldest context tokens."""
+    block = model.config.block_size
+    out: list[tuple[float, bool]] = []
+    was_training = model.training
+    model.eval()
+    try:
+        for start in range(0, len(pairs), batch_size):
+            chunk = pairs[start:start + batch_size]
+            seqs = [(ctx + cont)[-(block + 1):] for ctx, cont in chunk]
+            T = max(len(s) for s in seqs) - 1
+            inputs = torch.zeros((len(seqs), T), dtype=torch.long)
+            for b, s in enumerate(seqs):
+                inputs[b, :len(s) - 1] = torch.tensor(s[:-1])
+            with autocast(device):
+                logits = model(inputs.to(device))[0].float()
+            logp = F.log_softmax(logits, dim=-1).cpu()
+            for b, ((_, cont), s) in enumerate(zip(chunk, seqs)):
+                n = min(len(cont), len(s) - 1)  # a continuation longer than the context: its end
+                positions = torch.arange(len(s) - 1 - n, len(s) - 1)  # predicting the continuation
+                target = torch.tensor(s[-n:])
+                scores = logp[b, positions]
+                out.append((float(scores.gather(1, target[:, None]).sum()),
+                            bool((scores.argmax(-1) == target).all())))
+    finally:
+        model.train(was_training)
+    return out
+
+
+def score_choices(model, tokenizer, items: list[dict[str, Any]], device: torch.device
+                  ) -> dict[str, float]:
+    """Accuracy (argmax of summed log-likelihood) and acc_norm (per UTF-8 byte of the choice)."""
+    encode = lambda text: tokenizer.encode(text, add_special_tokens=False).ids  # noqa: E731
+    pairs, owners = [], []
+    for i, item in enumerate(items):
+        ctx = encode(item["query"])
+        for choice in item["choices"]:
+            pairs.append((ctx, encode(choice) or encode(" ")))
+            owners.append(i)
+    scores = continuation_logprobs(model, pairs, device)
+    per_item: dict[int, list[float]] = {}
+    for i, (logprob, _) in zip(owners, scores):
+        per_item.setdefault(i, []).append(logprob)
+    right = right_norm = 0
+    for i, item in enumerate(items):
+        lls = per_item[i]
+        norm = [ll / max(1, len(c.encode())) for ll, c in zip(lls, item["choices"])]
+        right += int(max(range(len(lls)), key=lls.__getitem__) == item["gold"])
+        right_norm += int(max(range(len(norm)), key=norm.__getitem__) == item["gold"])
+    n = max(1, len(items))
+    return {"accuracy": right / n, "acc_norm": right_norm / n}
+
+
+def score_generation(model, tokenizer, eos_id: int, items: list[dict[str, Any]],
+                     device: torch.device) -> dict[str, float]:
+    from tasks.train.scoring import answer_budget, exact_match
+
+    examples = []
+    for i, item in enumerate(items):
+        prompt = tokenizer.encode(item["prompt"], add_special_tokens=False).ids
+        answer = tokenizer.encode(item["answer"], add_special_tokens=False).ids
+        examples.append(SFTExample(id=str(i), prompt=item["prompt"], completion=item["answer"],
+                                   skill="all", prompt_ids=prompt, completion_ids=answer + [eos_id]))
+    result = exact_match(model, tokenizer, examples, eos_id, answer_budget(examples), device)
+    return {"accuracy": result["accuracy"]}
+
+
+def score_suite(model, tokenizer, eos_id: int, suite: Suite, device: torch.device
+                ) -> dict[str, float]:
+    """accuracy over every item of the suite, plus the per-kind figures."""
+    metrics: dict[str, float] = {}
+    right = 0.0
+    if suite.choice_items:
+        mc = score_choices(model, tokenizer, suite.choice_items, device)
+        metrics.update({"choice_accuracy": mc["accuracy"], "acc_norm": mc["acc_norm"]})
+        right += mc["accuracy"] * len(suite.choice_items)
+    if suite.generation_items:
+        gen = score_generation(model, tokenizer, eos_id, suite.generation_items, device)
+        metrics["exact_match"] = gen["accuracy"]
+        right += gen["accuracy"] * len(suite.generation_items)
+    metrics["accuracy"] = right / suite.size
+    metrics["items"] = suite.size
+    return metrics
+
+
+# -- demo suites from a prepared data dir ---------------------------------------------------------
+
+
+def _write_jsonl(path: Path, items: list[dict[str, Any]]) -> Path:
+    data = "".join(json.dumps(x, ensure_ascii=False) + "\n" for x in items).encode()
+    return atomic_write(path, lambda fh: fh.write(data))
+
+
+def write_demo_suites(data_dir: str | Path, out_dir: str | Path, n_items: int, seed: int = 0
+                      ) -> list[Path]:
+    """Two multiple-choice suites from a data dir's held-out material:
+    sft_choice   each held-out SFT prompt with its completion among 3 completions of other
+                 held-out examples of the same skill;
+    prose_cloze  the opening words of a held-out document, to be continued by its own next words
+                 rather than the same span of 3 other documents."""
+    from tasks.train.data import DataDir, load_tokenizer
+
+    data = DataDir(data_dir)
+    rng = random.Random(seed)
+    out_dir = Path(out_dir)
+    written = []
+
+    records = read_jsonl(data.sft_path("eval"))
+    by_skill: dict[str, list[str]] = {}
+    for r in records:
+        if "prompt" in r:
+            by_skill.setdefault(str(r.get("skill", "all")), []).append(r["completion"])
+    items = []
+    for r in records:
+        if "prompt" not in r:
+            continue
+        others = sorted({c for c in by_skill[str(r.get("skill", "all"))] if c != r["completion"]})
+        if len(others) < 3:
+            continue
+        choices = [r["completion"], *rng.sample(others, 3)]
+        rng.shuffle(choices)
+        items.append({"query": r["prompt"], "choices": choices, "gold": choices.index(r["completion"])})
+        if len(items) >= n_items:
+            break
+    if items:
+        written.append(_write_jsonl(out_dir / "sft_choice.jsonl", items))
+
+    tokenizer = load_tokenizer(data.tokenizer_path)
+    rows = data.split("val")
+    # the held-out documents: val rows are one token stream with EOS between documents
+    batches = [rows.take(b) for b in rows.in_order(64, 64)]  # up to 4096 rows
+    stream = np.concatenate([torch.cat([b.inputs, b.targets[:, -1:]], 1).reshape(-1).numpy()
+                             for b in batches])
+    docs, start = [], 0
+    for end in [*np.flatnonzero(stream == data.eos_id), len(stream)]:
+        if end > start:
+            docs.append(tokenizer.decode(stream[start:end].tolist()))
+        start = end + 1
+    spans = []  # (context, continuation): 24 words, then the next 6, every 30 words of a doc
+    for text in docs:
+        words = text.split()
+        for at in range(0, len(words) - 29, 30):
+            context, truth = " ".join(words[at:at + 24]), " " + " ".join(words[at + 24:at + 30])
+            if "\ufffd" not in context + truth:  # a token cut mid-character at a stream edge
+                spans.append((context, truth))
+    items = []
+    for i, (context, truth) in enumerate(spans[:n_items]):
+        pool = [s[1] for j, s in enumerate(spans) if j != i and s[1] != truth]
+        if len(pool) < 3:
+            break
+        choices = [truth, *rng.sample(pool, 3)]
+        rng.shuffle(choices)
+        items.append({"query": context, "choices": choices, "gold": choices.index(truth)})
+    if items:
+        written.append(_write_jsonl(out_dir / "prose_cloze.jsonl", items))
+    log.info("demo suites: %s", {p.stem: sum(1 for _ in open(p)) for p in written})
+    return written

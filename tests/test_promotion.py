@@ -1,0 +1,190 @@
+"""The promotion gate against a real MLflow registry: thresholds and champion margins decide; a
+passing challenger is registered with its lineage and becomes `champion` (after an approval when
+asked); a worse one is kept as `challenger` with the reasons, and the champion does not move."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmops import lifecycle, promotion, tracking
+from tasks.configs import GateConfig, ModelConfig, to_dict
+
+NAME = "promotion-test"
+
+
+def gate_cfg(**overrides) -> GateConfig:
+    return GateConfig(min_task_accuracy=0.5, max_perplexity=100.0,
+                      champion_margins={"task_accuracy": 0.02, "bits_per_byte": 0.02}, **overrides)
+
+
+def metrics(name: str, accuracy: float, perplexity: float, bpb: float) -> dict[str, float]:
+    return {f"{name}.task_accuracy": accuracy, f"{name}.perplexity": perplexity,
+            f"{name}.bits_per_byte": bpb}
+
+
+def test_thresholds_and_champion_margins_name_each_reason():
+    gate = gate_cfg()
+    evaluation = {"metrics": {**metrics("champion", 0.80, 40.0, 1.50),
+                              **metrics("good", 0.79, 41.0, 1.51),      # within both margins
+                              **metrics("worse", 0.70, 40.0, 1.60),     # below the champion
+                              **metrics("broken", 0.90, 5e6, 9.0)}}     # forgot its prose
+    decisions = promotion.gate_decisions(gate, evaluation, ("good", "worse", "broken", "missing"))
+    assert decisions["good"] == []
+    assert decisions["worse"] == [
+        "task_accuracy 0.7 is worse than the champion's 0.8 (at most -0.02 allowed)",
+        "bits_per_byte 1.6 is worse than the champion's 1.5 (at most +0.02 allowed)"]
+    assert decisions["broken"][0] == "perplexity 5000000.00 > 100.0"
+    assert "bits_per_byte 9 is worse" in decisions["broken"][1]
+    assert decisions["missing"] == ["not evaluated", "task_accuracy not evaluated (the champion "
+                                    "has 0.8)", "bits_per_byte not evaluated (the champion has 1.5)"]
+    # a negative margin demands a real improvement; without a champion only thresholds count
+    strict = gate_cfg().__class__(**{**to_dict(gate), "champion_margins": {"task_accuracy": -0.05}})
+    assert promotion.gate_decisions(strict, evaluation, ("good",))["good"] == [
+        "task_accuracy 0.79 is worse than the champion's 0.8 (at most --0.05 allowed)"]
+    alone = {"metrics": metrics("good", 0.79, 41.0, 1.51)}
+    assert promotion.gate_decisions(gate, alone, ("good",)) == {"good": []}
+
+
+@pytest.fixture(scope="module")
+def model_uri() -> str:
+    """One real logged model (a tiny GPT); every version below registers it again."""
+    import mlflow
+
+    from tasks.model import GPT
+    from tasks.train.export import log_mlflow_model
+
+    mlflow.set_experiment("promotion-test")
+    with mlflow.start_run():
+        torch.manual_seed(0)
+        model = GPT(ModelConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=16))
+        return log_mlflow_model(model, {"stage": "finetune"}, torch.randint(0, 64, (1, 8)))
+
+
+def lifecycle_run(run_id: str, **gate) -> dict:
+    parent = tracking.start_parent_run(experiment="promotion-test", dag_id="llm_retrain",
+                                       run_id=run_id, config={})
+    return {"run_id": run_id, "dag_id": "llm_retrain", "model_name": NAME, "parent_run_id": parent,
+            "config": {"gate": to_dict(gate_cfg(**gate))}}
+
+
+def evaluation(model_uri: str, accuracy: float, perplexity: float, bpb: float,
+               champion: tuple | None = None) -> dict:
+    models = {"challenger": {"model_uri": model_uri, "model_dir": "/out/finetune/model",
+                             "mlflow_run_id": "train-run",
+                             "lineage": {"source_checkpoint": "/out/finetune/checkpoints/step_10",
+                                         "data_content_hash": "d" * 64,
+                                         "parent_registered_version": f"{NAME}/1"}}}
+    found = metrics("challenger", accuracy, perplexity, bpb)
+    if champion:
+        models["champion"] = {"model_ref": f"models:/{NAME}/1", "lineage": {"registered_version": "1"}}
+        found.update(metrics("champion", *champion))
+    return {"metrics": found, "models": models, "mlflow_run_id": "eval-run"}
+
+
+def test_gate_registers_promotes_refuses_and_waits_for_approval(model_uri):
+    client = tracking.client()
+    data = {"data_hash": "d" * 64}
+
+    # the first model: nothing to beat, thresholds met -> champion, with its lineage
+    first = promotion.promote(lifecycle_run("r1"), evaluation(model_uri, 0.80, 40.0, 1.50), data,
+                              candidates=("challenger",))
+    assert first["promoted"] and first["version"] == "1"
+    mv = client.get_model_version_by_alias(NAME, "champion")
+    assert str(mv.version) == "1"
+    assert mv.tags["lineage.source_checkpoint"] == "/out/finetune/checkpoints/step_10"
+    assert mv.tags["data_hash"] == "d" * 64 and mv.tags["training_run_id"] == "train-run"
+    assert mv.tags["evaluation_run_id"] == "eval-run" and mv.tags["gate.passed"] == "true"
+    assert mv.tags["challenger.task_accuracy"] == "0.8"
+    assert "challenger" not in client.get_registered_model(NAME).aliases
+
+    # a worse challenger: registered, kept as `challenger` with the reasons; champion stays
+    run = lifecycle_run("r2")
+    worse = promotion.promote(run, evaluation(model_uri, 0.70, 40.0, 1.50, (0.80, 40.0, 1.50)),
+                              data, candidates=("challenger",))
+    assert not worse["promoted"] and worse["alias"] == "challenger"
+    assert str(client.get_model_version_by_alias(NAME, "champion").version) == "1"
+    kept = client.get_model_version_by_alias(NAME, "challenger")
+    assert str(kept.version) == worse["version"] == "2"
+    assert kept.tags["gate.passed"] == "false"
+    assert kept.tags["gate.reasons"] == ("task_accuracy 0.7 is worse than the champion's 0.8 "
+                                         "(at most -0.02 allowed)")
+    assert kept.tags["gate.compared_to"] == "1"
+    assert client.get_run(run["parent_run_id"]).data.tags["gate"] == "refused"
+    assert "refused, kept as `challenger`" in promotion.summary(worse)
+    with pytest.raises(promotion.LifecycleGateError, match="stays `challenger`"):
+        promotion.crown(run, worse)
+    # a retried task registers nothing new
+    again = promotion.gate(run, evaluation(model_uri, 0.70, 40.0, 1.50, (0.80, 40.0, 1.50)),
+                           data, candidates=("challenger",))
+    assert again["version"] == "2"
+
+    # a better one, with a human in the loop: gate, then crown with the approver's answer
+    run = lifecycle_run("r3", require_approval=True)
+    decision = promotion.gate(run, evaluation(model_uri, 0.85, 38.0, 1.48, (0.80, 40.0, 1.50)),
+                              data, candidates=("challenger",))
+    assert decision["passed"] and promotion.next_step(run, decision) == "approve"
+    assert str(client.get_model_version_by_alias(NAME, "champion").version) == "1"  # not yet
+    body = promotion.approval_body(decision)
+    assert "| task_accuracy | 0.85 | 0.8 |" in body
+    approval = {"chosen_options": ["Approve"], "responded_by_user": {"id": "7", "name": "ana"},
+                "responded_at": "2026-12-01T10:00:00+00:00"}
+    crowned = promotion.crown(run, decision, approval)
+    mv = client.get_model_version_by_alias(NAME, "champion")
+    assert str(mv.version) == crowned["version"] == "3"
+    assert mv.tags["approval"] == "Approve by ana at 2026-12-01T10:00:00+00:00"
+    assert "challenger" not in client.get_registered_model(NAME).aliases
+    assert promotion.current_champion(NAME)["uri"] == f"models:/{NAME}/3"
+    finished = promotion.finish(run, decision, approval, crowned)
+    assert finished == {"outcome": "promoted", "version": "3"}
+    assert client.get_run(run["parent_run_id"]).info.status == "FINISHED"
+
+
+def test_lifecycle_promote_prefers_the_student_and_falls_back_to_the_teacher(model_uri):
+    client = tracking.client()
+    name = "promotion-test-lifecycle"
+    run = {**lifecycle_run("l1"), "model_name": name, "dag_id": "llm_lifecycle"}
+    models = {n: {"model_uri": model_uri, "model_dir": f"/out/{n}", "mlflow_run_id": f"{n}-run"}
+              for n in ("teacher", "student")}
+    both = {"metrics": {**metrics("teacher", 0.9, 50.0, 1.4), **metrics("student", 0.4, 70.0, 1.6)},
+            "models": models, "mlflow_run_id": "eval"}
+    result = lifecycle.promote(run, both, {"data_hash": "h"})
+    # the student misses min_task_accuracy 0.5, so the teacher ships
+    assert result["promoted"] and result["candidate"] == "teacher"
+    assert result["gate"]["student"] == ["task accuracy 0.400 < 0.5"]
+    assert client.get_model_version_by_alias(name, "champion").tags["candidate"] == "teacher"
+    assert lifecycle.gate_decisions is promotion.gate_decisions
+
+
+def test_job_specs_wire_the_cache_the_champion_and_the_retrained_model(model_uri):
+    """The Airflow side of post-training: the teacher cache job and the student's job get the
+    same DistillConfig but for teacher_cache; evaluation adds the current champion, pinned."""
+    from tasks.configs import recipe
+
+    run = {"run_id": "s1", "dag_id": "llm_lifecycle", "model_name": NAME, "parent_run_id": "p",
+           "root": "/store/run", "experiment": "llm_lifecycle",
+           "config": to_dict(recipe("tiny")), "backends": {s: "local" for s in
+                                                           ("finetune", "distill", "evaluate")}}
+    data = {"outputs": {"data_dir": "/data"}, "data_hash": "h"}
+    teacher = {"outputs": {"model_dir": "/store/run/finetune/model"}, "mlflow_run_id": "t"}
+    cache = lifecycle.teacher_cache_spec(run, data, teacher)
+    assert cache["entrypoint"] == "tasks.distill_cache" and cache["stage"] == "distill_cache"
+    student = lifecycle.distill_spec(run, data, teacher, cache={"outputs": {
+        "teacher_cache": cache["config"]["teacher_cache"]}})
+    assert student["entrypoint"] == "tasks.distill"
+    assert student["config"] == cache["config"]
+    assert student["config"]["teacher_cache"] == "/store/run/teacher_cache"
+
+    current = promotion.current_champion(NAME)
+    assert current is not None  # promoted by the test above
+    spec = lifecycle.evaluate_spec(run, data, teacher, teacher, teacher)
+    assert spec["config"]["models"]["champion"] == current["uri"] == \
+        f"models:/{NAME}/{current['version']}"
+    retrain = {**run, "champion": {k: current[k] for k in ("version", "uri", "run_id")},
+               "data": data}
+    finetune = promotion.retrain_finetune_spec(retrain)
+    assert finetune["config"]["base_model"] == current["uri"]
+    challenger = {"outputs": {"model_dir": "/store/run/finetune/model"}, "mlflow_run_id": "c"}
+    evaluate = promotion.retrain_evaluate_spec(retrain, challenger)
+    assert evaluate["config"]["models"] == {"challenger": "/store/run/finetune/model",
+                                            "champion": current["uri"]}
