@@ -5,12 +5,18 @@ from __future__ import annotations
 
 import pendulum
 from airflow.sdk import Asset, dag, get_current_context, task
+from airflow.sdk.exceptions import AirflowSkipException
 
-from llmops import lifecycle
+from llmops import lifecycle, promotion
 from llmops.operators.job import JobOperator
 from llmops.params import lifecycle_params
+from llmops.sweep import LADDER_RECOMMENDATION_URI, POOL, SWEEP_BEST_URI
+from llmops.sweep import stage as sweep
+from llmops.sweep.trial_operator import TrialOperator
 
 CHAMPION = Asset("llmops://models/champion")
+SWEEP_BEST = Asset(SWEEP_BEST_URI.format(dag_id="llm_lifecycle"))
+LADDER_RECOMMENDATION = Asset(LADDER_RECOMMENDATION_URI)
 
 
 @dag(
@@ -31,20 +37,32 @@ def llm_lifecycle():
         ctx = get_current_context()
         return lifecycle.start_run(ctx["params"], dag_id=ctx["dag"].dag_id, run_id=ctx["run_id"])
 
-    @task
-    def pick_best(results: list[dict]) -> dict:
-        return lifecycle.best_trial(list(results))
+    @task(trigger_rule="all_done", inlets=[LADDER_RECOMMENDATION], outlets=[SWEEP_BEST])
+    def pick_best(run: dict) -> dict:
+        """The study's best trial once every slot is done: a failed trial does not sink the sweep."""
+        ctx = get_current_context()
+        best = sweep.pick_best(run, sweep.latest_extra(ctx["inlet_events"][LADDER_RECOMMENDATION]))
+        ctx["outlet_events"][SWEEP_BEST].extra = {k: v for k, v in best.items() if k != "trials"}
+        return best
 
     @task(outlets=[CHAMPION])
     def promote(run: dict, evaluation: dict, data: dict) -> dict:
-        return lifecycle.promote(run, evaluation, data)
+        """The gate: the preferred passing model becomes `champion`; a refused one stays
+        `challenger` with its reasons, and the task is skipped so CHAMPION gets no event."""
+        decision = lifecycle.promote(run, evaluation, data)
+        if not decision["promoted"]:
+            raise AirflowSkipException(promotion.summary(decision))
+        return decision
 
     run = start_run()
     data = JobOperator(task_id="data_prep", build_spec=lifecycle.data_prep_spec,
                        op_kwargs={"run": run})
-    trials = JobOperator.partial(task_id="sweep_trial", build_spec=lifecycle.trial_spec).expand(
+    # One mapped task per slot of the run's Optuna study; the pool is the accelerator quota.
+    trials = TrialOperator.partial(task_id="sweep_trial", build_spec=lifecycle.trial_spec,
+                                   pool=POOL).expand(
         op_kwargs=task(lifecycle.sweep_trials, task_id="plan_trials")(run, data.output))
-    best = pick_best(trials.output)
+    best = pick_best(run)
+    trials >> best
     pretrain = JobOperator(task_id="pretrain", build_spec=lifecycle.pretrain_spec,
                            op_kwargs={"run": run, "data": data.output, "best": best})
     finetune = JobOperator(task_id="finetune", build_spec=lifecycle.finetune_spec,

@@ -142,6 +142,8 @@ def main() -> int:
     # Started in the background by a script, we would inherit SIGINT ignored: take Ctrl-C back.
     signal.signal(signal.SIGINT, signal.default_int_handler)
     conf = {"recipe": "demo", **json.loads(os.environ.get("DEMO_CONF") or "{}")}
+    # The pool the sweep's trials run in (their accelerator quota) must exist before the run.
+    subprocess.run([sys.executable, "-m", "llmops.sweep.pool"], check=True)
     started = time.time()
     mode = os.environ.get("DEMO_MODE", "standalone")
     code = run_dags_test(conf) if mode == "dags-test" else run_standalone(conf)

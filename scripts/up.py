@@ -32,6 +32,8 @@ def main() -> int:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     home = Path(os.environ["LLMOPS_HOME"])
     airflow_home = Path(os.environ["AIRFLOW_HOME"])
+    # The pool sweep trials and ladder rungs run in (their accelerator quota), before any run.
+    subprocess.run([sys.executable, "-m", "llmops.sweep.pool"], check=True)
     env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
            "AIRFLOW__API__PORT": str(AIRFLOW_PORT)}
     mlflow = subprocess.Popen(

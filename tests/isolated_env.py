@@ -41,6 +41,9 @@ def airflow_db() -> Path:
         home.mkdir(parents=True, exist_ok=True)
         subprocess.run([sys.executable, "-m", "airflow", "db", "migrate"], check=True,
                        capture_output=True, env=os.environ)
+        # The accelerator pool sweep trials and ladder rungs run in (plugins/llmops/sweep/pool.py).
+        subprocess.run([sys.executable, "-m", "llmops.sweep.pool"], check=True,
+                       capture_output=True, env=os.environ)
     return home
 
 
@@ -53,3 +56,7 @@ def airflow_cli(*args: str, timeout: int = 600, dags_folder: Path | None = None
         env["AIRFLOW__CORE__DAGS_FOLDER"] = str(dags_folder)
     return subprocess.run([os.path.join(bin_dir, "airflow"), *args], capture_output=True,
                           text=True, env=env, timeout=timeout)
+
+
+# AWS emulation (moto server) and a local Ray cluster, for the remote backends' tests.
+from tests.aws_fixtures import moto_server, ray_cluster  # noqa: E402,F401

@@ -13,8 +13,11 @@ import re
 from typing import Any
 
 from llmops import params as lifecycle_params
+from llmops import promotion
 from llmops import settings, tracking
 from llmops.jobs.spec import JobSpec
+from llmops.sweep import budget as sweep_budget
+from llmops.sweep import stage as sweep_stage
 from tasks import configs
 
 ENTRYPOINTS = {
@@ -23,6 +26,7 @@ ENTRYPOINTS = {
     "pretrain": "tasks.pretrain",
     "finetune": "tasks.finetune",
     "distill": "tasks.distill",
+    "distill_cache": "tasks.distill_cache",
     "evaluate": "tasks.evaluate",
 }
 
@@ -60,6 +64,7 @@ def start_run(params: dict[str, Any], *, dag_id: str, run_id: str) -> dict[str, 
     """Validate the Params, fix this run's storage paths, and open the MLflow parent run."""
     cfg = resolve(params)
     backends = {stage: params.get(f"backend_{stage}") or "local" for stage in lifecycle_params.STAGES}
+    sweep_budget.check_sweep(cfg, backends["sweep"], params)  # refuse before any job starts
     root = os.path.join(params.get("storage_root") or settings.storage_root(), dag_id,
                         re.sub(r"[^A-Za-z0-9_.-]+", "_", run_id))
     config = configs.to_dict(cfg)
@@ -67,16 +72,24 @@ def start_run(params: dict[str, Any], *, dag_id: str, run_id: str) -> dict[str, 
                                        config={**config, "backends": backends, "root": root})
     return {"dag_id": dag_id, "run_id": run_id, "root": root, "config": config,
             "backends": backends, "experiment": dag_id, "parent_run_id": parent,
+            "resources": params.get("stage_resources") or {}, "team": params.get("team") or "",
+            "priority": params.get("priority"),
             "model_name": params.get("registered_model_name") or "llm-lifecycle"}
 
 
 def _spec(run: dict[str, Any], stage: str, config: dict[str, Any], *,
           data_hash: str = "", lineage: dict[str, str] | None = None) -> dict[str, Any]:
+    # Team and priority travel as tags: cost allocation everywhere, and the fair-share identifier
+    # and scheduling priority where the backend schedules (Batch, HyperPod).
+    scheduling = {"team": run.get("team") or ""}
+    if run.get("priority") is not None:
+        scheduling["priority"] = str(run["priority"])
     return JobSpec(
         stage=stage, entrypoint=ENTRYPOINTS[stage], config=config, backend=run["backends"][stage],
         output_uri=config.get("output_dir", ""), mlflow_experiment=run["experiment"],
         mlflow_parent_run_id=run["parent_run_id"],
-        tags={"data_hash": data_hash, **(lineage or {})},
+        tags={"data_hash": data_hash, **(lineage or {}), **{k: v for k, v in scheduling.items() if v}},
+        **(run.get("resources") or {}).get(stage, {}),
     ).to_dict()
 
 
@@ -90,39 +103,34 @@ def data_prep_spec(run: dict[str, Any]) -> dict[str, Any]:
 
 
 def sweep_trials(run: dict[str, Any], data: dict[str, Any]) -> list[dict[str, Any]]:
-    """One op_kwargs dict per trial, for `JobOperator.partial(...).expand(op_kwargs=...)`."""
-    sweep = configs.from_dict(configs.SweepConfig, run["config"]["sweep"])
-    return [{"run": run, "data": data, "trial": i, "lr": lr}
-            for i, lr in enumerate(sweep.learning_rates())]
+    """Open the run's Optuna study; one op_kwargs dict per slot, for
+    `TrialOperator.partial(...).expand(op_kwargs=...)` (plugins/llmops/sweep)."""
+    return sweep_stage.plan_trials(run, data)
 
 
-def trial_spec(run: dict[str, Any], data: dict[str, Any], trial: int, lr: float) -> dict[str, Any]:
-    steps = run["config"]["sweep"]["steps"]
+def trial_spec(run: dict[str, Any], data: dict[str, Any], study: dict[str, Any], slot: int,
+               trial: dict[str, Any]) -> dict[str, Any]:
+    """One trial: a short pretraining run with the trial's hyperparameters, evaluated (and
+    checkpointed, so a retry resumes) at every point where the study's pruner may stop it."""
+    from llmops.sweep import study as studies
+
+    steps, every = study["steps"], study["eval_interval"]
     config = copy.deepcopy(run["config"]["pretrain"])
-    config.update(data_dir=data["outputs"]["data_dir"], output_dir=_out(run, "sweep", f"trial-{trial}"),
-                  max_steps=steps, checkpoint_interval=steps,
-                  eval_interval=min(config["eval_interval"], steps))
-    config["optim"]["lr"] = lr
+    config.update(data_dir=data["outputs"]["data_dir"],
+                  output_dir=_out(run, "sweep", f"trial-{trial['number']}"),
+                  max_steps=steps, checkpoint_interval=every, eval_interval=every)
     config["optim"]["warmup_steps"] = min(config["optim"]["warmup_steps"], steps // 5)
-    return _spec(run, "sweep", config, data_hash=data["data_hash"], lineage={"trial": str(trial)})
-
-
-def best_trial(results: list[dict[str, Any]]) -> dict[str, Any]:
-    """The trial with the lowest validation loss; its config seeds pretraining."""
-    finished = [r for r in results if r and "val_loss" in r.get("metrics", {})]
-    if not finished:
-        raise ValueError("No sweep trial reported a validation loss; see the trials' logs.")
-    best = min(finished, key=lambda r: r["metrics"]["val_loss"])
-    return {"lr": best["metrics"]["lr"], "val_loss": best["metrics"]["val_loss"],
-            "mlflow_run_id": best.get("mlflow_run_id", ""),
-            "trials": [{"lr": r["metrics"].get("lr"), "val_loss": r["metrics"]["val_loss"]}
-                       for r in finished]}
+    sweep_stage.apply_best(config, {"params": trial["params"]})
+    spec = _spec(run, "sweep", config, data_hash=data["data_hash"],
+                 lineage={"trial": str(trial["number"]), "slot": str(slot), "study": study["name"]})
+    spec["env"] = {**spec["env"], **studies.job_env(study, trial["number"], spec["backend"])}
+    return spec
 
 
 def pretrain_spec(run: dict[str, Any], data: dict[str, Any], best: dict[str, Any]) -> dict[str, Any]:
     config = copy.deepcopy(run["config"]["pretrain"])
     config.update(data_dir=data["outputs"]["data_dir"], output_dir=_out(run, "pretrain"))
-    config["optim"]["lr"] = best["lr"]
+    sweep_stage.apply_best(config, best)  # the best trial's hyperparameters (and ladder size)
     return _spec(run, "pretrain", config, data_hash=data["data_hash"],
                  lineage={"sweep_best_run_id": best.get("mlflow_run_id", "")})
 
@@ -134,95 +142,57 @@ def finetune_spec(run: dict[str, Any], data: dict[str, Any], base: dict[str, Any
                  lineage={"base_run_id": base.get("mlflow_run_id", "")})
 
 
-def distill_spec(run: dict[str, Any], data: dict[str, Any], teacher: dict[str, Any]) -> dict[str, Any]:
+def distill_spec(run: dict[str, Any], data: dict[str, Any], teacher: dict[str, Any],
+                 cache: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The student's job; with `cache` (teacher_cache_spec's result) it reads the teacher's
+    cached logits instead of running the teacher."""
     config = {**run["config"]["distill"], "teacher_model": teacher["outputs"]["model_dir"],
               "data_dir": data["outputs"]["data_dir"], "output_dir": _out(run, "distill")}
+    if cache:
+        config["teacher_cache"] = cache["outputs"]["teacher_cache"]
     return _spec(run, "distill", config, data_hash=data["data_hash"],
                  lineage={"teacher_run_id": teacher.get("mlflow_run_id", "")})
 
 
+def teacher_cache_spec(run: dict[str, Any], data: dict[str, Any], teacher: dict[str, Any]
+                       ) -> dict[str, Any]:
+    """The teacher's top-k logits job (tasks.distill_cache), on the distill stage's backend, from
+    the same DistillConfig the student's job will get."""
+    spec = distill_spec(run, data, teacher)
+    spec["config"]["teacher_cache"] = _out(run, "teacher_cache")
+    return {**spec, "stage": "distill_cache", "entrypoint": ENTRYPOINTS["distill_cache"]}
+
+
 def evaluate_spec(run: dict[str, Any], data: dict[str, Any], pretrained: dict[str, Any],
                   teacher: dict[str, Any], student: dict[str, Any]) -> dict[str, Any]:
-    models = {"pretrained": pretrained["outputs"]["model_dir"],
-              "teacher": teacher["outputs"]["model_dir"],
-              "student": student["outputs"]["model_dir"]}
-    config = {**run["config"]["evaluate"], "models": models,
+    return evaluate_models_spec(run, data, {"pretrained": pretrained, "teacher": teacher,
+                                            "student": student})
+
+
+def evaluate_models_spec(run: dict[str, Any], data: dict[str, Any],
+                         models: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Evaluate the named stage results; the current `champion` (pinned by version) joins them
+    when one exists, so the gate compares challengers with it on the same data."""
+    refs = {name: r["outputs"]["model_dir"] for name, r in models.items()}
+    runs = {name: r.get("mlflow_run_id", "") for name, r in models.items()}
+    if promotion.CHAMPION not in refs:
+        champion = promotion.current_champion(run["model_name"])
+        if champion:
+            refs[promotion.CHAMPION], runs[promotion.CHAMPION] = champion["uri"], champion["run_id"]
+    config = {**run["config"]["evaluate"], "models": refs,
               "data_dir": data["outputs"]["data_dir"], "output_dir": _out(run, "evaluate")}
-    lineage = {f"{name}_run_id": r.get("mlflow_run_id", "")
-               for name, r in (("pretrained", pretrained), ("teacher", teacher), ("student", student))}
+    lineage = {f"{name}_run_id": run_id or "" for name, run_id in runs.items()}
     return _spec(run, "evaluate", config, data_hash=data["data_hash"], lineage=lineage)
 
 
-# -- the gate -------------------------------------------------------------------------------
+# -- the gate (plugins/llmops/promotion.py) -------------------------------------------------
 
-def gate_decisions(gate: configs.GateConfig, evaluation: dict[str, Any],
-                   candidates: tuple[str, ...] = ("teacher", "student")) -> dict[str, list[str]]:
-    """For each candidate, the reasons it may not ship (an empty list means it passes)."""
-    metrics = evaluation["metrics"]
-    decisions = {}
-    for name in candidates:
-        reasons = []
-        accuracy = metrics.get(f"{name}.task_accuracy")
-        perplexity = metrics.get(f"{name}.perplexity")
-        if accuracy is None or perplexity is None:
-            reasons.append("not evaluated")
-        else:
-            if accuracy < gate.min_task_accuracy:
-                reasons.append(f"task accuracy {accuracy:.3f} < {gate.min_task_accuracy}")
-            if perplexity > gate.max_perplexity:
-                reasons.append(f"perplexity {perplexity:.2f} > {gate.max_perplexity}")
-        decisions[name] = reasons
-    return decisions
+gate_decisions = promotion.gate_decisions
+LifecycleGateError = promotion.LifecycleGateError
 
 
 def promote(run: dict[str, Any], evaluation: dict[str, Any], data: dict[str, Any]) -> dict[str, Any]:
-    """Register the preferred passing model and point the alias `champion` at it."""
-    gate = configs.from_dict(configs.GateConfig, run["config"]["gate"])
-    decisions = gate_decisions(gate, evaluation)
-    order = [gate.prefer] + [n for n in decisions if n != gate.prefer]
-    passing = [n for n in order if not decisions[n]]
-    client = tracking.client()
-    if not passing:
-        tracking.end_run(run["parent_run_id"], "FAILED")
-        why = "; ".join(f"{n}: {', '.join(r)}" for n, r in decisions.items())
-        raise LifecycleGateError(f"No model passed the gate ({why}). Nothing was registered.")
-    chosen = passing[0]
-    model = evaluation["models"][chosen]
-    name = run["model_name"]
-    lineage = {"run_id": run["run_id"], "dag_id": run["dag_id"], "candidate": chosen,
-               "data_hash": data["data_hash"], "model_dir": model["model_dir"],
-               "training_run_id": model.get("mlflow_run_id", ""),
-               "evaluation_run_id": evaluation.get("mlflow_run_id", ""),
-               "lifecycle_run_id": run["parent_run_id"]}
-    version = _register_once(client, name, model["model_uri"], lineage)
-    client.set_registered_model_alias(name, "champion", version)
-    metrics = {k: v for k, v in evaluation["metrics"].items() if k.startswith(f"{chosen}.")}
-    for key, value in metrics.items():
-        client.set_model_version_tag(name, version, key, str(value))
-    client.set_tag(run["parent_run_id"], "champion", f"{name}/{version}")
-    tracking.end_run(run["parent_run_id"], "FINISHED")
-    return {"model_name": name, "version": version, "alias": "champion", "candidate": chosen,
-            "metrics": metrics, "gate": decisions}
-
-
-class LifecycleGateError(RuntimeError):
-    """No candidate met the gate's thresholds."""
-
-
-def _register_once(client: Any, name: str, model_uri: str, lineage: dict[str, str]) -> str:
-    """Register `model_uri` as a new version, or return the version this DAG run registered."""
-    from mlflow.exceptions import MlflowException
-
-    try:
-        client.create_registered_model(name, description="Champion of the LLM lifecycle DAG.")
-    except MlflowException:
-        pass  # already exists
-    for mv in client.search_model_versions(f"name = '{name}'"):
-        if mv.tags.get("run_id") == lineage["run_id"] and mv.tags.get("dag_id") == lineage["dag_id"]:
-            return mv.version
-    import mlflow
-
-    mlflow.set_tracking_uri(tracking.tracking_uri())
-    mlflow.set_registry_uri(tracking.tracking_uri())
-    mv = mlflow.register_model(model_uri, name, tags=lineage)
-    return mv.version
+    """The gate on teacher and student (and against the current champion, when the evaluation
+    scored one): the preferred passing model is registered with its lineage and becomes
+    `champion`; otherwise the preferred one is kept as `challenger` with the reasons."""
+    return promotion.promote(run, evaluation, data, candidates=("teacher", "student"))

@@ -27,20 +27,79 @@ KNOBS: dict[str, str] = {
     "lr_min": "sweep.lr_min",
     "lr_max": "sweep.lr_max",
     "sweep_steps": "sweep.steps",
+    "sweep_sampler": "sweep.sampler",
+    "sweep_pruner": "sweep.pruner",
+    "sweep_evals": "sweep.evals",
+    "sweep_search_space": "sweep.search_space",
+    "sweep_study": "sweep.study",
+    "budget_hours": "sweep.budget_hours",
+    "pretrain_size_from_ladder": "sweep.size_from_ladder",
     "finetune_steps": "finetune.max_steps",
     "finetune_lr": "finetune.optim.lr",
+    "finetune_replay_fraction": "finetune.replay_fraction",
+    "lora_rank": "finetune.lora_rank",
+    "sft_packing": "finetune.packing",
     "student_n_layer": "distill.student.n_layer",
     "student_n_embd": "distill.student.n_embd",
     "distill_steps": "distill.max_steps",
     "distill_temperature": "distill.temperature",
     "distill_alpha": "distill.alpha",
+    "distill_replay_fraction": "distill.replay_fraction",
+    "quantize_student": "distill.quantize_int8",
+    "lm_eval": "evaluate.lm_eval",
     "min_task_accuracy": "gate.min_task_accuracy",
     "max_perplexity": "gate.max_perplexity",
     "prefer": "gate.prefer",
 }
 
+# The llm_retrain DAG's knobs (dags/retrain.py): fine-tune the champion, evaluate, gate.
+RETRAIN_KNOBS: dict[str, str] = {
+    "finetune_steps": "finetune.max_steps",
+    "finetune_lr": "finetune.optim.lr",
+    "finetune_replay_fraction": "finetune.replay_fraction",
+    "lora_rank": "finetune.lora_rank",
+    "sft_packing": "finetune.packing",
+    "lm_eval": "evaluate.lm_eval",
+    "min_task_accuracy": "gate.min_task_accuracy",
+    "max_perplexity": "gate.max_perplexity",
+    "require_approval": "gate.require_approval",
+}
+
 STAGES = ("data_prep", "sweep", "pretrain", "finetune", "distill", "evaluate")
-_JSON_TYPES = {int: "integer", float: "number", str: "string", bool: "boolean", list: "array"}
+
+# Where a stage's job runs when its backend is remote; empty fields keep the backend's defaults
+# (the `llmops_backends` Variable). Bounds are the services' own.
+RESOURCES_SCHEMA: dict[str, Any] = {
+    "type": "object", "additionalProperties": False,
+    "properties": {
+        "instance_type": {"type": "string", "pattern": r"^[a-z0-9][a-z0-9.-]{1,62}$",
+                          "description": "e.g. ml.p5.48xlarge (SageMaker, HyperPod) or p5.48xlarge (Batch)"},
+        "instance_count": {"type": "integer", "minimum": 1, "maximum": 1000},
+        "nproc_per_node": {"type": "integer", "minimum": 1, "maximum": 64},
+        "image": {"type": "string", "minLength": 1, "maxLength": 255},
+        "max_run_seconds": {"type": "integer", "minimum": 60, "maximum": 28 * 24 * 3600},
+    },
+}
+TEAM_PATTERN = r"^([a-z][a-z0-9]{0,30})?$"
+_JSON_TYPES = {int: "integer", float: "number", str: "string", bool: "boolean", list: "array",
+               dict: "object"}
+
+# The scaling_ladder DAG's knobs (dags/scaling_ladder.py): the same recipes, another stage.
+LADDER_KNOBS: dict[str, str] = {
+    "data_inputs": "data.inputs",
+    "vocab_size": "data.vocab_size",
+    "seq_len": "data.seq_len",
+    "n_layer": "pretrain.model.n_layer",
+    "n_head": "pretrain.model.n_head",
+    "batch_size": "pretrain.batch_size",
+    "lr": "pretrain.optim.lr",
+    "ladder_widths": "ladder.widths",
+    "ladder_tokens_per_param": "ladder.tokens_per_param",
+    "ladder_held_out": "ladder.held_out",
+    "target_flops": "ladder.target_flops",
+    "budget_hours": "ladder.budget_hours",
+}
+LADDER_STAGES = ("data_prep", "ladder")
 
 
 def field_of(path: str) -> tuple[dataclasses.Field, type]:
@@ -77,7 +136,9 @@ def knob_schema(path: str) -> dict[str, Any]:
     if meta.get("choices"):
         schema["enum"] = [None, *meta["choices"]]
     if py_type is list:
-        schema["items"] = {"type": "string", "minLength": 1}
+        items = [type(v) for v in get_path(configs.base(), path)]
+        schema["items"] = ({"type": "number"} if items and set(items) <= {int, float}
+                           else {"type": "string", "minLength": 1})
     defaults = ", ".join(f"{name}={get_path(fn(), path)!r}" for name, fn in configs.RECIPES.items())
     help_text = meta.get("help") or path
     schema["description"] = f"{help_text} Empty = the recipe's value ({defaults}). Sets {path}."
@@ -107,4 +168,70 @@ def lifecycle_params() -> dict[str, Any]:
     for stage in STAGES:
         params[f"backend_{stage}"] = Param("local", type="string", enum=sorted(BACKENDS),
                                            description=f"Where the {stage} job runs.")
+    params["stage_resources"] = Param(
+        {}, type="object", additionalProperties=False,
+        properties={stage: RESOURCES_SCHEMA for stage in STAGES},
+        description="Per stage, for remote backends: instance_type, instance_count, "
+                    "nproc_per_node, image, max_run_seconds, e.g. {\"pretrain\": "
+                    "{\"instance_type\": \"ml.p5.48xlarge\", \"instance_count\": 2, "
+                    "\"nproc_per_node\": 8, \"max_run_seconds\": 432000}}. Empty = the "
+                    "backend's defaults.")
+    params["team"] = Param("", type="string", pattern=TEAM_PATTERN,
+                           description="The team the run belongs to (lowercase letters and digits): "
+                                       "AWS Batch fair-share identifier, HyperPod namespace and "
+                                       "queue, a tag on every job. Empty = none.")
+    params["priority"] = Param(None, type=["null", "integer"], minimum=0, maximum=9999,
+                               description="Scheduling priority, higher first: AWS Batch "
+                                           "schedulingPriorityOverride, HyperPod priority class. "
+                                           "Empty = the queue's default.")
+    return params
+
+
+def ladder_params() -> dict[str, Any]:
+    """Param objects for the scaling_ladder DAG; pure data, cheap at parse time."""
+    from airflow.sdk import Param
+
+    from llmops.jobs.backends import BACKENDS
+
+    params: dict[str, Any] = {
+        "recipe": Param("demo", type="string", enum=sorted(configs.RECIPES),
+                        description="Named sizes every knob starts from: tiny (tests), demo (CPU), "
+                                    "gpu. The ladder's rungs are the recipe's pretraining model at "
+                                    "other widths."),
+        "storage_root": Param("", type="string",
+                              description="Where stage outputs go; empty = $LLMOPS_STORAGE_ROOT "
+                                          "or .llmops/storage."),
+    }
+    for name, path in LADDER_KNOBS.items():
+        params[name] = Param(None, **knob_schema(path))
+    for stage in LADDER_STAGES:
+        params[f"backend_{stage}"] = Param("local", type="string", enum=sorted(BACKENDS),
+                                           description=f"Where the {stage} jobs run.")
+    return params
+
+
+def retrain_params() -> dict[str, Any]:
+    """Param objects for the llm_retrain DAG; pure data, cheap at parse time."""
+    from airflow.sdk import Param
+
+    from llmops.jobs.backends import BACKENDS
+
+    params: dict[str, Any] = {
+        "recipe": Param("demo", type="string", enum=sorted(configs.RECIPES),
+                        description="Named sizes the fine-tuning and the gate start from."),
+        "registered_model_name": Param("llm-lifecycle", type="string",
+                                       pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$",
+                                       description="MLflow Model Registry name whose `champion` is "
+                                                   "retrained."),
+        "data_dir": Param("", type="string",
+                          description="A data prep output to fine-tune on; empty = the newest "
+                                      "curated-data asset event's data_dir."),
+        "storage_root": Param("", type="string",
+                              description="Where stage outputs go; empty = $LLMOPS_STORAGE_ROOT "
+                                          "or .llmops/storage."),
+        "backend": Param("local", type="string", enum=sorted(BACKENDS),
+                         description="Where the fine-tuning and evaluation jobs run."),
+    }
+    for name, path in RETRAIN_KNOBS.items():
+        params[name] = Param(None, **knob_schema(path))
     return params
