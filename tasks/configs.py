@@ -86,6 +86,18 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
     return value
 
 
+def _field_type(cls: Any, path: str) -> Any:
+    """The type of the field at a dotted path of a config dataclass (None if there is none)."""
+    for name in path.split("."):
+        if not dataclasses.is_dataclass(cls):
+            return None
+        hints = get_type_hints(cls)
+        if name not in hints:
+            return None
+        cls = hints[name]
+    return cls
+
+
 def to_dict(cfg: Any) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
 
@@ -147,15 +159,21 @@ class OptimConfig:
 # Stage configs: one per `python -m tasks.<stage>` entrypoint
 
 
+# Quality filters data prep knows, in the order FineWeb runs them (see tasks/data/filters.py).
+DATA_QUALITY_FILTERS = ("gopher_repetition", "gopher_quality", "c4_quality", "fineweb_quality")
+
+
 @dataclass(kw_only=True)
 class DataPrepConfig:
-    """Raw text -> normalized, exact-deduplicated, tokenized, packed train/val shards + manifest.
+    """Raw text -> filtered, PII-redacted, deduplicated documents; tokenized, packed train/val
+    shards + manifest (tasks/data/prep.py).
 
-    Inputs are JSONL files (`{"id", "text", ...}`) or plain text files. With no inputs the stage
-    writes the built-in demo corpus (docstrings of the installed Python) and uses that.
+    Inputs are JSONL (`{"id", "text", ...}`), Parquet or plain text files, local or s3://. With no
+    inputs the stage writes the built-in demo corpus (docstrings of the installed Python).
     """
 
-    inputs: list = bounded([], help="Raw text files or globs (JSONL or .txt); empty = demo corpus.")
+    inputs: list = bounded([], help="Raw text files, dirs or globs (JSONL, Parquet, .txt; local or "
+                                    "s3://); empty = demo corpus.")
     output_dir: str = ""
     sft_inputs: list = bounded([], help="Prompt/completion JSONL (train, eval); empty = demo task.")
     demo_corpus_docs: int = bounded(4000, minimum=10, maximum=10_000_000,
@@ -169,6 +187,28 @@ class DataPrepConfig:
     workers: int = bounded(2, minimum=1, maximum=4096, help="Parallel shard workers.")
     engine: str = bounded("ray", choices=("ray", "local"), help="ray, or local (in-process).")
     seed: int = bounded(1234, minimum=0, maximum=2**31 - 1)
+    input_weights: list = bounded([], help="Mix weight per inputs entry, same order: a source's "
+                                           "training documents are repeated (2.0) or sampled (0.5); "
+                                           "empty = 1 each.")
+    text_field: str = bounded("text", help="JSONL key or Parquet column holding the text.")
+    id_field: str = bounded("id", help="JSONL key or Parquet column holding the document id.")
+    filters: list = bounded(list(DATA_QUALITY_FILTERS),
+                            help=f"Quality filters to run, in order: any of {list(DATA_QUALITY_FILTERS)}.")
+    filter_params: dict = bounded({}, help="Threshold overrides per step, e.g. "
+                                           "{'gopher_quality': {'min_doc_words': 30}}.")
+    blocklist: list = bounded([], help="Words or phrases; a document containing one is dropped.")
+    redact_pii: bool = bounded(True, help="Replace emails, public IP addresses and phone numbers.")
+    exact_dedup: bool = bounded(True, help="Drop documents whose text equals an earlier one.")
+    near_dedup: bool = bounded(True, help="MinHash-LSH near-duplicate removal across all shards.")
+    minhash_ngram: int = bounded(5, minimum=1, maximum=64, help="Words per near-dedup shingle.")
+    minhash_bands: int = bounded(14, minimum=1, maximum=1024,
+                                 help="LSH bands (more bands: lower similarity threshold).")
+    minhash_rows: int = bounded(8, minimum=1, maximum=1024,
+                                help="Minhashes per band (more rows: higher similarity threshold).")
+    tokenizer_path: str = bounded("", help="An existing tokenizer.json (local or s3://); empty = "
+                                           "train a byte-level BPE on the data.")
+    tokenizer_sample_docs: int = bounded(100_000, minimum=1, maximum=1_000_000_000,
+                                         help="Training documents (a seeded sample) the BPE learns from.")
 
     def __post_init__(self) -> None:
         _check_bounds(self)
@@ -177,6 +217,21 @@ class DataPrepConfig:
                "DataPrepConfig.inputs must be a list of non-empty paths or globs.")
         _check(len(self.sft_inputs) in (0, 2),
                "DataPrepConfig.sft_inputs must be empty or [train.jsonl, eval.jsonl].")
+        unknown = [f for f in self.filters if f not in DATA_QUALITY_FILTERS]
+        _check(not unknown and len(set(self.filters)) == len(self.filters),
+               f"DataPrepConfig.filters must name each of {list(DATA_QUALITY_FILTERS)} at most once, "
+               f"got {self.filters!r}.")
+        _check(isinstance(self.filter_params, dict)
+               and all(isinstance(v, dict) for v in self.filter_params.values()),
+               "DataPrepConfig.filter_params must map a step name to an object of threshold overrides.")
+        _check(all(isinstance(w, str) and w.strip() for w in self.blocklist),
+               "DataPrepConfig.blocklist must be a list of non-empty words or phrases.")
+        _check(not self.input_weights or len(self.input_weights) == len(self.inputs),
+               f"DataPrepConfig.input_weights has {len(self.input_weights)} weights for "
+               f"{len(self.inputs)} inputs: give one per inputs entry, or none.")
+        _check(all(isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w)
+                   and 0 <= w <= 1000 for w in self.input_weights),
+               "DataPrepConfig.input_weights must be numbers between 0 and 1000.")
 
 
 @dataclass(kw_only=True)
@@ -196,23 +251,69 @@ class TrainConfig:
     keep_checkpoints: int = bounded(2, minimum=1, maximum=1000, help="Checkpoints kept on disk.")
     log_interval: int = bounded(10, minimum=1, maximum=10_000_000, help="Steps between metric logs.")
     seed: int = bounded(1337, minimum=0, maximum=2**31 - 1)
+    # Scale-out and resilience (tasks/train/supervisor.py, loop.py, checkpoint.py)
+    checkpoint_uri: str = bounded("", help="Also keep checkpoints under s3://bucket/prefix (one "
+                                           "uploader per node); empty = output_dir/checkpoints only.")
+    async_checkpoint: bool = bounded(True, help="Snapshot to CPU and write in the background, at "
+                                                "most one save in flight.")
+    parallelism: str = bounded("ddp", choices=("ddp", "fsdp"),
+                               help="Several processes: replicate the model (ddp) or shard it (fsdp).")
+    compile: bool = bounded(True, help="torch.compile the model on GPU (CPU runs eagerly).")
+    max_restarts: int = bounded(3, minimum=0, maximum=1000,
+                                help="Worker restarts inside the job before the task fails.")
+    hot_spare: bool = bounded(True, help="Keep a warm worker process ready to replace a failed one.")
+    hang_timeout_s: float = bounded(300.0, minimum=1.0, maximum=86400.0,
+                                    help="No step progress this long: dump stacks, restart the worker.")
+    max_rollbacks: int = bounded(5, minimum=0, maximum=1000,
+                                 help="NaN or spike rollbacks to the last checkpoint before failing.")
+    spike_sigma: float = bounded(6.0, minimum=0.0, maximum=1000.0,
+                                 help="Loss or grad norm above mean + k*std of the window is a spike; "
+                                      "0 = off.")
+    spike_window: int = bounded(100, minimum=5, maximum=1_000_000,
+                                help="Recent steps the spike statistics cover.")
+    spike_skip_batches: int = bounded(1, minimum=1, maximum=1_000_000,
+                                      help="Batches up to and including a spike skipped after rollback.")
 
     def __post_init__(self) -> None:
         _check_bounds(self)
         _check(bool(self.data_dir), "TrainConfig.data_dir is required: the data prep output.")
         _check(bool(self.output_dir), "TrainConfig.output_dir is required: where checkpoints go.")
+        _check(not self.checkpoint_uri or self.checkpoint_uri.startswith("s3://"),
+               f"TrainConfig.checkpoint_uri must be empty or an s3://bucket/prefix URI, got "
+               f"{self.checkpoint_uri!r}.")
 
 
 @dataclass(kw_only=True)
 class FinetuneConfig:
     """Supervised fine-tuning on prompt/completion JSONL, loss on completion tokens only."""
 
-    base_model: str = bounded("", help="Model directory written by pretraining.")
+    base_model: str = bounded("", help="What to fine-tune: a model directory, a checkpoint directory, "
+                                       "or an MLflow model (models:/<name>@<alias>, "
+                                       "models:/<name>/<version>).")
     data_dir: str = bounded("", help="Data prep output (holds sft/train.jsonl and sft/eval.jsonl).")
     output_dir: str = ""
+    train_files: list = bounded([], help="Prompt/completion or chat JSONL to train on; empty = "
+                                         "data_dir's sft/train.jsonl.")
+    eval_files: list = bounded([], help="Held-out JSONL, same formats; empty = data_dir's "
+                                        "sft/eval.jsonl.")
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-3, warmup_steps=10))
     max_steps: int = bounded(150, minimum=1, maximum=10_000_000)
-    batch_size: int = bounded(16, minimum=1, maximum=1 << 16)
+    batch_size: int = bounded(16, minimum=1, maximum=1 << 16,
+                              help="Units per step: SFT examples (packed rows with packing) plus "
+                                   "replayed pretraining rows.")
+    replay_fraction: float = bounded(0.25, minimum=0.0, maximum=0.9,
+                                     help="Share of each step (rows and loss weight) given to "
+                                          "pretraining rows, so general language is not forgotten.")
+    packing: bool = bounded(False, help="Pack several examples per row (attention stays inside "
+                                        "each example).")
+    lora_rank: int = bounded(0, minimum=0, maximum=4096,
+                             help="LoRA adapter rank; 0 = full fine-tuning.")
+    lora_alpha: float = bounded(16.0, minimum=0.0, maximum=1e6, help="LoRA scaling numerator.")
+    lora_dropout: float = bounded(0.0, minimum=0.0, maximum=0.9)
+    lora_targets: list = bounded(["c_attn", "c_proj", "c_fc"],
+                                 help="Linear layers that get adapters (name suffixes).")
+    eval_batches: int = bounded(8, minimum=1, maximum=100_000,
+                                help="Held-out pretraining batches scored for prose loss.")
     eval_interval: int = bounded(50, minimum=1, maximum=10_000_000)
     checkpoint_interval: int = bounded(50, minimum=1, maximum=10_000_000)
     keep_checkpoints: int = bounded(2, minimum=1, maximum=1000)
@@ -225,6 +326,11 @@ class FinetuneConfig:
         _check_bounds(self)
         for name in ("base_model", "data_dir", "output_dir"):
             _check(bool(getattr(self, name)), f"FinetuneConfig.{name} is required.")
+        _check(self.replay_fraction == 0 or self.batch_size >= 2,
+               "FinetuneConfig.batch_size must be >= 2 to mix replayed rows into each step "
+               "(or set replay_fraction to 0).")
+        _check(self.lora_rank == 0 or bool(self.lora_targets),
+               "FinetuneConfig.lora_targets must name at least one layer when lora_rank > 0.")
 
 
 @dataclass(kw_only=True)
@@ -240,6 +346,19 @@ class DistillConfig:
     alpha: float = bounded(0.7, minimum=0.0, maximum=1.0, help="Weight of the KL term.")
     max_steps: int = bounded(300, minimum=1, maximum=10_000_000)
     batch_size: int = bounded(16, minimum=1, maximum=1 << 16)
+    replay_fraction: float = bounded(0.25, minimum=0.0, maximum=0.9,
+                                     help="Share of each step given to pretraining rows, distilled "
+                                          "from the teacher's logits like the SFT part.")
+    packing: bool = bounded(False, help="Pack several examples per row.")
+    teacher_cache: str = bounded("", help="Directory of the teacher's cached top-k logits "
+                                          "(python -m tasks.distill_cache); empty = run the teacher "
+                                          "in this job.")
+    cache_top_k: int = bounded(32, minimum=1, maximum=1 << 20,
+                               help="Teacher logits kept per position in the cache.")
+    quantize_int8: bool = bounded(False, help="Also quantize the student to int8 (dynamic, CPU) and "
+                                              "report its size, speed and quality against float.")
+    eval_batches: int = bounded(8, minimum=1, maximum=100_000,
+                                help="Held-out pretraining batches scored for prose loss.")
     eval_interval: int = bounded(100, minimum=1, maximum=10_000_000)
     checkpoint_interval: int = bounded(100, minimum=1, maximum=10_000_000)
     keep_checkpoints: int = bounded(2, minimum=1, maximum=1000)
@@ -252,13 +371,18 @@ class DistillConfig:
         _check_bounds(self)
         for name in ("teacher_model", "data_dir", "output_dir"):
             _check(bool(getattr(self, name)), f"DistillConfig.{name} is required.")
+        _check(self.replay_fraction == 0 or self.batch_size >= 2,
+               "DistillConfig.batch_size must be >= 2 to mix replayed rows into each step "
+               "(or set replay_fraction to 0).")
 
 
 @dataclass(kw_only=True)
 class EvalConfig:
-    """Held-out perplexity and task exact-match for each named model directory."""
+    """Held-out perplexity and bits per byte, task exact-match and local task suites (optionally
+    through lm-evaluation-harness too) for each named model."""
 
-    models: dict = bounded({}, help="Name -> model directory, e.g. {'teacher': ..., 'student': ...}.")
+    models: dict = bounded({}, help="Name -> model directory, checkpoint or MLflow model URI, "
+                                    "e.g. {'teacher': ..., 'champion': 'models:/llm-lifecycle/3'}.")
     data_dir: str = ""
     output_dir: str = ""
     eval_batches: int = bounded(20, minimum=1, maximum=1_000_000, help="Val batches for perplexity.")
@@ -266,6 +390,13 @@ class EvalConfig:
     max_task_examples: int = bounded(200, minimum=1, maximum=1_000_000,
                                      help="Held-out task examples scored by exact match.")
     max_new_tokens: int = bounded(16, minimum=1, maximum=4096)
+    suites: list = bounded([], help="Task suite JSONL files or directories (multiple choice "
+                                    "{query, choices, gold}; generation {prompt, answer}).")
+    demo_suites: bool = bounded(True, help="Also build suites from the data dir's held-out "
+                                           "material: SFT multiple choice and a prose cloze.")
+    suite_examples: int = bounded(100, minimum=1, maximum=1_000_000, help="Items per suite.")
+    lm_eval: bool = bounded(False, help="Also run the suites through EleutherAI's "
+                                        "lm-evaluation-harness (needs docker/requirements-lm-eval.txt).")
 
     def __post_init__(self) -> None:
         _check_bounds(self)
@@ -278,19 +409,70 @@ class EvalConfig:
 # The whole lifecycle: what the DAG resolves from a recipe plus the run's Params
 
 
+SWEEP_SAMPLERS = ("tpe", "random", "grid")
+SWEEP_PRUNERS = ("median", "asha", "none")
+
+
 @dataclass(kw_only=True)
 class SweepConfig:
-    """A few short pretraining trials; the best by validation loss sets pretraining's lr."""
+    """Short pretraining trials searched by an Optuna study (plugins/llmops/sweep): the best by
+    validation loss sets pretraining's hyperparameters. The learning rate is always searched (log
+    scale over [lr_min, lr_max]); `search_space` adds other TrainConfig fields."""
 
     trials: int = bounded(3, minimum=1, maximum=64, help="Trials, run in parallel as mapped tasks.")
     lr_min: float = bounded(1e-3, minimum=1e-6, maximum=1.0, help="Lowest learning rate tried.")
     lr_max: float = bounded(1e-2, minimum=1e-6, maximum=1.0, help="Highest learning rate tried.")
     steps: int = bounded(60, minimum=1, maximum=1_000_000, help="Steps per trial.")
+    sampler: str = bounded("tpe", choices=SWEEP_SAMPLERS,
+                           help="tpe (Bayesian), random, or grid (`trials` log-spaced learning rates "
+                                "x every choice of search_space).")
+    pruner: str = bounded("median", choices=SWEEP_PRUNERS,
+                          help="Stops hopeless trials early: median (worse than the median of finished "
+                               "trials at the same step), asha (successive halving), none.")
+    evals: int = bounded(4, minimum=1, maximum=1000,
+                         help="Validation losses each trial reports; the pruner decides after each.")
+    search_space: dict = bounded({}, help="More TrainConfig fields to tune: path -> {'low', 'high', "
+                                          "'log'} or {'choices': [...]}, e.g. {'optim.weight_decay': "
+                                          "{'low': 0.0, 'high': 0.2}}.")
+    seed: int = bounded(0, minimum=0, maximum=2**31 - 1, help="Seed of the sampler.")
+    study: str = bounded("", help="An Optuna study to continue, by name (a killed run's, say): its "
+                                  "finished trials are kept. Empty = one study per DAG run, which a "
+                                  "cleared run resumes.")
+    budget_hours: float = bounded(100.0, minimum=0.0, maximum=1e7,
+                                  help="Refuse to start when the sweep's estimated accelerator-hours "
+                                       "exceed this; 0 = no limit.")
+    size_from_ladder: bool = bounded(False, help="Size pretraining (width, steps) from the latest "
+                                                 "scaling_ladder recommendation.")
 
     def __post_init__(self) -> None:
         _check_bounds(self)
         _check(self.lr_min <= self.lr_max,
                f"SweepConfig.lr_min ({self.lr_min}) must be <= lr_max ({self.lr_max}).")
+        _check(isinstance(self.search_space, dict), "SweepConfig.search_space must be an object.")
+        hints = {path: _field_type(TrainConfig, path) for path in self.search_space}
+        for path, spec in self.search_space.items():
+            where = f"SweepConfig.search_space[{path!r}]"
+            _check(hints[path] in (int, float, str, bool),
+                   f"{where}: not a number or string field of TrainConfig (e.g. 'optim.weight_decay', "
+                   "'batch_size', 'model.dropout').")
+            _check(isinstance(spec, dict) and (set(spec) <= {"low", "high", "log"} and
+                                               {"low", "high"} <= set(spec) or set(spec) == {"choices"}),
+                   f"{where} must be {{'low': x, 'high': y[, 'log': true]}} or {{'choices': [...]}}.")
+            if "choices" in spec:
+                _check(isinstance(spec["choices"], list) and len(spec["choices"]) > 0,
+                       f"{where}.choices must be a non-empty list.")
+            else:
+                _check(all(isinstance(spec[k], (int, float)) and not isinstance(spec[k], bool)
+                           for k in ("low", "high")) and spec["low"] < spec["high"],
+                       f"{where}: low and high must be numbers with low < high.")
+                _check(not spec.get("log") or spec["low"] > 0, f"{where}: a log range needs low > 0.")
+        _check(self.sampler != "grid" or all("choices" in s for s in self.search_space.values()),
+               "SweepConfig.sampler 'grid' needs {'choices': [...]} for every search_space entry.")
+
+    def space(self) -> dict[str, dict]:
+        """Every searched TrainConfig path and its range: the learning rate first."""
+        return {"optim.lr": {"low": self.lr_min, "high": self.lr_max, "log": True},
+                **self.search_space}
 
     def learning_rates(self) -> list[float]:
         """Log-spaced over [lr_min, lr_max], deterministic so a rerun tries the same trials."""
@@ -301,8 +483,68 @@ class SweepConfig:
 
 
 @dataclass(kw_only=True)
+class LadderConfig:
+    """A scaling ladder (dags/scaling_ladder.py): small models of the pretraining model's family,
+    one per width x tokens-per-parameter, each trained to the end of its own schedule; the law
+    L(N, D) = E + A/N^alpha + B/D^beta is fitted to their final validation losses (Chinchilla
+    approach 3, tasks/scaling/law.py) and gives the compute-optimal N and D for a FLOP budget
+    (C = 6ND). N counts non-embedding parameters, 12 * n_layer * n_embd^2 (Kaplan et al.: the
+    embedding's share distorts the law at small sizes)."""
+
+    widths: list = bounded([32, 64, 96], help="n_embd of each rung; depth, heads, vocabulary and "
+                                              "context are the pretraining model's.")
+    tokens_per_param: list = bounded([5, 10, 20], help="Training tokens per parameter (D/N); every "
+                                                       "width trains at each.")
+    held_out: int = bounded(1, minimum=0, maximum=64, help="Largest-compute rungs left out of the "
+                                                           "fit, to measure its extrapolation error.")
+    target_flops: float = bounded(1e15, minimum=1.0, maximum=1e30,
+                                  help="FLOP budget C the compute-optimal N and D are given for.")
+    budget_hours: float = bounded(100.0, minimum=0.0, maximum=1e7,
+                                  help="Refuse to start when the ladder's estimated accelerator-hours "
+                                       "exceed this; 0 = no limit.")
+    huber_delta: float = bounded(1e-3, minimum=1e-6, maximum=1.0,
+                                 help="Huber loss threshold on log-loss residuals (Chinchilla: 1e-3).")
+
+    def __post_init__(self) -> None:
+        _check_bounds(self)
+        _check(bool(self.widths) and all(isinstance(w, int) and not isinstance(w, bool) and w >= 8
+                                         for w in self.widths),
+               f"LadderConfig.widths must be a list of integers >= 8, got {self.widths!r}.")
+        _check(bool(self.tokens_per_param) and all(
+                   isinstance(t, (int, float)) and not isinstance(t, bool) and t > 0
+                   for t in self.tokens_per_param),
+               f"LadderConfig.tokens_per_param must be a list of positive numbers, got "
+               f"{self.tokens_per_param!r}.")
+        rungs = len(set(self.widths)) * len(set(self.tokens_per_param))
+        _check(rungs - self.held_out >= 5,
+               f"LadderConfig: {rungs} rungs minus held_out {self.held_out} leave {rungs - self.held_out} "
+               "points to fit a law with 5 constants; give at least 5 + held_out rungs (more widths "
+               "or tokens_per_param values).")
+
+
+@dataclass(kw_only=True)
+class LadderFitConfig:
+    """The ladder's fit job (python -m tasks.ladder): its rungs' results in, the law and a
+    recommendation out."""
+
+    points: list = bounded([], help="One per finished rung: {'n_params', 'tokens', 'loss', ...}.")
+    ladder: LadderConfig = field(default_factory=LadderConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)  # the family recommended sizes keep
+    tokens_per_step: int = bounded(2048, minimum=1, maximum=1 << 40,
+                                   help="batch_size * seq_len of the pretraining run sized by the fit.")
+    output_dir: str = ""
+
+    def __post_init__(self) -> None:
+        _check_bounds(self)
+        _check(bool(self.output_dir), "LadderFitConfig.output_dir is required.")
+        _check(all(isinstance(p, dict) and {"n_params", "tokens", "loss"} <= set(p) for p in self.points),
+               "LadderFitConfig.points must be objects with n_params, tokens and loss.")
+
+
+@dataclass(kw_only=True)
 class GateConfig:
-    """What a model must reach to be registered and made `champion`."""
+    """What a model must reach to be registered and made `champion` (plugins/llmops/promotion.py):
+    absolute thresholds, and no worse than the current champion beyond champion_margins."""
 
     min_task_accuracy: float = bounded(0.0, minimum=0.0, maximum=1.0,
                                        help="Lowest exact-match accuracy that may ship.")
@@ -310,9 +552,21 @@ class GateConfig:
                                     help="Highest held-out perplexity that may ship.")
     prefer: str = bounded("student", choices=("student", "teacher"),
                           help="Which passing model to register when both pass.")
+    champion_margins: dict = bounded({"task_accuracy": 0.02, "bits_per_byte": 0.02},
+                                     help="Metric -> how much worse than the champion a challenger "
+                                          "may be (0 = at least as good; negative = must beat it "
+                                          "by that much). *loss, *perplexity, *bits_per_byte are "
+                                          "lower-is-better.")
+    require_approval: bool = bounded(False, help="Retraining: a human approves (Airflow's "
+                                                 "ApprovalOperator) before `champion` moves.")
 
     def __post_init__(self) -> None:
         _check_bounds(self)
+        _check(isinstance(self.champion_margins, dict) and all(
+            isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool)
+            and math.isfinite(v) for k, v in self.champion_margins.items()),
+            "GateConfig.champion_margins must map metric names to finite numbers, e.g. "
+            "{'task_accuracy': 0.02}.")
 
 
 @dataclass(kw_only=True)
@@ -324,6 +578,7 @@ class LifecycleConfig:
     distill: DistillConfig
     evaluate: EvalConfig
     gate: GateConfig = field(default_factory=GateConfig)
+    ladder: LadderConfig = field(default_factory=LadderConfig)
 
 
 # --------------------------------------------------------------------------------------------
@@ -344,6 +599,11 @@ def base() -> LifecycleConfig:
                                                   block_size=model.block_size,
                                                   n_layer=1, n_head=2, n_embd=64)),
         evaluate=EvalConfig(models={"teacher": _UNSET}, data_dir=_UNSET, output_dir=_UNSET),
+        # Measured on the demo recipe: pretrained perplexity ~56; the fine-tuned teacher ~51 and
+        # the student ~68 with replay, but ~25 million for a teacher tuned on the task alone
+        # (accuracy 0.99 either way). 250 refuses a model that lost its prose, a random one
+        # (~vocab size) and anything near them, and leaves room for run-to-run noise.
+        gate=GateConfig(min_task_accuracy=0.5, max_perplexity=250.0),
     )
 
 
@@ -356,28 +616,32 @@ def tiny() -> LifecycleConfig:
     cfg.pretrain.max_steps, cfg.pretrain.batch_size = 20, 8
     cfg.pretrain.eval_interval = cfg.pretrain.checkpoint_interval = 10
     cfg.pretrain.eval_batches, cfg.pretrain.log_interval = 2, 5
-    cfg.sweep = SweepConfig(trials=2, lr_min=1e-3, lr_max=1e-2, steps=10)
+    cfg.sweep = SweepConfig(trials=2, lr_min=1e-3, lr_max=1e-2, steps=10, evals=2)
+    cfg.ladder = LadderConfig(widths=[16, 24, 32], tokens_per_param=[4, 16], target_flops=1e12)
     cfg.finetune.max_steps, cfg.finetune.batch_size = 10, 8
     cfg.finetune.eval_interval = cfg.finetune.checkpoint_interval = 5
     cfg.distill.student = ModelConfig(vocab_size=300, block_size=32, n_layer=1, n_head=2, n_embd=16)
     cfg.distill.max_steps, cfg.distill.batch_size = 10, 8
     cfg.distill.eval_interval = cfg.distill.checkpoint_interval = 5
     cfg.evaluate.eval_batches, cfg.evaluate.max_task_examples, cfg.evaluate.max_new_tokens = 2, 20, 8
+    cfg.evaluate.suite_examples = 20
+    # ten steps teach nothing: only refuse what is far worse than guessing (uniform = 300)
+    cfg.gate = GateConfig(min_task_accuracy=0.0, max_perplexity=600.0)
     return cfg
 
 
 def demo() -> LifecycleConfig:
-    """`make demo`: every stage in about a minute on 2 CPU cores (measured on a shared 2-core
-    box: pretrain ~65 s, finetune ~35 s, distill ~50 s, each with ~8 s of startup and logging)."""
+    """`make demo`: a few minutes on 2 CPU cores (measured on a shared 2-core box: pretrain
+    ~65 s; with a quarter of each step replaying prose, finetune ~85 s and distill ~2-4 min)."""
     cfg = base()
     cfg.pretrain.max_steps = 600  # ~7 passes over the demo corpus; val loss still falling
     cfg.pretrain.eval_interval = cfg.pretrain.checkpoint_interval = 100
     # the numbers task goes from 0 to ~0.7-0.9 exact match in ~1500 SFT steps of this model
     cfg.finetune.max_steps, cfg.finetune.log_interval = 1500, 50
     cfg.finetune.eval_interval, cfg.finetune.checkpoint_interval = 250, 500
-    # one layer cannot learn to copy and carry digits; two thin ones keep most of the teacher's
-    # accuracy at a third of its size
-    cfg.distill.student.n_layer = 2
+    # one layer cannot learn to copy and carry digits; two thin ones (48 wide: 0.21 of the
+    # teacher's parameters) matched its accuracy (0.995) at perplexity ~68 vs ~51
+    cfg.distill.student.n_layer, cfg.distill.student.n_embd, cfg.distill.student.n_head = 2, 48, 2
     cfg.distill.max_steps, cfg.distill.log_interval = 3500, 100
     cfg.distill.eval_interval, cfg.distill.checkpoint_interval = 500, 1000
     return cfg
@@ -391,8 +655,11 @@ def gpu() -> LifecycleConfig:
     cfg.pretrain.max_steps, cfg.pretrain.batch_size = 5000, 32
     cfg.pretrain.eval_interval, cfg.pretrain.checkpoint_interval = 250, 500
     cfg.sweep = SweepConfig(trials=8, lr_min=1e-4, lr_max=3e-3, steps=300)
+    cfg.ladder = LadderConfig(widths=[192, 384, 576, 768], tokens_per_param=[10, 20, 40],
+                              target_flops=1e19)
     cfg.finetune.max_steps, cfg.distill.max_steps = 1000, 2000
-    cfg.distill.student = ModelConfig(vocab_size=8192, block_size=1024, n_layer=6, n_head=8, n_embd=512)
+    # ~0.22 of the teacher's parameters (not measured on a GPU yet)
+    cfg.distill.student = ModelConfig(vocab_size=8192, block_size=1024, n_layer=5, n_head=8, n_embd=512)
     return cfg
 
 

@@ -1,19 +1,38 @@
 """Pretraining: next-token prediction on the packed token shards of data prep.
 
-    python -m tasks.pretrain --config CONFIG.json --result RESULT.json   (a TrainConfig)
+    python -m tasks.pretrain --config CONFIG.json --result RESULT.json [--faults SPEC]   (a TrainConfig)
 
-Writes output_dir/checkpoints/step_*/ while training (a retry resumes from the newest valid one)
-and output_dir/model/ at the end, logged to the stage's MLflow run as a model.
+That command is the job's supervisor (tasks/train/supervisor.py): it trains in a worker process
+(one per rank; under torchrun, one per process torchrun starts), restarts a failed or hung worker
+from the newest valid checkpoint up to max_restarts times, and only then fails the task. The same
+command runs on every backend. --faults (or $LLMOPS_FAULTS) injects failures for testing
+(tasks/train/faults.py).
+
+Writes output_dir/checkpoints/step_*/ while training (mirrored to checkpoint_uri when set),
+output_dir/resilience/ (events, step times, skipped batches, goodput) and output_dir/model/ at
+the end, logged to the stage's MLflow run as a model with the goodput report beside it.
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import logging
-from typing import Any
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
 
 from tasks.common.entry import run_stage
+from tasks.common.io import read_json, write_json
 from tasks.common.tracking import stage_run
 from tasks.configs import ModelConfig, TrainConfig, to_dict
+from tasks.train import telemetry as tm
+from tasks.train.faults import ENV as FAULTS_ENV
+from tasks.train.faults import FaultSpecError, parse_faults
+from tasks.train.supervisor import FATAL_EXIT, Supervisor, WorkerEnv
 
 log = logging.getLogger("tasks.pretrain")
 
@@ -27,49 +46,142 @@ def check_model_fits_data(model: ModelConfig, vocab_size: int, seq_len: int) -> 
                          f"(seq_len {seq_len}); set model.block_size >= {seq_len}.")
 
 
-def pretrain(cfg: TrainConfig, stage: str = "pretrain", publish: bool = True) -> dict[str, Any]:
-    """Train from scratch (or resume) on cfg.data_dir. Sweep trials call this with publish=False:
-    they only need the val loss, not a model directory or an MLflow model."""
-    import mlflow
+def collective_timeout_s(cfg: TrainConfig) -> float:
+    """Longer than the watchdog's wait (1.5x for a rank in a collective), so that a hang is
+    caught by the watchdog, which dumps stacks, before a collective times out."""
+    return 2 * cfg.hang_timeout_s + 30
+
+
+@dataclass
+class _Setup:
+    device: Any
+    data: Any
+    train_rows: Any
+    val_rows: Any
+    model: Any
+    peak_flops: float
+
+
+def _setup(cfg: TrainConfig, env: WorkerEnv, *, warm: bool = False) -> _Setup:
+    """Everything before training that a hot spare can do in advance: imports, data, model.
+    warm: also pay now for what training would otherwise pay at its start (measured on a
+    loaded 2-core box: MLflow's import ~2 s and its store ~1 s, the first optimizer ~1.4 s (it
+    imports torch._dynamo), matplotlib ~1 s), so a promoted spare resumes in well under a
+    second."""
+    import torch
 
     from tasks.model import GPT
-    from tasks.train.data import DataDir, PretrainBatches
+    from tasks.train.data import DataDir
+    from tasks.train.runtime import peak_flops, pick_device, seed_everything
+
+    device = pick_device(env.local_rank if env.world_size > 1 else None)
+    data = DataDir(cfg.data_dir)
+    data.check_tokenizer()
+    check_model_fits_data(cfg.model, data.vocab_size, data.seq_len)
+    train_rows, val_rows = data.split("train"), data.split("val")
+    if warm:
+        import matplotlib.pyplot  # noqa: F401 - imported for its import time
+        import mlflow
+
+        from tasks.train import distributed, export, goodput, loop, scoring  # noqa: F401
+
+        torch.optim.AdamW([torch.zeros(1, requires_grad=True)])
+        if env.rank == 0:
+            mlflow.MlflowClient().search_experiments(max_results=1)  # opens the store
+    seed_everything(cfg.seed)  # the initial weights are part of what the seed reproduces
+    model = GPT(cfg.model)
+    if env.world_size > 1:
+        # DDP starts every rank from rank 0's weights; dropout should differ per rank
+        torch.manual_seed(cfg.seed + env.rank)
+    return _Setup(device, data, train_rows, val_rows, model, peak_flops(device))
+
+
+def pretrain(cfg: TrainConfig, stage: str = "pretrain", publish: bool = True, *,
+             on_eval: Callable[[int, dict[str, float]], None] | None = None) -> dict[str, Any]:
+    """Train from scratch (or resume) on cfg.data_dir in this process. Sweep trials call this
+    with publish=False: they only need the val loss, not a model directory or an MLflow model."""
+    env = WorkerEnv.from_env()
+    return _train(cfg, _setup(cfg, env), env, stage=stage, publish=publish, on_eval=on_eval)
+
+
+def _train(cfg: TrainConfig, setup: _Setup, env: WorkerEnv, *, stage: str, publish: bool,
+           on_eval: Callable[[int, dict[str, float]], None] | None) -> dict[str, Any]:
+    from tasks.train.data import PretrainBatches
+    from tasks.train.distributed import DistContext
     from tasks.train.export import publish_model
+    from tasks.train.faults import FaultInjector
     from tasks.train.losses import cross_entropy
-    from tasks.train.loop import train
-    from tasks.train.runtime import pick_device, seed_everything
+    from tasks.train.loop import LoopOptions, train
+    from tasks.train.runtime import gpt_flops_per_token
     from tasks.train.scoring import shard_loss
 
-    with stage_run(stage, cfg) as run:
-        device = pick_device()
-        data = DataDir(cfg.data_dir)
-        data.check_tokenizer()
-        check_model_fits_data(cfg.model, data.vocab_size, data.seq_len)
-        train_rows, val_rows = data.split("train"), data.split("val")
+    device, data, model = setup.device, setup.data, setup.model.to(setup.device)
+    run_dir = tm.run_dir(cfg.output_dir)
+    supervised = env.role is not None
+    events = tm.EventLog(run_dir, rank=env.rank, source="worker")
+    if not supervised and env.rank == 0:
+        events.emit("job_start", in_process=True)  # goodput is measured from here
+    dist = DistContext.from_env(device, parallelism=cfg.parallelism,
+                                timeout_s=collective_timeout_s(cfg))
+    rank, world = (dist.rank, dist.world_size) if dist else (0, 1)
+    mirror = None
+    if cfg.checkpoint_uri:
+        from tasks.train.s3 import S3Mirror
 
-        seed_everything(cfg.seed)  # the initial weights are part of what the seed reproduces
-        model = GPT(cfg.model).to(device)
-        log.info("%s: %d parameters on %s; %d train rows x %d tokens, data %s", stage,
-                 model.num_params(), device, train_rows.rows, data.seq_len, data.content_hash[:12])
-        mlflow.set_tags({"data.content_hash": data.content_hash})
-        mlflow.log_metric("params", model.num_params())
+        mirror = S3Mirror(cfg.checkpoint_uri)
+    faults = FaultInjector.from_env(rank, events)
+    options = LoopOptions(
+        dist=dist, async_checkpoint=cfg.async_checkpoint, checkpoint_mirror=mirror,
+        spike_sigma=cfg.spike_sigma, spike_window=cfg.spike_window,
+        spike_skip_batches=cfg.spike_skip_batches, max_rollbacks=cfg.max_rollbacks,
+        max_rejoins=cfg.max_restarts, faults=faults if faults else None, events=events,
+        steps=tm.StepLog(run_dir, rank=0, attempt=env.attempt) if rank == 0 else None,
+        heartbeat=tm.Heartbeat(env.heartbeat_path) if supervised and env.heartbeat_path else None,
+        skipped_file=run_dir / "skipped_batches.json",
+        flops_per_token=gpt_flops_per_token(model.num_params(), cfg.model.n_layer, cfg.model.n_embd,
+                                            data.seq_len, model.transformer.wpe.weight.numel()),
+        peak_flops=setup.peak_flops, compile=cfg.compile)
+    val_rows = setup.val_rows
+
+    tracked = stage_run(stage, cfg) if rank == 0 else contextlib.nullcontext(None)
+    with tracked as run:
+        if run is not None:
+            import mlflow
+
+            if supervised and not os.environ.get("MLFLOW_RUN_ID"):
+                # a restarted worker of this job must log into this run, not open another
+                (run_dir / "mlflow_run_id").write_text(run.info.run_id)
+            mlflow.set_tags({"data.content_hash": data.content_hash})
+            mlflow.log_metric("params", model.num_params())
+            _log_new_events(run_dir)
+        log.info("%s: %d parameters on %s (rank %d of %d); %d train rows x %d tokens, data %s",
+                 stage, model.num_params(), device, rank, world, setup.train_rows.rows,
+                 data.seq_len, data.content_hash[:12])
 
         result = train(
             model=model, cfg=cfg, device=device, resolved_config=to_dict(cfg),
-            get_batch=PretrainBatches(train_rows, cfg.batch_size, cfg.seed),
-            loss_fn=cross_entropy,
+            get_batch=PretrainBatches(setup.train_rows, cfg.batch_size, cfg.seed, rank, world),
+            loss_fn=cross_entropy, on_eval=on_eval, options=options, tracking=run is not None,
             evaluate=lambda m: {"val_loss": shard_loss(m, val_rows, cfg.batch_size,
                                                        cfg.eval_batches, device)})
+        if rank != 0:
+            return {"metrics": {"step": result.step}, "outputs": {"checkpoint": result.checkpoint},
+                    "rank": rank}
 
+        report = _report(run_dir, result)
         out: dict[str, Any] = {
             "metrics": {"val_loss": result.val["val_loss"], "train_loss": result.train_loss,
                         "tokens_per_s": result.tokens_per_s, "params": model.num_params(),
-                        "lr": cfg.optim.lr, "step": result.step},
+                        "lr": cfg.optim.lr, "step": result.step,
+                        "goodput": report["goodput"], "rollbacks": result.rollbacks,
+                        "skipped_batches": len(result.skipped_batches)},
             "outputs": {"checkpoint": result.checkpoint},
             "resumed_from": result.resumed_from,
             "mlflow_run_id": run.info.run_id,
         }
         if publish:
+            if dist is not None and dist.parallelism == "fsdp":
+                model = _from_checkpoint(cfg, result.checkpoint)  # the sharded one cannot export
             model_dir, model_uri = publish_model(
                 model, cfg.output_dir, stage=stage, step=result.step, data_hash=data.content_hash,
                 tokenizer_path=data.tokenizer_path, source_checkpoint=result.checkpoint,
@@ -79,9 +191,155 @@ def pretrain(cfg: TrainConfig, stage: str = "pretrain", publish: bool = True) ->
         return out
 
 
+def _from_checkpoint(cfg: TrainConfig, path: str) -> Any:
+    from tasks.model import GPT
+    from tasks.train.checkpoint import read_part
+
+    model = GPT(cfg.model)
+    model.load_state_dict(read_part(path, "model"))
+    return model
+
+
+def _log_new_events(run_dir: Path) -> None:
+    """Supervisor events (restarts, hangs, exits) reach the MLflow run through the next worker:
+    the supervisor itself does not import MLflow (it must start in milliseconds)."""
+    import mlflow
+
+    marker = run_dir / "events_logged"
+    done = int(marker.read_text()) if marker.exists() else 0
+    events = tm.read_events(run_dir)
+    for e in events[done:]:
+        if e.get("source") == "supervisor" and e["kind"] in ("restart", "hang", "worker_exit",
+                                                                "budget_exhausted"):
+            if e["kind"] == "worker_exit" and e.get("code") == 0:
+                continue
+            mlflow.log_metric(f"event.{e['kind']}", 1.0, step=max(0, int(e.get("step", 0))),
+                              timestamp=int(e["t"] * 1000))
+    marker.write_text(str(len(events)))
+
+
+def _report(run_dir: Path, result: Any) -> dict[str, Any]:
+    """Goodput and the job's resilience events, on the MLflow run and in the task log."""
+    import mlflow
+
+    from tasks.common.tracking import log_figure, log_json_artifact
+    from tasks.train import goodput
+
+    report = goodput.compute(run_dir)
+    write_json(run_dir / "goodput.json", report)
+    _log_new_events(run_dir)
+    events = tm.read_events(run_dir)
+    counts = {name: sum(e["kind"] == kind for e in events)
+              for kind, name in (("restart", "restarts"), ("hang", "hangs"),
+                                 ("rollback", "rollbacks"), ("peer_failure", "peer_failures"),
+                                 ("anomaly", "anomalies"))}
+    metrics = {"goodput": report["goodput"],
+               "goodput_excluding_hang_wait": report["goodput_excluding_hang_wait"],
+               **{f"badput.{k}_s": v for k, v in report["buckets"].items() if k != "productive"},
+               "productive_s": report["buckets"]["productive"],
+               **{f"resilience.{k}": float(v) for k, v in counts.items()},
+               "resilience.skipped_batches": float(len(result.skipped_batches))}
+    mlflow.log_metrics(metrics, step=result.step)
+    log_json_artifact(report, "goodput.json", artifact_path="resilience")
+    mlflow.log_artifact(str(run_dir / "events.jsonl"), artifact_path="resilience")
+    if (run_dir / "skipped_batches.json").exists():
+        mlflow.log_artifact(str(run_dir / "skipped_batches.json"), artifact_path="resilience")
+    log_figure(goodput.chart(report), "resilience/goodput.png")
+    log.info("goodput %.2f%% over %.1fs (%.2f%% without the hang wait); %s", 100 * report["goodput"],
+             report["wall_s"], 100 * report["goodput_excluding_hang_wait"],
+             ", ".join(f"{k} {v:.1f}s" for k, v in report["buckets"].items() if v > 0.05))
+    for fault in report["faults"]:
+        log.info("fault %s: %s", fault["fault"], fault)
+    return report
+
+
+# --------------------------------------------------------------------------------------------
+# The job: supervisor, worker, spare
+
+
 def main(cfg: TrainConfig) -> dict[str, Any]:
-    return pretrain(cfg)
+    env = WorkerEnv.from_env()
+    if env.role is not None:
+        return _worker(cfg, env)
+    return _supervise(cfg, env)
+
+
+def _worker(cfg: TrainConfig, env: WorkerEnv) -> dict[str, Any]:
+    import faulthandler
+    import signal
+
+    # the watchdog's SIGUSR1 prints every thread's Python stack to stderr (the task log), even
+    # when the main thread is stuck in C code
+    faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
+    try:
+        setup = _setup(cfg, env, warm=env.role == "spare")
+    except (ValueError, KeyError, FileNotFoundError) as exc:
+        # bad config or data: restarting would fail the same way
+        log.error("worker setup failed: %s", exc)
+        sys.exit(FATAL_EXIT)
+    if env.role == "spare":
+        tm.EventLog(env.run_dir or tm.run_dir(cfg.output_dir), rank=env.rank,
+                    source="spare").emit("spare_ready")
+        env.wait_for_promotion()
+    result = _train(cfg, setup, env, stage="pretrain", publish=True, on_eval=None)
+    result.pop("seconds", None)
+    return result
+
+
+def _supervise(cfg: TrainConfig, env: WorkerEnv) -> dict[str, Any]:
+    run_dir = tm.run_dir(cfg.output_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    config_path = write_json(run_dir / "worker_config.json", to_dict(cfg))
+    result_path = run_dir / f"worker_result.rank{env.rank}.json"
+    result_path.unlink(missing_ok=True)
+    if env.rank == 0:
+        (run_dir / "mlflow_run_id").unlink(missing_ok=True)  # a new job opens (or gets) its own
+    supervisor = Supervisor(
+        run_dir=run_dir, rank=env.rank, max_restarts=cfg.max_restarts,
+        hang_timeout_s=cfg.hang_timeout_s, hot_spare=cfg.hot_spare,
+        worker_cmd=[sys.executable, "-m", "tasks.pretrain", "--config", str(config_path),
+                    "--result", str(result_path)])
+    code = supervisor.run()
+    if code != 0:
+        log.error("pretraining failed with exit code %d after %d restarts; the events above say "
+                  "why. The task fails; its retry resumes from the newest valid checkpoint.",
+                  code, supervisor.restarts)
+        sys.exit(code)
+    if env.rank == 0:
+        result = read_json(result_path)
+    else:
+        result = _rank0_result(run_dir, result_path, cfg.hang_timeout_s + 600)
+    result.setdefault("metrics", {})["restarts"] = supervisor.restarts
+    return result
+
+
+def _rank0_result(run_dir: Path, own: Path, timeout_s: float) -> dict[str, Any]:
+    """Every process torchrun starts writes the same --result file; the other ranks wait for
+    rank 0's result (it publishes the model) so that whichever writes last writes the same."""
+    rank0 = run_dir / "worker_result.rank0.json"
+    deadline = time.monotonic() + timeout_s
+    while not rank0.exists() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return read_json(rank0 if rank0.exists() else own)
 
 
 if __name__ == "__main__":
-    run_stage("pretrain", TrainConfig, main)
+    flags = argparse.ArgumentParser(add_help=False)
+    flags.add_argument("--faults", default=None)
+    known, rest = flags.parse_known_args()
+    if known.faults is not None:
+        try:
+            parse_faults(known.faults)
+        except FaultSpecError as exc:
+            print(f"--faults: {exc}", file=sys.stderr)
+            sys.exit(2)
+        os.environ[FAULTS_ENV] = known.faults  # workers inherit it
+    run_stage("pretrain", TrainConfig, main, argv=rest)
+    if WorkerEnv.from_env().role is not None:
+        # A worker's outcome is its result file, already written and fsynced, and its log.
+        # Skip the interpreter's teardown of torch and MLflow (seconds under load): the
+        # supervisor is waiting for this exit to finish the job or promote a replacement.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)

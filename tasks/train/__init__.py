@@ -1,3 +1,8 @@
 """What the training stages share: data loading, the lr schedule, atomic checkpoints, the one
 training loop (pretraining, sweep trials, fine-tuning and distillation differ only in their
-model, batches and loss), scoring, and the exported model directory."""
+model, batches and loss), scoring, and the exported model directory.
+
+Resilient pretraining adds: supervisor.py (the in-job supervisor, hang watchdog and hot spare),
+distributed.py (DDP/FSDP and process groups re-formed in place), guard.py (NaN and spike
+detection), faults.py (fault injection), telemetry.py (events, step times, heartbeat), goodput.py
+and s3.py (checkpoints mirrored to S3)."""

@@ -1,4 +1,5 @@
-"""Atomic, verifiable checkpoints: <root>/step_{step:06d}/ with a manifest written last.
+"""Atomic, verifiable checkpoints: <root>/step_{step:06d}/ with a manifest written last, written
+in the background and optionally mirrored to S3.
 
 A checkpoint is written into a hidden temporary directory, every file is fsynced, a manifest with
 each file's sha256 and size is written last, and only then is the directory renamed into place.
@@ -9,18 +10,20 @@ back to the one before. Everything loads with torch.load(weights_only=True): no 
 
 from __future__ import annotations
 
+import hashlib
 import io
 import logging
 import os
 import re
 import shutil
+import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
-from tasks.common.io import atomic_write, fsync_dir, read_json, sha256_file, write_json
+from tasks.common.io import fsync_dir, read_json, sha256_file, write_json
 
 log = logging.getLogger(__name__)
 
@@ -29,10 +32,19 @@ FORMAT_VERSION = 1
 _STEP_DIR = re.compile(r"^step_(\d{6,})$")
 
 
-def _save_tensor_file(obj: Any, path: Path) -> None:
+def _save_tensor_file(obj: Any, path: Path) -> dict[str, Any]:
+    """Write obj to path; returns its manifest entry, hashed from memory (reading the file back
+    would double the I/O of a save)."""
     buffer = io.BytesIO()
     torch.save(obj, buffer)
-    atomic_write(path, lambda fh: fh.write(buffer.getbuffer()))
+    data = buffer.getbuffer()
+    # directly into the checkpoint's private temporary directory: the rename of the whole
+    # directory is what makes it appear, so the file needs no temporary name of its own
+    with open(path, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    return {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
 
 def step_dirs(root: str | Path) -> list[tuple[int, Path]]:
@@ -64,9 +76,12 @@ def verify_checkpoint(path: str | Path) -> str | None:
     return None
 
 
-def latest_valid_checkpoint(root: str | Path) -> Path | None:
-    """The newest checkpoint under root that verifies; partial or corrupt ones are skipped."""
+def latest_valid_checkpoint(root: str | Path, *, max_step: int | None = None) -> Path | None:
+    """The newest checkpoint under root (at or before max_step) that verifies; partial or
+    corrupt ones are skipped."""
     for step, path in step_dirs(root):
+        if max_step is not None and step > max_step:
+            continue
         problem = verify_checkpoint(path)
         if problem is None:
             return path
@@ -87,11 +102,11 @@ def save_checkpoint(root: str | Path, step: int, tensors: dict[str, Any], config
     tmp = root / f".tmp-{final.name}-{os.getpid()}"
     tmp.mkdir()
     try:
-        for name, obj in tensors.items():
-            _save_tensor_file(obj, tmp / f"{name}.pt")
+        files = {f"{name}.pt": _save_tensor_file(obj, tmp / f"{name}.pt")
+                 for name, obj in tensors.items()}
         write_json(tmp / "config.json", config)
-        files = {p.name: {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
-                 for p in sorted(tmp.iterdir())}
+        files["config.json"] = {"bytes": (tmp / "config.json").stat().st_size,
+                                "sha256": sha256_file(tmp / "config.json")}
         write_json(tmp / MANIFEST, {"format": FORMAT_VERSION, "step": step, "files": files,
                                     "created": time.time()})
         fsync_dir(tmp)
@@ -121,3 +136,180 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
         if name.endswith(".pt"):
             out[name[:-3]] = torch.load(path / name, map_location=map_location, weights_only=True)
     return out
+
+
+def read_part(path: str | Path, name: str) -> Any:
+    """One <name>.pt of a checkpoint (e.g. the small trainer state), or None if it has none."""
+    f = Path(path) / f"{name}.pt"
+    return torch.load(f, map_location="cpu", weights_only=True) if f.is_file() else None
+
+
+# --------------------------------------------------------------------------------------------
+# Asynchronous saving
+
+
+class _PinnedBuffers:
+    """Reused page-locked host buffers: a GPU -> CPU copy into pinned memory runs asynchronously
+    and at full PCIe speed; allocating them once avoids pinning memory at every save."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[tuple, torch.Tensor] = {}
+
+    def copy(self, key: tuple, t: torch.Tensor) -> torch.Tensor:
+        buf = self.buffers.get(key)
+        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+            buf = self.buffers[key] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        return buf.copy_(t.detach(), non_blocking=True)
+
+
+def snapshot(state: Any, pinned: _PinnedBuffers | None = None, _key: tuple = ()) -> Any:
+    """A CPU copy of every tensor in a nested state (dicts, lists, tuples), detached from the
+    live training state, which the optimizer goes on updating in place while the copy is
+    written. Call torch.cuda.synchronize() before using a copy made from GPU tensors."""
+    if isinstance(state, torch.Tensor):
+        if state.device.type == "cuda" and pinned is not None:
+            return pinned.copy(_key, state)
+        return state.detach().to("cpu", copy=True)
+    if isinstance(state, dict):
+        return {k: snapshot(v, pinned, (*_key, k)) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(snapshot(v, pinned, (*_key, i)) for i, v in enumerate(state))
+    return state
+
+
+class Checkpointer:
+    """Checkpoints under `root`, optionally mirrored to S3, written in the background.
+
+    save() blocks only to wait for the previous save if it is still being written (at most one
+    in flight, so host memory holds at most one extra copy of the state) and to copy the state
+    to CPU memory. Serializing, fsync, the manifest, the rename, pruning to `keep` and the upload
+    run on a thread. A background failure is raised by the next save() or wait(): a job must not
+    train on for hours believing it has checkpoints it does not have.
+    """
+
+    def __init__(self, root: str | Path, *, keep: int, config: dict[str, Any],
+                 asynchronous: bool = True, mirror: Any = None,
+                 on_commit: Callable[[int, Path], None] | None = None) -> None:
+        self.root, self.keep, self.config = Path(root), keep, config
+        self.asynchronous, self.mirror, self.on_commit = asynchronous, mirror, on_commit
+        self.last: Path | None = None  # newest checkpoint committed by this object
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._pinned = _PinnedBuffers() if torch.cuda.is_available() else None
+
+    def save(self, step: int, state: dict[str, Any]) -> float:
+        """Checkpoint `state` as step `step`; returns the seconds training was blocked."""
+        t0 = time.perf_counter()
+        self.wait()
+        snap = snapshot(state, self._pinned)
+        if self._pinned is not None and torch.cuda.is_available():
+            torch.cuda.synchronize()  # the pinned copies were queued non-blocking
+        if self.asynchronous:
+            self._thread = threading.Thread(target=self._write, args=(step, snap),
+                                            name=f"checkpoint-{step}", daemon=True)
+            self._thread.start()
+        else:
+            self._write(step, snap)
+            self._raise()
+        return time.perf_counter() - t0
+
+    def _write(self, step: int, snap: dict[str, Any]) -> None:
+        try:
+            t0 = time.perf_counter()
+            path = save_checkpoint(self.root, step, snap, self.config, keep=self.keep)
+            where = str(path)
+            if self.mirror is not None:
+                where = self.mirror.upload_checkpoint(path)
+                self.mirror.prune(self.keep)
+            self.last = path
+            log.info("checkpoint step %d committed to %s in %.2fs", step, where,
+                     time.perf_counter() - t0)
+            if self.on_commit is not None:
+                self.on_commit(step, path)
+        except BaseException as exc:  # noqa: BLE001 - handed to the training thread
+            self._error = exc
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise RuntimeError(f"saving a checkpoint under {self.root} failed: {error}") from error
+
+    def wait(self) -> Path | None:
+        """Block until the save in flight (if any) is committed; returns the newest checkpoint."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self._raise()
+        return self.last
+
+    def find_resume(self, *, skipped: set[int] | frozenset[int] = frozenset(),
+                    max_step: int | None = None) -> Path | None:
+        """The newest checkpoint to resume from: valid (a corrupt or partial local copy is
+        skipped, or replaced by the mirror's copy), at or before max_step, and not trained on
+        any batch in `skipped` (batches marked bad after it was saved). A checkpoint only the
+        mirror has (a replaced node, a wiped disk) is downloaded first."""
+        self.wait()
+        local = dict((s, p) for s, p in step_dirs(self.root))
+        remote = set(self.mirror.steps()) if self.mirror is not None else set()
+        for step in sorted(set(local) | remote, reverse=True):
+            if max_step is not None and step > max_step:
+                continue
+            path = local.get(step)
+            problem = verify_checkpoint(path) if path is not None else "not on local disk"
+            if problem is not None and step in remote:
+                log.warning("checkpoint step %d: %s; fetching it from %s", step, problem,
+                            self.mirror.uri)
+                path, problem = self._fetch(step)
+            if problem is not None:
+                log.warning("skipping checkpoint step %d: %s", step, problem)
+                continue
+            why_not = _trained_on_skipped(path, skipped)
+            if why_not:
+                log.warning("skipping checkpoint %s: %s", path, why_not)
+                continue
+            return path
+        return None
+
+    def ensure_local(self, path: str | Path) -> Path:
+        """`path` on this machine: another node's rank 0 chose it; fetch it from the mirror."""
+        path = Path(path)
+        if verify_checkpoint(path) is None:
+            return path
+        if self.mirror is None:
+            raise FileNotFoundError(
+                f"checkpoint {path}, chosen by rank 0, is not valid on this node. With several "
+                "nodes, put output_dir on shared storage (FSx for Lustre) or set checkpoint_uri "
+                "to an s3:// prefix so that every node can fetch it.")
+        fetched, problem = self._fetch(int(path.name[len("step_"):]))
+        if problem is not None:
+            raise RuntimeError(f"checkpoint {path} is not on this node and its mirror copy is "
+                               f"bad: {problem}")
+        return fetched
+
+    def _fetch(self, step: int) -> tuple[Path, str | None]:
+        final = self.root / f"step_{step:06d}"
+        tmp = self.root / f".tmp-{final.name}-download-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        self.root.mkdir(parents=True, exist_ok=True)
+        try:
+            self.mirror.download(step, tmp)
+            problem = verify_checkpoint(tmp)
+            if problem is not None:
+                return final, f"the mirror's copy is bad too: {problem}"
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            fsync_dir(self.root)
+            return final, None
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _trained_on_skipped(path: Path, skipped: set[int] | frozenset[int]) -> str | None:
+    if not skipped:
+        return None
+    trainer = read_part(path, "trainer") or {}
+    cursor = int(trainer.get("data_cursor", trainer.get("step", 0)))
+    own = set(trainer.get("skipped_batches", []))
+    used = sorted(b for b in skipped if b < cursor and b not in own)
+    return f"it was trained on batches since marked bad: {used[:10]}" if used else None

@@ -93,8 +93,13 @@ class _LogitsOnly(nn.Module):
         return self.model(idx)[0]
 
 
-def log_mlflow_model(model: GPT, lineage: dict[str, Any], example: torch.Tensor) -> str:
+def log_mlflow_model(model: GPT, lineage: dict[str, Any], example: torch.Tensor,
+                     model_dir: str | Path | None = None) -> str:
     """Log the model to the active MLflow run and return its model URI (models:/<id>).
+
+    With model_dir, its files (model.pt, model_config.json, tokenizer.json, meta.json) travel
+    with the MLflow model as extra_files: a registered version can then be fine-tuned or
+    evaluated again from the registry alone (tasks/posttrain/sources.py downloads them).
 
     MLflow 3 saves PyTorch models as torch.export programs (pt2): a traced graph, loadable
     without our source code and without unpickling. Tracing needs an example input; the
@@ -120,6 +125,7 @@ def log_mlflow_model(model: GPT, lineage: dict[str, Any], example: torch.Tensor)
         input_example=example.detach().cpu().to(torch.int64).contiguous().numpy(),
         pip_requirements=[f"torch=={torch.__version__.split('+')[0]}",
                           f"mlflow=={mlflow.__version__}", "numpy"],
+        extra_files=sorted(str(p) for p in Path(model_dir).iterdir()) if model_dir else None,
         params={"params": model.num_params(),
                 **{f"model.{k}": v for k, v in to_dict(model.config).items()}},
         tags=tags)
@@ -131,10 +137,13 @@ def log_mlflow_model(model: GPT, lineage: dict[str, Any], example: torch.Tensor)
 
 def publish_model(model: GPT, output_dir: str | Path, *, stage: str, step: int, data_hash: str,
                   tokenizer_path: str | Path, source_checkpoint: str, example: torch.Tensor,
-                  parent_model_dir: str | None = None, parent: dict[str, Any] | None = None
-                  ) -> tuple[Path, str]:
+                  parent_model_dir: str | None = None, parent: dict[str, Any] | None = None,
+                  extra_lineage: dict[str, Any] | None = None) -> tuple[Path, str]:
     """Log the final model to the active MLflow run, then write output_dir/model/ with the
-    resulting model URI in meta.json. Returns (model_dir, model_uri)."""
+    resulting model URI in meta.json. Returns (model_dir, model_uri). extra_lineage adds keys
+    (e.g. the SFT files' hash, the registered version fine-tuned from) to the lineage."""
+    import tempfile
+
     import mlflow
 
     parent = parent or {}
@@ -147,7 +156,12 @@ def publish_model(model: GPT, output_dir: str | Path, *, stage: str, step: int, 
         "parent_run_id": parent.get("run_id"),
         "parent_model_uri": parent.get("model_uri"),
         "run_id": mlflow.active_run().info.run_id,
+        **(extra_lineage or {}),
     }
-    model_uri = log_mlflow_model(model, lineage, example)
+    # the model directory, staged for MLflow before its URI exists (meta.json there lacks it;
+    # sources.py adds it back on download)
+    with tempfile.TemporaryDirectory(prefix="model-files-") as staging:
+        staged = export_model(model, staging, tokenizer_path, lineage)
+        model_uri = log_mlflow_model(model, lineage, example, model_dir=staged)
     model_dir = export_model(model, output_dir, tokenizer_path, {**lineage, "model_uri": model_uri})
     return model_dir, model_uri

@@ -1,10 +1,21 @@
 """The one training loop behind pretraining, sweep trials, fine-tuning and distillation.
 
-A stage hands it a model, `get_batch(step) -> Batch`, a `loss_fn(model, batch)` and an
-`evaluate(model) -> {"val_loss": ...}`; the loop owns the optimizer, the schedule, clipping,
-logging, evaluation and checkpoints. When output_dir/checkpoints holds a valid checkpoint the loop
-resumes from it (model, optimizer, step, random state), which is how an Airflow retry continues
-instead of starting over; batches are a function of the step, so the data resumes exactly too.
+A stage hands it a model, `get_batch(b) -> Batch` (batch number b of its data), a
+`loss_fn(model, batch)` and an `evaluate(model) -> {"val_loss": ...}`; the loop owns the optimizer,
+the schedule, clipping, logging, evaluation and checkpoints. When output_dir/checkpoints (or its
+S3 mirror) holds a valid checkpoint the loop resumes from it — model, optimizer, step, random
+state and the data cursor (the next batch number and the batches skipped so far) — which is how
+a restarted worker or an Airflow retry continues exactly where the job was.
+
+Pretraining adds, through LoopOptions:
+  - several processes (DDP or FSDP, tasks/train/distributed.py); a rank whose peer died rejoins a
+    new process group in place instead of being restarted;
+  - a guard on every step: a NaN/Inf loss or a loss/grad-norm spike rolls the job back to the last
+    good checkpoint (for a spike, skipping the offending batches, PaLM's recipe) instead of
+    applying the update;
+  - checkpoints written in the background, optionally mirrored to S3;
+  - fault injection, events, step timestamps and a heartbeat for the supervisor and goodput.
+Without options the loop behaves as it always has: one process, NaN fails fast.
 """
 
 from __future__ import annotations
@@ -12,6 +23,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Protocol
@@ -19,11 +31,17 @@ from typing import Any, Callable, Protocol
 import torch
 import torch.nn as nn
 
+from tasks.common.io import read_json, write_json
 from tasks.configs import OptimConfig
 from tasks.train import checkpoint as ckpt
+from tasks.train import telemetry as tm
 from tasks.train.data import Batch
+from tasks.train.distributed import (DistContext, PeerFailure, full_state, is_peer_failure,
+                                     load_full_state)
+from tasks.train.faults import FaultInjector
+from tasks.train.guard import Anomaly, SpikeDetector
 from tasks.train.losses import LossFn
-from tasks.train.runtime import autocast, rng_state, set_rng_state
+from tasks.train.runtime import autocast, maybe_compile, rng_state, set_rng_state
 from tasks.train.schedule import lr_at
 
 log = logging.getLogger(__name__)
@@ -41,15 +59,49 @@ class LoopConfig(Protocol):
     log_interval: int
 
 
+class LossSpikeError(FloatingPointError):
+    """A loss or gradient-norm spike that could not be rolled back in this process."""
+
+
+class RestartRequired(RuntimeError):
+    """This process cannot go back in place (no checkpoint to return to): a fresh worker must
+    start over from the initial weights. The supervisor restarts it."""
+
+
+@dataclass(kw_only=True)
+class LoopOptions:
+    """What pretraining adds to the plain loop (see the module docstring)."""
+
+    dist: DistContext | None = None
+    async_checkpoint: bool = True
+    checkpoint_mirror: Any = None  # an S3Mirror, or None for local checkpoints only
+    spike_sigma: float = 0.0  # 0: no spike detection (NaN/Inf is always checked)
+    spike_window: int = 100
+    spike_skip_batches: int = 1
+    max_rollbacks: int = 0  # 0: a NaN or spike fails the job, as the plain loop always did
+    max_rejoins: int = 0  # peer failures this process survives by joining a new group
+    faults: FaultInjector | None = None
+    events: tm.EventLog | None = None
+    steps: tm.StepLog | None = None
+    heartbeat: tm.Heartbeat | None = None
+    skipped_file: Path | None = None  # where the skipped batches are kept across restarts
+    flops_per_token: float = 0.0  # with peak_flops: MFU is logged
+    peak_flops: float = 0.0
+    compile: bool = False
+
+
 @dataclass
 class LoopResult:
     step: int
     train_loss: float  # mean over the last log interval
     val: dict[str, float]  # the final evaluation
-    tokens_per_s: float  # over the optimizer steps only (not eval or checkpoint time)
+    tokens_per_s: float  # over the optimizer steps only (not eval or checkpoint time), all ranks
     checkpoint: str  # the final checkpoint directory
     resumed_from: str | None
     history: list[dict[str, float]] = field(default_factory=list)
+    skipped_batches: list[int] = field(default_factory=list)
+    rollbacks: int = 0
+    rejoins: int = 0
 
 
 def build_optimizer(model: nn.Module, optim: OptimConfig, device: torch.device) -> torch.optim.AdamW:
@@ -68,122 +120,410 @@ def build_optimizer(model: nn.Module, optim: OptimConfig, device: torch.device) 
 
 def train(*, model: nn.Module, cfg: LoopConfig, get_batch: Callable[[int], Batch], loss_fn: LossFn,
           evaluate: Callable[[nn.Module], dict[str, float]], device: torch.device,
-          resolved_config: dict[str, Any], tracking: bool = True) -> LoopResult:
+          resolved_config: dict[str, Any], tracking: bool = True,
+          on_eval: Callable[[int, dict[str, float]], None] | None = None,
+          options: LoopOptions | None = None) -> LoopResult:
     """Train model from the latest valid checkpoint in cfg.output_dir/checkpoints (or from its
-    current weights) up to cfg.max_steps. With tracking, metrics go to the active MLflow run."""
-    ckpt_root = Path(cfg.output_dir) / "checkpoints"
-    optimizer = build_optimizer(model, cfg.optim, device)
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    start_step, last_train_loss, resumed_from = 0, math.nan, None
+    current weights) up to cfg.max_steps. With tracking, metrics go to the active MLflow run.
+    on_eval(step, metrics) is called after every evaluation (an exception it raises, such as a
+    pruned trial, stops training after the checkpoint in flight is committed)."""
+    return _Trainer(model=model, cfg=cfg, get_batch=get_batch, loss_fn=loss_fn, evaluate=evaluate,
+                    device=device, resolved_config=resolved_config, tracking=tracking,
+                    on_eval=on_eval, options=options or LoopOptions()).run()
 
-    found = ckpt.latest_valid_checkpoint(ckpt_root)
-    if found is not None:
-        # onto the CPU: RNG states must stay CPU tensors, and load_state_dict below copies the
+
+class _Trainer:
+    def __init__(self, *, model: nn.Module, cfg: LoopConfig, get_batch: Callable[[int], Batch],
+                 loss_fn: LossFn, evaluate: Callable[[nn.Module], dict[str, float]],
+                 device: torch.device, resolved_config: dict[str, Any], tracking: bool,
+                 on_eval: Callable[[int, dict[str, float]], None] | None,
+                 options: LoopOptions) -> None:
+        self.model, self.cfg, self.get_batch, self.loss_fn = model, cfg, get_batch, loss_fn
+        self.evaluate, self.device, self.on_eval, self.opts = evaluate, device, on_eval, options
+        self.dist = options.dist
+        self.rank = self.dist.rank if self.dist else 0
+        self.world = self.dist.world_size if self.dist else 1
+        self.fsdp = self.dist is not None and self.dist.parallelism == "fsdp"
+        self.tracking = tracking and self.rank == 0
+        self.events, self.steps, self.hb = options.events, options.steps, options.heartbeat
+        self.faults = options.faults
+        self.ckpt_root = Path(cfg.output_dir) / "checkpoints"
+        self.checkpointer = ckpt.Checkpointer(
+            self.ckpt_root, keep=cfg.keep_checkpoints, config=resolved_config,
+            asynchronous=options.async_checkpoint, mirror=options.checkpoint_mirror,
+            on_commit=self.faults.after_checkpoint if self.faults else None)
+        self.guard = SpikeDetector(options.spike_sigma, options.spike_window)
+        self.fwd: nn.Module = model  # what the forward pass runs: DDP-wrapped and/or compiled
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.params: list[torch.Tensor] = []
+        # training state that checkpoints carry
+        self.step, self.cursor = 0, 0
+        self.skipped: set[int] = self._read_skipped()
+        self.recent: deque[tuple[int, int]] = deque(maxlen=max(1, options.spike_skip_batches))
+        self.train_loss = math.nan
+        # this process's bookkeeping
+        self.resumed_from: str | None = None
+        self.rollbacks, self.rejoins = 0, 0
+        self.nan_batches: set[int] = set()  # batches that gave a NaN once: skipped if they do again
+        self.history: list[dict[str, float]] = []
+        self.val: dict[str, float] = {}
+        self.total_tokens, self.total_time = 0, 0.0
+        self.first_resume = True
+
+    # -- the outer loop: (re)join, resume, train -------------------------------------------
+    def run(self) -> LoopResult:
+        try:
+            while True:
+                try:
+                    self._connect()
+                    self._resume(reason="start" if self.first_resume else "rejoin")
+                    self.first_resume = False
+                    self._train()
+                    break
+                except Exception as exc:
+                    if (self.dist is None or self.fsdp or isinstance(exc, RestartRequired)
+                            or not is_peer_failure(exc)):
+                        raise  # FSDP shards cannot be re-formed in place: the worker restarts
+                    self.rejoins += 1
+                    self._event("peer_failure", step=self.step, error=str(exc)[:300])
+                    self.dist.leave(failed=True)
+                    if self.rejoins > self.opts.max_rejoins:
+                        raise PeerFailure(f"a peer failed and this rank has used its "
+                                          f"{self.opts.max_rejoins} rejoins: {exc}") from exc
+            self._finish()
+        finally:
+            if self.hb is not None:
+                self.hb.beat(phase=tm.FINISHING)
+            try:
+                self.checkpointer.wait()
+            except Exception:  # noqa: BLE001 - do not mask the exception that got us here
+                log.exception("the last checkpoint save failed")
+            if self.dist is not None:
+                self.dist.leave(failed=False)
+        if self.tracking:
+            _log_loss_curve(self.history)
+        final = self.checkpointer.last or (Path(self.resumed_from) if self.resumed_from else None)
+        if self.rank != 0:  # rank 0 wrote it; report the same path
+            final = self.ckpt_root / f"step_{max(self.step, self.cfg.max_steps):06d}"
+        assert final is not None  # the last step always saves, or we resumed from one
+        return LoopResult(step=max(self.step, self.cfg.max_steps), train_loss=self.train_loss,
+                          val=self.val, tokens_per_s=self.total_tokens / self.total_time
+                          if self.total_time else 0.0, checkpoint=str(final),
+                          resumed_from=self.resumed_from, history=self.history,
+                          skipped_batches=sorted(self.skipped), rollbacks=self.rollbacks,
+                          rejoins=self.rejoins)
+
+    def _connect(self) -> None:
+        """Join a process group (several processes), wrap the model, build the optimizer."""
+        if self.dist is not None:
+            if self.hb is not None:
+                self.hb.beat(phase=tm.RENDEZVOUS)  # the watchdog leaves rendezvous to its timeout
+            t0 = time.time()
+            r = self.dist.join()
+            self._event("joined", round=r, seconds=round(time.time() - t0, 3))
+            if self.fsdp:
+                if self.optimizer is None:  # sharding happens once, before the optimizer exists
+                    self.fwd = self.dist.wrap(self.model)
+            else:
+                self.fwd = self.dist.wrap(self.model)
+        if self.optimizer is None:
+            self.optimizer = build_optimizer(self.model, self.cfg.optim, self.device)
+            self.params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        self.fwd = maybe_compile(self.fwd, self.device, self.opts.compile)
+
+    # -- checkpoints -----------------------------------------------------------------------
+    def _read_skipped(self) -> set[int]:
+        f = self.opts.skipped_file
+        if f is None or not f.exists():
+            return set()
+        return set(read_json(f)["batches"])
+
+    def _write_skipped(self, records: list[dict[str, Any]]) -> None:
+        f = self.opts.skipped_file
+        if f is None or self.rank != 0:
+            return
+        old = read_json(f) if f.exists() else {"batches": [], "records": []}
+        write_json(f, {"batches": sorted(self.skipped),
+                       "records": old.get("records", []) + records})
+
+    def _state(self) -> dict[str, Any] | None:
+        """The checkpoint: on rank 0 the whole state, elsewhere None (after the collectives)."""
+        assert self.optimizer is not None
+        trainer: dict[str, Any] = {
+            "step": self.step, "data_cursor": self.cursor, "skipped_batches": sorted(self.skipped),
+            "recent_batches": [list(x) for x in self.recent], "train_loss": self.train_loss,
+            "rng": rng_state(), "guard": self.guard.state_dict(), "world_size": self.world}
+        if self.dist is not None:
+            trainer["rng_ranks"] = self.dist.gather(trainer["rng"])  # dropout differs per rank
+        if self.fsdp:
+            model_state, optim_state = full_state(self.model, self.optimizer)
+        else:
+            model_state, optim_state = self.model.state_dict(), self.optimizer.state_dict()
+        if self.rank != 0:
+            return None
+        return {"model": model_state, "optimizer": optim_state, "trainer": trainer}
+
+    def _save(self) -> None:
+        if self.hb is not None:
+            self.hb.beat(phase=tm.SAVE)
+        t0 = time.time()
+        state = self._state()
+        if state is not None:
+            self.checkpointer.save(self.step, state)
+        t1 = time.time()
+        self._event("save", step=self.step, t0=t0, t1=t1, blocked_s=round(t1 - t0, 4), echo=False)
+        log.info("step %d/%d | checkpoint (%.3fs blocked)", self.step, self.cfg.max_steps, t1 - t0)
+
+    def _resume(self, *, reason: str, max_step: int | None = None) -> None:
+        """Load the checkpoint rank 0 picks (newest valid, not trained on a skipped batch); with
+        none, start from the model as it was built (only possible at the start)."""
+        if self.hb is not None:
+            self.hb.beat(phase=tm.RESTORE)
+        t0 = time.time()
+        # gradients of the step a failure interrupted would be added to the next step's
+        assert self.optimizer is not None
+        self.optimizer.zero_grad(set_to_none=True)
+
+        def choose() -> dict[str, Any]:
+            path = self.checkpointer.find_resume(skipped=self.skipped, max_step=max_step)
+            return {"path": str(path) if path else None, "skipped": sorted(self.skipped)}
+
+        choice = self.dist.share("resume", choose) if self.dist else choose()
+        self.skipped = set(choice["skipped"])
+        if choice["path"] is None:
+            if not self.first_resume:
+                # the weights have moved since they were built and nothing saved precedes them
+                raise RestartRequired(
+                    f"going back from step {self.step} ({reason}) found no usable checkpoint; a "
+                    f"fresh worker must start over from step 0 (skipping {len(self.skipped)} "
+                    "bad batches)")
+            self.step, self.cursor = 0, 0
+            path = None
+        else:
+            path = self.checkpointer.ensure_local(choice["path"])
+            self._load(ckpt.load_checkpoint(path, map_location="cpu"))
+            self.resumed_from = str(path)
+        t1 = time.time()
+        if self.hb is not None:
+            self.hb.beat(self.step, tm.READY)
+        self._event("resume", step=self.step, reason=reason, path=str(path) if path else None,
+                    t0=t0, t1=t1)
+        if path is not None:
+            log.info("resuming from %s at step %d of %d", path, self.step, self.cfg.max_steps)
+
+    def _load(self, state: dict[str, Any]) -> None:
+        assert self.optimizer is not None
+        # onto the CPU first: RNG states must stay CPU tensors, and load_state_dict copies the
         # weights and optimizer moments onto the parameters' device anyway
-        state = ckpt.load_checkpoint(found, map_location="cpu")
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
+        if self.fsdp:
+            load_full_state(self.model, self.optimizer, state["model"], state["optimizer"])
+        else:
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
         trainer = state["trainer"]
-        set_rng_state(trainer["rng"])
-        start_step, last_train_loss = int(trainer["step"]), float(trainer["train_loss"])
-        resumed_from = str(found)
-        log.info("resuming from %s at step %d of %d", found, start_step, cfg.max_steps)
+        self.step = int(trainer["step"])
+        self.cursor = int(trainer.get("data_cursor", self.step))
+        self.skipped |= set(trainer.get("skipped_batches", []))
+        self.recent.clear()
+        self.recent.extend(tuple(x) for x in trainer.get("recent_batches", []))
+        self.train_loss = float(trainer["train_loss"])
+        self.guard.load_state_dict(trainer.get("guard", {}))
+        ranks = trainer.get("rng_ranks")
+        saved_world = int(trainer.get("world_size", 1))
+        if saved_world != self.world:
+            raise ValueError(f"the checkpoint was written by {saved_world} processes and this job "
+                             f"has {self.world}: the data cursor counts global batches of "
+                             f"{saved_world} ranks. Resume with nproc_per_node x nodes = "
+                             f"{saved_world}.")
+        set_rng_state(ranks[self.rank] if ranks else trainer["rng"])
 
-    def save(step: int, train_loss: float) -> Path:
-        trainer_state = {"step": step, "data_cursor": step, "train_loss": train_loss,
-                         "rng": rng_state()}
-        return ckpt.save_checkpoint(
-            ckpt_root, step,
-            {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-             "trainer": trainer_state},
-            resolved_config, keep=cfg.keep_checkpoints)
+    # -- the step loop -----------------------------------------------------------------------
+    def _train(self) -> None:
+        cfg, opts, device = self.cfg, self.opts, self.device
+        assert self.optimizer is not None
+        # Running sums as tensors: reading a loss with .item() every step would stall a GPU
+        # queue. Throughput is wall time per log interval (synchronized once, at the log), minus
+        # the time spent evaluating and checkpointing, so it measures training alone.
+        interval_loss = torch.zeros((), device=device)
+        interval_steps, interval_tokens = 0, 0
+        interval_start, paused = time.perf_counter(), 0.0
+        grad_norm = torch.zeros(())
+        lr = 0.0
+        self.model.train()
+        while self.step < cfg.max_steps:
+            step = self.step
+            done = step + 1  # optimizer steps completed; checkpoints and metrics are indexed by it
+            if self.hb is not None:
+                self.hb.beat(step, tm.STEP)
+            t0 = time.time()
+            batch_index = self._next_batch_index()
+            batch = self.get_batch(batch_index).to(device)
+            t_data = time.time()
+            lr = lr_at(step, cfg.optim, cfg.max_steps)
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            if self.faults:
+                self.faults.before_compute(done)
+            if self.hb is not None and self.dist is not None:
+                self.hb.phase(tm.SYNC)  # from here on this rank may be waiting for its peers
+            with autocast(device):
+                loss = self.loss_fn(self.fwd, batch)
+            if self.faults:
+                loss = self.faults.scale_loss(done, loss)
+            loss.backward()
+            # clip_grad_norm_ also returns the norm before clipping: with grad_clip 0 we still want it
+            max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)
+            if hasattr(grad_norm, "full_tensor"):  # FSDP: a DTensor
+                grad_norm = grad_norm.full_tensor()
+            # The guard reads both numbers every step (the one host sync per step). With several
+            # ranks the loss is averaged so that every rank takes the same decision.
+            stats = torch.stack([loss.detach().float(), grad_norm.detach().float()])
+            if self.dist is not None:
+                self.dist.all_reduce_mean(stats)
+            loss_value, norm_value = stats.tolist()
+            anomaly = self.guard.check(done, loss_value, norm_value)
+            if anomaly is not None:
+                self.optimizer.zero_grad(set_to_none=True)
+                self._on_anomaly(anomaly, batch_index, t0)
+                interval_loss.zero_()
+                interval_steps, interval_tokens = 0, 0
+                interval_start, paused = time.perf_counter(), 0.0
+                continue
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.guard.add(done, loss_value, norm_value)
+            self.step, self.cursor = done, batch_index + 1
+            self.recent.append((done, batch_index))
+            if self.steps is not None:
+                self.steps.record(done, batch_index, t0, t_data, time.time())
+            interval_loss += loss.detach().float()
+            interval_steps += 1
+            interval_tokens += batch.tokens * self.world
 
-    def log_metrics(metrics: dict[str, float], step: int) -> None:
-        if tracking:
+            # step 1 too: the first loss (about ln(vocab) from scratch) is the quickest sanity check
+            if done % cfg.log_interval == 0 or done in (1, cfg.max_steps):
+                if device.type == "cuda":
+                    torch.cuda.synchronize()  # honest timing: wait for the queued kernels
+                elapsed = max(time.perf_counter() - interval_start - paused, 1e-9)
+                self.total_tokens += interval_tokens
+                self.total_time += elapsed
+                self.train_loss = float(interval_loss) / interval_steps
+                metrics = {"loss": self.train_loss, "lr": lr, "grad_norm": float(grad_norm),
+                           "tokens_per_s": interval_tokens / elapsed}
+                if opts.flops_per_token and opts.peak_flops:
+                    per_device = metrics["tokens_per_s"] / self.world
+                    metrics["mfu"] = per_device * opts.flops_per_token / opts.peak_flops
+                self._log_metrics(metrics, done)
+                self.history.append({"step": done, **metrics})
+                log.info("step %d/%d | loss %.4f | lr %.2e | grad_norm %.3f | %.0f tok/s%s",
+                         done, cfg.max_steps, self.train_loss, lr, metrics["grad_norm"],
+                         metrics["tokens_per_s"],
+                         f" | mfu {metrics['mfu']:.2%}" if "mfu" in metrics else "")
+                interval_loss.zero_()
+                interval_steps, interval_tokens = 0, 0
+                interval_start, paused = time.perf_counter(), 0.0
+
+            if done % cfg.eval_interval == 0 or done == cfg.max_steps:
+                t_eval = time.perf_counter()
+                self._evaluate(done)
+                paused += time.perf_counter() - t_eval
+
+            if done % cfg.checkpoint_interval == 0 or done == cfg.max_steps:
+                t_save = time.perf_counter()
+                self._save()
+                paused += time.perf_counter() - t_save
+
+    def _next_batch_index(self) -> int:
+        while self.cursor in self.skipped:
+            self.cursor += 1
+        return self.cursor
+
+    def _evaluate(self, done: int) -> None:
+        if self.hb is not None:
+            self.hb.beat(done, tm.EVAL)
+        t0 = time.time()
+        self.val = self.evaluate(self.model)
+        t1 = time.time()
+        if self.hb is not None:
+            self.hb.beat(done, tm.STEP)
+        self._log_metrics(self.val, done)
+        self.history.append({"step": done, **self.val})
+        self._event("eval", step=done, t0=t0, t1=t1, echo=False)
+        log.info("step %d/%d | %s", done, self.cfg.max_steps,
+                 " | ".join(f"{k} {v:.4f}" for k, v in self.val.items()))
+        if self.on_eval is not None:
+            self.on_eval(done, dict(self.val))
+
+    def _on_anomaly(self, anomaly: Anomaly, batch_index: int, t0: float) -> None:
+        """Do not apply the update; roll back to the last good checkpoint. For a spike, the
+        batches of the last spike_skip_batches steps are skipped from now on; a NaN is first
+        replayed (a transient fault, such as a flipped bit, does not recur) and its batch is
+        skipped only if it fails again."""
+        opts = self.opts
+        self._event("anomaly", step=anomaly.step, anomaly=anomaly.kind, value=anomaly.value,
+                    threshold=anomaly.threshold, batch=batch_index, t0=t0)
+        if anomaly.kind == "nan" and batch_index not in self.nan_batches:
+            self.nan_batches.add(batch_index)
+            bad: list[int] = []
+        else:
+            window = [b for s, b in self.recent if s > anomaly.step - opts.spike_skip_batches]
+            bad = sorted({*window, batch_index})
+        if bad:
+            self.skipped |= set(bad)
+            self._write_skipped([{"step": anomaly.step, "batches": bad, "reason": anomaly.kind,
+                                  "value": anomaly.value, "t": time.time()}])
+            self._event("skip", step=anomaly.step, batches=bad, reason=anomaly.kind)
+        self.rollbacks += 1
+        if self.rollbacks > opts.max_rollbacks:
+            error = FloatingPointError if anomaly.kind == "nan" else LossSpikeError
+            hint = ("lower optim.lr or raise optim.warmup_steps." if anomaly.kind == "nan" else
+                    "raise max_rollbacks to roll back in place, or spike_sigma to be less strict.")
+            raise error(f"{anomaly.describe()} (rollback {self.rollbacks} of at most "
+                        f"{opts.max_rollbacks}); {hint}")
+        from_step = self.step
+        self._resume(reason=anomaly.kind, max_step=anomaly.step - 1)
+        self.guard.forget_after(self.step)
+        self._event("rollback", from_step=from_step, to_step=self.step, anomaly=anomaly.kind,
+                    path=self.resumed_from)
+
+    def _finish(self) -> None:
+        if self.step >= self.cfg.max_steps and not self.val:
+            # a retry of a job that had already finished training: report, do not train further
+            log.info("checkpoint %s is already at step %d >= max_steps %d; nothing to train",
+                     self.resumed_from, self.step, self.cfg.max_steps)
+            self.val = self.evaluate(self.model)
+        t0 = time.time()
+        self.checkpointer.wait()  # the final checkpoint must be committed before we report it
+        self._event("save", step=self.step, t0=t0, t1=time.time(), blocked_s=round(time.time() - t0, 4),
+                    echo=False)
+        if self.tracking:
             import mlflow
 
-            mlflow.log_metrics(metrics, step=step)
+            mlflow.flush_async_logging()
 
-    history: list[dict[str, float]] = []
-    val: dict[str, float] = {}
-    last_saved: Path | None = found
-    # Running sums as tensors: reading a loss with .item() every step would stall a GPU queue.
-    # Throughput is wall time per log interval (synchronized once, at the log), minus the time
-    # spent evaluating and checkpointing, so it measures training alone.
-    interval_loss = torch.zeros((), device=device)
-    interval_steps, interval_tokens = 0, 0
-    interval_start, paused = time.perf_counter(), 0.0
-    total_tokens, total_time = 0, 0.0
+    # -- reporting ---------------------------------------------------------------------------
+    def _event(self, kind: str, *, echo: bool = True, **fields: Any) -> None:
+        if self.events is None:
+            return
+        if echo:
+            self.events.emit(kind, **fields)
+        else:
+            old, self.events.echo = self.events.echo, False
+            try:
+                self.events.emit(kind, **fields)
+            finally:
+                self.events.echo = old
+        if self.tracking and kind in ("anomaly", "rollback", "skip", "peer_failure"):
+            self._log_metrics({f"event.{kind}": 1.0}, int(fields.get("step", self.step)))
 
-    model.train()
-    for step in range(start_step, cfg.max_steps):
-        lr = lr_at(step, cfg.optim, cfg.max_steps)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        batch = get_batch(step).to(device)
-        with autocast(device):
-            loss = loss_fn(model, batch)
-        loss.backward()
-        # clip_grad_norm_ also returns the norm before clipping: with grad_clip 0 we still want it
-        max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        interval_loss += loss.detach().float()
-        interval_steps += 1
-        interval_tokens += batch.tokens
-        done = step + 1  # optimizer steps completed; checkpoints and metrics are indexed by it
+    def _log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        if self.tracking:
+            import mlflow
 
-        # step 1 too: the first loss (about ln(vocab) from scratch) is the quickest sanity check
-        if done % cfg.log_interval == 0 or done in (1, cfg.max_steps):
-            if device.type == "cuda":
-                torch.cuda.synchronize()  # honest timing: wait for the queued kernels
-            elapsed = max(time.perf_counter() - interval_start - paused, 1e-9)
-            total_tokens, total_time = total_tokens + interval_tokens, total_time + elapsed
-            last_train_loss = float(interval_loss) / interval_steps
-            if not math.isfinite(last_train_loss):
-                # fail fast: continuing would only overwrite good checkpoints with NaN weights
-                raise FloatingPointError(f"loss is {last_train_loss} at step {done}; lower "
-                                         "optim.lr or raise optim.warmup_steps.")
-            metrics = {"loss": last_train_loss, "lr": lr, "grad_norm": float(grad_norm),
-                       "tokens_per_s": interval_tokens / elapsed}
-            log_metrics(metrics, done)
-            history.append({"step": done, **metrics})
-            log.info("step %d/%d | loss %.4f | lr %.2e | grad_norm %.3f | %.0f tok/s",
-                     done, cfg.max_steps, last_train_loss, lr, metrics["grad_norm"],
-                     metrics["tokens_per_s"])
-            interval_loss.zero_()
-            interval_steps, interval_tokens = 0, 0
-            interval_start, paused = time.perf_counter(), 0.0
-
-        if done % cfg.eval_interval == 0 or done == cfg.max_steps:
-            t_eval = time.perf_counter()
-            val = evaluate(model)
-            log_metrics(val, done)
-            history.append({"step": done, **val})
-            log.info("step %d/%d | %s", done, cfg.max_steps,
-                     " | ".join(f"{k} {v:.4f}" for k, v in val.items()))
-            paused += time.perf_counter() - t_eval
-
-        if done % cfg.checkpoint_interval == 0 or done == cfg.max_steps:
-            t_save = time.perf_counter()
-            last_saved = save(done, last_train_loss)
-            log.info("step %d/%d | checkpoint %s (%.2fs)", done, cfg.max_steps, last_saved,
-                     time.perf_counter() - t_save)
-            paused += time.perf_counter() - t_save
-
-    if start_step >= cfg.max_steps:
-        # a retry of a job that had already finished training: report, do not train further
-        log.info("checkpoint %s is already at step %d >= max_steps %d; nothing to train",
-                 found, start_step, cfg.max_steps)
-        val = evaluate(model)
-    assert last_saved is not None  # the last step always saves, or we resumed from one
-
-    if tracking:
-        _log_loss_curve(history)
-    return LoopResult(step=max(start_step, cfg.max_steps), train_loss=last_train_loss, val=val,
-                      tokens_per_s=total_tokens / total_time if total_time else 0.0,
-                      checkpoint=str(last_saved), resumed_from=resumed_from, history=history)
+            # asynchronous: a metric write to the tracking store is a network or database round
+            # trip that should not stall the training thread
+            mlflow.log_metrics(metrics, step=step, synchronous=False)
 
 
 def _log_loss_curve(history: list[dict[str, float]]) -> None:

@@ -6,6 +6,7 @@ import contextlib
 import logging
 import os
 import random
+import time
 from typing import Any, ContextManager
 
 import numpy as np
@@ -14,11 +15,16 @@ import torch
 log = logging.getLogger(__name__)
 
 
-def pick_device() -> torch.device:
+def pick_device(local_rank: int | None = None) -> torch.device:
+    """CUDA if there is one (with several processes per node, the GPU of this local rank), else
+    the CPU with a sensible number of threads."""
     if torch.cuda.is_available():
         # TF32 matmuls: near-fp32 accuracy at several times the speed on Ampere and later
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
+        if local_rank is not None:
+            torch.cuda.set_device(local_rank)
+            return torch.device("cuda", local_rank)
         return torch.device("cuda")
     if "OMP_NUM_THREADS" not in os.environ:
         # Intra-op threads synchronize at every op; when another process holds one of the cores
@@ -73,3 +79,55 @@ def set_rng_state(state: dict[str, Any]) -> None:
         cuda = state["cuda"][: torch.cuda.device_count()]
         for i, s in enumerate(cuda):
             torch.cuda.set_rng_state(s, i)
+
+
+# --------------------------------------------------------------------------------------------
+# Model FLOPs utilization
+
+# Dense bf16 tensor-core peak per GPU (no sparsity), from the vendors' data sheets.
+# Others (A10G, ...): set LLMOPS_PEAK_TFLOPS.
+GPU_PEAK_TFLOPS = {"B200": 2250.0, "H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0,
+                   "L4": 121.0}
+_cpu_peak: float | None = None
+
+
+def peak_flops(device: torch.device) -> float:
+    """FLOP/s one device can do at best: $LLMOPS_PEAK_TFLOPS, else the data-sheet number for a
+    known GPU, else (CPU) what a large fp32 matmul reaches here, measured once in ~0.1 s;
+    0.0 when unknown (MFU is then not logged)."""
+    global _cpu_peak
+    if os.environ.get("LLMOPS_PEAK_TFLOPS"):
+        return float(os.environ["LLMOPS_PEAK_TFLOPS"]) * 1e12
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        # longest names first, so "L40S" is not taken for "L4"
+        for key in sorted(GPU_PEAK_TFLOPS, key=len, reverse=True):
+            if key in name:
+                return GPU_PEAK_TFLOPS[key] * 1e12
+        return 0.0
+    if _cpu_peak is None:
+        # constants, not randn: the probe must not move the RNG that dropout draws from
+        a, b = torch.full((512, 512), 0.5), torch.full((512, 512), 0.25)
+        a @ b  # warm up the kernel
+        n, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < 0.1:
+            a @ b
+            n += 1
+        _cpu_peak = 2 * 512**3 * n / (time.perf_counter() - t0)
+    return _cpu_peak
+
+
+def gpt_flops_per_token(n_params: int, n_layer: int, n_embd: int, seq_len: int,
+                        n_position_params: int = 0) -> float:
+    """Training FLOPs per token of a GPT (PaLM appendix B, as in nanoGPT): 6 per non-embedding
+    parameter (forward 2, backward 4) plus 12 * layers * width * context for attention."""
+    return 6.0 * (n_params - n_position_params) + 12.0 * n_layer * n_embd * seq_len
+
+
+def maybe_compile(module: torch.nn.Module, device: torch.device, enabled: bool) -> torch.nn.Module:
+    """torch.compile on GPU only: on CPU it needs a C++ toolchain and minutes of compiling for
+    little gain on small models, and the tests pin eager numerics."""
+    if enabled and device.type == "cuda":
+        log.info("compiling the model with torch.compile")
+        return torch.compile(module)
+    return module

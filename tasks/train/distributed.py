@@ -1,0 +1,189 @@
+"""Several training processes: process groups formed in rounds, model wrappers, shared decisions.
+
+Launch: torchrun (the local backend runs `torchrun --standalone --nproc_per_node=N -m
+tasks.pretrain ...`; SageMaker's torch_distributed and HyperPod run the same). Each process torchrun
+starts is a per-rank supervisor (tasks/train/supervisor.py) that runs the rank's training in a
+child worker process and restarts that child, alone, when it fails.
+
+Rounds: workers meet in torchrun's agent store (a TCPStore that outlives every worker). Each
+round r gets a fresh process group under the prefix round<r>; a worker joins the current round
+unless it is already full, in which case the round is stale (someone in it died) and the joiner
+moves everyone on to round r+1. A surviving worker whose collective fails because a peer died
+(gloo: "Connection reset by peer"; NCCL: a timeout or async error) leaves its group, moves the
+round on and joins the next one, keeping its process, imports, data and model: only the failed
+worker is restarted. Everyone then loads the checkpoint rank 0 chose.
+
+Timeouts: every collective and rendezvous has `timeout` (the hang watchdog's wait plus a margin,
+so the watchdog fires first and dumps stacks). For NCCL, async error handling tears a process
+down when a collective fails or times out instead of leaving it blocked, and the flight recorder
+dumps the last collectives on timeout.
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+log = logging.getLogger(__name__)
+
+# Set before the first NCCL process group exists; a value already in the environment wins.
+NCCL_ENV = {
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",  # a failed or timed-out collective ends the process
+    "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",  # flight recorder: the last collectives per rank
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",  # ... written out when one times out
+    "TORCH_NCCL_ENABLE_MONITORING": "1",  # a stuck NCCL watchdog thread also ends the process
+}
+
+
+class PeerFailure(RuntimeError):
+    """A collective failed because another rank died or hung: rejoin a new round."""
+
+
+def is_peer_failure(exc: BaseException) -> bool:
+    if isinstance(exc, PeerFailure) or isinstance(exc, getattr(dist, "DistError", ())):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and any(
+        s in text for s in ("gloo", "Gloo", "NCCL", "Connection reset", "Connection closed",
+                            "Broken pipe", "Timed out", "timed out", "peer"))
+
+
+@dataclass
+class DistContext:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    timeout: datetime.timedelta
+    parallelism: str = "ddp"
+    store: Any = None
+    key: str = "llmops"
+    round: int = -1
+    shared: int = field(default=0)  # decisions shared in this round (same count on every rank)
+
+    @classmethod
+    def from_env(cls, device: torch.device, *, parallelism: str, timeout_s: float
+                 ) -> "DistContext | None":
+        """None for a single process; else this rank's context, connected to the agent store."""
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world <= 1:
+            return None
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or not os.environ.get("MASTER_ADDR"):
+            raise RuntimeError(
+                f"WORLD_SIZE is {world} but this process was not started by torchrun. Launch "
+                "several processes with `torchrun --nproc_per_node=N -m tasks.pretrain ...` (the "
+                "local backend does when JobSpec.nproc_per_node > 1): the workers meet in "
+                "torchrun's store, which outlives any one of them.")
+        if device.type == "cuda":
+            for name, value in NCCL_ENV.items():
+                os.environ.setdefault(name, value)
+            os.environ.setdefault("TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC", str(int(timeout_s) + 60))
+        timeout = datetime.timedelta(seconds=timeout_s)
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                              is_master=False, timeout=timeout)
+        run_id = os.environ.get("TORCHELASTIC_RUN_ID", "local")
+        return cls(rank=int(os.environ["RANK"]), world_size=world,
+                   local_rank=int(os.environ.get("LOCAL_RANK", "0")), device=device,
+                   timeout=timeout, parallelism=parallelism, store=store,
+                   key=f"llmops/{run_id}")
+
+    @property
+    def backend(self) -> str:
+        return "nccl" if self.device.type == "cuda" else "gloo"
+
+    # -- rounds ------------------------------------------------------------------------------
+    def join(self) -> int:
+        """Join the current round's process group (blocks until all ranks are in it)."""
+        round_key = f"{self.key}/round"
+        self.store.compare_set(round_key, "", "0")  # the first joiner creates round 0
+        while True:
+            r = int(self.store.get(round_key))
+            if self.store.add(f"{self.key}/round{r}/joined", 1) <= self.world_size:
+                break
+            # full: a round whose member died; move everyone on (no-op if someone already did)
+            self.store.compare_set(round_key, str(r), str(r + 1))
+        kwargs: dict[str, Any] = {}
+        if self.device.type == "cuda":
+            kwargs["device_id"] = self.device  # eager NCCL init: errors surface here, not later
+        dist.init_process_group(self.backend, store=dist.PrefixStore(f"{self.key}/round{r}/pg", self.store),
+                                rank=self.rank, world_size=self.world_size, timeout=self.timeout,
+                                **kwargs)
+        self.round, self.shared = r, 0
+        return r
+
+    def leave(self, *, failed: bool) -> None:
+        """Destroy this round's group; after a failure also move the round on."""
+        if failed and self.round >= 0:
+            self.store.compare_set(f"{self.key}/round", str(self.round), str(self.round + 1))
+        try:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception as exc:  # noqa: BLE001 - a broken group may fail to tear down cleanly
+            log.warning("destroying the process group of round %d failed: %s", self.round, exc)
+        gc.collect()  # drop the old DDP reducer and its hooks before the model is wrapped again
+
+    def share(self, name: str, compute: Callable[[], Any]) -> Any:
+        """Rank 0 computes a JSON value, every rank returns it (through the store, so a rank
+        that is still loading does not hold a collective open)."""
+        self.shared += 1
+        key = f"{self.key}/round{self.round}/share{self.shared}-{name}"
+        if self.rank == 0:
+            value = compute()
+            self.store.set(key, json.dumps(value))
+            return value
+        return json.loads(self.store.get(key))
+
+    # -- collectives -------------------------------------------------------------------------
+    def all_reduce_mean(self, t: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return t.div_(self.world_size)
+
+    def gather(self, obj: Any) -> list[Any]:
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    # -- models ------------------------------------------------------------------------------
+    def wrap(self, model: nn.Module) -> nn.Module:
+        """DDP: a replica per rank, gradients averaged during backward. FSDP (fully_shard):
+        parameters, gradients and optimizer state sharded across ranks, one unit per block
+        (gathered just before the block runs), for models that do not fit one device."""
+        if self.parallelism == "fsdp":
+            from torch.distributed.fsdp import fully_shard
+
+            blocks = getattr(getattr(model, "transformer", None), "h", [])
+            for block in blocks:
+                fully_shard(block)
+            fully_shard(model)
+            return model
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        ids = [self.device.index] if self.device.type == "cuda" else None
+        return DDP(model, device_ids=ids, gradient_as_bucket_view=True)
+
+
+def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """FSDP: the whole (unsharded) model and optimizer state, gathered to rank 0's CPU (empty
+    dicts on the other ranks). A collective: every rank calls it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    return get_state_dict(model, optimizer,
+                          options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict,
+                    optim_state: dict) -> None:
+    """FSDP: every rank loads the full state and keeps its own shard of it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state,
+                   options=StateDictOptions(full_state_dict=True))

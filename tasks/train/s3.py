@@ -1,0 +1,213 @@
+"""Checkpoints mirrored to S3: s3://bucket/prefix/step_{step:06d}/<the checkpoint's files>.
+
+The local checkpoint directory is the unit: its files go up first (large ones as multipart
+uploads, parts in parallel) and its manifest.json last, so a step prefix without a manifest is an
+upload that never finished and is never read. Reading back downloads a step and checks every file
+against the manifest's sha256, exactly like a local checkpoint.
+
+Only global rank 0 writes checkpoints (a DDP replica or an FSDP state gathered to it), so there is
+one uploader per job, hence at most one per node: the per-prefix request rate S3 allows
+(3,500 writes/s) is never the limit, but 503 Slow Down still happens under load on a shared
+prefix, so every request is retried with exponential backoff and jitter — here, at the network
+boundary, and nowhere else. botocore's own retries are turned off so the two do not multiply.
+
+The endpoint comes from boto3's usual settings (AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL, a local
+moto server in tests), credentials from the usual chain.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Callable
+
+from tasks.common.io import read_json
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "manifest.json"
+_RETRY_CODES = {"SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout", "Throttling",
+                "ThrottlingException", "RequestTimeTooSkewed", "500", "502", "503", "504"}
+
+
+def split_uri(uri: str) -> tuple[str, str]:
+    if not uri.startswith("s3://"):
+        raise ValueError(f"{uri!r} is not an s3://bucket/prefix URI.")
+    bucket, _, prefix = uri[len("s3://"):].partition("/")
+    if not bucket:
+        raise ValueError(f"{uri!r} names no bucket; write s3://bucket/prefix.")
+    return bucket, prefix.strip("/")
+
+
+def _retryable(exc: Exception) -> bool:
+    from botocore.exceptions import (ClientError, ConnectionClosedError, ConnectTimeoutError,
+                                     EndpointConnectionError, ReadTimeoutError)
+
+    if isinstance(exc, (ConnectionClosedError, ConnectTimeoutError, EndpointConnectionError,
+                        ReadTimeoutError)):
+        return True
+    if isinstance(exc, ClientError):
+        error = exc.response.get("Error", {})
+        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        return error.get("Code") in _RETRY_CODES or status in (500, 502, 503, 504)
+    return False
+
+
+class S3Mirror:
+    def __init__(self, uri: str, *, part_size: int = 8 << 20, max_attempts: int = 8,
+                 base_delay: float = 0.2, max_delay: float = 20.0, parallel_parts: int = 4) -> None:
+        if part_size < 5 << 20:
+            raise ValueError("S3 multipart parts must be at least 5 MiB (all but the last).")
+        self.uri = uri
+        self.bucket, self.prefix = split_uri(uri)
+        self.part_size, self.max_attempts = part_size, max_attempts
+        self.base_delay, self.max_delay, self.parallel_parts = base_delay, max_delay, parallel_parts
+        self.retries = 0  # requests that were retried, for the log and the tests
+        self._client = None
+
+    @property
+    def client(self) -> Any:
+        if self._client is None:
+            import boto3
+            from botocore.config import Config
+
+            self._client = boto3.client("s3", config=Config(
+                retries={"total_max_attempts": 1},
+                max_pool_connections=max(10, self.parallel_parts * 2)))
+        return self._client
+
+    def _key(self, *parts: str) -> str:
+        return "/".join(p for p in (self.prefix, *parts) if p)
+
+    def call(self, what: str, fn: Callable[..., Any], **kwargs: Any) -> Any:
+        """fn(**kwargs), retried with exponential backoff and equal jitter on throttling and
+        transient server or connection errors."""
+        for attempt in range(1, self.max_attempts + 1):
+            try:
+                return fn(**kwargs)
+            except Exception as exc:  # noqa: BLE001 - classified just below
+                if not _retryable(exc) or attempt == self.max_attempts:
+                    raise
+                cap = min(self.max_delay, self.base_delay * 2 ** (attempt - 1))
+                delay = cap / 2 + random.uniform(0, cap / 2)
+                self.retries += 1
+                log.warning("s3 %s failed (%s); retry %d/%d in %.2fs", what,
+                            getattr(exc, "response", {}).get("Error", {}).get("Code", exc),
+                            attempt, self.max_attempts - 1, delay)
+                time.sleep(delay)
+        raise AssertionError("unreachable")
+
+    # -- write -------------------------------------------------------------------------------
+    def upload_checkpoint(self, local: Path) -> str:
+        """Upload one local checkpoint directory, manifest last; returns its s3:// prefix."""
+        step_name = local.name
+        self._clear_unfinished(keep=step_name)
+        names = sorted(read_json(local / MANIFEST)["files"])
+        for name in names:
+            self.upload_file(local / name, self._key(step_name, name))
+        self.upload_file(local / MANIFEST, self._key(step_name, MANIFEST))  # the commit
+        return f"s3://{self.bucket}/{self._key(step_name)}"
+
+    def upload_file(self, path: Path, key: str) -> None:
+        size = path.stat().st_size
+        if size <= self.part_size:
+            self.call(f"put {key}", self.client.put_object, Bucket=self.bucket, Key=key,
+                      Body=path.read_bytes())
+            return
+        upload_id = self.call(f"create multipart {key}", self.client.create_multipart_upload,
+                              Bucket=self.bucket, Key=key)["UploadId"]
+
+        def part(number: int) -> dict[str, Any]:
+            with open(path, "rb") as fh:
+                fh.seek((number - 1) * self.part_size)
+                body = fh.read(self.part_size)
+            etag = self.call(f"upload part {number} of {key}", self.client.upload_part,
+                             Bucket=self.bucket, Key=key, UploadId=upload_id, PartNumber=number,
+                             Body=body)["ETag"]
+            return {"PartNumber": number, "ETag": etag}
+
+        n_parts = -(-size // self.part_size)
+        try:
+            with ThreadPoolExecutor(self.parallel_parts) as pool:
+                parts = list(pool.map(part, range(1, n_parts + 1)))
+            self.call(f"complete multipart {key}", self.client.complete_multipart_upload,
+                      Bucket=self.bucket, Key=key, UploadId=upload_id,
+                      MultipartUpload={"Parts": parts})
+        except BaseException:
+            # an abandoned multipart upload is billed storage until aborted
+            try:
+                self.client.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload_id)
+            except Exception:  # noqa: BLE001 - the original error matters more
+                log.warning("could not abort multipart upload of %s", key)
+            raise
+
+    # -- read --------------------------------------------------------------------------------
+    def _list(self, prefix: str, delimiter: str = "") -> tuple[list[str], list[str]]:
+        keys, prefixes, token = [], [], None
+        while True:
+            kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": prefix}
+            if delimiter:
+                kwargs["Delimiter"] = delimiter
+            if token:
+                kwargs["ContinuationToken"] = token
+            page = self.call(f"list {prefix}", self.client.list_objects_v2, **kwargs)
+            keys += [o["Key"] for o in page.get("Contents", [])]
+            prefixes += [p["Prefix"] for p in page.get("CommonPrefixes", [])]
+            if not page.get("IsTruncated"):
+                return keys, prefixes
+            token = page["NextContinuationToken"]
+
+    def _step_prefixes(self) -> dict[str, bool]:
+        """step_NNNNNN -> whether its manifest (the commit marker) is there."""
+        base = self._key("step_")
+        _, prefixes = self._list(base, delimiter="/")
+        names = {p.rstrip("/").rsplit("/", 1)[-1] for p in prefixes}
+        keys, _ = self._list(base)
+        committed = {k.split("/")[-2] for k in keys if k.endswith("/" + MANIFEST)}
+        return {name: name in committed for name in names}
+
+    def steps(self) -> list[int]:
+        """Committed steps, newest first."""
+        return sorted((int(name[5:]) for name, ok in self._step_prefixes().items()
+                       if ok and name[5:].isdigit()), reverse=True)
+
+    def download(self, step: int, dest: Path) -> Path:
+        """Fetch step's files into dest (a fresh directory); the caller verifies them."""
+        name = f"step_{step:06d}"
+        dest.mkdir(parents=True)
+        manifest = dest / MANIFEST
+        self._get(self._key(name, MANIFEST), manifest)
+        for file in read_json(manifest)["files"]:
+            self._get(self._key(name, file), dest / file)
+        return dest
+
+    def _get(self, key: str, path: Path) -> None:
+        def fetch() -> None:
+            body = self.client.get_object(Bucket=self.bucket, Key=key)["Body"]
+            with open(path, "wb") as fh:
+                for chunk in iter(lambda: body.read(1 << 20), b""):
+                    fh.write(chunk)
+
+        self.call(f"get {key}", fetch)
+
+    # -- delete ------------------------------------------------------------------------------
+    def delete_step(self, name: str) -> None:
+        keys, _ = self._list(self._key(name) + "/")
+        # the manifest first: from that moment the step is no longer a checkpoint
+        keys.sort(key=lambda k: not k.endswith("/" + MANIFEST))
+        for i in range(0, len(keys), 1000):
+            self.call(f"delete {name}", self.client.delete_objects, Bucket=self.bucket,
+                      Delete={"Objects": [{"Key": k} for k in keys[i:i + 1000]], "Quiet": True})
+
+    def prune(self, keep: int) -> None:
+        for step in self.steps()[keep:]:
+            self.delete_step(f"step_{step:06d}")
+
+    def _clear_unfinished(self, keep: str) -> None:
+        """Step prefixes without a manifest are uploads a killed worker left behind."""
+        for name, committed in self._step_prefixes().items():
+            if not committed and name != keep:
+                self.delete_step(name)

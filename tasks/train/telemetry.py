@@ -1,0 +1,155 @@
+"""What a training job records about itself, for the supervisor, goodput and the task log.
+
+    <output_dir>/resilience/
+        events.jsonl        one JSON object per line, from the supervisors and workers of every rank:
+                            job_start, spawn, restart, hang, worker_exit, fault_injected, anomaly,
+                            rollback, skip, peer_failure, resume, save, eval, ...
+        steps.rank0.jsonl   one line per optimizer step that passed its checks (rank 0 only):
+                            attempt, step, batch index and the times it started, had its batch,
+                            and ended
+        heartbeat.rank<r>   32 bytes, memory-mapped: step, time, phase and pid of the rank's worker,
+                            read by its supervisor's watchdog
+
+Standard library only: the supervisor imports this without torch. Events are appended with one
+write() on an O_APPEND descriptor, so lines from several processes never interleave; times are
+wall-clock seconds (time.time) because they are compared across processes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import mmap
+import os
+import struct
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+log = logging.getLogger(__name__)
+
+RUN_DIR = "resilience"
+
+# What a worker is doing, for the watchdog (a worker blocked in SYNC may be waiting on a peer).
+STARTING, READY, STEP, SYNC, EVAL, SAVE, RESTORE, RENDEZVOUS, FINISHING = range(9)
+PHASES = ("starting", "ready", "step", "sync", "eval", "save", "restore", "rendezvous", "finishing")
+
+_HEARTBEAT = struct.Struct("<qdqq")  # step, time, phase, pid
+
+
+def run_dir(output_dir: str | Path) -> Path:
+    return Path(output_dir) / RUN_DIR
+
+
+class EventLog:
+    """Append-only JSON lines shared by every process of the job."""
+
+    def __init__(self, directory: str | Path, *, rank: int = 0, source: str = "worker",
+                 echo: bool = True) -> None:
+        self.path = Path(directory) / "events.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.rank, self.source, self.echo = rank, source, echo
+
+    def emit(self, kind: str, *, durable: bool = False, **fields: Any) -> dict[str, Any]:
+        """Record one event. durable: fsync before returning, for an event that must survive
+        what comes next (a fault about to kill this process)."""
+        event = {"t": fields.pop("t", time.time()), "kind": kind, "rank": self.rank,
+                 "source": self.source, "pid": os.getpid(), **fields}
+        line = (json.dumps(event, default=str, separators=(",", ":")) + "\n").encode()
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, line)
+            if durable:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        if self.echo:
+            details = " ".join(f"{k}={v}" for k, v in fields.items())
+            log.info("[%s rank %d] %s %s", self.source, self.rank, kind, details)
+        return event
+
+
+def read_events(directory: str | Path) -> list[dict[str, Any]]:
+    """Every complete event line (a line torn by a crash mid-write is skipped), in file order."""
+    return list(_read_jsonl(Path(directory) / "events.jsonl"))
+
+
+def _read_jsonl(path: Path) -> Iterator[dict[str, Any]]:
+    try:
+        with open(path, "rb") as fh:
+            for raw in fh:
+                try:
+                    yield json.loads(raw)
+                except ValueError:
+                    continue
+    except FileNotFoundError:
+        return
+
+
+class StepLog:
+    """Per-step timestamps of rank 0: the raw material of goodput. One buffered line per step
+    (flushed per line, so a killed worker loses at most the step it was in)."""
+
+    def __init__(self, directory: str | Path, *, rank: int = 0, attempt: int = 1) -> None:
+        self.path = Path(directory) / f"steps.rank{rank}.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.attempt = attempt
+        self._fh = open(self.path, "a", buffering=1)
+
+    def record(self, step: int, batch: int, t0: float, t_data: float, t1: float) -> None:
+        self._fh.write(f'{{"a":{self.attempt},"s":{step},"b":{batch},"t0":{t0:.6f},'
+                       f'"td":{t_data:.6f},"t1":{t1:.6f}}}\n')
+
+    def close(self) -> None:
+        self._fh.close()
+
+
+def read_steps(directory: str | Path, rank: int = 0) -> list[dict[str, Any]]:
+    return list(_read_jsonl(Path(directory) / f"steps.rank{rank}.jsonl"))
+
+
+class Heartbeat:
+    """A worker's progress in 32 shared bytes: writing it is a memory store, no system call, so
+    it costs nothing per step; the supervisor reads the same file."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        if not self.path.exists() or self.path.stat().st_size != _HEARTBEAT.size:
+            reset_heartbeat(self.path)
+        self._fd = os.open(self.path, os.O_RDWR)
+        self._map = mmap.mmap(self._fd, _HEARTBEAT.size)
+        self.step, self.pid = -1, os.getpid()
+
+    def beat(self, step: int | None = None, phase: int = STEP) -> None:
+        if step is not None:
+            self.step = step
+        _HEARTBEAT.pack_into(self._map, 0, self.step, time.time(), phase, self.pid)
+
+    def phase(self, phase: int) -> None:
+        """Mark a change of phase without counting it as progress: the time stays the last
+        progress time, so a worker stuck in a collective still looks stale."""
+        step, t, _, _ = _HEARTBEAT.unpack_from(self._map, 0)
+        _HEARTBEAT.pack_into(self._map, 0, step, t, phase, self.pid)
+
+    def close(self) -> None:
+        self._map.close()
+        os.close(self._fd)
+
+
+def reset_heartbeat(path: str | Path) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_bytes(_HEARTBEAT.pack(-1, 0.0, STARTING, 0))
+    os.replace(tmp, path)
+
+
+def read_heartbeat(path: str | Path) -> tuple[int, float, int, int]:
+    """(step, time of the last progress, phase, pid); time 0.0 until the worker's first beat."""
+    try:
+        data = Path(path).read_bytes()
+    except FileNotFoundError:
+        return -1, 0.0, STARTING, 0
+    if len(data) != _HEARTBEAT.size:
+        return -1, 0.0, STARTING, 0
+    return _HEARTBEAT.unpack(data)
