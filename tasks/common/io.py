@@ -7,6 +7,7 @@ import json
 import os
 import tempfile
 from pathlib import Path
+import shutil
 from typing import Any, Callable
 
 
@@ -53,3 +54,22 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
         while block := fh.read(chunk):
             digest.update(block)
     return digest.hexdigest()
+
+
+def publish_dir(tmp: str | os.PathLike, final: str | os.PathLike) -> Path:
+    """Make a fully written directory `tmp` appear as `final` in one rename, replacing an older
+    `final` (a retry that reached the same point again). Readers see the old or the new
+    directory, never a mix; on any error `tmp` is removed and `final` is left as it was."""
+    tmp, final = Path(tmp), Path(final)
+    try:
+        fsync_dir(tmp)
+        if final.exists():
+            trash = final.with_name(f".{final.name}.old-{os.getpid()}")
+            os.replace(final, trash)
+            shutil.rmtree(trash)
+        os.replace(tmp, final)
+        fsync_dir(final.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final

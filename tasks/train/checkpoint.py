@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 import torch
 
-from tasks.common.io import fsync_dir, read_json, sha256_file, write_json
+from tasks.common.io import fsync_dir, publish_dir, read_json, sha256_file, write_json
 
 log = logging.getLogger(__name__)
 
@@ -109,18 +109,12 @@ def save_checkpoint(root: str | Path, step: int, tensors: dict[str, Any], config
                                 "sha256": sha256_file(tmp / "config.json")}
         write_json(tmp / MANIFEST, {"format": FORMAT_VERSION, "step": step, "files": files,
                                     "created": time.time()})
-        fsync_dir(tmp)
-        if final.exists():
-            # a retry that reached the same step again: replace the old copy, which may be the
-            # damaged one that sent us back
-            trash = root / f".tmp-{final.name}-old-{os.getpid()}"
-            os.replace(final, trash)
-            shutil.rmtree(trash)
-        os.replace(tmp, final)
-        fsync_dir(root)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    # A retry that reached the same step again replaces the old copy, which may be the damaged
+    # one that sent us back.
+    publish_dir(tmp, final)
     for _, old in step_dirs(root)[keep:]:
         shutil.rmtree(old, ignore_errors=True)
     return final

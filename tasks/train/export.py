@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from tasks.common.io import fsync_dir, read_json, write_json
+from tasks.common.io import publish_dir, read_json, write_json
 from tasks.configs import ModelConfig, from_dict, to_dict
 from tasks.model import GPT
 
@@ -49,17 +49,10 @@ def export_model(model: GPT, output_dir: str | Path, tokenizer_path: str | Path,
         write_json(tmp / "model_config.json", to_dict(model.config))
         shutil.copyfile(tokenizer_path, tmp / "tokenizer.json")
         write_json(tmp / "meta.json", {**meta, "params": model.num_params()})
-        fsync_dir(tmp)
-        if final.exists():
-            old = output_dir / f".{MODEL_DIR}.old-{os.getpid()}"
-            os.replace(final, old)
-            shutil.rmtree(old)
-        os.replace(tmp, final)
-        fsync_dir(output_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return final
+    return publish_dir(tmp, final)
 
 
 def read_meta(model_dir: str | Path) -> dict[str, Any]:
