@@ -99,7 +99,8 @@ def plugin_files() -> list[tuple[Path, str]]:
     files = []
     for path in sorted((ROOT / "plugins").rglob("*")):
         if path.is_file() and "__pycache__" not in path.parts and (
-                path.suffix == ".py" or path.suffix in PLUGIN_DATA):
+                path.suffix == ".py" or path.suffix in PLUGIN_DATA
+                or path.name == ".airflowignore"):  # keeps the library out of plugin scanning
             files.append((path, path.relative_to(ROOT / "plugins").as_posix()))
     return files + [(ROOT / name, name) for name in tasks_modules()]
 

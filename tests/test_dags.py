@@ -127,3 +127,22 @@ def test_stage_configs_refuse_unknown_keys_naming_them():
         configs.from_dict(configs.TrainConfig, {"data_dir": "d", "output_dir": "o",
                                                 "model": {"n_layer": "2"}})
     assert dataclasses.is_dataclass(configs.recipe("tiny").pretrain)
+
+
+def test_plugins_folder_registers_our_plugin_without_shadowing_real_packages():
+    """Airflow imports each scanned plugins-folder file as sys.modules[<file stem>]; the llmops
+    library (ray.py, settings.py, sagemaker.py...) must stay out of that scan or it replaces the
+    real `ray` in every Airflow process (this once broke Ray data prep in the same process)."""
+    script = r"""
+import json, sys
+from airflow._shared.plugins_manager.plugins_manager import _load_plugins_from_plugin_directory
+plugins, errors = _load_plugins_from_plugin_directory(sys.argv[1])
+print(json.dumps({"plugins": [p.name for p in plugins], "errors": errors,
+                  "shadowed": sorted(n for n in ("ray", "settings", "sagemaker", "local", "spec",
+                                                 "tracking", "params") if n in sys.modules)}))
+"""
+    proc = subprocess.run([sys.executable, "-c", script, str(ROOT / "plugins")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report == {"plugins": ["llmops_sweep_pool"], "errors": {}, "shadowed": []}

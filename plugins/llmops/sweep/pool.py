@@ -43,10 +43,8 @@ def ensure_pool(name: str = POOL, slots: int = POOL_DEFAULT_SLOTS,
 
 try:
     from airflow.listeners import hookimpl
-    from airflow.plugins_manager import AirflowPlugin
 except ImportError:  # pragma: no cover - not in an Airflow environment (a job image)
     hookimpl = None
-    AirflowPlugin = object
 
 
 if hookimpl is not None:
@@ -72,13 +70,6 @@ if hookimpl is not None:
         log.warning("DAG run %s/%s uses pool %r, which did not exist: created it with %d slots. "
                     "Set the team's quota with `airflow pools set %s <slots> \"...\"`.",
                     dag_run.dag_id, dag_run.run_id, POOL, POOL_DEFAULT_SLOTS, POOL)
-
-
-class SweepPoolPlugin(AirflowPlugin):
-    """Registers the listener above (Airflow loads every module in the plugins folder)."""
-
-    name = "llmops_sweep_pool"
-    listeners = [sys.modules[__name__]] if hookimpl is not None else []
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,19 @@
+"""The Airflow plugins this project registers.
+
+Airflow imports every `.py` file in the plugins folder as a top-level module named after the file.
+The `llmops` library is kept out of that scan by `.airflowignore`: its modules named `ray.py`,
+`settings.py`, `sagemaker.py`... would otherwise replace the real packages of those names in
+`sys.modules` of every Airflow process, and run twice under two names. The library is imported
+normally (the plugins folder is on sys.path) and its plugins are registered here.
+"""
+
+from airflow.plugins_manager import AirflowPlugin
+
+from llmops.sweep import pool as sweep_pool
+
+
+class SweepPoolPlugin(AirflowPlugin):
+    """Creates the sweep pool when a run that needs it starts and the pool is missing."""
+
+    name = "llmops_sweep_pool"
+    listeners = [sweep_pool] if sweep_pool.hookimpl is not None else []
