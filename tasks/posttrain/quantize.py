@@ -29,7 +29,7 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from tasks.common.io import fsync_dir, read_json, write_json
+from tasks.common.io import publish_dir, read_json, write_json
 from tasks.configs import ModelConfig, from_dict, to_dict
 from tasks.model import GPT
 
@@ -117,14 +117,10 @@ def export_int8(quantized: GPT, output_dir: str | Path, tokenizer_path: str | Pa
         write_json(tmp / "model_config.json", to_dict(quantized.config))
         shutil.copyfile(tokenizer_path, tmp / "tokenizer.json")
         write_json(tmp / "meta.json", {**meta, "quantization": "int8 dynamic (nn.Linear)"})
-        fsync_dir(tmp)
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return final
+    return publish_dir(tmp, final)
 
 
 def load_int8(model_dir: str | Path) -> tuple[GPT, dict[str, Any]]:

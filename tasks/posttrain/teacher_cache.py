@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from tasks.common.io import read_json, sha256_file, write_json
+from tasks.common.io import publish_dir, read_json, sha256_file, write_json
 from tasks.train.data import SFTExample, TokenRows, collate_sft
 from tasks.model import IGNORE_INDEX
 
@@ -101,12 +101,10 @@ def build_cache(teacher: nn.Module, out_dir: str | Path, *, key: dict[str, Any],
                                     "sft_positions": int(sum(counts)), "replay_rows": len(rows),
                                     "files": files, "teacher_metrics": teacher_metrics,
                                     "seconds": round(time.perf_counter() - started, 3)})
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    publish_dir(tmp, out_dir)
     log.info("teacher cache: %d examples (%d positions) and %d replayed rows, top-%d, %.1f MB, "
              "in %.1fs -> %s", len(examples), sum(counts), len(rows), k,
              sum(files.values()) / 1e6, time.perf_counter() - started, out_dir)
