@@ -27,13 +27,16 @@ class CausalSelfAttention(nn.Module):
         self.dropout = config.dropout
         self.resid_dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """attn_mask (bool, True = may attend) replaces the causal mask, e.g. the block-diagonal
+        causal mask of packed sequences; without one the kernel masks the future itself."""
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)
         # (B, nh, T, hs): heads become a batch dimension for the fused attention kernel
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
         # flash / memory-efficient attention where the backend has it; is_causal masks the future
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask,
+                                           is_causal=attn_mask is None,
                                            dropout_p=self.dropout if self.training else 0.0)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.c_proj(y))

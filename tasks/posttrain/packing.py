@@ -10,8 +10,6 @@ checks it returns, for every example, exactly the logits the example gets alone.
 from __future__ import annotations
 
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 
 from tasks.model import GPT
 
@@ -47,16 +45,6 @@ def segment_mask(segments: torch.Tensor) -> torch.Tensor:
     return (same & causal)[:, None]
 
 
-def _attention(attn: nn.Module, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    B, T, C = x.shape
-    q, k, v = attn.c_attn(x).split(C, dim=2)
-    q, k, v = (t.view(B, T, attn.n_head, C // attn.n_head).transpose(1, 2) for t in (q, k, v))
-    y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
-                                       dropout_p=attn.dropout if attn.training else 0.0)
-    y = y.transpose(1, 2).contiguous().view(B, T, C)
-    return attn.resid_dropout(attn.c_proj(y))
-
-
 def packed_logits(model: GPT, inputs: torch.Tensor, positions: torch.Tensor,
                   segments: torch.Tensor) -> torch.Tensor:
     """GPT.forward over packed rows: per-example positions and a block-diagonal causal mask.
@@ -65,6 +53,6 @@ def packed_logits(model: GPT, inputs: torch.Tensor, positions: torch.Tensor,
     x = tr.drop(tr.wte(inputs) + tr.wpe(positions))
     mask = segment_mask(segments)
     for block in tr.h:
-        x = x + _attention(block.attn, block.ln_1(x), mask)
+        x = x + block.attn(block.ln_1(x), attn_mask=mask)
         x = x + block.mlp(block.ln_2(x))
     return model.lm_head(tr.ln_f(x))
