@@ -8,12 +8,12 @@ import copy
 
 import pytest
 
-from llmops.jobs.backends import remote
+from llmops.jobs.backends import JobState, remote
 from llmops.jobs.backends.crds import ManifestError, crd, validate_manifest
 from llmops.jobs.backends.hyperpod import HyperPodBackend, k8s_name, manifest, priority_class
 from llmops.jobs.backends.settings import HyperPodSettings
 from llmops.jobs.spec import JobSpec, JobSpecError, job_name
-from tests.aws_fixtures import IMAGE
+from tests.aws_fixtures import CONN_ID, IMAGE
 
 STAGING = "s3://llmops-test/staging"
 
@@ -66,14 +66,16 @@ def test_hyperpod_pytorch_job_has_nodes_resources_auto_resume_and_hang_detection
     assert env["FI_PROVIDER"] == "efa" and env["FI_EFA_USE_DEVICE_RDMA"] == "1" and env["NCCL_DEBUG"] == "INFO"
 
 
-def test_kubeflow_pytorch_job_has_master_workers_and_auto_resume_labels():
+def test_kubeflow_pytorch_job_has_master_workers_and_auto_resume_annotations():
     body = render("PyTorchJob")
     assert body["apiVersion"] == "kubeflow.org/v1"
     replicas = body["spec"]["pytorchReplicaSpecs"]
     assert replicas["Master"]["replicas"] == 1 and replicas["Worker"]["replicas"] == 3
-    labels = body["metadata"]["labels"]
-    assert labels["sagemaker.amazonaws.com/enable-job-auto-resume"] == "true"
-    assert labels["sagemaker.amazonaws.com/job-max-retry-count"] == "3"
+    # HyperPod's auto-resume reads annotations; as labels the keys were silently ignored.
+    annotations, labels = body["metadata"]["annotations"], body["metadata"]["labels"]
+    assert annotations["sagemaker.amazonaws.com/enable-job-auto-resume"] == "true"
+    assert annotations["sagemaker.amazonaws.com/job-max-retry-count"] == "3"
+    assert not any(key.startswith("sagemaker.amazonaws.com/") for key in labels)
     container = replicas["Master"]["template"]["spec"]["containers"][0]
     assert container["name"] == "pytorch"
     assert container["args"][container["args"].index("--launcher") + 1] == "torchrun"
@@ -90,6 +92,8 @@ def test_kubeflow_pytorch_job_has_master_workers_and_auto_resume_labels():
     (lambda b: _container(b)["resources"]["limits"].__setitem__("memory", "lots"), "does not match"),
     (lambda b: b["metadata"].__setitem__("name", "Pretrain_Job"), "must be a DNS label"),
     (lambda b: b["metadata"]["labels"].__setitem__("llmops/stage", "x" * 64), "not a valid label value"),
+    (lambda b: _pod(b)["affinity"]["nodeAffinity"].__setitem__("requiredDuringScheduling", {}),
+     "Additional properties are not allowed ('requiredDuringScheduling'"),
 ])
 def test_manifest_mistakes_are_caught(kind, mutate, message):
     body = copy.deepcopy(render(kind))
@@ -99,10 +103,14 @@ def test_manifest_mistakes_are_caught(kind, mutate, message):
     assert message in str(err.value)
 
 
-def _container(body: dict) -> dict:
+def _pod(body: dict) -> dict:
     spec_ = body["spec"]
     replica = spec_["replicaSpecs"][0] if "replicaSpecs" in spec_ else spec_["pytorchReplicaSpecs"]["Master"]
-    return replica["template"]["spec"]["containers"][0]
+    return replica["template"]["spec"]
+
+
+def _container(body: dict) -> dict:
+    return _pod(body)["containers"][0]
 
 
 def test_schemas_come_from_the_published_crds():
@@ -122,3 +130,207 @@ def test_settings_mistakes_name_the_fix():
         HyperPodBackend(settings={"hyperpod": {"staging_uri": STAGING}}).submit(spec())
     assert priority_class("100", {"0": "low", "500": "high"}) == "low"
     assert priority_class("", {"0": "low"}) == ""
+
+
+@pytest.mark.parametrize("kind", ["HyperPodPyTorchJob", "PyTorchJob"])
+def test_pods_stay_off_unhealthy_nodes_and_carry_the_job_label(kind):
+    body = render(kind)
+    affinity = _pod(body)["affinity"]["nodeAffinity"]
+    required = affinity["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    assert required == [{"matchExpressions": [{"key": "sagemaker.amazonaws.com/node-health-status",
+                                               "operator": "In", "values": ["Schedulable"]}]}]
+    preferred = affinity["preferredDuringSchedulingIgnoredDuringExecution"][0]["preference"]
+    assert preferred["matchExpressions"] == [{"key": "sagemaker.amazonaws.com/deep-health-check-status",
+                                              "operator": "In", "values": ["Passed"]}]
+    templates = ([body["spec"]["replicaSpecs"][0]["template"]] if kind == "HyperPodPyTorchJob"
+                 else [r["template"] for r in body["spec"]["pytorchReplicaSpecs"].values()])
+    assert all(t["metadata"]["labels"]["llmops/job"] == body["metadata"]["name"] for t in templates)
+    assert "affinity" not in _pod(render(kind, require_healthy_nodes=False))
+
+
+# -- submit, status, stop and logs against a fake API server and moto's S3 ---------------------
+
+class ApiError(Exception):
+    def __init__(self, status: int):
+        super().__init__(f"({status})")
+        self.status = status
+
+
+class FakeCluster:
+    """The few API calls the backend makes, in memory, in the shape the kubernetes client returns."""
+
+    def __init__(self):
+        self.objects: dict[tuple[str, str], dict] = {}
+        self.invisible: set[str] = set()   # names a get misses (another try created it meanwhile)
+        self.logs: dict[str, list[str]] = {}   # pod -> "timestamp line" records
+        self.calls: list[tuple[str, dict]] = []
+
+    def call(self, api: str, method: str, **kw):
+        from types import SimpleNamespace
+
+        self.calls.append((method, kw))
+        key = (kw.get("namespace"), kw.get("name") or (kw.get("body") or {}).get("metadata", {}).get("name"))
+        if method == "get_namespaced_custom_object":
+            if key not in self.objects or key[1] in self.invisible:
+                raise ApiError(404)
+            return copy.deepcopy(self.objects[key])
+        if method == "create_namespaced_custom_object":
+            if key in self.objects:
+                raise ApiError(409)
+            self.objects[key] = copy.deepcopy(kw["body"])
+            return kw["body"]
+        if method == "delete_namespaced_custom_object":
+            self.objects.pop(key)
+            return {}
+        if method == "list_namespaced_pod":
+            label, _, value = kw["label_selector"].partition("=")
+            pods = [f"{name}-master-0" for (ns, name), body in self.objects.items()
+                    if ns == kw["namespace"] and label == "llmops/job" and name == value]
+            return SimpleNamespace(items=[SimpleNamespace(metadata=SimpleNamespace(name=n)) for n in pods])
+        if method == "read_namespaced_pod_log":
+            records = self.logs.get(kw["name"], [])
+            if "tail_lines" in kw:
+                records = records[-kw["tail_lines"]:]
+            text = "\n".join(records if kw.get("timestamps") else [r.split(" ", 1)[1] for r in records])
+            return text + "\n" if text else ""
+        raise AssertionError(method)
+
+    def set_condition(self, name: str, kind: str, **status):
+        body = next(b for (ns, n), b in self.objects.items() if n == name)
+        body["status"] = {"conditions": [{"type": kind, "status": "True",
+                                          "lastTransitionTime": "2026-01-01T00:00:00Z"}], **status}
+
+
+@pytest.fixture()
+def cluster(monkeypatch, moto_server):
+    from llmops.jobs.backends import hyperpod
+
+    moto_server.bucket("llmops-test")
+    fake = FakeCluster()
+    connects = []
+    monkeypatch.setattr(hyperpod, "_CLIENTS", {})
+    monkeypatch.setattr(hyperpod, "connect", lambda *key: connects.append(key) or fake)
+    fake.connects = connects
+    return fake
+
+
+def hp_settings(**changes) -> dict:
+    return {"hyperpod": {"aws_conn_id": CONN_ID, "staging_uri": STAGING, "image": IMAGE,
+                         "eks_cluster_name": "hp", "namespace": "hyperpod-ns-{team}",
+                         "queue_name": "hyperpod-ns-{team}-localqueue", **changes}}
+
+
+def test_queued_running_stopped_and_retried_against_a_fake_cluster(cluster, moto_server):
+    backend = HyperPodBackend(settings=hp_settings())
+    job = spec(instance_count=2)
+    handle = backend.submit(job)
+    assert handle["reattached"] is False and handle["k8s_name"] == k8s_name(job.name)
+    validate_manifest(cluster.objects[("hyperpod-ns-research", handle["k8s_name"])])
+    # Kueue holds a job suspended until it is admitted: waiting, not stopped.
+    cluster.set_condition(handle["k8s_name"], "Suspended")
+    assert backend.status(handle).state is JobState.PENDING
+    cluster.set_condition(handle["k8s_name"], "Running", startTime="2026-01-01T00:00:05Z")
+    status = backend.status(handle)
+    assert status.state is JobState.RUNNING and status.details["started_at"] == 1767225605.0
+    assert backend.submit(job)["reattached"] is True
+    backend.stop(handle)
+    deletes = [kw for method, kw in cluster.calls if method == "delete_namespaced_custom_object"]
+    assert deletes == [{"group": "sagemaker.amazonaws.com", "version": "v1", "plural": "hyperpodpytorchjobs",
+                        "name": handle["k8s_name"], "namespace": "hyperpod-ns-research",
+                        "propagation_policy": "Foreground"}]
+    assert not any(method == "patch_namespaced_custom_object" for method, _ in cluster.calls)
+    stopped = backend.status(handle)   # gone from the cluster, but its stop was recorded first
+    assert stopped.state is JobState.STOPPED and "stopped" in stopped.message
+    retry = backend.submit(job)
+    assert retry["attempt"] == 2 and retry["reattached"] is False
+    assert retry["job_name"] == remote.attempt_name(job.name, 2, 48)
+    assert cluster.connects == [("hp", "", CONN_ID, "")], "one API client for the process"
+
+
+def test_a_conflict_on_create_reattaches(cluster):
+    backend = HyperPodBackend(settings=hp_settings())
+    job = spec()
+    first = backend.submit(job)
+    cluster.invisible.add(first["k8s_name"])   # the get raced with another try's create
+    again = backend.submit(job)
+    assert again["reattached"] is True and again["job_name"] == first["job_name"]
+    assert len(cluster.objects) == 1
+
+
+def test_started_at_falls_back_to_the_running_condition():
+    from llmops.jobs.backends.hyperpod import started_at
+
+    resource = {"status": {"conditions": [{"type": "Created", "status": "True",
+                                           "lastTransitionTime": "2026-01-01T00:00:00Z"},
+                                          {"type": "Running", "status": "True",
+                                           "lastTransitionTime": "2026-01-01T00:01:00Z"}]}}
+    assert started_at(resource) == 1767225660.0
+    assert started_at({"status": {}}) is None
+
+
+def test_logs_are_read_by_label_and_since_the_last_line(cluster, monkeypatch):
+    from llmops.jobs.backends import hyperpod
+
+    backend = HyperPodBackend(settings=hp_settings())
+    handle = backend.submit(spec())
+    pod = f"{handle['k8s_name']}-master-0"
+    cluster.logs[pod] = [f"2026-01-01T00:00:0{i}.5Z step {i}" for i in range(5)]
+    cluster.logs[pod].append("2026-01-01T00:00:04.5Z same instant")
+    monkeypatch.setattr(hyperpod.time, "time", lambda: 1767225610.0)   # 00:00:10
+    lines, cursor = backend.read_logs(handle, 0)
+    assert lines == ["step 0", "step 1", "step 2", "step 3", "step 4", "same instant"]
+    reads = [kw for method, kw in cluster.calls if method == "read_namespaced_pod_log"]
+    assert reads[-1]["tail_lines"] == hyperpod.FIRST_LOG_LINES and reads[-1]["timestamps"] is True
+    lists = [kw for method, kw in cluster.calls if method == "list_namespaced_pod"]
+    assert lists[-1]["label_selector"] == f"llmops/job={handle['k8s_name']}"
+    # Lines keep coming, two in the same (trimmed) instant as the last one shown.
+    cluster.logs[pod] += ["2026-01-01T00:00:04.5Z also then", "2026-01-01T00:00:09.25Z step 9"]
+    cursor["_next_read"] = 0
+    lines, cursor = backend.read_logs(handle, cursor)
+    assert lines == ["also then", "step 9"]
+    again = [kw for method, kw in cluster.calls if method == "read_namespaced_pod_log"][-1]
+    assert again["since_seconds"] == 6 + hyperpod.LOG_OVERLAP_SECONDS and "tail_lines" not in again
+    cursor["_next_read"] = 0
+    assert backend.read_logs(handle, cursor)[0] == []
+    assert backend.log_tail(handle, lines=2) == ["also then", "step 9"]
+
+
+def test_the_token_is_renewed_before_it_expires_and_on_401(monkeypatch):
+    from llmops.jobs.backends import hyperpod
+
+    tokens, clock = iter(f"t{i}" for i in range(10)), [1000.0]
+    monkeypatch.setattr(hyperpod.time, "monotonic", lambda: clock[0])
+    from types import SimpleNamespace
+
+    failures = [401]
+
+    class Custom:
+        def get_namespaced_custom_object(self, **kw):
+            if failures:
+                raise ApiError(failures.pop())
+            return {"ok": config.api_key["authorization"]}
+
+    config = SimpleNamespace(api_key={})
+    kube = hyperpod.KubeClient(Custom(), None, config, token=lambda: next(tokens))
+    assert config.api_key == {"authorization": "Bearer t0"}
+    assert kube.call("custom", "get_namespaced_custom_object")["ok"] == "Bearer t1"   # 401 -> renewed
+    clock[0] += hyperpod.TOKEN_REFRESH_SECONDS - 1
+    assert kube.call("custom", "get_namespaced_custom_object")["ok"] == "Bearer t1"
+    clock[0] += 2
+    assert kube.call("custom", "get_namespaced_custom_object")["ok"] == "Bearer t2"
+
+
+def test_an_eks_client_is_made_in_process_from_describe_cluster(moto_server):
+    """DescribeCluster (moto's EKS) and a signed token; no kubeconfig file, no exec plugin."""
+    from llmops.jobs.backends import hyperpod
+
+    eks = moto_server.client("eks")
+    eks.create_cluster(name="hp-moto", roleArn="arn:aws:iam::123456789012:role/eks",
+                       resourcesVpcConfig={"subnetIds": []})
+    kube = hyperpod.connect("hp-moto", "", CONN_ID, "")
+    configuration = kube.custom.api_client.configuration
+    assert configuration.host == eks.describe_cluster(name="hp-moto")["cluster"]["endpoint"]
+    token = configuration.api_key["authorization"]
+    assert token.startswith("Bearer k8s-aws-v1.")
+    url = __import__("base64").urlsafe_b64decode(token.split(".", 1)[1] + "==").decode()
+    assert "Action=GetCallerIdentity" in url and "x-k8s-aws-id" in url

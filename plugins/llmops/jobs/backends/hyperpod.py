@@ -9,26 +9,45 @@ operator) or a Kubeflow PyTorchJob, created through the Kubernetes API.
                                   (+ FI_PROVIDER=efa and NCCL settings on several nodes)
     settings.max_retry_count   -> HyperPod auto-resume: runPolicy.jobMaxRetryCount, or on a
                                   PyTorchJob the sagemaker.amazonaws.com/enable-job-auto-resume
-                                  and job-max-retry-count labels: after a node fault HyperPod
-                                  replaces the node and restarts the job, which resumes from
-                                  its checkpoints
+                                  and job-max-retry-count *annotations* (the HyperPod docs'
+                                  "Running jobs using kubectl"; as labels they are ignored):
+                                  after a node fault HyperPod replaces the node and restarts
+                                  the job, which resumes from its checkpoints
+    settings.require_healthy_nodes -> node affinity: only nodes HyperPod's health agent marks
+                                  Schedulable, preferring those whose deep health check Passed
     settings.log_monitoring    -> runPolicy.logMonitoringConfiguration: hang and slowness
                                   detection from the job's log lines (HyperPodPyTorchJob)
     spec.tags team / priority  -> namespace and Kueue queue (task governance), priority class
     spec.max_run_seconds       -> runPolicy.activeDeadlineSeconds
 
-Manifests are validated against the CRD schemas in crds/ before they are sent. Credentials:
-EksHook (the AWS connection) writes a kubeconfig for `eks_cluster_name`, or `kubernetes_conn_id`
-names a Kubernetes connection. Stopping suspends the job (runPolicy.suspend), which deletes its
-pods and keeps its record.
+Manifests are validated against the CRD schemas in crds/ before they are sent. Credentials: the
+AWS connection's session signs an EKS token for `eks_cluster_name` (in process: no kubeconfig, no
+exec plugin), or `kubernetes_conn_id` names a Kubernetes connection. One API client per (cluster,
+connection, region) lives in the process (the worker, or the triggerer across all its triggers)
+and renews its token every TOKEN_REFRESH_SECONDS, or at once on a 401. Pods are listed by the
+`llmops/job` label this backend puts on its pod template, and logs are read since the last line
+shown (timestamps dedupe the overlap), not downloaded whole on every poll.
+
+Stopping deletes the job resource (foreground: its pods go first) after writing
+`<staging>/<spec name>/<job>/stopped.json`, so status() says STOPPED, and a retry starts the next
+attempt. Not runPolicy.suspend: under Kueue `suspend` belongs to Kueue, which sets it while a job
+waits for quota and clears it on admission, so a suspended job can be started again behind our
+back; a deleted one cannot, and its quota is released at once. A job that is Suspended (queued or
+preempted by Kueue) is PENDING, not stopped.
 """
 
 from __future__ import annotations
 
-import contextlib
+import base64
+import hashlib
+import json
 import logging
 import re
-from typing import Any, Iterator
+import tempfile
+import threading
+import time
+from datetime import datetime, timezone
+from typing import Any, Callable
 
 from llmops.aws import s3
 from llmops.jobs.backends import remote
@@ -37,11 +56,23 @@ from llmops.jobs.backends.crds import group_version_plural, validate_manifest
 from llmops.jobs.backends.sagemaker import fabric_env
 from llmops.jobs.backends.settings import HyperPodSettings, load
 from llmops.jobs.spec import JobSpec, JobSpecError
+from tasks.configs import to_dict
 
 log = logging.getLogger(__name__)
 
 MAX_NAME = 48   # pods and services are named <job>-worker-<i>: keep those within 63
 KINDS = ("HyperPodPyTorchJob", "PyTorchJob")
+JOB_LABEL = "llmops/job"        # on every pod of a job, so its pods are listed by selector
+NODE_HEALTH = "sagemaker.amazonaws.com/node-health-status"
+DEEP_HEALTH = "sagemaker.amazonaws.com/deep-health-check-status"
+AUTO_RESUME = "sagemaker.amazonaws.com/enable-job-auto-resume"
+MAX_RETRY = "sagemaker.amazonaws.com/job-max-retry-count"
+# EKS tokens are valid 15 minutes (a presigned STS URL); renew at 10 so none expires mid-poll.
+TOKEN_REFRESH_SECONDS = 600
+FIRST_LOG_LINES = 1000          # the first read of a pod's log: its tail, not all of it
+LOG_OVERLAP_SECONDS = 10        # re-read this much before the last line (clock skew, same-second lines)
+STOP_RECORD = "stopped.json"
+FINISHED = ("Succeeded", "Completed", "Failed")
 
 
 def k8s_name(name: str) -> str:
@@ -106,6 +137,16 @@ def manifest(spec: JobSpec, settings: HyperPodSettings, staged: remote.Staged, n
         pod_spec["nodeSelector"] = selector
     if settings.service_account:
         pod_spec["serviceAccountName"] = settings.service_account
+    if settings.require_healthy_nodes:
+        # HyperPod's health agent labels every node; a node that failed a check is relabelled
+        # (and tainted) until it is replaced. Never land on one; prefer nodes that passed the
+        # deep health checks (stress and NCCL tests) over those that were never deep-checked.
+        pod_spec["affinity"] = {"nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+                {"matchExpressions": [{"key": NODE_HEALTH, "operator": "In", "values": ["Schedulable"]}]}]},
+            "preferredDuringSchedulingIgnoredDuringExecution": [
+                {"weight": 100, "preference": {"matchExpressions": [
+                    {"key": DEEP_HEALTH, "operator": "In", "values": ["Passed"]}]}}]}}
     labels = {"app.kubernetes.io/managed-by": "llmops", "llmops/stage": label_value(spec.stage),
               "llmops/team": label_value(team)}
     if settings.queue_name:
@@ -115,7 +156,7 @@ def manifest(spec: JobSpec, settings: HyperPodSettings, staged: remote.Staged, n
         labels["kueue.x-k8s.io/priority-class"] = klass
     metadata = {"name": name, "namespace": settings.namespace.format(team=team), "labels": labels,
                 "annotations": {"llmops/job-name": spec.name, "llmops/result-uri": staged.result_uri}}
-    template = {"metadata": {"labels": dict(labels)}, "spec": pod_spec}
+    template = {"metadata": {"labels": {**labels, JOB_LABEL: name}}, "spec": pod_spec}
     group, version, _ = group_version_plural(settings.kind)
     if hyperpod:
         run_policy: dict[str, Any] = {"jobMaxRetryCount": settings.max_retry_count,
@@ -128,8 +169,9 @@ def manifest(spec: JobSpec, settings: HyperPodSettings, staged: remote.Staged, n
                      "runPolicy": run_policy}
     else:
         if settings.max_retry_count:
-            labels["sagemaker.amazonaws.com/enable-job-auto-resume"] = "true"
-            labels["sagemaker.amazonaws.com/job-max-retry-count"] = str(settings.max_retry_count)
+            # Annotations, not labels: the HyperPod auto-resume controller reads only these.
+            metadata["annotations"][AUTO_RESUME] = "true"
+            metadata["annotations"][MAX_RETRY] = str(settings.max_retry_count)
         replicas = {"Master": {"replicas": 1, "restartPolicy": "OnFailure", "template": template}}
         if nodes > 1:
             replicas["Worker"] = {"replicas": nodes - 1, "restartPolicy": "OnFailure", "template": template}
@@ -152,38 +194,155 @@ def job_state(resource: dict[str, Any]) -> tuple[str, str]:
     return newest.get("type", ""), newest.get("message") or newest.get("reason") or ""
 
 
+def _epoch(timestamp: Any) -> float | None:
+    """RFC 3339 text (as the API server writes it) or a datetime -> epoch seconds."""
+    if isinstance(timestamp, datetime):
+        return timestamp.timestamp()
+    if not timestamp:
+        return None
+    try:
+        return datetime.fromisoformat(str(timestamp).replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None
+
+
+def started_at(resource: dict[str, Any]) -> float | None:
+    """When the job began running: status.startTime, else when its Running condition turned true."""
+    status = resource.get("status") or {}
+    if status.get("startTime"):
+        return _epoch(status["startTime"])
+    running = [c for c in status.get("conditions") or [] if c.get("type") == "Running"]
+    return _epoch(running[0].get("lastTransitionTime")) if running else None
+
+
+def _log_key(timestamp: str) -> str:
+    """A sortable form of a kubelet log timestamp (RFC 3339 with up to 9 fractional digits,
+    trailing zeros trimmed, so the raw strings do not sort)."""
+    whole, _, frac = timestamp.rstrip("Z").partition(".")
+    return f"{whole}.{frac[:9].ljust(9, '0')}"
+
+
+# -- the Kubernetes API ----------------------------------------------------------------------
+
+class KubeClient:
+    """The CustomObjects and CoreV1 APIs over one connection, with its bearer token renewed
+    every TOKEN_REFRESH_SECONDS and on a 401 (EKS tokens expire after 15 minutes)."""
+
+    def __init__(self, custom: Any, core: Any, configuration: Any = None,
+                 token: Callable[[], str] | None = None):
+        self.custom, self.core = custom, core
+        self._configuration, self._token = configuration, token
+        self._renewed = 0.0
+        self._lock = threading.Lock()
+        if token:
+            self.renew()
+
+    @classmethod
+    def from_api_client(cls, api_client: Any, token: Callable[[], str] | None = None) -> "KubeClient":
+        from kubernetes import client
+
+        return cls(client.CustomObjectsApi(api_client), client.CoreV1Api(api_client),
+                   api_client.configuration, token)
+
+    def renew(self) -> None:
+        with self._lock:
+            # Read by every client version ('authorization' alias of 'BearerToken' since v36).
+            self._configuration.api_key = {"authorization": f"Bearer {self._token()}"}
+            self._renewed = time.monotonic()
+
+    def call(self, api: str, method: str, **kwargs: Any) -> Any:
+        if self._token and time.monotonic() - self._renewed > TOKEN_REFRESH_SECONDS:
+            self.renew()
+        fn = getattr(getattr(self, api), method)
+        try:
+            return fn(**kwargs)
+        except Exception as exc:
+            if getattr(exc, "status", None) != 401 or not self._token:
+                raise
+        self.renew()
+        return fn(**kwargs)
+
+
+_CLIENTS: dict[tuple[str, ...], KubeClient] = {}
+_CLIENTS_LOCK = threading.Lock()
+
+
+def _field(source: Any) -> Callable[[str], str]:
+    if isinstance(source, dict):
+        return lambda key: str(source.get(key) or "")
+    return lambda key: str(getattr(source, key, "") or "")
+
+
+def kube_client(source: Any) -> KubeClient:
+    """The process's client for the cluster of `source` (settings or a handle), made once."""
+    get = _field(source)
+    key = (get("eks_cluster_name"), get("kubernetes_conn_id"), get("aws_conn_id"), get("region_name"))
+    with _CLIENTS_LOCK:
+        if key not in _CLIENTS:
+            _CLIENTS[key] = connect(*key)
+        return _CLIENTS[key]
+
+
+def connect(eks_cluster_name: str, kubernetes_conn_id: str, aws_conn_id: str,
+            region_name: str) -> KubeClient:
+    """A client for a Kubernetes connection, or for an EKS cluster (one DescribeCluster; the
+    token signed in this process with the AWS connection's session)."""
+    if kubernetes_conn_id:
+        from airflow.providers.cncf.kubernetes.hooks.kubernetes import KubernetesHook
+
+        return KubeClient.from_api_client(KubernetesHook(conn_id=kubernetes_conn_id).api_client)
+    from airflow.providers.amazon.aws.hooks.eks import EksHook
+    from kubernetes import client
+
+    eks = EksHook(aws_conn_id=aws_conn_id or None, region_name=region_name or None)
+    cluster = eks.conn.describe_cluster(name=eks_cluster_name)["cluster"]
+    with tempfile.NamedTemporaryFile("wb", prefix="llmops-eks-ca-", suffix=".crt", delete=False) as ca:
+        ca.write(base64.b64decode(cluster["certificateAuthority"]["data"]))
+    configuration = client.Configuration()
+    configuration.host, configuration.ssl_ca_cert = cluster["endpoint"], ca.name
+    session, region = eks.get_session(), eks.conn.meta.region_name
+    return KubeClient.from_api_client(client.ApiClient(configuration),
+                                      token=lambda: eks_token(session, eks_cluster_name, region))
+
+
+def eks_token(session: Any, cluster: str, region: str) -> str:
+    """What `aws eks get-token` prints: a presigned STS GetCallerIdentity URL naming the
+    cluster, base64url-encoded (the provider's eks_get_token, without its subprocess)."""
+    from botocore.signers import RequestSigner
+
+    sts = session.client("sts", region_name=region)
+    signer = RequestSigner(sts.meta.service_model.service_id, region, "sts", "v4",
+                           session.get_credentials(), session.events)
+    url = signer.generate_presigned_url(
+        {"method": "GET", "url": f"{sts.meta.endpoint_url}/?Action=GetCallerIdentity&Version=2011-06-15",
+         "body": {}, "headers": {"x-k8s-aws-id": cluster}, "context": {}},
+        region_name=region, expires_in=60, operation_name="")
+    return "k8s-aws-v1." + base64.urlsafe_b64encode(url.encode()).decode().rstrip("=")
+
+
+def _missing(exc: Exception) -> bool:
+    return getattr(exc, "status", None) == 404
+
+
 class HyperPodBackend(Backend):
     name = "hyperpod"
+    poll_interval = 30   # seconds: a job runs for hours; every poll is an API server round trip
 
     def __init__(self, settings: dict[str, Any] | None = None):
         self._settings = settings
 
-    @contextlib.contextmanager
-    def _kube(self, settings_or_handle: Any) -> Iterator[Any]:
-        from airflow.providers.cncf.kubernetes.hooks.kubernetes import KubernetesHook
+    def _settings_for(self, spec: JobSpec) -> HyperPodSettings:
+        return load("hyperpod", HyperPodSettings, self._settings).for_stage(spec.stage)
 
-        get = (settings_or_handle.get if isinstance(settings_or_handle, dict)
-               else lambda k, d="": getattr(settings_or_handle, k, d))
-        if get("kubernetes_conn_id", ""):
-            yield KubernetesHook(conn_id=get("kubernetes_conn_id"))
-            return
-        from airflow.providers.amazon.aws.hooks.eks import EksHook
-
-        eks = EksHook(aws_conn_id=get("aws_conn_id", "") or None, region_name=get("region_name", "") or None)
-        cluster, namespace = get("eks_cluster_name"), get("namespace_resolved", "") or None
-        # 9.34 (MWAA) and later providers name the kubeconfig helper differently.
-        if hasattr(eks, "generate_config_file_with_credentials"):
-            with eks.generate_config_file_with_credentials(eks_cluster_name=cluster,
-                                                           pod_namespace=namespace) as (config, _):
-                yield KubernetesHook(conn_id=None, config_file=config)
-        else:
-            with eks.generate_config_file(eks_cluster_name=cluster, pod_namespace=namespace) as config:
-                yield KubernetesHook(conn_id=None, config_file=config)
+    def fingerprint(self, spec: JobSpec) -> str:
+        """The deployment's settings for the stage: a change to them is a different job."""
+        data = json.dumps(to_dict(self._settings_for(spec)), sort_keys=True, default=str)
+        return hashlib.sha256(data.encode()).hexdigest()[:12]
 
     def submit(self, spec: JobSpec) -> dict[str, Any]:
         if not spec.name:
             raise JobSpecError("JobSpec.name is required to submit: it makes retries reattach.")
-        settings = load("hyperpod", HyperPodSettings, self._settings).for_stage(spec.stage)
+        settings = self._settings_for(spec)
         settings.require("staging_uri", backend="hyperpod")
         if not (settings.eks_cluster_name or settings.kubernetes_conn_id):
             settings.require("eks_cluster_name", backend="hyperpod")
@@ -191,34 +350,43 @@ class HyperPodBackend(Backend):
         remote.warn_if_unreachable(spec.env, log)
         group, version, plural = group_version_plural(settings.kind)
         namespace = settings.namespace.format(team=spec.tags.get("team", "") or "default")
-        with self._kube(settings) as kube:
-            def get(name: str) -> dict[str, Any] | None:
-                try:
-                    return kube.get_custom_object(group=group, version=version, plural=plural,
-                                                  name=k8s_name(name), namespace=namespace)
-                except Exception as exc:
-                    if getattr(exc, "status", None) == 404:
-                        return None
-                    raise
+        kube = kube_client(settings)
+        s3_hook = s3.s3_hook(settings.aws_conn_id, settings.region_name)
 
-            attempt, found = remote.latest_attempt(spec.name, get, max_len=MAX_NAME)
-            state = job_state(found)[0] if found else ""
-            if found is not None and state not in ("Failed", "Suspended"):
-                job_name = remote.attempt_name(spec.name, attempt, MAX_NAME)
-                staged = remote.plan(spec, job_name, settings.staging_uri)
-                return self._handle(spec, settings, staged, job_name, namespace, attempt, True)
-            attempt += 1
+        def get(name: str) -> dict[str, Any] | None:
+            try:
+                return kube.call("custom", "get_namespaced_custom_object", group=group, version=version,
+                                 plural=plural, name=k8s_name(name), namespace=namespace)
+            except Exception as exc:
+                if not _missing(exc):
+                    raise
+            # Deleted by stop(): it still counts as an attempt, so the retry takes the next name.
+            stopped = s3.read_json(s3_hook, _stop_uri(remote.plan(spec, name, settings.staging_uri).prefix))
+            return {"status": {"conditions": [{"type": "Stopped", "status": "True"}]}} if stopped else None
+
+        attempt, found = remote.latest_attempt(spec.name, get, max_len=MAX_NAME)
+        state = job_state(found)[0] if found else ""
+        if found is not None and state not in ("Failed", "Stopped"):
             job_name = remote.attempt_name(spec.name, attempt, MAX_NAME)
             staged = remote.plan(spec, job_name, settings.staging_uri)
-            body = manifest(spec, settings, staged, k8s_name(job_name))
-            s3_hook = s3.s3_hook(settings.aws_conn_id, settings.region_name)
-            remote.upload(staged, s3_hook, log)
-            s3.write_json(s3_hook, s3.join(staged.prefix, "manifest.json"), body)
-            kube.create_custom_object(group=group, version=version, plural=plural, body=body,
-                                      namespace=namespace)
+            return self._handle(spec, settings, staged, job_name, namespace, attempt, True)
+        attempt += 1
+        job_name = remote.attempt_name(spec.name, attempt, MAX_NAME)
+        staged = remote.plan(spec, job_name, settings.staging_uri)
+        body = manifest(spec, settings, staged, k8s_name(job_name))
+        remote.upload(staged, s3_hook, log)
+        s3.write_json(s3_hook, s3.join(staged.prefix, "manifest.json"), body)
+        try:
+            kube.call("custom", "create_namespaced_custom_object", group=group, version=version,
+                      plural=plural, body=body, namespace=namespace)
+        except Exception as exc:
+            if getattr(exc, "status", None) != 409:
+                raise
+            # 409 Conflict: another try of this task created it a moment ago; use that one.
+            log.info("%s %s/%s already exists: reattaching", settings.kind, namespace, k8s_name(job_name))
+            return self._handle(spec, settings, staged, job_name, namespace, attempt, True)
         log.info("Created %s %s/%s (%d node(s))", settings.kind, namespace, k8s_name(job_name),
-                 body["spec"].get("replicaSpecs", [{}])[0].get("replicas", 1) if settings.kind ==
-                 "HyperPodPyTorchJob" else spec.instance_count)
+                 remote.merged(spec, settings)["instance_count"])
         return self._handle(spec, settings, staged, job_name, namespace, attempt, False)
 
     def _handle(self, spec, settings, staged, job_name, namespace, attempt, reattached) -> dict[str, Any]:
@@ -228,59 +396,140 @@ class HyperPodBackend(Backend):
                 "aws_conn_id": settings.aws_conn_id, "region_name": settings.region_name,
                 "eks_cluster_name": settings.eks_cluster_name,
                 "kubernetes_conn_id": settings.kubernetes_conn_id,
-                "result_uri": staged.result_uri, "copy_back": staged.copy_back,
-                "reattached": reattached}
+                "result_uri": staged.result_uri, "staging_prefix": staged.prefix,
+                "copy_back": staged.copy_back, "reattached": reattached}
 
-    def _get(self, kube: Any, handle: dict[str, Any]) -> dict[str, Any] | None:
+    def _get(self, kube: KubeClient, handle: dict[str, Any]) -> dict[str, Any] | None:
         group, version, plural = group_version_plural(handle["kind"])
         try:
-            return kube.get_custom_object(group=group, version=version, plural=plural,
-                                          name=handle["k8s_name"], namespace=handle["namespace"])
+            return kube.call("custom", "get_namespaced_custom_object", group=group, version=version,
+                             plural=plural, name=handle["k8s_name"], namespace=handle["namespace"])
         except Exception as exc:
-            if getattr(exc, "status", None) == 404:
+            if _missing(exc):
                 return None
             raise
 
+    def _s3(self, handle: dict[str, Any]) -> Any:
+        return s3.s3_hook(handle["aws_conn_id"], handle.get("region_name", ""))
+
     def status(self, handle: dict[str, Any]) -> JobStatus:
-        with self._kube(handle) as kube:
-            resource = self._get(kube, handle)
-        if resource is None:
-            return JobStatus(JobState.FAILED, f"{handle['kind']} {handle['k8s_name']} no longer exists")
+        resource = self._get(kube_client(handle), handle)
+        what = f"{handle['kind']} {handle['k8s_name']}"
+        if resource is None or (resource.get("metadata") or {}).get("deletionTimestamp"):
+            stopped = s3.read_json(self._s3(handle), _stop_uri(_prefix(handle)))
+            if stopped:
+                return JobStatus(JobState.STOPPED, f"{what} was stopped and deleted",
+                                 details={"stopped": stopped})
+            if resource is None:
+                return JobStatus(JobState.FAILED, f"{what} no longer exists")
         state, message = job_state(resource)
+        details: dict[str, Any] = {"state": state}
+        begun = started_at(resource)
+        if begun is not None:
+            details["started_at"] = begun
         if state in ("Succeeded", "Completed"):
-            result, why = remote.fetch_result(handle, s3.s3_hook(handle["aws_conn_id"],
-                                                                 handle.get("region_name", "")), log)
+            result, why = remote.fetch_result(handle, self._s3(handle), log)
             if result is None:
-                return JobStatus(JobState.FAILED, why)
-            return JobStatus(JobState.SUCCEEDED, result=result)
+                return JobStatus(JobState.FAILED, why, details=details)
+            return JobStatus(JobState.SUCCEEDED, result=result, details=details)
         if state == "Failed":
-            return JobStatus(JobState.FAILED, f"{handle['kind']} {handle['k8s_name']} failed: {message}")
+            return JobStatus(JobState.FAILED, f"{what} failed: {message}", details=details)
         if state == "Suspended":
-            return JobStatus(JobState.STOPPED, f"{handle['kind']} {handle['k8s_name']} was suspended")
+            # Kueue holds a job suspended until its queue admits it, and again when preempted.
+            return JobStatus(JobState.PENDING, f"suspended by Kueue (queued or preempted) {message}".strip(),
+                             details=details)
         if state in ("Running", "Restarting"):
-            return JobStatus(JobState.RUNNING, f"{state} {message}".strip())
-        return JobStatus(JobState.PENDING, state or "waiting for the operator")
+            return JobStatus(JobState.RUNNING, f"{state} {message}".strip(), details=details)
+        return JobStatus(JobState.PENDING, state or "waiting for the operator", details=details)
 
     def stop(self, handle: dict[str, Any]) -> None:
+        """Record the stop, then delete the job (see the module docstring for why not suspend)."""
+        kube = kube_client(handle)
+        resource = self._get(kube, handle)
+        if resource is None or job_state(resource)[0] in FINISHED:
+            return  # nothing runs; a finished job keeps its record
+        # Written first: if the delete is lost, the job is still there and status() reads it;
+        # if the record were written after, a crash between the two would read "no longer exists".
+        s3.write_json(self._s3(handle), _stop_uri(_prefix(handle)),
+                      {"stopped_at": time.time(), "kind": handle["kind"], "name": handle["k8s_name"],
+                       "state": job_state(resource)[0] or "Pending"})
         group, version, plural = group_version_plural(handle["kind"])
-        with self._kube(handle) as kube:
-            kube.custom_object_client.patch_namespaced_custom_object(
-                group=group, version=version, namespace=handle["namespace"], plural=plural,
-                name=handle["k8s_name"], body={"spec": {"runPolicy": {"suspend": True}}})
-        log.info("Suspended %s %s", handle["kind"], handle["k8s_name"])
+        try:
+            kube.call("custom", "delete_namespaced_custom_object", group=group, version=version,
+                      plural=plural, name=handle["k8s_name"], namespace=handle["namespace"],
+                      propagation_policy="Foreground")  # its pods are gone before it is
+        except Exception as exc:
+            if not _missing(exc):
+                raise
+        log.info("Deleted %s %s (stopped)", handle["kind"], handle["k8s_name"])
+
+    # -- logs --------------------------------------------------------------------------------
+    def _first_pod(self, kube: KubeClient, handle: dict[str, Any]) -> str | None:
+        """Node 0's pod (the master of a PyTorchJob): the one with the job's label, first by name."""
+        pods = kube.call("core", "list_namespaced_pod", namespace=handle["namespace"],
+                         label_selector=f"{JOB_LABEL}={handle['k8s_name']}").items
+        names = sorted(p.metadata.name for p in pods)
+        masters = [n for n in names if "-master-" in n]
+        return (masters or names or [None])[0]
 
     def read_logs(self, handle: dict[str, Any], cursor: Any = None) -> tuple[list[str], Any]:
-        """The first pod's (node 0's) log; the cursor counts lines already shown."""
-        seen = int(cursor or 0)
-        with self._kube(handle) as kube:
-            pods = kube.core_v1_client.list_namespaced_pod(namespace=handle["namespace"]).items
-            mine = sorted(p.metadata.name for p in pods if p.metadata.name.startswith(handle["k8s_name"] + "-"))
-            if not mine:
-                return [], seen
-            try:
-                text = kube.core_v1_client.read_namespaced_pod_log(name=mine[0],
-                                                                   namespace=handle["namespace"])
-            except Exception:  # the container has not started yet
-                return [], seen
-        lines = text.splitlines()
-        return lines[seen:], len(lines)
+        """Node 0's new log lines. The cursor holds the pod, the timestamp of the last line shown
+        and how many lines carried it; each read asks for the seconds since then (plus an overlap)
+        and drops what was shown. The first read takes the last FIRST_LOG_LINES lines."""
+        if not remote.log_due(cursor):
+            return [], cursor
+        state = {k: v for k, v in cursor.items() if not k.startswith("_")} if isinstance(cursor, dict) else {}
+        kube = kube_client(handle)
+        pod = self._first_pod(kube, handle)
+        if pod is None:
+            return [], remote.log_cursor(state)
+        if state.get("pod") != pod:   # a new pod (first read, or replaced after a node fault)
+            state = {"pod": pod}
+        last, shown = state.get("last", ""), int(state.get("n", 0))
+        if last:
+            since = _epoch(last[:19] + "Z") or time.time()
+            query = {"since_seconds": max(1, int(time.time() - since) + LOG_OVERLAP_SECONDS)}
+        else:
+            query = {"tail_lines": FIRST_LOG_LINES}
+        try:
+            text = kube.call("core", "read_namespaced_pod_log", name=pod, namespace=handle["namespace"],
+                             timestamps=True, **query)
+        except Exception:  # the container has not started yet
+            return [], remote.log_cursor(state)
+        lines, seen_at_last = [], 0
+        for raw in text.splitlines():
+            stamp, _, line = raw.partition(" ")
+            key = _log_key(stamp)
+            if last and key < last:
+                continue
+            if last and key == last:
+                seen_at_last += 1
+                if seen_at_last <= shown:
+                    continue
+            lines.append(line)
+            if key == state.get("last"):
+                state["n"] = state.get("n", 0) + 1
+            else:
+                state.update(last=key, n=1)
+        return lines, remote.log_cursor(state)
+
+    def log_tail(self, handle: dict[str, Any], lines: int = 40) -> list[str]:
+        """The last `lines` lines of node 0's log (for a failure message)."""
+        kube = kube_client(handle)
+        pod = self._first_pod(kube, handle)
+        if pod is None:
+            return []
+        try:
+            text = kube.call("core", "read_namespaced_pod_log", name=pod, namespace=handle["namespace"],
+                             tail_lines=lines)
+        except Exception:
+            return []
+        return text.splitlines()[-lines:]
+
+
+def _prefix(handle: dict[str, Any]) -> str:
+    return handle.get("staging_prefix") or handle["result_uri"].rsplit("/", 1)[0]
+
+
+def _stop_uri(prefix: str) -> str:
+    return s3.join(prefix, STOP_RECORD)

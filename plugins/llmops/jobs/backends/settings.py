@@ -140,6 +140,7 @@ class HyperPodSettings(RemoteSettings):
     memory: str = ""
     node_selector: dict = field(default_factory=dict)
     max_retry_count: int = 3            # HyperPod auto-resume: restarts after a node fault
+    require_healthy_nodes: bool = True  # only nodes HyperPod's health checks mark Schedulable
     # HyperPod hang/slowness detection from the job's log lines (HyperPodPyTorchJob only).
     log_monitoring: list = field(default_factory=lambda: [{
         "name": "training-step-progress",
