@@ -23,7 +23,8 @@ A failed stage exits with its own code, and on SageMaker leaves the tail of its 
 
 Standard library (and boto3 for S3) only: this file is copied into the images as
 /opt/llmops/job_entry.py and, for SageMaker Training, /opt/ml/code/job_entry.py.
-`LLMOPS_WORKDIR` and `LLMOPS_CHECKPOINT_DIR` relocate the work and checkpoint dirs.
+`LLMOPS_WORKDIR` and `LLMOPS_CHECKPOINT_DIR` relocate the work and checkpoint dirs; each copy
+started by a launcher (LOCAL_RANK / RANK set) keeps its config and result in `rank-<N>/` there.
 """
 
 from __future__ import annotations
@@ -192,7 +193,13 @@ def download(uri: str, target: Path) -> None:
                 count += 1
     if count == 0:  # not a prefix: a single object
         client.download_file(bucket, key, str(tmp / key.rsplit("/", 1)[-1]))
-    os.replace(tmp, target)
+    try:
+        os.replace(tmp, target)
+    except OSError:  # another rank on this host downloaded it first
+        if not target.exists():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+        return
     log.info("downloaded %s (%d files) to %s", uri, max(count, 1), target)
 
 
@@ -278,12 +285,23 @@ def run(cmd: list[str], env: dict[str, str]) -> tuple[int, list[str]]:
     return proc.wait(), list(tail)
 
 
+def process_dir(workdir: Path) -> Path:
+    """Where this process keeps its own files (config, result). When a launcher started one
+    copy of this script per rank (SageMaker's toolkit runs torchrun around it), the copies on a
+    host share LLMOPS_WORKDIR: each gets `rank-<LOCAL_RANK>` (or RANK) so they do not overwrite
+    each other's config or delete each other's result. Inputs and outputs stay shared."""
+    rank = os.environ.get("LOCAL_RANK") or os.environ.get("RANK")
+    return workdir / f"rank-{int(rank)}" if rank is not None and rank.isdigit() else workdir
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stdout,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args, stage_argv = parse_args(argv)
     workdir = Path(args.workdir or os.environ.get("LLMOPS_WORKDIR") or tempfile.mkdtemp(prefix="llmops-job-"))
     workdir.mkdir(parents=True, exist_ok=True)
+    own = process_dir(workdir)
+    own.mkdir(parents=True, exist_ok=True)
     checkpoint_dir = args.checkpoint_dir if args.checkpoint_dir is not None else os.environ.get(
         "LLMOPS_CHECKPOINT_DIR", "")
 
@@ -316,11 +334,14 @@ def main(argv: list[str] | None = None) -> int:
         Path(checkpoint_dir).mkdir(parents=True, exist_ok=True)
         link = local_out / "checkpoints"
         if not link.exists() and not link.is_symlink():
-            link.symlink_to(checkpoint_dir, target_is_directory=True)
+            try:
+                link.symlink_to(checkpoint_dir, target_is_directory=True)
+            except FileExistsError:  # another rank on this host made it a moment ago
+                pass
     if "output_dir" in config:
         config["output_dir"] = str(local_out)
 
-    config_file, result_file = workdir / "config.json", workdir / "result.json"
+    config_file, result_file = own / "config.json", own / "result.json"
     config_file.write_text(json.dumps(config, indent=2))
     result_file.unlink(missing_ok=True)
     cmd = launch_command(args, ["--config", str(config_file), "--result", str(result_file), *stage_argv])
