@@ -61,7 +61,8 @@ def resolve(params: dict[str, Any]) -> configs.LifecycleConfig:
 
 
 def start_run(params: dict[str, Any], *, dag_id: str, run_id: str) -> dict[str, Any]:
-    """Validate the Params, fix this run's storage paths, and open the MLflow parent run."""
+    """Validate the Params, fix this run's storage paths, open the MLflow parent run, and pin
+    the current champion (by version) for the run's evaluation."""
     cfg = resolve(params)
     backends = {stage: params.get(f"backend_{stage}") or "local" for stage in lifecycle_params.STAGES}
     sweep_budget.check_sweep(cfg, backends["sweep"], params)  # refuse before any job starts
@@ -70,11 +71,16 @@ def start_run(params: dict[str, Any], *, dag_id: str, run_id: str) -> dict[str, 
     config = configs.to_dict(cfg)
     parent = tracking.start_parent_run(experiment=dag_id, dag_id=dag_id, run_id=run_id,
                                        config={**config, "backends": backends, "root": root})
+    model_name = params.get("registered_model_name") or "llm-lifecycle"
+    # Read once per DAG run: if evaluate read it at execute time, a champion crowned between two
+    # tries would change its config, hence its job name, and the retry would start a second job.
+    champion = promotion.current_champion(model_name)
     return {"dag_id": dag_id, "run_id": run_id, "root": root, "config": config,
+            "champion": {k: champion[k] for k in ("version", "uri", "run_id")} if champion else None,
             "backends": backends, "experiment": dag_id, "parent_run_id": parent,
             "resources": params.get("stage_resources") or {}, "team": params.get("team") or "",
             "priority": params.get("priority"),
-            "model_name": params.get("registered_model_name") or "llm-lifecycle"}
+            "model_name": model_name}
 
 
 def _spec(run: dict[str, Any], stage: str, config: dict[str, Any], *,
@@ -171,12 +177,14 @@ def evaluate_spec(run: dict[str, Any], data: dict[str, Any], pretrained: dict[st
 
 def evaluate_models_spec(run: dict[str, Any], data: dict[str, Any],
                          models: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """Evaluate the named stage results; the current `champion` (pinned by version) joins them
-    when one exists, so the gate compares challengers with it on the same data."""
+    """Evaluate the named stage results; the run's `champion` (pinned by version in start_run)
+    joins them when there was one, so the gate compares challengers with it on the same data.
+    Every try of the task builds the same spec, whatever happened to the alias since."""
     refs = {name: r["outputs"]["model_dir"] for name, r in models.items()}
     runs = {name: r.get("mlflow_run_id", "") for name, r in models.items()}
     if promotion.CHAMPION not in refs:
-        champion = promotion.current_champion(run["model_name"])
+        # A run dict from before pinning (a run started by an older deployment) reads it now.
+        champion = run["champion"] if "champion" in run else promotion.current_champion(run["model_name"])
         if champion:
             refs[promotion.CHAMPION], runs[promotion.CHAMPION] = champion["uri"], champion["run_id"]
     config = {**run["config"]["evaluate"], "models": refs,
