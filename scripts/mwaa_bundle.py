@@ -4,6 +4,11 @@
     dist/mwaa/plugins.zip      llmops (the Airflow side) + tasks/__init__.py + tasks/configs.py
     dist/mwaa/requirements.txt requirements.txt behind MWAA's Airflow 3.3.1 constraints line
     dist/mwaa/startup.sh       the environment variables the Airflow side reads
+    dist/mwaa/airflow_configuration_options.json
+                               the environment's Airflow configuration options (the
+                               AirflowConfigurationOptions of CreateEnvironment/UpdateEnvironment,
+                               `airflow_configuration_options` in Terraform): deferral on, so a
+                               task waiting on a remote job frees its worker slot for the triggerer
 
 MWAA unpacks plugins.zip into its plugins folder, which is on every component's sys.path, so
 `import llmops` and `import tasks.configs` work as they do locally. tasks/ is the job side: only
@@ -16,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import json
 import shutil
 import sys
 import zipfile
@@ -44,6 +50,13 @@ if [ -z "$MLFLOW_TRACKING_URI" ] || [ -z "$LLMOPS_STORAGE_ROOT" ]; then
        "MLFLOW_TRACKING_URI=... STORAGE_ROOT=s3://...)" >&2
 fi
 """
+
+
+# MWAA takes string values only. operators.default_deferrable: every deferrable operator (ours,
+# the provider's) waits in the triggerer instead of holding a worker for days of pretraining.
+AIRFLOW_CONFIGURATION_OPTIONS = {
+    "operators.default_deferrable": "True",
+}
 
 
 class BundleError(RuntimeError):
@@ -131,6 +144,8 @@ def build(out: Path, tracking_uri: str = "", storage_root: str = "") -> Path:
     startup = out / "startup.sh"
     startup.write_text(STARTUP.format(tracking_uri=tracking_uri, storage_root=storage_root))
     startup.chmod(0o755)
+    (out / "airflow_configuration_options.json").write_text(
+        json.dumps(AIRFLOW_CONFIGURATION_OPTIONS, indent=2, sort_keys=True) + "\n")
     return out
 
 
@@ -145,7 +160,10 @@ def main() -> None:
         print(f"{path.relative_to(out.parent)}  {path.stat().st_size:>9,d} bytes")
     print("Upload: aws s3 sync dist/mwaa/dags s3://<bucket>/dags; aws s3 cp dist/mwaa/plugins.zip "
           "dist/mwaa/requirements.txt dist/mwaa/startup.sh s3://<bucket>/, then point the "
-          "environment at their new object versions.")
+          "environment at their new object versions and set its Airflow configuration options "
+          "from dist/mwaa/airflow_configuration_options.json (aws mwaa update-environment "
+          "--name <env> --airflow-configuration-options file://dist/mwaa/"
+          "airflow_configuration_options.json).")
 
 
 if __name__ == "__main__":

@@ -57,8 +57,9 @@ def test_multi_node_training_request_is_valid_and_complete():
     validate_request("sagemaker", "CreateTrainingJob", request)
     assert request["ResourceConfig"]["InstanceType"] == "ml.p4d.24xlarge"
     assert request["ResourceConfig"]["InstanceCount"] == 2
-    # Five days of pretraining: the limit follows the job, and spot waits within the same budget.
-    assert request["StoppingCondition"] == {"MaxRuntimeInSeconds": 432000, "MaxWaitTimeInSeconds": 432000}
+    # Five days of pretraining: the limit follows the job; spot may take twice that in all
+    # (waiting for capacity, restarts after interruptions and RetryStrategy attempts included).
+    assert request["StoppingCondition"] == {"MaxRuntimeInSeconds": 432000, "MaxWaitTimeInSeconds": 864000}
     assert request["EnableManagedSpotTraining"] is True
     assert request["RetryStrategy"] == {"MaximumRetryAttempts": 2}
     assert request["VpcConfig"] == {"Subnets": ["subnet-0abc1234"], "SecurityGroupIds": ["sg-0abc1234"]}
@@ -299,14 +300,12 @@ def test_backends_are_registered_for_the_stage_params():
     assert isinstance(get_backend("sagemaker"), SageMakerTrainingBackend)
 
 
-def test_running_jobs_are_read_at_most_every_status_interval():
-    """The operator polls every 2 s; AWS's describe calls are rate-limited per account."""
-    from llmops.jobs.backends.base import JobStatus
+def test_backends_poll_every_30_seconds_by_default():
+    """AWS's describe calls are rate-limited per account: SageMaker and Batch are polled every
+    30 s (the settings' poll_interval_seconds, carried in the handle), not every 2 s."""
+    from llmops.jobs.backends.batch import BatchBackend
 
-    cache = remote.StatusCache()
-    running = JobStatus(JobState.RUNNING, "InProgress (Training)")
-    assert cache.put("training:job", running) is running
-    assert cache.get("training:job") is running            # no second API call for 15 s
-    cache.put("training:job", JobStatus(JobState.SUCCEEDED))
-    assert cache.get("training:job") is None and cache.finished("training:job")
-    assert remote.log_due(None) and remote.log_due(0) and not remote.log_due(remote.log_cursor({}))
+    assert SageMakerTrainingBackend.poll_interval == SageMakerProcessingBackend.poll_interval == 30.0
+    assert BatchBackend.poll_interval == 30.0
+    assert remote.watch_fields(SageMakerSettings()) == {"poll_interval": 30.0,
+                                                        "deadline_grace_seconds": 1800}

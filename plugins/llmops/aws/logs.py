@@ -1,10 +1,29 @@
-"""Follow CloudWatch log streams from a cursor that survives deferral (a dict of forward tokens)."""
+"""CloudWatch Logs for the Airflow side: follow streams from a cursor that survives deferral (a
+dict of forward tokens), list every stream of a job, and read only the end of each stream."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from botocore.exceptions import ClientError
+
+
+def stream_names(logs: Any, group: str, prefix: str) -> list[str]:
+    """Every stream of `group` whose name starts with `prefix`, across all pages (DescribeLogStreams
+    returns at most 50 a call: a 64-instance job has 64). [] when the group does not exist yet."""
+    names: list[str] = []
+    try:
+        for page in logs.get_paginator("describe_log_streams").paginate(
+                logGroupName=group, logStreamNamePrefix=prefix):
+            names += [s["logStreamName"] for s in page.get("logStreams", [])]
+    except ClientError as exc:
+        if exc.response["Error"]["Code"] != "ResourceNotFoundException":
+            raise
+    return names
+
+
+def _prefix(stream: str, streams: list[str]) -> str:
+    return f"[{stream.rsplit('/', 1)[-1]}] " if len(streams) > 1 else ""
 
 
 def follow(logs: Any, group: str, streams: list[str], cursor: dict[str, str] | None
@@ -20,8 +39,7 @@ def follow(logs: Any, group: str, streams: list[str], cursor: dict[str, str] | N
         try:
             while True:
                 page = logs.get_log_events(**kwargs)
-                prefix = f"[{stream.rsplit('/', 1)[-1]}] " if len(streams) > 1 else ""
-                lines += [prefix + event["message"] for event in page.get("events", [])]
+                lines += [_prefix(stream, streams) + event["message"] for event in page.get("events", [])]
                 token = page.get("nextForwardToken")
                 if not token or token == kwargs.get("nextToken"):
                     break
@@ -33,3 +51,23 @@ def follow(logs: Any, group: str, streams: list[str], cursor: dict[str, str] | N
         if kwargs.get("nextToken"):
             cursor[stream] = kwargs["nextToken"]
     return lines, cursor
+
+
+def tail(logs: Any, group: str, streams: list[str], lines: int = 40) -> list[str]:
+    """The last `lines` lines over `streams`, oldest first: one GetLogEvents call per stream,
+    reading from the end (startFromHead=False), never the whole log."""
+    limit = max(1, min(int(lines), 10_000))   # GetLogEvents' own bounds
+    events: list[tuple[int, int, str]] = []
+    for stream in streams:
+        try:
+            page = logs.get_log_events(logGroupName=group, logStreamName=stream,
+                                       startFromHead=False, limit=limit)
+        except ClientError as exc:
+            if exc.response["Error"]["Code"] != "ResourceNotFoundException":
+                raise
+            continue
+        found = page.get("events", [])[-limit:]
+        events += [(e.get("timestamp", 0), i, _prefix(stream, streams) + e["message"])
+                   for i, e in enumerate(found)]
+    events.sort(key=lambda e: (e[0], e[1]))   # interleave instances by time, stable per stream
+    return [message for *_, message in events[-limit:]]

@@ -31,9 +31,12 @@ def join(uri: str, *parts: str) -> str:
 
 
 def s3_hook(aws_conn_id: str | None, region_name: str | None = None):
+    """The provider's S3Hook, retrying throttling (SlowDown) and 5xx adaptively."""
     from airflow.providers.amazon.aws.hooks.s3 import S3Hook
 
-    return S3Hook(aws_conn_id=aws_conn_id, region_name=region_name or None)
+    from llmops.aws.retry import with_retries
+
+    return with_retries(S3Hook)(aws_conn_id=aws_conn_id, region_name=region_name or None)
 
 
 def write_json(hook: Any, uri: str, data: Any) -> None:

@@ -3,17 +3,22 @@
 The provider's operators wait at most `max_attempts` x `check_interval` (60 x 30 s) and, on a name
 that exists, either fail or append a timestamp: a retried task would start a second training run.
 Here a job is looked up by name (None when absent), stopped only while it runs, and its CloudWatch
-log is read from a cursor that survives deferral.
+log is read from a cursor that survives deferral, or only its end (`log_tail`). Every client
+(SageMaker, CloudWatch Logs, S3) retries throttling adaptively (llmops.aws.retry); the provider
+builds its S3 and Logs hooks without the hook's region, these get it.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from airflow.providers.amazon.aws.hooks.logs import AwsLogsHook
+from airflow.providers.amazon.aws.hooks.s3 import S3Hook
 from airflow.providers.amazon.aws.hooks.sagemaker import SageMakerHook
 from botocore.exceptions import ClientError
 
-from llmops.aws.logs import follow
+from llmops.aws.logs import follow, stream_names, tail
+from llmops.aws.retry import with_retries
 
 KINDS = {
     # kind: (describe call, name field, status field, stop call, log group)
@@ -25,7 +30,13 @@ KINDS = {
 RUNNING = {"InProgress"}
 
 
-class SageMakerJobsHook(SageMakerHook):
+class SageMakerJobsHook(with_retries(SageMakerHook)):
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        region = kwargs.get("region_name")
+        self.s3_hook = with_retries(S3Hook)(aws_conn_id=self.aws_conn_id, region_name=region)
+        self.logs_hook = with_retries(AwsLogsHook)(aws_conn_id=self.aws_conn_id, region_name=region)
+
     def describe_job(self, kind: str, name: str) -> dict[str, Any] | None:
         """The job's description, or None if no job has this name."""
         describe, field, *_ = KINDS[kind]
@@ -63,10 +74,10 @@ class SageMakerJobsHook(SageMakerHook):
         """
         group = KINDS[kind][4]
         logs = self.logs_hook.get_conn()
-        try:
-            found = logs.describe_log_streams(logGroupName=group, logStreamNamePrefix=f"{name}/")
-        except ClientError as exc:
-            if exc.response["Error"]["Code"] == "ResourceNotFoundException":
-                return [], dict(cursor or {})  # no container has written a line yet
-            raise
-        return follow(logs, group, [s["logStreamName"] for s in found.get("logStreams", [])], cursor)
+        return follow(logs, group, stream_names(logs, group, f"{name}/"), cursor)
+
+    def log_tail(self, kind: str, name: str, lines: int = 40) -> list[str]:
+        """The last `lines` lines over the job's streams, read from their ends."""
+        group = KINDS[kind][4]
+        logs = self.logs_hook.get_conn()
+        return tail(logs, group, stream_names(logs, group, f"{name}/"), lines)

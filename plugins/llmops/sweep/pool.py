@@ -12,7 +12,12 @@ non-existent pool"), so a missing pool would hang a run without a word. Two guar
   pool with the default slots when a DAG run that needs it starts and it is missing, and says so in
   the scheduler's log. (Task code cannot do this: Airflow 3 tasks have no access to pools.)
 
-Resize it any time: `airflow pools set llmops_sweep 4 "..."` or Admin -> Pools in the UI.
+The pool counts deferred tasks (include_deferred): a trial waiting on a remote job in the
+triggerer still holds its accelerators, so it keeps its slot. Without that, every deferred trial
+would give its slot back and the quota would bound nothing. `ensure_pool` turns it on for a pool
+made before (and says so).
+
+Resize it any time: `airflow pools set llmops_sweep 4 "..." --include-deferred` or Admin -> Pools.
 """
 
 from __future__ import annotations
@@ -28,14 +33,22 @@ log = logging.getLogger(__name__)
 
 def ensure_pool(name: str = POOL, slots: int = POOL_DEFAULT_SLOTS,
                 description: str = POOL_DESCRIPTION) -> tuple[int, bool]:
-    """Create the pool unless it exists: (its slots, whether it was created now). Needs the
-    Airflow metadata database (set-up scripts, the scheduler), not a task."""
+    """Create the pool unless it exists: (its slots, whether it was created now). An existing
+    pool keeps its slots and description but is made to count deferred tasks. Needs the Airflow
+    metadata database (set-up scripts, the scheduler), not a task."""
     from airflow.models.pool import Pool
 
     existing = Pool.get_pool(name)
     if existing is not None:
+        if not existing.include_deferred:
+            Pool.create_or_update_pool(name, existing.slots, existing.description or description,
+                                       include_deferred=True,
+                                       team_name=getattr(existing, "team_name", None))
+            log.warning("Pool %r did not count deferred tasks: trials waiting on remote jobs gave "
+                        "their slot back, so its %d slots limited nothing. It counts them now.",
+                        name, existing.slots)
         return existing.slots, False
-    Pool.create_or_update_pool(name, slots, description, include_deferred=False)
+    Pool.create_or_update_pool(name, slots, description, include_deferred=True)
     return slots, True
 
 
@@ -65,7 +78,7 @@ if hookimpl is not None:
             return
         # In the scheduler's own transaction: no second writer on the database.
         session.add(Pool(pool=POOL, slots=POOL_DEFAULT_SLOTS, description=POOL_DESCRIPTION,
-                         include_deferred=False))
+                         include_deferred=True))
         session.flush()
         log.warning("DAG run %s/%s uses pool %r, which did not exist: created it with %d slots. "
                     "Set the team's quota with `airflow pools set %s <slots> \"...\"`.",

@@ -11,10 +11,15 @@
     spec.tags["team"]                    -> shareIdentifier (the fair-share scheduling policy's
                                             share; only set when the run names a team)
     spec.tags["priority"]                -> schedulingPriorityOverride (0-9999, higher runs first)
-    spec.max_run_seconds                 -> timeout.attemptDurationSeconds
+    spec.max_run_seconds                 -> timeout.attemptDurationSeconds (per attempt, from
+                                            its startedAt; for a multi-node job, the whole job)
     settings.retry_attempts              -> retryStrategy (retry host failures, not job errors)
 
-Submitted through the provider's BatchClientHook, with the arguments of BatchOperator.
+Submitted through the provider's BatchClientHook, with the arguments of BatchOperator, its
+clients retrying throttling adaptively (llmops.aws.retry). A status's details carry `started_at`
+(the current attempt's startedAt) once the job runs; the handle carries `poll_interval` and
+`deadline_grace_seconds`. A multi-node job's log is the streams of its node jobs (`<id>#<node>`):
+the parent job has none of its own while it runs.
 """
 
 from __future__ import annotations
@@ -26,7 +31,8 @@ import re
 from typing import Any
 
 from llmops.aws import s3
-from llmops.aws.logs import follow
+from llmops.aws.logs import follow, tail
+from llmops.aws.retry import with_retries
 from llmops.aws.validation import validate_request
 from llmops.jobs.backends import remote
 from llmops.jobs.backends.base import Backend, JobState, JobStatus
@@ -41,6 +47,8 @@ STOP_REASON = "Stopped by its Airflow task (llmops)"
 JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,127}$")
 SHARE_IDENTIFIER = re.compile(r"^[A-Za-z0-9]{1,255}\*?$")
 PENDING = {"SUBMITTED", "PENDING", "RUNNABLE", "STARTING"}
+DESCRIBE_BATCH = 100    # DescribeJobs takes at most 100 job ids a call
+NOT_FOUND_RETRIES = 4   # a job just submitted may not be visible to DescribeJobs yet
 
 
 def batch_tags(tags: dict[str, str]) -> dict[str, str]:
@@ -146,7 +154,7 @@ def submit_request(spec: JobSpec, settings: BatchSettings, staged: remote.Staged
 
 class BatchBackend(Backend):
     name = "batch"
-    _cache = remote.StatusCache()
+    poll_interval = 30.0     # seconds; the handle's `poll_interval` (settings) takes precedence
 
     def __init__(self, settings: dict[str, Any] | None = None):
         self._settings = settings
@@ -154,7 +162,8 @@ class BatchBackend(Backend):
     def _hook(self, aws_conn_id: str, region_name: str = ""):
         from airflow.providers.amazon.aws.hooks.batch_client import BatchClientHook
 
-        return BatchClientHook(aws_conn_id=aws_conn_id or None, region_name=region_name or None)
+        return with_retries(BatchClientHook)(aws_conn_id=aws_conn_id or None,
+                                             region_name=region_name or None)
 
     def _find(self, hook: Any, queue: str, name: str) -> dict[str, Any] | None:
         """The newest job of this name in the queue (Batch names are not unique), or None."""
@@ -214,20 +223,39 @@ class BatchBackend(Backend):
                 "attempt": attempt, "aws_conn_id": settings.aws_conn_id,
                 "region_name": settings.region_name, "result_uri": staged.result_uri,
                 "staging_prefix": staged.prefix, "copy_back": staged.copy_back,
-                "output_uri": staged.output_uri, "reattached": reattached}
+                "output_uri": staged.output_uri, "reattached": reattached,
+                **remote.watch_fields(settings)}
+
+    def fingerprint(self, spec: JobSpec) -> str:
+        """A short hash of the stage's resolved batch settings block; no network I/O."""
+        return remote.settings_fingerprint(load("batch", BatchSettings, self._settings).for_stage(spec.stage))
+
+    def _describe(self, hook: Any, job_id: str) -> dict[str, Any] | None:
+        """The job's description, or None. Throttling is retried by the client; a job that is not
+        visible yet (DescribeJobs is eventually consistent after SubmitJob) is asked for again with
+        the provider's own backoff (BatchClientHook.exponential_delay, with jitter)."""
+        for tries in range(NOT_FOUND_RETRIES):
+            if tries:
+                hook.delay(hook.exponential_delay(tries))
+            jobs = [j for j in hook.client.describe_jobs(jobs=[job_id]).get("jobs", [])
+                    if j.get("jobId", job_id) == job_id]
+            if jobs:
+                return jobs[0]
+        return None
 
     def status(self, handle: dict[str, Any]) -> JobStatus:
-        cached = self._cache.get(handle["job_id"])
-        return cached or self._cache.put(handle["job_id"], self._status(handle))
-
-    def _status(self, handle: dict[str, Any]) -> JobStatus:
         hook = self._hook(handle["aws_conn_id"], handle.get("region_name", ""))
-        jobs = hook.client.describe_jobs(jobs=[handle["job_id"]]).get("jobs", [])
-        if not jobs:
+        job = self._describe(hook, handle["job_id"])
+        if job is None:
             return JobStatus(JobState.FAILED, f"AWS Batch has no job {handle['job_id']}")
-        job = jobs[0]
         state, reason = job["status"], job.get("statusReason", "")
         details = {"status": state, "job_id": handle["job_id"], "reason": reason}
+        # The current attempt's start: attemptDurationSeconds counts from it.
+        starts = [remote.epoch(t) for t in [job.get("startedAt"),
+                                            *(a.get("startedAt") for a in job.get("attempts") or [])]]
+        starts = [t for t in starts if t]
+        if starts and state not in PENDING:
+            details["started_at"] = max(starts)
         if state in PENDING:
             return JobStatus(JobState.PENDING, f"{state} {reason}".strip(), details=details)
         if state == "RUNNING":
@@ -250,22 +278,47 @@ class BatchBackend(Backend):
         hook.client.terminate_job(jobId=handle["job_id"], reason=STOP_REASON)
         log.info("Terminating Batch job %s (%s)", handle["job_name"], handle["job_id"])
 
-    def read_logs(self, handle: dict[str, Any], cursor: Any = None) -> tuple[list[str], Any]:
-        if not remote.log_due(cursor) and not self._cache.finished(handle["job_id"]):
-            return [], cursor
-        tokens = {k: v for k, v in cursor.items() if not k.startswith("_")} if isinstance(cursor, dict) else {}
+    def _log_streams(self, handle: dict[str, Any]) -> tuple[Any, str, list[str]]:
+        """(CloudWatch Logs client, group, streams) of the job's current attempt: one stream per
+        node of a multi-node job, read from its node jobs in batches of DESCRIBE_BATCH."""
         hook = self._hook(handle["aws_conn_id"], handle.get("region_name", ""))
-        try:
-            infos = hook.get_job_all_awslogs_info(handle["job_id"])
-        except Exception:  # no stream yet, or the job was not found: nothing to show
-            return [], remote.log_cursor(tokens)
-        if not infos:
-            return [], remote.log_cursor(tokens)
-        group = infos[0]["awslogs_group"]
-        streams = list(dict.fromkeys(i["awslogs_stream_name"] for i in infos))
+        job = self._describe(hook, handle["job_id"])
+        if job is None:
+            return None, "", []
+        nodes = job.get("nodeProperties") or {}
+        if nodes:
+            ranges = nodes.get("nodeRangeProperties") or [{}]
+            config = (ranges[0].get("container") or {}).get("logConfiguration") or {}
+            ids = [f"{handle['job_id']}#{i}" for i in range(int(nodes.get("numNodes", 0)))]
+            containers = []
+            for start in range(0, len(ids), DESCRIBE_BATCH):
+                found = hook.client.describe_jobs(jobs=ids[start:start + DESCRIBE_BATCH]).get("jobs", [])
+                containers += [j.get("container") or {} for j in sorted(found, key=lambda j: j["jobId"])]
+        else:
+            containers = [job.get("container") or {}]
+            config = containers[0].get("logConfiguration") or {}
+        if config.get("logDriver", "awslogs") != "awslogs":
+            return None, "", []   # logs go elsewhere (splunk, fluentd, ...): nothing to show here
+        options = config.get("options") or {}
+        streams = list(dict.fromkeys(c["logStreamName"] for c in containers if c.get("logStreamName")))
+        if not streams:
+            return None, "", []   # no container has started yet
         from airflow.providers.amazon.aws.hooks.logs import AwsLogsHook
 
-        logs = AwsLogsHook(aws_conn_id=handle["aws_conn_id"] or None,
-                           region_name=infos[0].get("awslogs_region") or None).get_conn()
-        lines, tokens = follow(logs, group, streams, tokens)
-        return lines, remote.log_cursor(tokens)
+        logs = with_retries(AwsLogsHook)(
+            aws_conn_id=handle["aws_conn_id"] or None,
+            region_name=options.get("awslogs-region") or handle.get("region_name") or None).get_conn()
+        return logs, options.get("awslogs-group", "/aws/batch/job"), streams
+
+    def read_logs(self, handle: dict[str, Any], cursor: Any = None) -> tuple[list[str], Any]:
+        # A cursor is {stream: forward token}; keys with a leading "_" came from older releases.
+        tokens = {k: v for k, v in cursor.items() if not k.startswith("_")} if isinstance(cursor, dict) else {}
+        logs, group, streams = self._log_streams(handle)
+        if not streams:
+            return [], tokens
+        return follow(logs, group, streams, tokens)
+
+    def log_tail(self, handle: dict[str, Any], lines: int = 40) -> list[str]:
+        """The job's last `lines` log lines, reading only the end of each node's stream."""
+        logs, group, streams = self._log_streams(handle)
+        return tail(logs, group, streams, lines) if streams else []

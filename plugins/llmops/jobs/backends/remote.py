@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import json
 import os
 import re
 import time
@@ -28,13 +29,13 @@ from typing import Any, Callable
 
 from llmops.aws import s3
 from llmops.jobs.spec import JobSpec, JobSpecError
+from tasks.configs import to_dict
 
 MAX_ATTEMPTS = 99
-# The operator polls every few seconds; AWS's describe and CloudWatch calls are rate-limited per
-# account, and a sweep polls many jobs at once. A running job's state is read at most this often,
-# its log at most every LOG_INTERVAL; a finished job's state is read at once.
-STATUS_INTERVAL = 15.0
-LOG_INTERVAL = 10.0
+LOG_INTERVAL = 10.0   # see log_due
+# Settings that change how a job is watched, not what runs: they stay out of its fingerprint, so
+# changing them never turns a clear-and-rerun into a second job.
+WATCH_ONLY = ("poll_interval_seconds", "deadline_grace_seconds")
 # Whole words of a variable name: HF_TOKEN and AWS_SECRET_ACCESS_KEY, not TOKENIZERS_PARALLELISM.
 _SECRET_NAME = re.compile(r"(^|_)(PASSWORD|PASSWD|SECRET|TOKEN|CREDENTIALS?|PRIVATE_KEY|ACCESS_KEY|"
                           r"API_KEY)(_|$)", re.IGNORECASE)
@@ -92,37 +93,40 @@ def redact(uri: str) -> str:
     return _USERINFO.sub(lambda m: m.group(0).split("://")[0] + "://***@", uri)
 
 
-class StatusCache:
-    """The last state read of each running job, reused for STATUS_INTERVAL seconds. Lives in the
-    process that polls (the worker, or the triggerer across all its triggers)."""
-
-    def __init__(self) -> None:
-        self._seen: dict[str, tuple[float, Any]] = {}
-        self._done: set[str] = set()
-
-    def get(self, key: str) -> Any | None:
-        when, status = self._seen.get(key, (0.0, None))
-        return status if status is not None and time.monotonic() - when < STATUS_INTERVAL else None
-
-    def put(self, key: str, status: Any) -> Any:
-        if status.state.terminal:
-            self._seen.pop(key, None)
-            self._done.add(key)   # its last log lines are read at once, not after LOG_INTERVAL
-        else:
-            self._seen[key] = (time.monotonic(), status)
-        return status
-
-    def finished(self, key: str) -> bool:
-        return key in self._done
-
-
 def log_due(cursor: Any) -> bool:
-    """Whether a log read is due: always from the start (cursor 0 or None), else every LOG_INTERVAL."""
+    """Whether a log read is due: always from the start (cursor 0 or None), else every LOG_INTERVAL.
+    For backends whose log read is a whole-log fetch (HyperPod's pod logs); SageMaker and Batch
+    read CloudWatch from forward tokens at every poll."""
     return not isinstance(cursor, dict) or time.time() >= cursor.get("_next_read", 0)
 
 
 def log_cursor(cursor: dict[str, Any]) -> dict[str, Any]:
     return {**cursor, "_next_read": time.time() + LOG_INTERVAL}
+
+
+def settings_fingerprint(settings: Any) -> str:
+    """A short hash of a stage's resolved settings block (image, instance type, role, ...): an
+    admin's change to the `llmops_backends` Variable yields a new job name on the next clear.
+    Pure: no I/O beyond what `settings` already holds."""
+    data = {k: v for k, v in to_dict(settings).items() if k not in WATCH_ONLY}
+    return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+def watch_fields(settings: Any, extra_grace: int = 0) -> dict[str, Any]:
+    """What the operator and the trigger read from a handle to wait for the job: how often to
+    poll, and how long past the job's max run time (counted from its start) Airflow waits before
+    stopping it itself. `extra_grace` is slack the service itself allows (spot waiting)."""
+    return {"poll_interval": float(settings.poll_interval_seconds),
+            "deadline_grace_seconds": int(settings.deadline_grace_seconds) + int(extra_grace)}
+
+
+def epoch(value: Any) -> float | None:
+    """A describe call's timestamp (datetime, or Batch's epoch milliseconds) as epoch seconds."""
+    if value is None or value == "":
+        return None
+    if hasattr(value, "timestamp"):
+        return float(value.timestamp())
+    return float(value) / 1000.0
 
 
 # -- inputs ---------------------------------------------------------------------------------
@@ -307,8 +311,6 @@ def entry_args(spec: JobSpec, staged: Staged, *, config: str | None = None,
                launcher: str = "none", nproc_per_node: int = 1, nnodes: int = 0,
                output_local: str = "", checkpoint_dir: str = "") -> list[str]:
     """The argument list of docker/job_entry.py for this job (no shell anywhere)."""
-    import json
-
     args = ["--entrypoint", spec.entrypoint, "--config", config or staged.config_uri,
             "--result", staged.result_uri, "--output-uri", staged.output_uri,
             "--checkpoint-uri", staged.checkpoint_uri, "--launcher", launcher,

@@ -11,8 +11,9 @@ A JobSpec becomes a CreateTrainingJob request (rendered by `training_request`, a
     config inputs (s3://, fsx://, local paths)  -> input channels (File / FastFile / FSx for Lustre)
     spec.checkpoint_uri                         -> CheckpointConfig, synced with /opt/ml/checkpoints,
                                                    so every attempt resumes from the last one
-    spec.max_run_seconds                        -> StoppingCondition.MaxRuntimeInSeconds (and, with
-                                                   spot, MaxWaitTimeInSeconds: the DAG's budget)
+    spec.max_run_seconds                        -> StoppingCondition.MaxRuntimeInSeconds (all
+                                                   attempts of RetryStrategy together), and with spot
+                                                   MaxWaitTimeInSeconds = spot_wait_factor x that
     spec.env (+ EFA/NCCL on multi-node GPUs)    -> Environment (secrets refused)
     spec.tags + stage + job                     -> Tags
     settings                                    -> role, spot, RetryStrategy, warm pool, VPC, KMS
@@ -21,6 +22,10 @@ Requests are checked against botocore's service model (lengths, patterns, enums)
 sent, and kept at `<staging>/<spec name>/<job>/request.json` as the record of what ran.
 Processing renders CreateProcessingJob the same way: one container per instance, the data
 inputs sharded by S3 key when there are several instances.
+
+Waiting: the handle carries `poll_interval` and `deadline_grace_seconds` (settings), a status's
+details carry `started_at` once the job runs (the first `Training` transition: TrainingStartTime
+is set while data and image are still downloading), so Airflow's deadline counts from there.
 """
 
 from __future__ import annotations
@@ -48,6 +53,13 @@ PROCESSING_INPUT = "/opt/ml/processing/input"
 PROCESSING_OUTPUT = "/opt/ml/processing/output"
 PROCESSING_MAX_RUNTIME = 777_600      # the service's limit for processing jobs (9 days)
 STOPPING_WAIT_SECONDS = 600
+# botocore's model gives MaxWaitTimeInSeconds no upper bound; 28 days is SageMaker's documented
+# maximum run time of a training job (MaxRuntimeInSeconds, whose default quota is 5 days).
+SPOT_MAX_WAIT = 2_419_200
+# InProgress with these secondary statuses has not started the program yet (or, after a spot
+# interruption, is waiting to start it again).
+NOT_RUNNING = {"Starting", "Pending", "LaunchingMLInstances", "PreparingTrainingStack", "Downloading",
+               "DownloadingTrainingImage", "Interrupted", "Restarting"}
 
 DISTRIBUTIONS = ("auto", "none", "torch_distributed", "pytorchddp", "smdistributed_dataparallel",
                  "smdistributed_modelparallel", "mpi")
@@ -208,14 +220,10 @@ def training_request(spec: JobSpec, settings: SageMakerSettings, staged: remote.
     env = {**fabric_env(res["instance_type"], res["instance_count"]), **res["env"],
            "LLMOPS_WORKDIR": WORKDIR, "LLMOPS_CHECKPOINT_DIR": CHECKPOINT_DIR}
     remote.check_environment(env)
-    runtime = spec.max_run_seconds
-    stopping: dict[str, int] = {"MaxRuntimeInSeconds": runtime}
-    if settings.spot:
-        if settings.keep_alive_seconds:
-            raise JobSpecError("Warm pools (keep_alive_seconds) cannot be used with managed spot "
-                               "training; set one of them to 0/false.")
-        wait = settings.max_wait_seconds or spec.max_run_seconds
-        stopping = {"MaxRuntimeInSeconds": min(runtime, wait), "MaxWaitTimeInSeconds": wait}
+    if settings.spot and settings.keep_alive_seconds:
+        raise JobSpecError("Warm pools (keep_alive_seconds) cannot be used with managed spot "
+                           "training; set one of them to 0/false.")
+    stopping = stopping_condition(spec, settings)
     resource: dict[str, Any] = {"InstanceType": res["instance_type"],
                                 "InstanceCount": res["instance_count"],
                                 "VolumeSizeInGB": settings.volume_size_gb}
@@ -259,6 +267,29 @@ def training_request(spec: JobSpec, settings: SageMakerSettings, staged: remote.
     if settings.encrypt_inter_container_traffic:
         request["EnableInterContainerTrafficEncryption"] = True
     return request, input_map(staged, mount)
+
+
+def stopping_condition(spec: JobSpec, settings: SageMakerSettings) -> dict[str, int]:
+    """MaxRuntimeInSeconds is the job's own limit. With spot, MaxWaitTimeInSeconds (waiting for
+    capacity plus running, every interruption and RetryStrategy attempt included) must be at least
+    that: spot_wait_factor x the run time, unless max_wait_seconds says otherwise."""
+    runtime = spec.max_run_seconds
+    if not settings.spot:
+        return {"MaxRuntimeInSeconds": runtime}
+    wait = settings.max_wait_seconds or min(int(runtime * settings.spot_wait_factor), SPOT_MAX_WAIT)
+    return {"MaxRuntimeInSeconds": min(runtime, wait), "MaxWaitTimeInSeconds": wait}
+
+
+def started_at(kind: str, description: dict[str, Any]) -> float | None:
+    """When the job's program started (epoch seconds), or None before that."""
+    if kind == "processing":
+        return remote.epoch(description.get("ProcessingStartTime"))
+    for transition in description.get("SecondaryStatusTransitions") or []:
+        if transition.get("Status") == "Training":
+            return remote.epoch(transition.get("StartTime"))
+    if description.get("SecondaryStatus", "Starting") not in NOT_RUNNING | {"Failed", "Stopped"}:
+        return remote.epoch(description.get("TrainingStartTime"))
+    return None
 
 
 def processing_request(spec: JobSpec, settings: ProcessingSettings, staged: remote.Staged,
@@ -326,7 +357,7 @@ def processing_request(spec: JobSpec, settings: ProcessingSettings, staged: remo
 
 class _SageMakerBackend(Backend):
     kind = ""
-    _cache = remote.StatusCache()
+    poll_interval = 30.0     # seconds; the handle's `poll_interval` (settings) takes precedence
     settings_key = ""
     settings_cls: type = SageMakerSettings
     operation = ""
@@ -398,14 +429,19 @@ class _SageMakerBackend(Backend):
                 "result_uri": staged.result_uri, "staging_prefix": staged.prefix,
                 "copy_back": staged.copy_back,
                 "output_uri": staged.output_uri, "checkpoint_uri": staged.checkpoint_uri,
-                "reattached": reattached}
+                "reattached": reattached, **remote.watch_fields(settings, self._slack(spec, settings))}
+
+    def _slack(self, spec: JobSpec, settings: Any) -> int:
+        """Wall-clock time the service itself allows beyond the max run time (none here)."""
+        return 0
+
+    def fingerprint(self, spec: JobSpec) -> str:
+        """A short hash of the stage's resolved settings block; no network I/O."""
+        settings = load(self.settings_key, self.settings_cls, self._settings).for_stage(spec.stage)
+        return remote.settings_fingerprint(settings)
 
     # -- observe -----------------------------------------------------------------------------
     def status(self, handle: dict[str, Any]) -> JobStatus:
-        key = f"{self.kind}:{handle['job_name']}"
-        return self._cache.get(key) or self._cache.put(key, self._status(handle))
-
-    def _status(self, handle: dict[str, Any]) -> JobStatus:
         hook = self._hook(handle["aws_conn_id"], handle.get("region_name", ""))
         description = hook.describe_job(self.kind, handle["job_name"])
         if description is None:
@@ -413,10 +449,14 @@ class _SageMakerBackend(Backend):
         state = hook.status_of(self.kind, description)
         details = {"status": state, "secondary": description.get("SecondaryStatus", ""),
                    "arn": description.get("TrainingJobArn") or description.get("ProcessingJobArn")}
+        start = started_at(self.kind, description)
+        if start is not None:
+            details["started_at"] = start
         if state in ("InProgress", "Stopping"):
             secondary = description.get("SecondaryStatus", state)
-            pending = secondary in ("Starting", "Pending", "Downloading")
-            return JobStatus(JobState.PENDING if pending else JobState.RUNNING,
+            running = (secondary not in NOT_RUNNING if self.kind == "training"
+                       else start is not None or state == "Stopping")
+            return JobStatus(JobState.RUNNING if running else JobState.PENDING,
                              f"{state} ({secondary})", details=details)
         if state == "Completed":
             result, why = remote.fetch_result(handle, hook.s3_hook, log)
@@ -431,13 +471,17 @@ class _SageMakerBackend(Backend):
                          details=details)
 
     def read_logs(self, handle: dict[str, Any], cursor: Any = None) -> tuple[list[str], Any]:
-        if not remote.log_due(cursor) and not self._cache.finished(f"{self.kind}:{handle['job_name']}"):
-            return [], cursor
         hook = self._hook(handle["aws_conn_id"], handle.get("region_name", ""))
-        # cursor 0 means "from the start": the operator's failure message reads the tail this way.
-        tokens = {k: v for k, v in (cursor or {}).items() if not k.startswith("_")} if cursor else None
-        lines, tokens = hook.log_lines(self.kind, handle["job_name"], tokens)
-        return lines, remote.log_cursor(tokens)
+        # A cursor is {stream: forward token}; 0 or None reads from the start. Keys with a leading
+        # "_" came from older releases (a read timer) and are dropped.
+        tokens = ({k: v for k, v in cursor.items() if not k.startswith("_")}
+                  if isinstance(cursor, dict) else None)
+        return hook.log_lines(self.kind, handle["job_name"], tokens)
+
+    def log_tail(self, handle: dict[str, Any], lines: int = 40) -> list[str]:
+        """The job's last `lines` log lines, reading only the end of each instance's stream."""
+        hook = self._hook(handle["aws_conn_id"], handle.get("region_name", ""))
+        return hook.log_tail(self.kind, handle["job_name"], lines)
 
     def stop(self, handle: dict[str, Any]) -> None:
         hook = self._hook(handle["aws_conn_id"], handle.get("region_name", ""))
@@ -454,6 +498,11 @@ class SageMakerTrainingBackend(_SageMakerBackend):
 
     def render(self, spec, settings, staged, job_name, region):
         return training_request(spec, settings, staged, job_name, region)
+
+    def _slack(self, spec, settings):
+        # Spot: SageMaker itself lets the job wait for capacity and restart up to MaxWait.
+        wait = stopping_condition(spec, settings).get("MaxWaitTimeInSeconds", 0)
+        return max(0, wait - spec.max_run_seconds)
 
     def create(self, hook, request):
         # The provider's hook also checks that every S3 channel exists before submitting.

@@ -15,6 +15,18 @@ requests, which AWS shows to anyone who can describe the job.
 
 A block's `stages` entry overrides its fields for one stage; a run's `stage_resources` Param
 (instance type and count, processes per node, image, max run time) overrides both.
+
+How a remote job is watched, per block (or stage):
+- `poll_interval_seconds` (default 30, at least 5): how often the task (or the triggerer) reads
+  the job's state and new log lines. The SageMaker, SageMaker Processing and Batch backends put
+  it into the job's handle as `poll_interval`; AWS rate-limits describe and CloudWatch calls per account, and a sweep polls
+  many jobs at once.
+- `deadline_grace_seconds` (default 1800, at least 0): the service itself stops a job at its max
+  run time (SageMaker StoppingCondition, Batch attemptDurationSeconds); Airflow's own deadline is
+  the job's start + its max run time + this grace, a backstop for a service that did not.
+- SageMaker spot: `spot_wait_factor` (default 2.0, at least 1) makes MaxWaitTimeInSeconds that
+  many times MaxRuntimeInSeconds, the slack for waiting on spot capacity and for restarts after
+  interruptions; `max_wait_seconds` sets it explicitly instead.
 """
 
 from __future__ import annotations
@@ -27,6 +39,7 @@ from typing import Any, TypeVar
 from tasks.configs import ConfigError, from_dict, to_dict
 
 VARIABLE = "llmops_backends"
+MIN_POLL_INTERVAL = 5
 S = TypeVar("S", bound="RemoteSettings")
 
 
@@ -47,6 +60,17 @@ class RemoteSettings:
     env: dict = field(default_factory=dict)         # extra (non-secret) environment for every job
     tags: dict = field(default_factory=dict)        # extra tags for every job (cost allocation)
     stages: dict = field(default_factory=dict)      # stage -> overrides of the fields above
+    poll_interval_seconds: int = 30    # how often the job's state and log are read (>= 5)
+    deadline_grace_seconds: int = 1800  # Airflow's backstop beyond the job's max run time (>= 0)
+
+    def __post_init__(self) -> None:
+        if self.poll_interval_seconds < MIN_POLL_INTERVAL:
+            raise BackendSettingsError(
+                f"{type(self).__name__}.poll_interval_seconds must be at least {MIN_POLL_INTERVAL} "
+                f"(AWS rate-limits describe calls per account), got {self.poll_interval_seconds}.")
+        if self.deadline_grace_seconds < 0:
+            raise BackendSettingsError(f"{type(self).__name__}.deadline_grace_seconds must be >= 0, "
+                                       f"got {self.deadline_grace_seconds}.")
 
     def for_stage(self: S, stage: str) -> S:
         """These settings with the stage's overrides applied (unknown keys refused)."""
@@ -93,12 +117,23 @@ class SageMakerSettings(RemoteSettings):
     volume_kms_key_id: str = ""
     output_kms_key_id: str = ""
     spot: bool = False                  # managed spot training (needs checkpoints to resume)
-    max_wait_seconds: int = 0           # spot: 0 = the spec's max_run_seconds (the DAG's budget)
+    spot_wait_factor: float = 2.0       # spot: MaxWait = factor x MaxRuntime (capped at 28 days)
+    max_wait_seconds: int = 0           # spot: an explicit MaxWait instead of the factor
     retry_attempts: int = 0             # SageMaker's own retries of internal errors (RetryStrategy)
     keep_alive_seconds: int = 0         # warm pool: keep the instances for the next job
     subnets: list = field(default_factory=list)
     security_group_ids: list = field(default_factory=list)
     encrypt_inter_container_traffic: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.spot_wait_factor < 1:
+            raise BackendSettingsError(
+                f"SageMakerSettings.spot_wait_factor must be at least 1 (SageMaker needs "
+                f"MaxWaitTimeInSeconds >= MaxRuntimeInSeconds), got {self.spot_wait_factor}.")
+        if self.max_wait_seconds < 0:
+            raise BackendSettingsError(f"SageMakerSettings.max_wait_seconds must be >= 0 (0 = "
+                                       f"spot_wait_factor x the max run time), got {self.max_wait_seconds}.")
 
 
 @dataclass(kw_only=True)
