@@ -161,35 +161,46 @@ def run_training_container(moto: Moto, job_name: str, workdir: Path, extra_env: 
     bucket, key = request_uri[len("s3://"):].split("/", 1)
     request = json.loads(s3.get_object(Bucket=bucket, Key=f"{key}/request.json")["Body"].read())
     assert request["TrainingJobName"] == job_name
+    cmd, env = training_container(s3, request, workdir, moto.endpoint, extra_env)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=str(workdir))
+    # Continuous checkpoint sync, done once at the end here.
+    sync_checkpoints(s3, request, workdir)
+    return proc
 
+
+def training_container(s3: Any, request: dict, workdir: Path, s3_endpoint: str,
+                       extra_env: dict | None = None) -> tuple[list[str], dict[str, str]]:
+    """Lay out /opt/ml under `workdir` for a CreateTrainingJob `request` (channels and
+    checkpoints downloaded from S3) and return the container's command and environment.
+    Shared with tests/chaos/fake_aws.py, which runs the same command in the background."""
     opt_ml = workdir / "opt_ml"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SM_", "AIRFLOW_CONN_"))}
     env.update(request.get("Environment", {}))
-    channels = {}
     for channel in request["InputDataConfig"]:
         local = opt_ml / "input" / "data" / channel["ChannelName"]
         _download(s3, channel["DataSource"]["S3DataSource"]["S3Uri"], local)
-        channels[channel["ChannelName"]] = str(local)
         env[f"SM_CHANNEL_{channel['ChannelName'].upper()}"] = str(local)
     checkpoints = opt_ml / "checkpoints"
-    checkpoint_uri = request["CheckpointConfig"]["S3Uri"]
-    _download(s3, checkpoint_uri, checkpoints)  # a restarted job gets its checkpoints back
+    if request.get("CheckpointConfig"):  # a restarted job gets its checkpoints back
+        _download(s3, request["CheckpointConfig"]["S3Uri"], checkpoints)
     hosts = [f"algo-{i + 1}" for i in range(request["ResourceConfig"]["InstanceCount"])]
     env.update({"SM_HOSTS": json.dumps(hosts), "SM_CURRENT_HOST": hosts[0],
                 "LLMOPS_WORKDIR": str(opt_ml / "llmops"), "LLMOPS_CHECKPOINT_DIR": str(checkpoints),
-                "AWS_ENDPOINT_URL_S3": moto.endpoint, "PYTHONPATH": str(ROOT),
-                "TRAINING_JOB_NAME": job_name, **(extra_env or {})})
+                "AWS_ENDPOINT_URL_S3": s3_endpoint, "PYTHONPATH": str(ROOT),
+                "TRAINING_JOB_NAME": request["TrainingJobName"], **(extra_env or {})})
     # The toolkit decodes each hyperparameter from JSON and passes the non-`sagemaker_` ones to
     # the program as `--name value`.
     args = []
-    for name, value in sorted(request["HyperParameters"].items()):
+    for name, value in sorted(request.get("HyperParameters", {}).items()):
         if not name.startswith("sagemaker_"):
             args += [f"--{name}", str(json.loads(value))]
-    proc = subprocess.run([sys.executable, str(ENTRY), *args], env=env, capture_output=True,
-                          text=True, timeout=600, cwd=str(workdir))
-    # Continuous checkpoint sync, done once at the end here.
-    _upload(s3, checkpoints, checkpoint_uri)
-    return proc
+    return [sys.executable, str(ENTRY), *args], env
+
+
+def sync_checkpoints(s3: Any, request: dict, workdir: Path) -> None:
+    """/opt/ml/checkpoints back to CheckpointConfig.S3Uri (SageMaker syncs it continuously)."""
+    if request.get("CheckpointConfig"):
+        _upload(s3, workdir / "opt_ml" / "checkpoints", request["CheckpointConfig"]["S3Uri"])
 
 
 def _download(s3: Any, uri: str, local: Path) -> None:

@@ -1,0 +1,302 @@
+"""tests/chaos/fake_aws.py, the AWS that fails: botocore through its proxy classifies each injected
+fault as it would AWS's (throttling and 5xx retried, resets and timeouts as connection errors),
+clean passthrough without rules, and the job simulator takes our own SageMaker and Batch backends
+through InProgress/RUNNING to Completed/SUCCEEDED with the result in S3 and the log lines in
+CloudWatch, a client stop to Stopped with the process group gone, a crash to Failed, a deadline
+to MaxRuntimeExceeded."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import boto3
+import pytest
+from botocore.config import Config
+from botocore.exceptions import ClientError, ConnectionClosedError, EndpointConnectionError, ReadTimeoutError
+
+from llmops.jobs.backends import JobState
+from llmops.jobs.backends.batch import STOP_REASON, BatchBackend
+from llmops.jobs.backends.sagemaker import SageMakerTrainingBackend
+from llmops.jobs.spec import JobSpec, job_name
+from tests.aws_fixtures import DUMMY_CREDENTIALS, IMAGE, REGION, ROOT, free_port, sagemaker_settings, wait_http
+from tests.chaos.fake_aws import ChaosClient, FakeAws
+
+CONN = "llmops_chaos"
+BUCKET = "llmops-chaos"
+QUEUE = "llmops-chaos-queue"
+
+
+@pytest.fixture(scope="module")
+def fake(tmp_path_factory):
+    """One fake AWS for the module, in this process, with an Airflow connection to its proxy."""
+    server = FakeAws(free_port(), tmp_path_factory.mktemp("fake-aws"), pending_seconds=0.5,
+                     stop_grace_seconds=2, stopping_seconds=0.5).start()
+    saved = {k: os.environ.get(k) for k in [f"AIRFLOW_CONN_{CONN.upper()}", *DUMMY_CREDENTIALS]}
+    os.environ[f"AIRFLOW_CONN_{CONN.upper()}"] = json.dumps(server.connection())
+    os.environ.update(DUMMY_CREDENTIALS)
+    client(server, "s3").create_bucket(Bucket=BUCKET)
+    try:
+        yield server
+    finally:
+        for key, value in saved.items():
+            os.environ.pop(key) if value is None else os.environ.__setitem__(key, value)
+        server.stop()
+
+
+@pytest.fixture()
+def chaos(fake):
+    control = ChaosClient(fake.url)
+    control.clear()
+    yield control
+    control.clear()
+
+
+@pytest.fixture()
+def no_backoff(monkeypatch):
+    """Retries without their sleeps: what is retried is botocore's decision, how long it waits is not
+    under test."""
+    from botocore.retries import standard
+
+    monkeypatch.setattr(standard.ExponentialBackoff, "delay_amount", lambda self, context: 0.01)
+
+
+def client(fake: FakeAws, service: str, attempts: int = 3, **config):
+    return boto3.client(service, endpoint_url=fake.url, region_name=REGION, aws_access_key_id="testing",
+                        aws_secret_access_key="testing",
+                        config=Config(retries={"mode": "standard", "total_max_attempts": attempts}, **config))
+
+
+def pid_alive(pid: int) -> bool:
+    try:   # a zombie (Z) has ended; whoever adopted it reaps it later
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def injections(chaos: ChaosClient, operation: str, since: float = 0.0) -> int:
+    return sum(1 for i in chaos.report()["injections"] if i["operation"] == operation and i["at"] >= since)
+
+
+# -- faults --------------------------------------------------------------------------------------
+
+def test_no_rules_is_moto_unchanged(fake, chaos):
+    s3 = client(fake, "s3")
+    s3.put_object(Bucket=BUCKET, Key="plain/a.txt", Body=b"hello")
+    s3.upload_file(__file__, BUCKET, "plain/this.py")   # chunked transfer with a checksum trailer
+    assert s3.get_object(Bucket=BUCKET, Key="plain/a.txt")["Body"].read() == b"hello"
+    assert s3.head_object(Bucket=BUCKET, Key="plain/this.py")["ContentLength"] == Path(__file__).stat().st_size
+    assert client(fake, "sagemaker").list_training_jobs(NameContains="nothing")["TrainingJobSummaries"] == []
+    assert client(fake, "sts").get_caller_identity()["Account"] == "123456789012"
+    report = chaos.report()
+    assert report["injections"] == [] and report["operations"]["PutObject"] >= 1
+    assert report["operations"]["GetCallerIdentity"] == 1
+
+
+@pytest.mark.parametrize("service, call, operation, code", [
+    ("sagemaker", lambda c: c.describe_training_job(TrainingJobName="x"), "DescribeTrainingJob",
+     "ThrottlingException"),
+    ("logs", lambda c: c.get_log_events(logGroupName="g", logStreamName="s"), "GetLogEvents",
+     "ThrottlingException"),
+    ("batch", lambda c: c.describe_jobs(jobs=["x"]), "DescribeJobs", "TooManyRequestsException"),
+    ("s3", lambda c: c.list_objects_v2(Bucket=BUCKET), "ListObjectsV2", "SlowDown"),
+])
+def test_a_throttling_storm_is_retried_then_raised(fake, chaos, no_backoff, service, call, operation, code):
+    start = time.time()
+    chaos.faults([{"operations": [operation], "kind": "throttle", "rate": 1.0, "seconds": 60}])
+    with pytest.raises(ClientError) as err:
+        call(client(fake, service, attempts=3))
+    assert err.value.response["Error"]["Code"] == code
+    # botocore classified it as retryable: three attempts, each one an injection.
+    assert err.value.response["ResponseMetadata"]["RetryAttempts"] == 2
+    assert injections(chaos, operation, since=start) == 3
+
+
+def test_a_few_503s_and_500s_are_retried_through(fake, chaos, no_backoff):
+    before = len(chaos.report()["injections"])   # the record keeps every injection of the server
+    chaos.faults([{"operations": ["List*"], "kind": "503", "count": 1},
+                  {"operations": ["ListTrainingJobs"], "kind": "500", "count": 1}])
+    answer = client(fake, "sagemaker", attempts=3).list_training_jobs()
+    assert answer["ResponseMetadata"]["RetryAttempts"] == 2
+    assert [i["kind"] for i in chaos.report()["injections"][before:]] == ["503", "500"]
+    chaos.faults([{"operations": ["DescribeJobs"], "kind": "503", "rate": 0.5, "seed": 1, "seconds": 0.5}])
+    time.sleep(0.6)   # the window has passed: no more faults
+    start = time.time()
+    client(fake, "batch", attempts=1).describe_jobs(jobs=["nothing"])
+    assert injections(chaos, "DescribeJobs", since=start) == 0
+    with pytest.raises(RuntimeError, match="fault kind 'slow'"):
+        chaos.faults([{"operations": ["*"], "kind": "slow"}])
+
+
+def test_resets_and_timeouts_are_connection_errors(fake, chaos, no_backoff):
+    start = time.time()
+    chaos.faults([{"operations": ["ListTrainingJobs"], "kind": "reset"}])
+    with pytest.raises((ConnectionClosedError, EndpointConnectionError)):
+        client(fake, "sagemaker", attempts=2).list_training_jobs()
+    assert injections(chaos, "ListTrainingJobs", since=start) == 2   # retried once
+    chaos.faults([{"operations": ["GetObject"], "kind": "timeout", "hold_seconds": 2}])
+    with pytest.raises(ReadTimeoutError):
+        client(fake, "s3", attempts=1, read_timeout=0.5).get_object(Bucket=BUCKET, Key="plain/a.txt")
+
+
+# -- SageMaker training jobs ---------------------------------------------------------------------
+
+def sample(prefix: str, max_run_seconds: int = 3600, **config) -> JobSpec:
+    return JobSpec(stage="sample", entrypoint="tests.sample_job", name=job_name(prefix, prefix=prefix),
+                   config=config, instance_type="ml.m5.xlarge", max_run_seconds=max_run_seconds)
+
+
+def wait_state(backend, handle, states: set[JobState], timeout: float = 45.0) -> tuple[object, list]:
+    seen, deadline = [], time.monotonic() + timeout
+    while True:
+        status = backend.status(handle)
+        if not seen or seen[-1] != status.state:
+            seen.append(status.state)
+        if status.state in states:
+            return status, seen
+        assert time.monotonic() < deadline, f"still {status.state} ({status.message}) after {timeout} s"
+        time.sleep(0.3)
+
+
+def sagemaker_backend() -> SageMakerTrainingBackend:
+    return SageMakerTrainingBackend(settings={"sagemaker": sagemaker_settings(BUCKET, aws_conn_id=CONN)})
+
+
+def test_a_training_job_runs_logs_live_and_completes(fake, chaos):
+    backend = sagemaker_backend()
+    handle = backend.submit(sample("sm-chaos-ok", seconds=3))
+    status, seen = wait_state(backend, handle, {JobState.RUNNING})
+    assert seen[0] is JobState.PENDING and status.details["secondary"] == "Training"
+    live = []
+    while not any("working 1" in line for line in live):   # lines arrive while it runs
+        lines, cursor = backend.read_logs(handle, None)
+        live = lines
+        time.sleep(0.3)
+    status, _ = wait_state(backend, handle, {JobState.SUCCEEDED, JobState.FAILED})
+    assert status.state is JobState.SUCCEEDED, status.message
+    assert status.result["metrics"] == {"answer": 42.0}
+    lines, _ = backend.read_logs(handle, None)
+    assert "sample job starting" in "\n".join(lines) and any("result written to s3://" in line for line in lines)
+    described = client(fake, "sagemaker").describe_training_job(TrainingJobName=handle["job_name"])
+    assert described["TrainingJobStatus"] == "Completed"
+    assert [t["Status"] for t in described["SecondaryStatusTransitions"]] == \
+        ["Starting", "Downloading", "Training", "Uploading", "Completed"]
+    assert described["TrainingEndTime"] > described["TrainingStartTime"]
+    job = chaos.job(handle["job_name"])
+    assert job["exit_code"] == 0 and job["log_lines"] == len(lines) and job["stopped_by"] is None
+    with pytest.raises(ClientError, match="ResourceInUse"):   # SageMaker refuses a second job of a name
+        client(fake, "sagemaker").create_training_job(**json.loads(
+            (fake.workdir / "jobs" / handle["job_name"] / "request.json").read_text()))
+
+
+def test_a_stopped_training_job_stops_its_processes(fake, chaos, tmp_path):
+    backend = sagemaker_backend()
+    marker = tmp_path / "marker"
+    handle = backend.submit(sample("sm-chaos-stop", seconds=60, spawn_child=True, marker_dir=str(marker)))
+    wait_state(backend, handle, {JobState.RUNNING})
+    while not (marker / "child_pid").exists():
+        time.sleep(0.2)
+    child, stage = int((marker / "child_pid").read_text()), int((marker / "starts").read_text().split()[0])
+    assert pid_alive(child) and pid_alive(stage)
+    backend.stop(handle)
+    sm = client(fake, "sagemaker")
+    assert sm.describe_training_job(TrainingJobName=handle["job_name"])["TrainingJobStatus"] == "Stopping"
+    status, _ = wait_state(backend, handle, {JobState.STOPPED, JobState.FAILED, JobState.SUCCEEDED})
+    assert status.state is JobState.STOPPED, status.message
+    assert not pid_alive(stage) and not pid_alive(child), "the stage and its own child die with the job"
+    job = chaos.job(handle["job_name"])
+    assert job["stopped_by"] == "client" and len(job["stop_requests"]) == 1
+    assert "Botocore" in job["stop_requests"][0]["user_agent"]
+    with pytest.raises(ClientError, match="ValidationException"):   # only an InProgress job stops
+        sm.stop_training_job(TrainingJobName=handle["job_name"])
+
+
+def test_a_crash_and_a_deadline_end_training_jobs(fake, chaos):
+    backend = sagemaker_backend()
+    crashing = backend.submit(sample("sm-chaos-crash", seconds=60))
+    late = backend.submit(sample("sm-chaos-late", max_run_seconds=3, seconds=60))
+    wait_state(backend, crashing, {JobState.RUNNING})
+    chaos.fail(crashing["job_name"], reason="the GPU fell off the bus")
+    status, _ = wait_state(backend, crashing, {JobState.FAILED, JobState.STOPPED, JobState.SUCCEEDED})
+    assert status.state is JobState.FAILED and "AlgorithmError: the GPU fell off the bus" in status.message
+    status, _ = wait_state(backend, late, {JobState.FAILED, JobState.STOPPED, JobState.SUCCEEDED})
+    assert status.state is JobState.STOPPED and "MaxRuntimeExceeded" in status.message
+    assert chaos.job(late["job_name"])["stopped_by"] == "deadline"
+
+
+# -- AWS Batch -----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def batch_queue(fake):
+    batch, iam = client(fake, "batch"), client(fake, "iam")
+    role = iam.create_role(RoleName="batch-chaos", AssumeRolePolicyDocument="{}")["Role"]["Arn"]
+    env = batch.create_compute_environment(computeEnvironmentName="chaos", type="UNMANAGED",
+                                           state="ENABLED", serviceRole=role)
+    batch.create_job_queue(jobQueueName=QUEUE, state="ENABLED", priority=1, computeEnvironmentOrder=[
+        {"order": 1, "computeEnvironment": env["computeEnvironmentArn"]}])
+    return QUEUE
+
+
+def batch_backend() -> BatchBackend:
+    return BatchBackend(settings={"batch": {"aws_conn_id": CONN, "job_queue": QUEUE, "image": IMAGE,
+                                            "staging_uri": f"s3://{BUCKET}/batch-staging"}})
+
+
+def test_a_batch_job_runs_with_torchrun_and_a_terminate_fails_it(fake, chaos, batch_queue, tmp_path):
+    backend = batch_backend()
+    handle = backend.submit(sample("batch-chaos-ok", seconds=2).replace(instance_type="m5.xlarge"))
+    marker = tmp_path / "marker"
+    doomed = backend.submit(sample("batch-chaos-stop", seconds=60, marker_dir=str(marker))
+                            .replace(instance_type="m5.xlarge"))
+    status, seen = wait_state(backend, handle, {JobState.SUCCEEDED, JobState.FAILED}, timeout=50)
+    assert status.state is JobState.SUCCEEDED, status.message
+    assert seen[:2] == [JobState.PENDING, JobState.RUNNING] and status.result["metrics"] == {"answer": 42.0}
+    lines, _ = backend.read_logs(handle, None)
+    text = "\n".join(lines)
+    assert "torch.distributed.run --standalone" in text and "sample job starting" in text
+    # The provider's reader finds the same stream in the job's attempts.
+    from airflow.providers.amazon.aws.hooks.batch_client import BatchClientHook
+
+    infos = BatchClientHook(aws_conn_id=CONN).get_job_all_awslogs_info(handle["job_id"])
+    assert [i["awslogs_group"] for i in infos] == ["/aws/batch/job"]
+    assert infos[0]["awslogs_stream_name"] == chaos.job(handle["job_id"])["streams"][0]
+
+    wait_state(backend, doomed, {JobState.RUNNING})
+    while not (marker / "starts").exists():
+        time.sleep(0.2)
+    backend.stop(doomed)
+    status, _ = wait_state(backend, doomed, {JobState.STOPPED, JobState.FAILED, JobState.SUCCEEDED})
+    assert status.state is JobState.STOPPED, status.message
+    job = chaos.job(doomed["job_id"])
+    assert job["status"] == "FAILED" and job["reason"] == STOP_REASON and job["stopped_by"] == "client"
+    assert job["stop_requests"][0]["operation"] == "TerminateJob"
+    described = client(fake, "batch").describe_jobs(jobs=[doomed["job_id"]])["jobs"][0]
+    assert described["statusReason"] == STOP_REASON and described["stoppedAt"] > described["startedAt"]
+
+
+# -- the command line ----------------------------------------------------------------------------
+
+def test_the_command_line_serves_until_sigterm(tmp_path):
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "tests.chaos.fake_aws", "--port", str(port),
+                             "--workdir", str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+    try:
+        wait_http(f"http://127.0.0.1:{port}/_chaos/health")
+        ready = json.loads(proc.stdout.readline())
+        assert ready["connection"]["extra"]["endpoint_url"] == f"http://127.0.0.1:{port}"
+        assert ChaosClient(ready["url"]).config(pending_seconds=1)["pending_seconds"] == 1.0
+        with pytest.raises(RuntimeError, match="unknown config keys"):
+            ChaosClient(ready["url"]).config(pending=1)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(20) == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
