@@ -1,0 +1,703 @@
+"""The fault matrix: remote jobs through a real Airflow deployment while AWS misbehaves.
+
+    python -m tests.chaos.matrix [--out benchmarks/results/fault_matrix.json] [--only fault,...]
+                                 [--seconds 30] [--no-lifecycle] [--workdir DIR]
+
+SETUP     one fake AWS (tests/chaos/fake_aws.py: moto behind a fault-injecting proxy and a job
+          simulator that runs each job's container entry, docker/job_entry.py, on this machine)
+          and one Airflow deployment (tests/chaos/airflow_deployment.py: api-server, scheduler,
+          dag-processor, triggerer as separate processes, LocalExecutor, parallelism 4, SQLite)
+          whose `llmops_aws` connection points at the proxy. Bucket, Batch compute environment
+          and queue are created through the proxy with no faults set.
+BODY      one row per fault. Faults that hit every client (throttling, 5xx, resets, a component
+          restart) run one row at a time; faults aimed at one run's jobs or tasks (a worker
+          killed, a task cleared, a job failed on the service side...) run side by side.
+          The small rows run tests/dags/chaos_dags.py: `pretrain` on SageMaker and `finetune` on
+          Batch, each a `tests.chaos.numbered_job` of `--seconds` seconds, in `chaos_remote`
+          (deferred: the triggerer waits) and/or `chaos_remote_worker` (the worker waits).
+          The lifecycle row runs dags/llm_lifecycle.py (recipe tiny, one sweep trial) with
+          pretraining on SageMaker and fine-tuning on Batch under the throttle storm.
+MEASURE   after every row has ended and a settle time, from the simulator's report (every job
+          it ran, with creation/start/end times, status, stop requests) and Airflow's REST API
+          (task instance states and end times, XComs) and task log files (every try, the worker's
+          and every triggerer's part). Per row:
+
+  runs                  DAG runs the row triggered.
+  duplicate_jobs        per (run, task) the jobs of its name base (`<task>-<hash>`, `-r2`,
+                        `-r3`... for later attempts), in creation order: a job counts when, at
+                        its creation, another job of the same base was still running (created and
+                        not yet ended) or had already succeeded. Two DAG runs never share a base
+                        (the run id is in the hash): their jobs are never duplicates of each
+                        other. A job the service refused (a duplicate name) is not created.
+  orphaned_jobs         jobs still running more than SETTLE s after their task instance reached
+                        a terminal state (success, failed, upstream_failed, skipped), i.e. ended
+                        later than that or not at all by the time of measuring.
+  wrongly_stopped_jobs  jobs that got a stop request (StopTrainingJob, TerminateJob, CancelJob)
+                        while running, that none of these explain: the job's deadline
+                        (max_run_seconds) had passed; the row marked the task failed (the user's
+                        "Mark as failed") before it; the row stopped the job on the service side.
+                        Stops caused by a killed or restarted worker, a triggerer restart or a
+                        cleared task count: the job was fine and the next try could have used it.
+  lost_results          (run, task) pairs with at least one succeeded job whose task instance
+                        did not end in success with a succeeded job's result in its XCom (the
+                        `job_name` of a succeeded job, and for the small DAG the job's own
+                        metrics: answer == 42).
+  duplicated_log_lines  per (run, task), job output lines shown more than once in the task's
+                        log across all its tries and triggerer parts: the numbered job prints
+                        `chaos-line <n> run=<token>` (token drawn per container start), each such
+                        line beyond its first showing counts once; on the lifecycle the training
+                        loop's `step <n>/<N>` lines are counted the same way. Error records (the
+                        operator's failure message quotes the log's tail) are not counted.
+
+The table is printed; `--out` writes the rows (exactly these keys plus `seconds` and `notes`)
+with machine information. What is simulated (and not): see tests/chaos/fake_aws.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import hashlib
+import json
+import os
+import platform
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable
+
+from tests.chaos.airflow_deployment import ROOT, TERMINAL_TI, AirflowDeployment
+
+if str(ROOT / "plugins") not in sys.path:   # run as `python -m tests.chaos.matrix`
+    sys.path.insert(0, str(ROOT / "plugins"))
+
+from tests.aws_fixtures import CONN_ID, DUMMY_CREDENTIALS, IMAGE, REGION, free_port, sagemaker_settings  # noqa: E402
+
+BUCKET = "llmops-chaos"
+QUEUE = "llmops-chaos"
+SMALL_DAG, WORKER_DAG, LIFECYCLE_DAG = "chaos_remote", "chaos_remote_worker", "llm_lifecycle"
+REMOTE_TASKS = ("pretrain", "finetune")
+ENTRYPOINT = "tests.chaos.numbered_job"
+MAX_RUN_SECONDS = 900            # the chaos DAG's jobs (tests/dags/chaos_dags.py)
+SETTLE = 15.0                    # s after a task's end within which its job must have ended
+COLUMNS = ("duplicate_jobs", "orphaned_jobs", "wrongly_stopped_jobs", "lost_results",
+           "duplicated_log_lines")
+DESCRIBE_AND_LOGS = ["DescribeTrainingJob", "DescribeJobs", "ListJobs", "ListTrainingJobs",
+                     "GetLogEvents", "DescribeLogStreams", "FilterLogEvents"]
+RUNNING = {"InProgress", "Stopping", "SUBMITTED", "PENDING", "RUNNABLE", "STARTING", "RUNNING"}
+SUCCEEDED = {"Completed", "SUCCEEDED"}
+LINE = re.compile(r"chaos-line (\d+) run=([0-9a-f]{8})")
+STEP = re.compile(r"step \d+/\d+\b.*")
+BASE = re.compile(r"-r\d+$")
+
+
+def base_of(job_name: str) -> str:
+    return BASE.sub("", job_name)
+
+
+def epoch(value: Any) -> float | None:
+    if value in (None, ""):
+        return None
+    if isinstance(value, (int, float)):
+        return float(value)
+    return datetime.fromisoformat(str(value).replace("Z", "+00:00")).timestamp()
+
+
+def expected_base(dag_id: str, run_id: str, task_id: str, config: dict) -> str:
+    """The name JobOperator gives this task's job (plugins/llmops/operators/job.py)."""
+    from llmops.jobs.spec import job_name
+
+    content = hashlib.sha256(json.dumps([ENTRYPOINT, [], config], sort_keys=True,
+                                        default=str).encode()).hexdigest()
+    return job_name(dag_id, run_id, task_id, "-1", content, prefix=task_id)
+
+
+@dataclass
+class Run:
+    dag_id: str
+    run_id: str
+    bases: dict[str, set[str]] = field(default_factory=dict)   # task -> job name bases
+
+
+@dataclass
+class Row:
+    fault: str
+    runs: list[Run] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    marked_failed: dict[str, float] = field(default_factory=dict)   # base -> when
+    service_stopped: set[str] = field(default_factory=set)          # job names stopped by us
+    seconds: float = 0.0
+    error: str = ""
+
+
+class Matrix:
+    def __init__(self, workdir: Path, seconds: float = 30.0, pending_seconds: float = 2.0):
+        self.workdir = workdir
+        self.seconds = seconds
+        self.pending_seconds = pending_seconds
+        self.aws: Any = None
+        self.chaos: Any = None
+        self.dep: AirflowDeployment | None = None
+        self.lock = threading.Lock()
+
+    # -- setup -------------------------------------------------------------------------------
+    def start(self) -> None:
+        from tests.chaos.fake_aws import ChaosClient, FakeAws
+
+        port = free_port()
+        self.aws = FakeAws(port, self.workdir / "aws")
+        self.aws.start()
+        self.endpoint = f"http://127.0.0.1:{port}"
+        self.chaos = ChaosClient(self.endpoint)
+        self.chaos.clear()
+        self.chaos.config(pending_seconds=self.pending_seconds)
+        self._aws_resources()
+        dags = self.workdir / "dags"
+        dags.mkdir(parents=True, exist_ok=True)
+        for source in (ROOT / "dags" / "llm_lifecycle.py", ROOT / "tests" / "dags" / "chaos_dags.py"):
+            link = dags / source.name
+            if not link.exists():
+                link.symlink_to(source)
+        connection = {"conn_type": "aws", "login": "testing", "password": "testing",
+                      "extra": {"region_name": REGION, "endpoint_url": self.endpoint}}
+        backends = {
+            "sagemaker": sagemaker_settings(BUCKET, staging_uri=f"s3://{BUCKET}/staging"),
+            "batch": {"aws_conn_id": CONN_ID, "job_queue": QUEUE, "staging_uri": f"s3://{BUCKET}/staging",
+                      "image": IMAGE, "instance_type": "p4d.24xlarge", "vcpus": 8, "memory_mib": 30000},
+        }
+        env = {f"AIRFLOW_CONN_{CONN_ID.upper()}": json.dumps(connection),
+               "AIRFLOW_VAR_LLMOPS_BACKENDS": json.dumps(backends),
+               "AIRFLOW__OPERATORS__DEFAULT_DEFERRABLE": "true",
+               "LLMOPS_HOME": str(self.workdir / "llmops"),
+               "MLFLOW_TRACKING_URI": f"sqlite:///{self.workdir / 'mlflow.db'}",
+               **DUMMY_CREDENTIALS}
+        env.pop("LLMOPS_STORAGE_ROOT", None)
+        self.dep = AirflowDeployment(self.workdir / "deployment", dags_folder=dags, env=env)
+        self.dep.migrate()
+        # The accelerator pool the lifecycle's sweep trials run in.
+        subprocess.run([sys.executable, "-m", "llmops.sweep.pool"], env=self.dep.env, check=True,
+                       capture_output=True, timeout=120)
+        self.dep.start()
+        for dag_id in (SMALL_DAG, WORKER_DAG, LIFECYCLE_DAG):
+            self.dep.wait_dag(dag_id, timeout=180)
+
+    def _aws_resources(self) -> None:
+        import boto3
+
+        kw = dict(endpoint_url=self.endpoint, region_name=REGION, aws_access_key_id="testing",
+                  aws_secret_access_key="testing")
+        boto3.client("s3", **kw).create_bucket(Bucket=BUCKET)
+        batch, iam = boto3.client("batch", **kw), boto3.client("iam", **kw)
+        role = iam.create_role(RoleName="batch-chaos", AssumeRolePolicyDocument="{}")["Role"]["Arn"]
+        compute = batch.create_compute_environment(computeEnvironmentName="chaos", type="UNMANAGED",
+                                                   state="ENABLED", serviceRole=role)
+        batch.create_job_queue(jobQueueName=QUEUE, state="ENABLED", priority=1, computeEnvironmentOrder=[
+            {"order": 1, "computeEnvironment": compute["computeEnvironmentArn"]}])
+
+    def stop(self) -> None:
+        if self.dep is not None:
+            self.dep.stop()
+        if self.aws is not None:
+            self.aws.stop()
+
+    # -- helpers for rows --------------------------------------------------------------------
+    def conf(self, seconds: float | None = None, exit_code: int = 0) -> dict[str, Any]:
+        return {"seconds": int(seconds if seconds is not None else self.seconds), "exit_code": exit_code}
+
+    def trigger(self, row: Row, dag_id: str, conf: dict[str, Any]) -> Run:
+        assert self.dep is not None
+        run_id = self.dep.trigger(dag_id, conf)
+        run = Run(dag_id, run_id)
+        if dag_id in (SMALL_DAG, WORKER_DAG):
+            config = {"seconds": conf["seconds"], "exit_code": conf["exit_code"]}
+            run.bases = {t: {expected_base(dag_id, run_id, t, config)} for t in REMOTE_TASKS}
+        else:
+            run.bases = {t: set() for t in REMOTE_TASKS}
+        row.runs.append(run)
+        return run
+
+    def report(self) -> dict[str, Any]:
+        return self.chaos.report()
+
+    def jobs_of(self, bases: set[str], report: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+        jobs = (report or self.report())["jobs"]
+        return [j for j in jobs if base_of(j["name"]) in bases]
+
+    def wait_job(self, run: Run, task_id: str, predicate: Callable[[dict], bool],
+                 timeout: float = 120, interval: float = 0.5) -> dict[str, Any] | None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for job in self.jobs_of(run.bases[task_id]):
+                if predicate(job):
+                    return job
+            time.sleep(interval)
+        return None
+
+    def wait_running(self, run: Run, task_id: str, after: float = 3.0, timeout: float = 120) -> dict | None:
+        """A job of the task that has run its container for `after` s and not ended."""
+        return self.wait_job(run, task_id, lambda j: j.get("started_at") and not j.get("ended_at")
+                             and time.time() - j["started_at"] >= after, timeout)
+
+    def wait_runs(self, row: Row, timeout: float = 300) -> None:
+        assert self.dep is not None
+        deadline = time.monotonic() + timeout
+        for run in row.runs:
+            state = self.dep.wait_run(run.dag_id, run.run_id, max(1.0, deadline - time.monotonic()))
+            if state not in ("success", "failed"):
+                row.notes.append(f"{run.dag_id} {run.run_id} still {state} after {timeout:.0f}s")
+
+    def ti(self, run: Run, task_id: str) -> dict[str, Any]:
+        assert self.dep is not None
+        return self.dep.task_instance(run.dag_id, run.run_id, task_id)
+
+    def wait_ti(self, run: Run, task_id: str, states: set[str], timeout: float = 120) -> dict[str, Any]:
+        assert self.dep is not None
+        return self.dep.wait_task(run.dag_id, run.run_id, task_id, states, timeout)
+
+    # -- measuring ---------------------------------------------------------------------------
+    def measure(self, row: Row, report: dict[str, Any]) -> dict[str, Any]:
+        assert self.dep is not None
+        counts = {c: 0 for c in COLUMNS}
+        details: list[str] = []
+        for run in row.runs:
+            events_by_task = {t: self.dep.task_log_events(run.dag_id, run.run_id, t) for t in REMOTE_TASKS}
+            for task_id in REMOTE_TASKS:
+                bases = set(run.bases.get(task_id, set()))
+                # Whatever name the operator used: the names its log mentions (a changed naming
+                # scheme would otherwise hide the jobs).
+                for event in events_by_task[task_id]:
+                    for found in re.findall(rf"\b{task_id}-[0-9a-f]{{12}}(?:-r\d+)?\b", event["event"]):
+                        bases.add(base_of(found))
+                run.bases[task_id] = bases
+                jobs = sorted(self.jobs_of(bases, report), key=lambda j: j["created_at"])
+                ti = self.dep.task_instance(run.dag_id, run.run_id, task_id)
+                label = f"{run.dag_id}/{task_id}"
+                # duplicate jobs
+                for index, job in enumerate(jobs):
+                    at = job["created_at"]
+                    for other in jobs[:index]:
+                        ended = other.get("ended_at")
+                        if ended is None or ended > at or (other["status"] in SUCCEEDED and ended <= at):
+                            counts["duplicate_jobs"] += 1
+                            details.append(f"{label}: {job['name']} created while {other['name']} was "
+                                           f"{'running' if ended is None or ended > at else 'succeeded'}")
+                            break
+                # orphaned jobs
+                ti_end = epoch(ti.get("end_date")) if ti.get("state") in TERMINAL_TI else None
+                for job in jobs:
+                    ended = job.get("ended_at")
+                    if ti_end is not None and (ended is None or ended > ti_end + SETTLE):
+                        counts["orphaned_jobs"] += 1
+                        details.append(f"{label}: {job['name']} {'still running' if ended is None else f'ran {ended - ti_end:.0f}s'}"
+                                       f" after the task ended {ti.get('state')}")
+                # wrongly stopped jobs
+                for job in jobs:
+                    if self._wrong_stop(row, job):
+                        counts["wrongly_stopped_jobs"] += 1
+                        agents = sorted({_agent(s.get("user_agent", "")) for s in job["stop_requests"]})
+                        details.append(f"{label}: {job['name']} stopped by a client ({', '.join(agents)})")
+                # lost results
+                succeeded = {j["name"] for j in jobs if j["status"] in SUCCEEDED}
+                if succeeded:
+                    xcom = self.dep.xcom(run.dag_id, run.run_id, task_id) if ti.get("state") == "success" else None
+                    ok = (ti.get("state") == "success" and isinstance(xcom, dict)
+                          and xcom.get("job_name") in succeeded
+                          and (run.dag_id == LIFECYCLE_DAG or (xcom.get("metrics") or {}).get("answer") == 42.0))
+                    if not ok:
+                        counts["lost_results"] += 1
+                        details.append(f"{label}: job(s) {sorted(succeeded)} succeeded, task {ti.get('state')}, "
+                                       f"XCom job_name={xcom.get('job_name') if isinstance(xcom, dict) else xcom!r}")
+                # duplicated log lines
+                seen: dict[str, int] = {}
+                for event in events_by_task[task_id]:
+                    text = event["event"]
+                    if " | " in text and ("Task failed" in text or "Traceback" in text):
+                        continue
+                    matches = LINE.findall(text)
+                    if len(matches) == 1:
+                        key = "%s %s" % matches[0]
+                    elif not matches and run.dag_id == LIFECYCLE_DAG and (step := STEP.search(text)):
+                        key = step.group(0)
+                    else:
+                        continue
+                    seen[key] = seen.get(key, 0) + 1
+                extra = sum(n - 1 for n in seen.values() if n > 1)
+                if extra:
+                    counts["duplicated_log_lines"] += extra
+                    details.append(f"{label}: {extra} job log line(s) shown more than once")
+                row_jobs = ", ".join(f"{j['name'].split('-', 1)[0]}{'-' + j['name'].rsplit('-', 1)[1] if BASE.search(j['name']) else ''}"
+                                     f":{j['status']}" for j in jobs)
+                details.append(f"{label}: task {ti.get('state')} after {ti.get('try_number')} tries; jobs [{row_jobs}]")
+        return {"fault": row.fault, "runs": len(row.runs), **counts, "seconds": round(row.seconds, 1),
+                "notes": row.notes + details + ([f"ERROR: {row.error}"] if row.error else [])}
+
+    def _wrong_stop(self, row: Row, job: dict[str, Any]) -> bool:
+        for stop in job.get("stop_requests") or []:
+            at = stop["at"]
+            ended = job.get("ended_at")
+            if ended is not None and at >= ended:
+                continue          # the job had already ended: the request changed nothing
+            if job.get("stopped_by") == "deadline" or at >= job["created_at"] + MAX_RUN_SECONDS - 5:
+                continue          # past its deadline
+            marked = row.marked_failed.get(base_of(job["name"]))
+            if marked is not None and at >= marked - 1:
+                continue          # the user marked the task failed
+            if job["name"] in row.service_stopped:
+                continue
+            return True
+        return False
+
+
+def _agent(user_agent: str) -> str:
+    """The caller, in short, from a botocore User-Agent."""
+    parts = [p for p in user_agent.split() if p.startswith(("Airflow", "airflow", "Botocore", "md/"))]
+    return " ".join(parts[:2]) or user_agent[:40]
+
+
+# -- rows ------------------------------------------------------------------------------------------
+# Each row function triggers its runs, applies its fault and returns when its runs have ended.
+
+def row_faults(rules: list[dict[str, Any]], both: bool = True) -> Callable[[Matrix, Row], None]:
+    def body(m: Matrix, row: Row) -> None:
+        m.chaos.faults(rules)
+        try:
+            m.trigger(row, SMALL_DAG, m.conf())
+            if both:
+                m.trigger(row, WORKER_DAG, m.conf())
+            m.wait_runs(row, timeout=240 + 2 * m.seconds)
+        finally:
+            m.chaos.clear()
+        row.notes.append(f"faults: {json.dumps(rules)}")
+    return body
+
+
+def row_lifecycle_throttle(m: Matrix, row: Row) -> None:
+    """The whole lifecycle, pretraining on SageMaker and fine-tuning on Batch, throttled."""
+    conf = {"recipe": "tiny", "sweep_trials": 1, "backend_pretrain": "sagemaker",
+            "backend_finetune": "batch", "storage_root": str(m.workdir / "storage"),
+            "stage_resources": {"pretrain": {"instance_type": "ml.g5.2xlarge", "max_run_seconds": 3600},
+                                "finetune": {"instance_type": "p4d.24xlarge", "max_run_seconds": 3600}}}
+    m.trigger(row, LIFECYCLE_DAG, conf)
+    m.wait_runs(row, timeout=900)
+
+
+def row_component(component: str, how: str) -> Callable[[Matrix, Row], None]:
+    """A component killed (SIGKILL to its whole session, then started again) or restarted
+    (SIGTERM, then a new one), while both runs' jobs run."""
+    def body(m: Matrix, row: Row) -> None:
+        assert m.dep is not None
+        runs = [m.trigger(row, SMALL_DAG, m.conf())]
+        if component != "triggerer":
+            runs.append(m.trigger(row, WORKER_DAG, m.conf()))
+        for run in runs:
+            for task_id in REMOTE_TASKS:
+                m.wait_running(run, task_id, after=5, timeout=120)
+        if component == "triggerer":
+            for task_id in REMOTE_TASKS:
+                m.wait_ti(runs[0], task_id, {"deferred"}, timeout=30)
+        started = time.monotonic()
+        if how == "kill":
+            m.dep.kill(component)
+            time.sleep(2)
+            m.dep.restart(component, sig=None)
+        else:
+            m.dep.restart(component, sig=signal.SIGTERM, grace=20)
+        row.notes.append(f"{component} {how} + start took {time.monotonic() - started:.0f}s")
+        m.wait_runs(row, timeout=240 + 2 * m.seconds)
+    return body
+
+
+def _kill_workers(m: Matrix, row: Row, run: Run, sig: int, when: str) -> None:
+    assert m.dep is not None
+    for task_id in REMOTE_TASKS:
+        ti = m.wait_ti(run, task_id, {"running", "deferred"}, timeout=120)
+        if when == "after_submit":
+            pids = m.dep.wait_worker(ti["id"], timeout=60)
+            deadline = time.monotonic() + 60
+            while pids and time.monotonic() < deadline and not m.jobs_of(run.bases[task_id]):
+                time.sleep(0.02)
+        else:
+            m.wait_running(run, task_id, after=5, timeout=120)
+            pids = m.dep.worker_pids(ti["id"])
+        if not pids:
+            row.notes.append(f"{task_id}: no worker process found (state {m.ti(run, task_id)['state']})")
+            continue
+        try:
+            os.kill(pids[0], sig)
+        except ProcessLookupError:
+            row.notes.append(f"{task_id}: the worker had exited before the signal")
+            continue
+        time.sleep(1.5)
+        state = m.ti(run, task_id)["state"]
+        row.notes.append(f"{task_id}: sent {signal.Signals(sig).name} to task runner {pids[0]} "
+                         f"({when}); task then {state}")
+
+
+def row_worker(sig: int, when: str, dag_id: str) -> Callable[[Matrix, Row], None]:
+    def body(m: Matrix, row: Row) -> None:
+        run = m.trigger(row, dag_id, m.conf())
+        _kill_workers(m, row, run, sig, when)
+        m.wait_runs(row, timeout=240 + 2 * m.seconds)
+    return body
+
+
+def row_clear_after_success(m: Matrix, row: Row) -> None:
+    assert m.dep is not None
+    run = m.trigger(row, SMALL_DAG, m.conf(seconds=max(5, m.seconds // 3)))
+    m.wait_runs(row, timeout=240)
+    before = {t: len(m.jobs_of(run.bases[t])) for t in REMOTE_TASKS}
+    m.dep.clear_task(run.dag_id, run.run_id, list(REMOTE_TASKS))
+    time.sleep(3)
+    m.wait_runs(row, timeout=240)
+    after = {t: len(m.jobs_of(run.bases[t])) for t in REMOTE_TASKS}
+    row.notes.append(f"jobs per task before the clear {before}, after {after}")
+
+
+def row_clear_mid_run(m: Matrix, row: Row) -> None:
+    assert m.dep is not None
+    run = m.trigger(row, SMALL_DAG, m.conf())
+    for task_id in REMOTE_TASKS:
+        m.wait_running(run, task_id, after=5)
+    m.dep.clear_task(run.dag_id, run.run_id, list(REMOTE_TASKS))
+    time.sleep(3)
+    m.wait_runs(row, timeout=240 + 2 * m.seconds)
+
+
+def row_same_conf_twice(m: Matrix, row: Row) -> None:
+    conf = m.conf()
+    m.trigger(row, SMALL_DAG, conf)
+    m.trigger(row, SMALL_DAG, conf)
+    m.wait_runs(row, timeout=240 + 2 * m.seconds)
+
+
+def row_service(action: str) -> Callable[[Matrix, Row], None]:
+    """The first attempt of each task's job fails (its container crashes) or is stopped from
+    the console, on the service side; the task's retry must start `-r2` and succeed."""
+    def body(m: Matrix, row: Row) -> None:
+        assert m.dep is not None
+        run = m.trigger(row, SMALL_DAG, m.conf())
+        for task_id in REMOTE_TASKS:
+            job = m.wait_running(run, task_id, after=5)
+            if job is None:
+                row.notes.append(f"{task_id}: no running job to {action}")
+                continue
+            target = job["job_id"] if job["service"] == "batch" else job["name"]
+            (m.chaos.fail if action == "fail" else m.chaos.stop)(target)
+            if action == "stop":
+                row.service_stopped.add(job["name"])
+            row.notes.append(f"{task_id}: {action} {job['name']} on the service side")
+        m.wait_runs(row, timeout=240 + 2 * m.seconds)
+        report = m.report()
+        for task_id in REMOTE_TASKS:
+            first = [j for j in m.jobs_of(run.bases[task_id], report) if not BASE.search(j["name"])]
+            reason = first[0].get("reason", "") if first else ""
+            text = "\n".join(e["event"] for e in m.dep.task_log_events(run.dag_id, run.run_id, task_id))
+            shown = bool(reason) and reason.split(":")[0][:40] in text
+            row.notes.append(f"{task_id}: service reason {reason[:80]!r} "
+                             f"{'is' if shown else 'is NOT'} in the task log")
+    return body
+
+
+def row_mark_failed(m: Matrix, row: Row) -> None:
+    """Control row: the user marks the running tasks failed; their jobs must be stopped (the
+    stops are expected) and none must be left running."""
+    assert m.dep is not None
+    run = m.trigger(row, SMALL_DAG, m.conf())
+    for task_id in REMOTE_TASKS:
+        m.wait_running(run, task_id, after=5)
+        for base in run.bases[task_id]:
+            row.marked_failed[base] = time.time()
+        m.dep.mark_failed(run.dag_id, run.run_id, task_id)
+    m.wait_runs(row, timeout=240 + 2 * m.seconds)
+
+
+THROTTLE = [{"operations": DESCRIBE_AND_LOGS, "kind": "throttle", "rate": 0.5, "seconds": 900}]
+SERVICES = ["sagemaker", "batch", "logs", "s3"]
+FIVE_XX = [{"operations": ["*"], "services": SERVICES, "kind": "500", "rate": 0.15, "seconds": 60},
+           {"operations": ["*"], "services": SERVICES, "kind": "503", "rate": 0.18, "seconds": 60}]
+RESETS = [{"operations": ["*"], "services": SERVICES, "kind": "reset", "rate": 0.2, "seconds": 60}]
+
+# (fault, body, group): rows of one "global" group run one after another; "scoped" rows together.
+ROWS: list[tuple[str, Callable[[Matrix, Row], None], str]] = [
+    ("throttle storm 50% describe+logs", row_faults(THROTTLE), "throttle"),
+    ("throttle storm, full lifecycle (pretrain SageMaker, finetune Batch)", row_lifecycle_throttle, "throttle"),
+    ("5xx burst 30% for 60s", row_faults(FIVE_XX), "global"),
+    ("connection resets 20% for 60s", row_faults(RESETS), "global"),
+    ("triggerer SIGKILLed mid-deferral, restarted", row_component("triggerer", "kill"), "global"),
+    ("scheduler restarted (SIGTERM) mid-job", row_component("scheduler", "restart"), "global"),
+    ("API server restarted (SIGTERM) mid-job", row_component("api-server", "restart"), "global"),
+    ("worker SIGKILLed mid-job (in-worker wait)", row_worker(signal.SIGKILL, "mid_job", WORKER_DAG), "scoped"),
+    ("worker SIGKILLed right after submit (deferred)", row_worker(signal.SIGKILL, "after_submit", SMALL_DAG), "scoped"),
+    ("worker SIGTERMed mid-job (in-worker wait)", row_worker(signal.SIGTERM, "mid_job", WORKER_DAG), "scoped"),
+    ("task cleared after success", row_clear_after_success, "scoped"),
+    ("task cleared mid-run", row_clear_mid_run, "scoped"),
+    ("same conf triggered twice", row_same_conf_twice, "scoped"),
+    ("job fails on the service side", row_service("fail"), "scoped"),
+    ("job stopped on the service side", row_service("stop"), "scoped"),
+    ("task marked failed by the user (control)", row_mark_failed, "scoped"),
+]
+
+
+def _run_row(m: Matrix, fault: str, body: Callable[[Matrix, Row], None]) -> Row:
+    row = Row(fault)
+    started = time.monotonic()
+    try:
+        body(m, row)
+    except Exception as exc:  # a row that breaks is reported, the others still run
+        row.error = f"{type(exc).__name__}: {exc}"[:2000]
+        traceback.print_exc()
+    row.seconds = time.monotonic() - started
+    print(f"[{time.strftime('%H:%M:%S')}] row done in {row.seconds:4.0f}s: {fault}", flush=True)
+    return row
+
+
+def run_matrix(workdir: Path | None = None, only: list[str] | None = None, seconds: float = 30.0,
+               lifecycle: bool = True) -> dict[str, Any]:
+    """Run the selected rows (substrings of their fault names; all by default) and measure."""
+    workdir = Path(workdir or tempfile.mkdtemp(prefix="llmops-chaos-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    selected = [r for r in ROWS if (not only or any(o.lower() in r[0].lower() for o in only))
+                and (lifecycle or r[1] is not row_lifecycle_throttle)]
+    started = time.monotonic()
+    load_before = os.getloadavg()
+    m = Matrix(workdir, seconds=seconds)
+    rows: list[Row] = []
+    setup_seconds = 0.0
+    try:
+        m.start()
+        setup_seconds = time.monotonic() - started
+        print(f"deployment up in {setup_seconds:.0f}s (workdir {workdir})", flush=True)
+        # Rows of one group run side by side: the throttle pair shares its (global) fault; the
+        # scoped rows touch only their own runs. Global rows run alone.
+        groups: list[list[tuple[str, Callable, str]]] = []
+        for entry in selected:
+            if entry[2] == "global" or not groups or groups[-1][0][2] != entry[2]:
+                groups.append([entry])
+            else:
+                groups[-1].append(entry)
+        if any(e[2] == "throttle" for e in selected):
+            throttle = [e for e in selected if e[2] == "throttle"]
+            groups = [g for g in groups if g[0][2] != "throttle"]
+            groups.insert(0, throttle)
+        for group in groups:
+            if len(group) == 1:
+                rows.append(_run_row(m, group[0][0], group[0][1]))
+                continue
+            if group[0][2] == "throttle":
+                m.chaos.faults(THROTTLE)
+                bodies = [(f, (lambda mm, rr: _as_is(mm, rr, THROTTLE, b)) if b is not row_lifecycle_throttle
+                           else b) for f, b, _ in group]
+            else:
+                bodies = [(f, b) for f, b, _ in group]
+            try:
+                with concurrent.futures.ThreadPoolExecutor(len(bodies)) as pool:
+                    futures = [pool.submit(_run_row, m, f, b) for f, b in bodies]
+                    rows.extend(f.result() for f in futures)
+            finally:
+                m.chaos.clear()
+        time.sleep(SETTLE + 5)
+        report = m.report()
+        measured = [m.measure(row, report) for row in rows]
+        injections = report.get("injections") or []
+        summary = {"injections": len(injections),
+                   "injections_by_kind": _count(i.get("kind") for i in injections),
+                   "jobs": len(report.get("jobs") or []),
+                   "component_restarts": dict(m.dep.restarts) if m.dep else {}}
+    finally:
+        m.stop()
+    total = time.monotonic() - started
+    return {"rows": measured, "total_seconds": round(total, 1), "setup_seconds": round(setup_seconds, 1),
+            "job_seconds": seconds, "summary": summary, "machine": machine_info(load_before),
+            "workdir": str(workdir)}
+
+
+def _as_is(m: Matrix, row: Row, rules: list[dict], body: Callable) -> None:
+    """A throttle row run beside the lifecycle: the faults are already set for the group."""
+    m.trigger(row, SMALL_DAG, m.conf())
+    m.trigger(row, WORKER_DAG, m.conf())
+    m.wait_runs(row, timeout=240 + 2 * m.seconds)
+    row.notes.append(f"faults: {json.dumps(rules)} (for the whole group, lifecycle included)")
+
+
+def _count(values: Any) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for v in values:
+        out[str(v)] = out.get(str(v), 0) + 1
+    return out
+
+
+def machine_info(load_before: tuple[float, float, float]) -> dict[str, Any]:
+    from importlib.metadata import version
+
+    def v(name: str) -> str:
+        try:
+            return version(name)
+        except Exception:
+            return "?"
+
+    return {"cpu_count": os.cpu_count(), "load_average_before": [round(x, 2) for x in load_before],
+            "load_average_after": [round(x, 2) for x in os.getloadavg()],
+            "python": platform.python_version(), "platform": platform.platform(),
+            "airflow": v("apache-airflow"), "amazon_provider": v("apache-airflow-providers-amazon"),
+            "moto": v("moto"), "boto3": v("boto3"),
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "git_commit": _git_commit()}
+
+
+def _git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                              text=True, timeout=10).stdout.strip()
+    except Exception:
+        return ""
+
+
+def table(result: dict[str, Any]) -> str:
+    header = ["fault", "runs", *COLUMNS, "seconds"]
+    short = {"duplicate_jobs": "dup_jobs", "orphaned_jobs": "orphans", "wrongly_stopped_jobs": "wrong_stops",
+             "lost_results": "lost", "duplicated_log_lines": "dup_lines"}
+    width = max(len(r["fault"]) for r in result["rows"]) if result["rows"] else 10
+    lines = [f"{'fault':<{width}}  " + "  ".join(f"{short.get(h, h):>9}" for h in header[1:])]
+    for r in result["rows"]:
+        lines.append(f"{r['fault']:<{width}}  " + "  ".join(f"{r.get(h, ''):>9}" for h in header[1:]))
+    lines.append(f"total {result['total_seconds']:.0f}s (setup {result['setup_seconds']:.0f}s) on "
+                 f"{result['machine']['cpu_count']} CPUs, load {result['machine']['load_average_before']} -> "
+                 f"{result['machine']['load_average_after']}")
+    return "\n".join(lines)
+
+
+def write(result: dict[str, Any], out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result, indent=2) + "\n")
+    os.replace(tmp, out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tests.chaos.matrix", description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "fault_matrix.json")
+    parser.add_argument("--only", default="", help="comma-separated substrings of fault names")
+    parser.add_argument("--seconds", type=float, default=30.0, help="length of each small job")
+    parser.add_argument("--no-lifecycle", action="store_true", help="skip the full lifecycle row")
+    parser.add_argument("--workdir", type=Path, default=None)
+    args = parser.parse_args(argv)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    only = [o.strip() for o in args.only.split(",") if o.strip()]
+    result = run_matrix(args.workdir, only or None, args.seconds, lifecycle=not args.no_lifecycle)
+    print(table(result))
+    write(result, args.out)
+    print(f"written to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,36 @@
+"""Small DAGs for the fault matrix (tests/chaos/matrix.py): one JobOperator on SageMaker
+(`pretrain`) and one on AWS Batch (`finetune`), side by side, each running
+`tests.chaos.numbered_job` (one numbered line a second) for `params.seconds`, so that a fault
+lands while the job runs.
+
+- `chaos_remote`: both deferred (the triggerer waits, as on MWAA with deferrable operators);
+- `chaos_remote_worker`: both waited for in the worker (the task holds a worker slot throughout).
+
+Params: `seconds` (job length), `exit_code` (non-zero: the job fails with it). Retries 1, 5 s
+apart, so a failed try is followed by one more.
+"""
+
+from datetime import timedelta
+
+import pendulum
+from airflow.sdk import DAG, Param
+
+from llmops.operators.job import JobOperator
+
+PARAMS = {"seconds": Param(40, type="number", minimum=0),
+          "exit_code": Param(0, type="integer", minimum=0, maximum=255)}
+CONFIG = {"seconds": "{{ params.seconds }}", "exit_code": "{{ params.exit_code }}"}
+ENTRYPOINT = "tests.chaos.numbered_job"
+TASKS = [("pretrain", "sagemaker", "ml.g5.2xlarge"), ("finetune", "batch", "p4d.24xlarge")]
+
+for dag_id, deferrable in [("chaos_remote", True), ("chaos_remote_worker", False)]:
+    with DAG(dag_id, schedule=None, start_date=pendulum.datetime(2026, 1, 1, tz="UTC"),
+             catchup=False, params=PARAMS, render_template_as_native_obj=True,
+             max_active_runs=4, tags=["chaos", "test"],
+             default_args={"retries": 1, "retry_delay": timedelta(seconds=5)}) as dag:
+        for task_id, backend, instance_type in TASKS:
+            JobOperator(task_id=task_id, deferrable=deferrable, poll_interval=2.0,
+                        spec={"stage": "sample", "entrypoint": ENTRYPOINT, "config": CONFIG,
+                              "backend": backend, "instance_type": instance_type,
+                              "max_run_seconds": 900})
+    globals()[dag_id] = dag
