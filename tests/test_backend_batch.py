@@ -187,3 +187,118 @@ def test_the_launch_command_runs_two_nodes_with_torchrun(tmp_path):
     assert json.loads((tmp_path / "result.json").read_text())["metrics"] == {"answer": 42.0}
     assert "llmops.entry: result written" in outputs[0]
     assert "llmops.entry: result written" not in outputs[1]
+
+
+# -- idempotent submission: the window between SubmitJob and recording the job id --------------
+
+class WorkerDied(BaseException):
+    """The worker process going away (not an exception a try would handle)."""
+
+
+class LaggyBatch:
+    """moto's Batch client, with ListJobs as eventually consistent as the real one (a new job
+    is missing from the next `lag` listings) and a worker that can die around SubmitJob."""
+
+    def __init__(self, client):
+        self._client, self.lag, self.hidden = client, 0, 0
+        self.die_after_submit = False
+
+    def __getattr__(self, name):
+        return getattr(self._client, name)
+
+    def submit_job(self, **kwargs):
+        out = self._client.submit_job(**kwargs)
+        self.hidden = self.lag
+        if self.die_after_submit:
+            self.die_after_submit = False
+            raise WorkerDied("killed right after SubmitJob returned")
+        return out
+
+    def list_jobs(self, **kwargs):
+        if self.hidden:
+            self.hidden -= 1
+            return {"jobSummaryList": []}
+        return self._client.list_jobs(**kwargs)
+
+
+@pytest.fixture()
+def laggy(aws, monkeypatch):
+    from llmops.jobs.backends import batch
+
+    real = BatchBackend._hook
+    client = {}
+
+    class Hook:
+        def __init__(self, inner):
+            self._inner = inner
+            if "batch" not in client:
+                client["batch"] = LaggyBatch(inner.client)
+            self.client = client["batch"]
+
+        def __getattr__(self, name):
+            return getattr(self._inner, name)
+
+    monkeypatch.setattr(BatchBackend, "_hook", lambda self, *a, **k: Hook(real(self, *a, **k)))
+    monkeypatch.setattr(batch, "LIST_INTERVAL_SECONDS", 0.05)
+    BatchBackend(settings=settings())._hook(CONN_ID)   # make the client
+    return client["batch"]
+
+
+def _jobs_named(aws, name: str) -> list[dict]:
+    return aws.client("batch").list_jobs(jobQueue=QUEUE, filters=[{"name": "JOB_NAME", "values": [name]}])[
+        "jobSummaryList"]
+
+
+def test_a_worker_killed_right_after_submit_job_does_not_lead_to_a_second_job(aws, laggy):
+    backend = BatchBackend(settings=settings())
+    spec = pretrain(job_name("batch-crash-after", prefix="pretrain"))
+    laggy.lag, laggy.die_after_submit = 3, True   # the retry's first listings miss the job
+    with pytest.raises(WorkerDied):
+        backend.submit(spec)
+    [job] = _jobs_named(aws, spec.name)
+    retry = backend.submit(spec)
+    assert retry["job_id"] == job["jobId"] and retry["reattached"] is True
+    assert len(_jobs_named(aws, spec.name)) == 1, "the retry must not submit a second multi-node job"
+    # The retry recorded the id it found: the next one describes the job, without listing.
+    bucket, key = retry["staging_prefix"][len("s3://"):].split("/", 1)
+    record = json.loads(aws.client("s3").get_object(Bucket=bucket, Key=f"{key}/batch-job.json")["Body"].read())
+    assert record["job_id"] == job["jobId"]
+    described = aws.client("batch").describe_jobs(jobs=[job["jobId"]])["jobs"][0]
+    assert described["tags"]["llmops:submit-token"] == record["token"]
+
+
+def test_a_worker_killed_between_its_claim_and_submit_job_is_resubmitted_once(aws, laggy, monkeypatch):
+    from llmops.jobs.backends import batch
+
+    monkeypatch.setattr(batch, "SUBMIT_WINDOW_SECONDS", 0.5)
+    backend = BatchBackend(settings=settings())
+    spec = pretrain(job_name("batch-crash-before", prefix="pretrain"))
+    real_definition = BatchBackend._definition
+
+    def die(self, hook, request):
+        raise WorkerDied("killed before SubmitJob")
+
+    monkeypatch.setattr(BatchBackend, "_definition", die)
+    with pytest.raises(WorkerDied):
+        backend.submit(spec)
+    monkeypatch.setattr(BatchBackend, "_definition", real_definition)
+    assert _jobs_named(aws, spec.name) == []
+    retry = backend.submit(spec)       # waits out the window, then takes the claim over
+    assert retry["reattached"] is False and retry["job_name"] == spec.name   # the same attempt
+    assert [j["jobId"] for j in _jobs_named(aws, spec.name)] == [retry["job_id"]]
+    assert backend.submit(spec)["job_id"] == retry["job_id"]
+
+
+def test_only_one_try_can_claim_an_attempt(aws):
+    """The claim is PutObject with If-None-Match: * (botocore and moto's server both honour it)."""
+    from llmops.aws import s3 as s3_mod
+
+    backend = BatchBackend(settings=settings())
+    hook = s3_mod.s3_hook(CONN_ID)
+    prefix = "s3://llmops-test/staging/claim-test/job"
+    first = backend._claim(hook, prefix, "job")
+    assert first and backend._claim(hook, prefix, "job") == ""
+    record = json.loads(aws.client("s3").get_object(Bucket="llmops-test",
+                                                    Key="staging/claim-test/job/batch-job.json")["Body"].read())
+    assert record["token"] == first
+    assert backend._claim(hook, prefix, "job", if_match='"stale-etag"') == ""

@@ -28,6 +28,8 @@ import hashlib
 import json
 import logging
 import re
+import time
+import uuid
 from typing import Any
 
 from llmops.aws import s3
@@ -47,6 +49,13 @@ STOP_REASON = "Stopped by its Airflow task (llmops)"
 JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,127}$")
 SHARE_IDENTIFIER = re.compile(r"^[A-Za-z0-9]{1,255}\*?$")
 PENDING = {"SUBMITTED", "PENDING", "RUNNABLE", "STARTING"}
+INTENT = "batch-job.json"          # an attempt's claim, then its job id (see BatchBackend.submit)
+TOKEN_TAG = "llmops:submit-token"  # the claim's token, on the job it submitted
+UNSUBMITTED = "UNSUBMITTED"        # a claim that led to no job
+# After a claim, how long a job it submitted may take to show in ListJobs: the SubmitJob call
+# (botocore's timeouts and retries) plus ListJobs' eventual consistency, with room for skew.
+SUBMIT_WINDOW_SECONDS = 180.0
+LIST_INTERVAL_SECONDS = 5.0
 DESCRIBE_BATCH = 100    # DescribeJobs takes at most 100 job ids a call
 NOT_FOUND_RETRIES = 4   # a job just submitted may not be visible to DescribeJobs yet
 
@@ -183,6 +192,34 @@ class BatchBackend(Backend):
         return hook.client.register_job_definition(**request)["jobDefinitionArn"]
 
     def submit(self, spec: JobSpec) -> dict[str, Any]:
+        """Submit the spec's next attempt, or reattach to the one that is running or succeeded.
+
+        Batch job names are not unique and ListJobs is eventually consistent, so a worker that
+        died right after SubmitJob (before anything recorded the job id) would, on a name lookup
+        alone, submit a second multi-node job. Each attempt is therefore claimed before it is
+        submitted, with a conditional S3 write (PutObject If-None-Match: *) of an intent record
+        at `<staging>/<spec name>/<job name>/batch-job.json` holding a fresh token; the job is
+        submitted with that token as a tag, and its id is written into the record right after.
+        A retry reads the record of each attempt:
+
+        - with a job id: the job is described (strongly consistent) and reattached to;
+        - a claim without a job id: the crash window, between the claim and the id being
+          written. The job may or may not exist. Jobs of that name are listed (ListJobs with a
+          JOB_NAME filter returns every status, SUBMITTED to FAILED) and described to find the
+          one tagged with the claim's token, retrying until SUBMIT_WINDOW_SECONDS after the claim
+          (SubmitJob's own time plus ListJobs' lag), so a job that was submitted is seen; only
+          then is the claim taken over (a conditional overwrite, If-Match its ETag, with a new
+          token) and the job submitted;
+        - no record: nothing was claimed (or it was submitted before intent records existed:
+          the old name lookup in the queue, `_find`, still finds it).
+
+        Two tries claiming one attempt at once: one conditional write wins, the other reads the
+        winner's record and waits for its job. What remains: a worker that stalls for longer
+        than the window between its last check of the record and SubmitJob (it re-reads the
+        record just before submitting to keep that gap small), and botocore resending a
+        SubmitJob whose response was lost; in both cases every copy carries the token, and a
+        later resolution keeps the first and terminates the others.
+        """
         if not spec.name:
             raise JobSpecError("JobSpec.name is required to submit: it makes retries reattach.")
         settings = load("batch", BatchSettings, self._settings).for_stage(spec.stage)
@@ -194,29 +231,109 @@ class BatchBackend(Backend):
             raise JobSpecError(f"No image for the {spec.stage} job: set stage_resources."
                                f"{spec.stage}.image or `image` in the batch settings.")
         hook = self._hook(settings.aws_conn_id, settings.region_name)
-        attempt, found = remote.latest_attempt(spec.name, lambda n: self._find(hook, settings.job_queue, n),
-                                               max_len=128)
-        if found is not None and found["status"] != "FAILED":
-            job_name = remote.attempt_name(spec.name, attempt, 128)
+        s3_hook = s3.s3_hook(settings.aws_conn_id, settings.region_name)
+        while True:
+            attempt, found = remote.latest_attempt(
+                spec.name, lambda name: self._attempt(hook, s3_hook, settings, spec, name), max_len=128)
+            job_name = remote.attempt_name(spec.name, max(attempt, 1), 128)
             staged = remote.plan(spec, job_name, settings.staging_uri)
-            return self._handle(spec, settings, staged, job_name, found["jobId"], attempt, True)
-        attempt += 1
-        job_name = remote.attempt_name(spec.name, attempt, 128)
-        staged = remote.plan(spec, job_name, settings.staging_uri)
+            if found is not None and found["status"] not in ("FAILED", UNSUBMITTED):
+                return self._handle(spec, settings, staged, job_name, found["jobId"], attempt, True)
+            if found is not None and found["status"] == UNSUBMITTED:
+                token = self._claim(s3_hook, staged.prefix, job_name, if_match=found["etag"])
+            else:
+                attempt += 1
+                job_name = remote.attempt_name(spec.name, attempt, 128)
+                staged = remote.plan(spec, job_name, settings.staging_uri)
+                token = self._claim(s3_hook, staged.prefix, job_name)
+            if token:
+                break
+            # Another try claimed this attempt a moment ago: look again, and reattach to its job.
         definition = job_definition(spec, settings, res["image"], res["instance_count"])
         # Checked before anything is registered or uploaded.
         validate_request("batch", "RegisterJobDefinition", definition)
         request = submit_request(spec, settings, staged, job_name, "placeholder")
+        request["tags"] = {**request["tags"], TOKEN_TAG: token}
         validate_request("batch", "SubmitJob", request)
-        s3_hook = s3.s3_hook(settings.aws_conn_id, settings.region_name)
         remote.upload(staged, s3_hook, log)
         request["jobDefinition"] = self._definition(hook, definition)
         s3.write_json(s3_hook, s3.join(staged.prefix, "request.json"), request)
+        record, _ = _read_intent(s3_hook, staged.prefix)
+        if (record or {}).get("token") != token:   # taken over while this worker stalled
+            raise JobSpecError(f"Batch attempt {job_name} was claimed by another try while this one "
+                               "was preparing it; retry the task to reattach to that try's job.")
         job_id = hook.client.submit_job(**request)["jobId"]
+        s3.write_json(s3_hook, _intent_uri(staged.prefix), {**record, "job_id": job_id,
+                                                             "submitted_at": time.time()})
         log.info("Submitted Batch job %s (%s) to queue %s, %d node(s)%s", job_name, job_id,
                  settings.job_queue, res["instance_count"],
                  f", share {request['shareIdentifier']}" if "shareIdentifier" in request else "")
         return self._handle(spec, settings, staged, job_name, job_id, attempt, False)
+
+    def _claim(self, s3_hook: Any, prefix: str, job_name: str, if_match: str = "") -> str:
+        """Write this try's intent record for the attempt, only if there is none (or, taking over
+        a claim that never led to a job, only if it is still the one read). The token, or "" when
+        another try's write came first."""
+        from botocore.exceptions import ClientError
+
+        token = uuid.uuid4().hex
+        bucket, key = s3.split_s3(_intent_uri(prefix))
+        condition = {"IfMatch": if_match} if if_match else {"IfNoneMatch": "*"}
+        body = json.dumps({"job_name": job_name, "token": token, "claimed_at": time.time()})
+        try:
+            s3_hook.get_conn().put_object(Bucket=bucket, Key=key, Body=body.encode(),
+                                          ContentType="application/json", **condition)
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") in ("PreconditionFailed", "ConditionalRequestConflict") \
+                    or exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") in (409, 412):
+                return ""
+            raise
+        return token
+
+    def _attempt(self, hook: Any, s3_hook: Any, settings: BatchSettings, spec: JobSpec,
+                 job_name: str) -> dict[str, Any] | None:
+        """The job of one attempt ({"jobId", "status"}), {"status": UNSUBMITTED, "etag"} for a
+        claim that led to no job, or None when the attempt was never claimed nor submitted."""
+        prefix = remote.plan(spec, job_name, settings.staging_uri).prefix
+        record, etag = _read_intent(s3_hook, prefix)
+        if record is None:
+            return self._find(hook, settings.job_queue, job_name)
+        if record.get("job_id"):
+            job = self._describe(hook, record["job_id"])
+            # Batch forgets finished jobs after about a week: treat it as done with, not running.
+            return job or {"jobId": record["job_id"], "status": "FAILED"}
+        deadline = float(record.get("claimed_at", 0)) + SUBMIT_WINDOW_SECONDS
+        while True:
+            job = self._by_token(hook, settings.job_queue, job_name, record["token"])
+            if job is not None:
+                s3.write_json(s3_hook, _intent_uri(prefix), {**record, "job_id": job["jobId"]})
+                return job
+            if time.time() >= deadline:
+                return {"status": UNSUBMITTED, "etag": etag}
+            time.sleep(min(LIST_INTERVAL_SECONDS, max(0.0, deadline - time.time())))
+
+    def _by_token(self, hook: Any, queue: str, name: str, token: str) -> dict[str, Any] | None:
+        """The first job named `name` in the queue tagged with `token`; any later copies (a
+        resent SubmitJob) are terminated."""
+        ids, kwargs = [], {"jobQueue": queue, "filters": [{"name": "JOB_NAME", "values": [name]}]}
+        while True:
+            page = hook.client.list_jobs(**kwargs)
+            ids += [j["jobId"] for j in page.get("jobSummaryList", []) if j["jobName"] == name]
+            if not page.get("nextToken"):
+                break
+            kwargs["nextToken"] = page["nextToken"]
+        mine = []
+        for i in range(0, len(ids), 100):
+            mine += [j for j in hook.client.describe_jobs(jobs=ids[i:i + 100]).get("jobs", [])
+                     if (j.get("tags") or {}).get(TOKEN_TAG) == token]
+        if not mine:
+            return None
+        mine.sort(key=lambda j: j.get("createdAt", 0))
+        for extra in mine[1:]:
+            log.warning("Terminating %s (%s): a duplicate of %s from one submission",
+                        name, extra["jobId"], mine[0]["jobId"])
+            hook.client.terminate_job(jobId=extra["jobId"], reason=f"{STOP_REASON}: duplicate submission")
+        return mine[0]
 
     def _handle(self, spec, settings, staged, job_name, job_id, attempt, reattached) -> dict[str, Any]:
         return {"backend": self.name, "name": spec.name, "job_name": job_name, "job_id": job_id,
@@ -322,3 +439,21 @@ class BatchBackend(Backend):
         """The job's last `lines` log lines, reading only the end of each node's stream."""
         logs, group, streams = self._log_streams(handle)
         return tail(logs, group, streams, lines) if streams else []
+
+
+def _intent_uri(prefix: str) -> str:
+    return s3.join(prefix, INTENT)
+
+
+def _read_intent(s3_hook: Any, prefix: str) -> tuple[dict[str, Any] | None, str]:
+    """The attempt's intent record and its ETag, or (None, "")."""
+    from botocore.exceptions import ClientError
+
+    bucket, key = s3.split_s3(_intent_uri(prefix))
+    try:
+        got = s3_hook.get_conn().get_object(Bucket=bucket, Key=key)
+    except ClientError as exc:
+        if exc.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
+            return None, ""
+        raise
+    return json.loads(got["Body"].read()), got["ETag"]
