@@ -65,6 +65,9 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--output-local", "--output_local", default="",
                    help="The platform uploads this dir to output-uri itself (SageMaker Processing).")
     p.add_argument("--input-map", "--input_map", default="", help="JSON {URI prefix: local path}.")
+    p.add_argument("--merge-output", "--merge_output", default="",
+                   help="Copy every host-*/ tree under this dir into the output dir before the stage "
+                        "runs (the shards of a multi-host job, for its finalize job).")
     p.add_argument("--input-map-file", "--input_map_file", default="", help="The same, as a file.")
     p.add_argument("--launcher", default="none", choices=("none", "torchrun", "hyperpodrun"))
     p.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=1)
@@ -268,6 +271,14 @@ def map_inputs(config: dict[str, Any], input_map: dict[str, str], workdir: Path)
     return rewrite(config, downloads)
 
 
+def merge_hosts(source: Path, target: Path) -> None:
+    """The hosts' output dirs (`host-<i>/`, or `source` itself from a single host) into one."""
+    hosts_dirs = sorted(p for p in source.glob("host-*") if p.is_dir()) or [source]
+    for path in hosts_dirs:
+        shutil.copytree(path, target, dirs_exist_ok=True, symlinks=True)
+    log.info("merged %d host output dir(s) from %s into %s", len(hosts_dirs), source, target)
+
+
 # -- run ---------------------------------------------------------------------------------------
 
 def run(cmd: list[str], env: dict[str, str]) -> tuple[int, list[str]]:
@@ -330,6 +341,8 @@ def main(argv: list[str] | None = None) -> int:
     else:  # a path on storage the job shares with Airflow
         local_out = Path(target or workdir / "output")
     local_out.mkdir(parents=True, exist_ok=True)
+    if args.merge_output:
+        merge_hosts(Path(os.path.expandvars(args.merge_output)), local_out)
     if checkpoint_dir:
         Path(checkpoint_dir).mkdir(parents=True, exist_ok=True)
         link = local_out / "checkpoints"

@@ -30,6 +30,8 @@ is set while data and image are still downloading), so Airflow's deadline counts
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import logging
 import re
@@ -52,6 +54,10 @@ CONFIG_CHANNEL = "llmops_config"
 PROCESSING_INPUT = "/opt/ml/processing/input"
 PROCESSING_OUTPUT = "/opt/ml/processing/output"
 PROCESSING_MAX_RUNTIME = 777_600      # the service's limit for processing jobs (9 days)
+SHARDS_CHANNEL = "llmops_shards"      # the finalize job's copy of every host's shards
+# Stages that follow the shards-then-finalize contract (tasks/data/prep.py): on several
+# Processing instances they run as two jobs in one handle (SageMakerProcessingBackend).
+TWO_PHASE_ENTRYPOINTS = ("tasks.data.prep",)
 STOPPING_WAIT_SECONDS = 600
 # botocore's model gives MaxWaitTimeInSeconds no upper bound; 28 days is SageMaker's documented
 # maximum run time of a training job (MaxRuntimeInSeconds, whose default quota is 5 days).
@@ -293,9 +299,22 @@ def started_at(kind: str, description: dict[str, Any]) -> float | None:
 
 
 def processing_request(spec: JobSpec, settings: ProcessingSettings, staged: remote.Staged,
-                       job_name: str) -> tuple[dict[str, Any], dict[str, str]]:
-    """The CreateProcessingJob request for one attempt of `spec`: one container per instance."""
+                       job_name: str, phase: str = "") -> tuple[dict[str, Any], dict[str, str]]:
+    """The CreateProcessingJob request for one attempt of `spec`: one container per instance.
+
+    `phase` splits a stage with the shards-then-finalize contract (tasks/data/prep.py) in two:
+    "shards" runs `--stage shards` on every instance, each writing its shards under
+    `<prefix>/shards/host-<i>` (the whole input list on every host: shards go by index mod N);
+    "finalize" runs `--stage finalize` on one instance over all of them (copied into its output
+    dir first), writing the stage's real output and result."""
     res = remote.merged(spec, settings)
+    if phase:
+        spec = spec.replace(argv=(*spec.argv, "--stage", phase))
+    if phase == "shards":
+        staged = dataclasses.replace(staged, output_uri=s3.join(staged.prefix, "shards"),
+                                     result_uri=s3.join(staged.prefix, "shards", "result.json"))
+    elif phase == "finalize":
+        res["instance_count"] = 1
     if not res["image"] or not res["instance_type"]:
         raise JobSpecError(f"The {spec.stage} job needs an image and an instance type (e.g. "
                            "ml.m5.4xlarge): set them in stage_resources or the "
@@ -308,7 +327,7 @@ def processing_request(spec: JobSpec, settings: ProcessingSettings, staged: remo
         raise JobSpecError(f"SageMaker Processing takes 10 inputs; the {spec.stage} config reads "
                            f"{len(channels)} besides its config.")
     mount = {ref.channel: f"{PROCESSING_INPUT}/{ref.channel}" for ref in channels}
-    shard = settings.shard_inputs and res["instance_count"] > 1
+    shard = settings.shard_inputs and res["instance_count"] > 1 and not phase
 
     def s3_input(name: str, uri: str, sharded: bool) -> dict[str, Any]:
         return {"InputName": name, "S3Input": {
@@ -323,10 +342,15 @@ def processing_request(spec: JobSpec, settings: ProcessingSettings, staged: remo
         # Only the raw data files are split across instances; models and configs are needed whole.
         inputs.append(s3_input(ref.channel, ref.base if ref.is_file else ref.base.rstrip("/") + "/",
                                shard and ref.field.startswith("inputs.")))
+    if phase == "finalize":
+        inputs.append(s3_input(SHARDS_CHANNEL, s3.join(staged.prefix, "shards") + "/", False))
     config_dir = f"{PROCESSING_INPUT}/{CONFIG_CHANNEL}"
     args = remote.entry_args(spec, staged, config=f"{config_dir}/config.json",
                              input_map_file=f"{config_dir}/input_map.json",
                              launcher="none", nproc_per_node=1, output_local=PROCESSING_OUTPUT)
+    if phase == "finalize":
+        cut = args.index("--") if "--" in args else len(args)
+        args[cut:cut] = ["--merge-output", f"{PROCESSING_INPUT}/{SHARDS_CHANNEL}"]
     env = {**res["env"], "LLMOPS_WORKDIR": "/opt/ml/processing/llmops"}
     remote.check_environment(env)
     cluster: dict[str, Any] = {"InstanceCount": res["instance_count"],
@@ -510,14 +534,93 @@ class SageMakerTrainingBackend(_SageMakerBackend):
 
 
 class SageMakerProcessingBackend(_SageMakerBackend):
+    """Processing jobs. A two-phase stage (TWO_PHASE_ENTRYPOINTS) on N > 1 instances is one
+    handle over two jobs: `<name>` runs the shards phase on N instances; when status() sees it
+    Completed it creates the finalize job (one instance) from the request submit() stored at
+    `<prefix>/finalize-request.json`, named `finalize_name(<name>)` (-r2, -r3... after a failed
+    one), so a status() repeated from a retried trigger finds it instead of creating another.
+    A retried task reattaches to the completed shards job and, when the finalize job failed,
+    points the handle at the next finalize attempt: the shards are not redone."""
+
     name = "sagemaker_processing"
     kind = "processing"
     settings_key = "sagemaker_processing"
     settings_cls = ProcessingSettings
     operation = "CreateProcessingJob"
 
+    def _two_phase(self, spec: JobSpec, settings: Any) -> bool:
+        return spec.entrypoint in TWO_PHASE_ENTRYPOINTS and remote.merged(spec, settings)["instance_count"] > 1
+
     def render(self, spec, settings, staged, job_name, region):
-        return processing_request(spec, settings, staged, job_name)
+        return processing_request(spec, settings, staged, job_name,
+                                  "shards" if self._two_phase(spec, settings) else "")
 
     def create(self, hook, request):
         hook.create_processing_job(request, wait_for_completion=False)
+
+    def submit(self, spec: JobSpec) -> dict[str, Any]:
+        handle = super().submit(spec)
+        settings = load(self.settings_key, self.settings_cls, self._settings).for_stage(spec.stage)
+        if not self._two_phase(spec, settings):
+            return handle
+        staged = remote.plan(spec, handle["job_name"], settings.staging_uri)
+        request, _ = processing_request(spec, settings, staged, handle["job_name"], "finalize")
+        validate_request("sagemaker", self.operation, request)
+        hook = self._hook(settings.aws_conn_id, settings.region_name)
+        request_uri = s3.join(staged.prefix, "finalize-request.json")
+        s3.write_json(hook.s3_hook, request_uri, request)   # the same content on every try
+        base = finalize_name(handle["job_name"])
+        attempt, found = remote.latest_attempt(base, lambda n: hook.describe_job(self.kind, n))
+        if found is not None and hook.status_of(self.kind, found) in ("Failed", "Stopped"):
+            attempt += 1
+        return {**handle, "finalize": {"job_name": remote.attempt_name(base, max(attempt, 1)),
+                                       "request_uri": request_uri,
+                                       "shards_result_uri": s3.join(staged.prefix, "shards", "result.json")}}
+
+    def status(self, handle: dict[str, Any]) -> JobStatus:
+        phases = handle.get("finalize")
+        if not phases:
+            return super().status(handle)
+        shards = super().status({**handle, "result_uri": phases["shards_result_uri"], "copy_back": {}})
+        if shards.state is not JobState.SUCCEEDED:
+            return JobStatus(shards.state, f"shards: {shards.message}".strip(), details=shards.details)
+        hook = self._hook(handle["aws_conn_id"], handle.get("region_name", ""))
+        if hook.describe_job(self.kind, phases["job_name"]) is None:
+            request = {**s3.read_json(hook.s3_hook, phases["request_uri"]),
+                       "ProcessingJobName": phases["job_name"]}
+            try:
+                self.create(hook, request)
+                log.info("Shards done; created SageMaker processing job %s (finalize)", phases["job_name"])
+            except Exception as exc:
+                if not ("already exists" in str(exc) or "ResourceInUse" in str(exc)):
+                    raise
+            return JobStatus(JobState.RUNNING, f"finalize job {phases['job_name']} submitted",
+                             details=shards.details)
+        return super().status({**handle, "job_name": phases["job_name"]})
+
+    def _current(self, handle: dict[str, Any]) -> dict[str, Any]:
+        phases = handle.get("finalize")
+        if not phases:
+            return handle
+        hook = self._hook(handle["aws_conn_id"], handle.get("region_name", ""))
+        started = hook.describe_job(self.kind, phases["job_name"]) is not None
+        return {**handle, "job_name": phases["job_name"]} if started else handle
+
+    def read_logs(self, handle: dict[str, Any], cursor: Any = None) -> tuple[list[str], Any]:
+        current = self._current(handle)
+        if isinstance(cursor, dict) and cursor.get("_job", current["job_name"]) != current["job_name"]:
+            cursor = None   # the finalize job began: its log from the start
+        lines, cursor = super().read_logs(current, cursor)
+        return lines, ({**cursor, "_job": current["job_name"]} if isinstance(cursor, dict) else cursor)
+
+    def stop(self, handle: dict[str, Any]) -> None:
+        super().stop(handle)
+        if handle.get("finalize"):
+            super().stop({**handle, "job_name": handle["finalize"]["job_name"]})
+
+
+def finalize_name(job_name: str) -> str:
+    """The finalize job's name for a shards job: readable head, then a hash of the whole name
+    (two attempts' names differ only at the end, which the head may cut)."""
+    digest = hashlib.sha256(job_name.encode()).hexdigest()[:10]
+    return f"{job_name[:63 - 13 - 4].rstrip('-')}-fin-{digest}"
