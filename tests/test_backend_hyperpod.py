@@ -334,3 +334,13 @@ def test_an_eks_client_is_made_in_process_from_describe_cluster(moto_server):
     assert token.startswith("Bearer k8s-aws-v1.")
     url = __import__("base64").urlsafe_b64decode(token.split(".", 1)[1] + "==").decode()
     assert "Action=GetCallerIdentity" in url and "x-k8s-aws-id" in url
+
+
+def test_fingerprint_follows_the_deployment_settings_and_the_handle_says_how_to_wait(cluster):
+    job = spec()
+    base = HyperPodBackend(settings=hp_settings()).fingerprint(job)
+    assert base == HyperPodBackend(settings=hp_settings()).fingerprint(job)
+    assert HyperPodBackend(settings=hp_settings(gpus_per_node=4)).fingerprint(job) != base
+    assert HyperPodBackend.poll_interval == 30
+    handle = HyperPodBackend(settings=hp_settings()).submit(job)
+    assert handle["poll_interval"] == 30.0 and "deadline_grace_seconds" in handle

@@ -39,8 +39,6 @@ preempted by Kueue) is PENDING, not stopped.
 from __future__ import annotations
 
 import base64
-import hashlib
-import json
 import logging
 import re
 import tempfile
@@ -56,7 +54,6 @@ from llmops.jobs.backends.crds import group_version_plural, validate_manifest
 from llmops.jobs.backends.sagemaker import fabric_env
 from llmops.jobs.backends.settings import HyperPodSettings, load
 from llmops.jobs.spec import JobSpec, JobSpecError
-from tasks.configs import to_dict
 
 log = logging.getLogger(__name__)
 
@@ -336,8 +333,7 @@ class HyperPodBackend(Backend):
 
     def fingerprint(self, spec: JobSpec) -> str:
         """The deployment's settings for the stage: a change to them is a different job."""
-        data = json.dumps(to_dict(self._settings_for(spec)), sort_keys=True, default=str)
-        return hashlib.sha256(data.encode()).hexdigest()[:12]
+        return remote.settings_fingerprint(self._settings_for(spec))
 
     def submit(self, spec: JobSpec) -> dict[str, Any]:
         if not spec.name:
@@ -397,7 +393,8 @@ class HyperPodBackend(Backend):
                 "eks_cluster_name": settings.eks_cluster_name,
                 "kubernetes_conn_id": settings.kubernetes_conn_id,
                 "result_uri": staged.result_uri, "staging_prefix": staged.prefix,
-                "copy_back": staged.copy_back, "reattached": reattached}
+                "copy_back": staged.copy_back, "reattached": reattached,
+                **remote.watch_fields(settings)}
 
     def _get(self, kube: KubeClient, handle: dict[str, Any]) -> dict[str, Any] | None:
         group, version, plural = group_version_plural(handle["kind"])
