@@ -176,7 +176,7 @@ def training_container(s3: Any, request: dict, workdir: Path, s3_endpoint: str,
     opt_ml = workdir / "opt_ml"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SM_", "AIRFLOW_CONN_"))}
     env.update(request.get("Environment", {}))
-    for channel in request["InputDataConfig"]:
+    for channel in request.get("InputDataConfig", []):
         local = opt_ml / "input" / "data" / channel["ChannelName"]
         _download(s3, channel["DataSource"]["S3DataSource"]["S3Uri"], local)
         env[f"SM_CHANNEL_{channel['ChannelName'].upper()}"] = str(local)

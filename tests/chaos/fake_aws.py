@@ -267,7 +267,8 @@ class Job:
     stopped_by: str | None = None
     streams: list[str] = field(default_factory=list)
     log_lines: int = 0
-    procs: list[subprocess.Popen] = field(default_factory=list)
+    procs: list[subprocess.Popen] = field(default_factory=list)   # one per node (SageMaker: algo-1)
+    pumps: list[threading.Thread] = field(default_factory=list)     # their log readers
     tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=15))
     wake: threading.Event = field(default_factory=threading.Event)
     transitions: list[dict[str, Any]] = field(default_factory=list)   # SageMaker's secondary ones
@@ -488,7 +489,7 @@ class Simulator:
                 "jobName": job.name, "jobQueue": job.request.get("jobQueue", ""),
                 "jobDefinition": job.request.get("jobDefinition", ""), "createdAt": int(job.created_at * 1000),
                 "nodeDetails": {"nodeIndex": node, "isMainNode": node == 0}, "tags": {}}
-        self._rewrite_batch(item, detail=False)
+        self._rewrite_batch(item, detail=False, job=job)
         with self.lock:
             container = {}
             if node < len(job.streams):
@@ -534,8 +535,8 @@ class Simulator:
     def _batch_CancelJob(self, call, body, forward, user_agent):
         return self._batch_TerminateJob(call, body, forward, user_agent, cancel=True)
 
-    def _rewrite_batch(self, item: dict[str, Any], detail: bool) -> None:
-        job = self.jobs.get(item.get("jobId", ""))
+    def _rewrite_batch(self, item: dict[str, Any], detail: bool, job: Job | None = None) -> None:
+        job = job or self.jobs.get(item.get("jobId", ""))
         if job is None:
             return
         with self.lock:
@@ -665,7 +666,8 @@ class Simulator:
                                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                         errors="replace", bufsize=1, start_new_session=True)
                 job.procs.append(proc)
-                threading.Thread(target=self._pump, args=(job, proc, sink), daemon=True).start()
+                job.pumps.append(threading.Thread(target=self._pump, args=(job, proc, sink), daemon=True))
+                job.pumps[-1].start()
             job.started_at = time.time()
         self._set(job, *(("InProgress", "Training") if sagemaker else ("RUNNING",)))
         runtime = (job.request.get("StoppingCondition", {}).get("MaxRuntimeInSeconds") if sagemaker
@@ -723,10 +725,12 @@ class Simulator:
                     log.exception("writing log lines to %s failed", sink.stream)
 
     def _finish(self, job: Job) -> None:
-        for proc in job.procs:   # the log pumps end with the processes; catch their last lines
-            proc.wait()
-        time.sleep(0.3)
-        for sink in [s for s in self.sinks if s.stream in job.streams]:
+        for pump in job.pumps:   # they end when the container's output closes: its last lines
+            pump.join(10)
+        with self.lock:
+            sinks = [s for s in self.sinks if s.stream in job.streams]
+            self.sinks = [s for s in self.sinks if s not in sinks]
+        for sink in sinks:
             sink.flush()
         why, given = job.end_request or ("exit", "")
         tail = "\n".join(job.tail)
@@ -782,6 +786,7 @@ HOP_HEADERS = {"connection", "keep-alive", "proxy-connection", "transfer-encodin
 
 class ProxyHandler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"   # keep-alive, as botocore's connection pool expects
+    timeout = 300                   # an idle keep-alive connection gives its thread back
     fake: FakeAws
 
     def log_message(self, fmt: str, *args: Any) -> None:
@@ -884,6 +889,7 @@ class ProxyHandler(BaseHTTPRequestHandler):
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
     block_on_close = False   # a held "timeout" connection must not block stop()
+    request_queue_size = 128  # every Airflow process and its connection pool, at once
 
 
 class FakeAws:
