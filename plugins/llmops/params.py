@@ -180,6 +180,11 @@ def lifecycle_params() -> dict[str, Any]:
                            description="The team the run belongs to (lowercase letters and digits): "
                                        "AWS Batch fair-share identifier, HyperPod namespace and "
                                        "queue, a tag on every job. Empty = none.")
+    params["force_rerun"] = Param(False, type="boolean",
+                                  description="Run every stage's job afresh, even one that already "
+                                              "succeeded in this DAG run (a cleared task normally "
+                                              "reattaches to its job). Retries still reattach to "
+                                              "the job the forced try started.")
     params["priority"] = Param(None, type=["null", "integer"], minimum=0, maximum=9999,
                                description="Scheduling priority, higher first: AWS Batch "
                                            "schedulingPriorityOverride, HyperPod priority class. "

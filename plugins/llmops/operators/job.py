@@ -4,17 +4,36 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
 import time
 from typing import Any, Callable
 
 from airflow.sdk import BaseOperator, conf
-from airflow.sdk.exceptions import AirflowException, AirflowFailException
+from airflow.sdk.exceptions import AirflowException, AirflowFailException, AirflowTaskTimeout
 
 from llmops import tracking
-from llmops.jobs.backends import JobState, JobStatus, get_backend
+from llmops.jobs.backends import Backend, JobState, JobStatus, get_backend
+from llmops.jobs.errors import Backoff
 from llmops.jobs.spec import JobSpec, JobSpecError, job_name
+from llmops.jobs.watch import JobWatch, Step, call_with_retries
 
 LOG_TAIL_LINES = 40
+# Backends whose jobs run on the worker itself: waited for there, and stopped with the task.
+WORKER_BACKENDS = frozenset({"local"})
+# Airflow's deadline = max_run_seconds + this, from the job's start (see llmops.jobs.watch). The
+# service enforces max_run_seconds itself; the local backend has only Airflow's deadline.
+DEFAULT_GRACE_SECONDS = 30 * 60
+# The task state store key of the job a task instance started (kept across tries and clears).
+STATE_KEY = "llmops_job"
+# How often the worker wait saves its log cursor to the task state store.
+CHECKPOINT_SECONDS = 600
+# Task states in which a SIGTERM is not the user's doing: the worker is going away, or Airflow
+# lost its heartbeat and will retry. The job keeps running and the next try reattaches.
+NOT_ENDED_BY_USER = frozenset({"running", "queued", "scheduled", "deferred", "up_for_retry",
+                               "up_for_reschedule"})
+STATE_LOOKUP_SECONDS = 3.0
+# Spec fields that do not change what the job computes: left out of the job's identity.
+NOT_IDENTITY = ("name", "tags", "mlflow_experiment", "mlflow_parent_run_id")
 
 
 class JobOperator(BaseOperator):
@@ -22,21 +41,58 @@ class JobOperator(BaseOperator):
 
     Give either `spec` (a JobSpec or its dict) or `build_spec(**op_kwargs)`, which builds the spec
     at run time from upstream results (both `spec` and `op_kwargs` are templated, so XComArgs and
-    mapping work). The job's name is derived from the task's identity and the spec's content: a
-    retried task reattaches to the job its earlier try started, instead of running it twice.
+    mapping work).
+
+    **Which job.** The job's name is derived from the task instance (dag, run, task, map index) and
+    everything that changes the job: entrypoint, argv, config, image, instance type and count,
+    processes per node, env (but the MLFLOW_* variables the operator adds), inputs, output and
+    checkpoint URIs, max_run_seconds, and the backend's settings (`Backend.fingerprint`). A retry
+    or a clear of the task reattaches to the job an earlier try started (running: it is watched
+    again; succeeded: its result is returned); a failed or stopped one is submitted again under the
+    same name (the backend starts a new attempt, which resumes from its checkpoints). Change any of
+    those and the next run starts a new job. The job's handle is also kept in Airflow's task state
+    store right after submit, so a later try finds exactly that job; without the store (Airflow
+    before 3.3, `airflow dags test`) the deterministic name alone does it.
+
+    **force_rerun** (argument, templated, or the DAG run's `force_rerun` Param when the argument is
+    None): the first try of a task instance, and the first try after each clear, submits a fresh
+    job instead of reattaching to one that ran before. Retries within that sequence of tries (a
+    worker lost, a failed try) reattach to the job the forced try started: the name is salted with
+    the sequence's first try number (`max_tries - retries + 1`, which a clear moves on and a retry
+    does not). It has no effect on a spec with an explicit `name`.
+
+    **Where it waits.** `deferrable=None` (the default) defers every job but the local backend's
+    to the triggerer, so a days-long job holds no worker slot; local jobs run on the worker and are
+    waited for there. True/False decide for every backend; `[llmops] defer_remote_jobs = False`
+    turns the default off for a deployment without a triggerer.
+
+    **When the job is stopped.** Only when its deadline passes (`max_run_seconds` plus
+    `deadline_grace_seconds` from when it started running: time queued does not count), when the
+    task's `execution_timeout` passes, or when a user ends the task (mark failed or success, clear).
+    Never because an API call failed (transient errors are retried with backoff; others fail the
+    task and leave the job running) or because the worker goes away: a SIGTERM while the task is
+    still running in Airflow (worker shutdown, lost heartbeat) leaves the remote job running for
+    the next try. Local jobs are stopped with the task, since they run on the worker.
+
+    `poll_interval=None` uses the handle's `poll_interval` (the backend's settings), else the
+    backend class's. `deadline_grace_seconds=None` uses the handle's (the backend's settings), else
+    30 minutes (0 for local jobs, which have no other limit).
 
     With the spec's MLflow parent run set, the operator opens (or on retry re-opens) the task's
-    child run, tags it, and hands its id to the job, which logs into it.
+    child run, tags it, and hands its id to the job, which logs into it. The run is ended when the
+    job ends or is stopped; it stays RUNNING while the job runs unwatched between tries.
     """
 
-    template_fields = ("spec", "op_kwargs")
+    template_fields = ("spec", "op_kwargs", "force_rerun")
     ui_color = "#e8f1ff"
 
     def __init__(self, *, spec: JobSpec | dict | None = None,
                  build_spec: Callable[..., JobSpec | dict] | None = None,
                  op_kwargs: dict[str, Any] | None = None,
-                 deferrable: bool = conf.getboolean("operators", "default_deferrable", fallback=False),
-                 poll_interval: float = 2.0, **kwargs: Any):
+                 deferrable: bool | None = None,
+                 poll_interval: float | None = None,
+                 deadline_grace_seconds: float | None = None,
+                 force_rerun: bool | str | None = None, **kwargs: Any):
         super().__init__(**kwargs)
         if (spec is None) == (build_spec is None):
             raise ValueError("JobOperator needs exactly one of spec= or build_spec=.")
@@ -45,63 +101,119 @@ class JobOperator(BaseOperator):
         self.op_kwargs = op_kwargs or {}
         self.deferrable = deferrable
         self.poll_interval = poll_interval
+        self.deadline_grace_seconds = deadline_grace_seconds
+        self.force_rerun = force_rerun
         self._handle: dict[str, Any] | None = None
+        self._ti: Any = None
+        self._run_id = ""
+        self._parent_run_id = ""
+        self._job_stopped = False
 
     # -- execute -----------------------------------------------------------------------------
     def execute(self, context: Any) -> dict[str, Any]:
+        self._ti = context["ti"]
         spec = self._prepare(context)
         backend = get_backend(spec.backend)
-        self._handle = backend.submit(spec)
-        verb = "Reattached to" if self._handle.get("reattached") else "Submitted"
-        self.log.info("%s %s job %s on backend %s", verb, spec.stage, spec.name, spec.backend)
-        run_id = spec.env.get("MLFLOW_RUN_ID", "")
-        deadline = time.time() + spec.max_run_seconds
-        if self.deferrable:
-            from llmops.triggers.job import JobTrigger
-
-            self.defer(trigger=JobTrigger(handle=self._handle, poll_interval=self.poll_interval,
-                                          deadline=deadline,
-                                          context={"stage": spec.stage, "mlflow_run_id": run_id,
-                                                   "parent_run_id": spec.mlflow_parent_run_id}),
-                       method_name="execute_complete")
+        store = context.get("task_state_store")
+        self._run_id = run_id = spec.env.get("MLFLOW_RUN_ID", "")
+        self._parent_run_id = spec.mlflow_parent_run_id
         try:
-            status = self._wait(backend, deadline)
-        except BaseException:
-            # Task timeout, SIGTERM, a crash of ours: never leave the job running unwatched.
-            backend.stop(self._handle)
+            record = self._submit_or_reattach(backend, spec, store)
+            watch_kwargs = {"poll_interval": self._poll_interval(backend),
+                            "max_run_seconds": spec.max_run_seconds,
+                            "grace_seconds": self._grace_seconds(),
+                            "log_cursor": record.get("log_cursor"),
+                            "started_at": record.get("started_at")}
+            if self._defers(spec):
+                from llmops.triggers.job import JobTrigger
+
+                # Airflow does not apply execution_timeout to a deferred task: the trigger does.
+                task_deadline = (time.time() + self.execution_timeout.total_seconds()
+                                 if self.execution_timeout else None)
+                self.defer(trigger=JobTrigger(handle=self._handle, task_deadline=task_deadline,
+                                              context={"stage": spec.stage, "mlflow_run_id": run_id,
+                                                       "parent_run_id": spec.mlflow_parent_run_id},
+                                              **watch_kwargs),
+                           method_name="execute_complete")
+            status = self._wait(JobWatch(backend, self._handle, **watch_kwargs), store)
+        except AirflowTaskTimeout:
+            # The task's own execution_timeout: the user's limit for this task, job included.
+            # (The task runner calls on_kill next, which then has nothing left to do.)
+            self._stop_job("the task's execution_timeout passed")
             raise
-        return self._finish(context, status, spec.stage, run_id, spec.mlflow_parent_run_id)
+        return self._finish(context, status, spec.stage, run_id)
 
     def execute_complete(self, context: Any, event: dict[str, Any]) -> dict[str, Any]:
+        self._ti = context["ti"]
         self._handle = handle = event["handle"]
-        status = get_backend(handle["backend"]).status(handle)
-        if event.get("state") == "timeout":
+        self._run_id = event.get("mlflow_run_id", "")
+        self._parent_run_id = event.get("parent_run_id", "")
+        state = event.get("state")
+        store = context.get("task_state_store")
+        if state == "progress":
+            # The trigger checkpoints its log cursor (and the job's start) by handing them back:
+            # a triggerer restart resumes from here instead of replaying the whole log. Nothing is
+            # submitted or read; the task is deferred again at once.
+            from llmops.triggers.job import JobTrigger
+
+            self._remember(store, log_cursor=event.get("log_cursor"), started_at=event.get("started_at"))
+            self.defer(trigger=JobTrigger(**event["trigger"]), method_name="execute_complete")
+        if state == "error":  # the status could not be read: fail the try, leave the job running
+            self._fail_parent_if_last_try(context["ti"])
+            raise AirflowException(event["message"])
+        if state == "task_timeout":  # the trigger stopped the job at the task's execution_timeout
+            self._job_stopped = True
+            self._end_run(self._run_id, "KILLED")
+            raise AirflowTaskTimeout(event["message"])
+        if state == "timeout":
+            self._job_stopped = True
             status = JobStatus(JobState.STOPPED, event["message"])
-        return self._finish(context, status, event["stage"], event["mlflow_run_id"],
-                            event.get("parent_run_id", ""))
+        else:
+            backend = get_backend(handle["backend"])
+            status = call_with_retries(lambda: backend.status(handle), "read the job's final status",
+                                       logger=self.log)
+        return self._finish(context, status, event["stage"], self._run_id)
 
     def on_kill(self) -> None:
-        if self._handle:
-            self.log.info("Stopping job %s", self._handle["name"])
-            get_backend(self._handle["backend"]).stop(self._handle)
+        """Called on SIGTERM (a user ending the task, or the worker going away) and on timeout."""
+        handle = self._handle
+        if not handle or self._job_stopped:
+            return
+        if handle["backend"] in WORKER_BACKENDS:
+            self._stop_job("the task was killed")
+            return
+        known, state = self._task_state_now()
+        if not known or state in NOT_ENDED_BY_USER:
+            self.log.warning(
+                "The task's process is being terminated while the task is %s in Airflow (a worker "
+                "shutting down, or a lost heartbeat): job %s keeps running, and the next try "
+                "reattaches to it. Mark the task failed to stop the job.",
+                state if known else "in an unknown state", handle["name"])
+            return
+        self._stop_job(f"the task was set to {state}")
 
-    # -- helpers -----------------------------------------------------------------------------
+    # -- submit or reattach ------------------------------------------------------------------
     def _prepare(self, context: Any) -> JobSpec:
         try:
             raw = self.spec if self.build_spec is None else self.build_spec(**self.op_kwargs)
             spec = raw if isinstance(raw, JobSpec) else JobSpec.from_dict(raw)
+            backend = get_backend(spec.backend)
         except (JobSpecError, ValueError) as exc:
             raise AirflowFailException(f"Invalid job spec for task {self.task_id}: {exc}") from exc
         ti = context["ti"]
         identity = {"dag_id": ti.dag_id, "run_id": ti.run_id, "task_id": ti.task_id,
                     "map_index": str(ti.map_index)}
+        salt = self._rerun_salt(context)
         if not spec.name:
-            content = hashlib.sha256(json.dumps(
-                [spec.entrypoint, spec.argv, spec.config], sort_keys=True, default=str).encode()
-            ).hexdigest()
             prefix = ti.task_id if ti.map_index < 0 else f"{ti.task_id}-{ti.map_index}"
-            spec = spec.replace(name=job_name(*identity.values(), content, prefix=prefix))
+            spec = spec.replace(name=job_name(*identity.values(),
+                                              job_identity(spec, backend.fingerprint(spec)),
+                                              *([salt] if salt else []), prefix=prefix))
+        elif salt:
+            self.log.warning("force_rerun has no effect on a spec with an explicit name (%s).",
+                             spec.name)
         if spec.mlflow_parent_run_id:
+            # Found again on every try by the task's identity: one child run per task instance.
             run_id = tracking.start_child_run(
                 experiment=spec.mlflow_experiment, parent_run_id=spec.mlflow_parent_run_id,
                 stage=spec.stage, identity=identity,
@@ -112,42 +224,214 @@ class JobOperator(BaseOperator):
                                      "MLFLOW_EXPERIMENT_NAME": spec.mlflow_experiment})
         return spec
 
-    def _wait(self, backend: Any, deadline: float) -> JobStatus:
-        cursor = None
-        while True:
-            lines, cursor = backend.read_logs(self._handle, cursor)
-            for line in lines:
-                self.log.info("[job] %s", line)
-            status = backend.status(self._handle)
-            if status.state.terminal:
-                lines, cursor = backend.read_logs(self._handle, cursor)
-                for line in lines:
-                    self.log.info("[job] %s", line)
-                return status
-            if time.time() > deadline:
-                backend.stop(self._handle)
-                return JobStatus(JobState.STOPPED, "the job ran past its max_run_seconds and was stopped")
-            time.sleep(self.poll_interval)
+    def _rerun_salt(self, context: Any) -> str:
+        """"" normally; with force_rerun, a value that a clear changes and a retry keeps."""
+        force = self.force_rerun
+        if force is None:
+            force = (context.get("params") or {}).get("force_rerun")
+        if not _as_bool(force):
+            return ""
+        ti = context["ti"]
+        first_try = int(getattr(ti, "max_tries", 0) or 0) - int(self.retries or 0) + 1
+        return f"rerun-{first_try}"
 
-    def _finish(self, context: Any, status: JobStatus, stage: str, mlflow_run_id: str,
-                parent_run_id: str = "") -> dict[str, Any]:
+    def _submit_or_reattach(self, backend: Backend, spec: JobSpec, store: Any) -> dict[str, Any]:
+        """Set self._handle; return the stored record of the job (cursor, start) or {}."""
+        record = self._recall(store)
+        if record.get("name") == spec.name and record.get("handle"):
+            handle = record["handle"]
+            try:
+                status = call_with_retries(lambda: backend.status(handle),
+                                           "read the status of the job an earlier try started",
+                                           poll_interval=self._poll_interval(backend, handle),
+                                           logger=self.log)
+            except Exception as exc:  # noqa: BLE001 - e.g. the job was deleted: submit by name
+                self.log.warning("Job %s recorded by an earlier try cannot be read (%s: %s); "
+                                 "submitting by name.", spec.name, type(exc).__name__, exc)
+            else:
+                if not status.state.terminal or status.state is JobState.SUCCEEDED:
+                    self._handle = {**handle, "reattached": True}
+                    self.log.info("Reattached to %s job %s (recorded by try %s, now %s) on backend %s",
+                                  spec.stage, spec.name, record.get("try_number", "?"),
+                                  status.state.value, spec.backend)
+                    if record.get("log_cursor") is not None:
+                        self.log.info("Its log continues where the earlier try left off; the "
+                                      "lines before are in that try's log.")
+                    return record
+        self._handle = backend.submit(spec)
+        verb = "Reattached to" if self._handle.get("reattached") else "Submitted"
+        self.log.info("%s %s job %s on backend %s", verb, spec.stage, spec.name, spec.backend)
+        record = {"name": spec.name, "handle": self._handle, "try_number": self._ti.try_number}
+        self._save(store, record)
+        return record
+
+    # -- the task state store: best effort, the job name is the fallback ---------------------
+    def _recall(self, store: Any) -> dict[str, Any]:
+        if store is None:
+            return {}
+        try:
+            record = store.get(STATE_KEY)
+        except Exception as exc:  # noqa: BLE001
+            self.log.warning("Could not read the task state store (%s); finding the job by name.", exc)
+            return {}
+        return record if isinstance(record, dict) else {}
+
+    def _save(self, store: Any, record: dict[str, Any]) -> None:
+        if store is None:
+            return
+        try:
+            store.set(STATE_KEY, record)
+        except Exception as exc:  # noqa: BLE001 - a retry still finds the job by name
+            self.log.warning("Could not write job %s to the task state store: %s",
+                             record.get("name"), exc)
+
+    def _remember(self, store: Any, **changes: Any) -> None:
+        record = self._recall(store)
+        if record.get("handle", {}).get("name") == (self._handle or {}).get("name"):
+            self._save(store, {**record, **{k: v for k, v in changes.items() if v is not None}})
+
+    # -- wait --------------------------------------------------------------------------------
+    def _poll_interval(self, backend: Backend, handle: dict[str, Any] | None = None) -> float:
+        if self.poll_interval is not None:
+            return float(self.poll_interval)
+        handle = handle if handle is not None else (self._handle or {})
+        return float(handle.get("poll_interval") or backend.poll_interval)
+
+    def _grace_seconds(self) -> float:
+        if self.deadline_grace_seconds is not None:
+            return float(self.deadline_grace_seconds)
+        handle = self._handle or {}
+        if handle.get("deadline_grace_seconds") is not None:
+            return float(handle["deadline_grace_seconds"])
+        return 0.0 if handle.get("backend") in WORKER_BACKENDS else float(DEFAULT_GRACE_SECONDS)
+
+    def _defers(self, spec: JobSpec) -> bool:
+        if self.deferrable is not None:
+            return bool(self.deferrable)
+        if spec.backend in WORKER_BACKENDS:
+            return False
+        return conf.getboolean("llmops", "defer_remote_jobs", fallback=True)
+
+    def _wait(self, watch: JobWatch, store: Any) -> JobStatus:
+        saved_at, saved_cursor = time.monotonic(), watch.log_cursor
+        while True:
+            step = watch.poll()
+            self._show(step)
+            if step.started or (watch.log_cursor != saved_cursor
+                                and time.monotonic() - saved_at > CHECKPOINT_SECONDS):
+                self._remember(store, log_cursor=watch.log_cursor, started_at=watch.started_at)
+                saved_at, saved_cursor = time.monotonic(), watch.log_cursor
+            if step.error:
+                self._fail_parent_if_last_try(self._ti)
+                raise AirflowException(step.error)
+            if step.done:
+                self._job_stopped = step.stopped
+                return step.status
+            time.sleep(step.delay)
+
+    def _show(self, step: Step) -> None:
+        for warning in step.warnings:
+            self.log.warning("%s", warning)
+        for line in step.lines:
+            self.log.info("[job] %s", line)
+
+    # -- end ---------------------------------------------------------------------------------
+    def _stop_job(self, reason: str) -> None:
+        """Stop the job now; a few quick retries, since the task is on its way out."""
+        handle = self._handle
+        if not handle or self._job_stopped:
+            return
+        self.log.info("Stopping job %s: %s", handle["name"], reason)
+        backend = get_backend(handle["backend"])
+        try:
+            call_with_retries(lambda: backend.stop(handle), "stop the job", attempts=3,
+                              backoff=Backoff(base=0.5, cap=2.0), logger=self.log)
+        except Exception as exc:  # noqa: BLE001 - never hide why the task is ending
+            self.log.error("Could not stop job %s (%s: %s): stop it by hand.", handle["name"],
+                           type(exc).__name__, exc)
+            return
+        self._job_stopped = True
+        self._end_run(self._run_id, "KILLED")
+
+    def _task_state_now(self) -> tuple[bool, str | None]:
+        """(True, the task instance's state in Airflow's DB now) or (False, None) if unknown.
+
+        Asked from a thread with a timeout: on_kill runs in the SIGTERM handler, which may have
+        interrupted a call to the supervisor that holds its lock.
+        """
+        ti = self._ti
+        if ti is None:
+            return False, None
+        answer: dict[str, Any] = {}
+
+        def ask() -> None:
+            try:
+                from airflow.sdk.execution_time.task_runner import RuntimeTaskInstance
+
+                states = RuntimeTaskInstance.get_task_states(
+                    dag_id=ti.dag_id, task_ids=[ti.task_id], run_ids=[ti.run_id],
+                    map_index=ti.map_index)
+                key = ti.task_id if ti.map_index < 0 else f"{ti.task_id}_{ti.map_index}"
+                state = states.get(ti.run_id, {}).get(key)
+                answer["state"] = getattr(state, "value", state)
+            except Exception as exc:  # noqa: BLE001
+                answer["error"] = exc
+
+        thread = threading.Thread(target=ask, daemon=True)
+        thread.start()
+        thread.join(STATE_LOOKUP_SECONDS)
+        if "state" not in answer:
+            self.log.warning("Could not ask Airflow for the task's state: %s",
+                             answer.get("error", "no answer in time"))
+            return False, None
+        return True, answer["state"]
+
+    def _end_run(self, run_id: str, status: str) -> None:
+        if not run_id:
+            return
+        try:
+            tracking.end_run(run_id, status)
+        except Exception as exc:  # noqa: BLE001 - MLflow being down must not decide the task
+            self.log.warning("Could not mark MLflow run %s %s: %s", run_id, status, exc)
+
+    def _fail_parent_if_last_try(self, ti: Any) -> None:
+        if self._parent_run_id and ti.try_number > self.retries:
+            # The last try failed: the lifecycle run as a whole has failed, say so in MLflow.
+            self._end_run(self._parent_run_id, "FAILED")
+
+    def _finish(self, context: Any, status: JobStatus, stage: str, mlflow_run_id: str) -> dict[str, Any]:
         name = self._handle["name"]
         if status.state is JobState.SUCCEEDED:
             result = dict(status.result or {})
             result.update(job_name=name, backend=self._handle["backend"], mlflow_run_id=mlflow_run_id)
-            if mlflow_run_id:
-                tracking.end_run(mlflow_run_id, "FINISHED")
+            self._end_run(mlflow_run_id, "FINISHED")
             metrics = result.get("metrics", {})
             self.log.info("%s job %s succeeded: %s", stage, name,
                           ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                                     for k, v in sorted(metrics.items())))
             return result
-        if mlflow_run_id:
-            tracking.end_run(mlflow_run_id, "KILLED" if status.state is JobState.STOPPED else "FAILED")
-        if parent_run_id and context["ti"].try_number > self.retries:
-            # The last try failed: the lifecycle run as a whole has failed, say so in MLflow.
-            tracking.end_run(parent_run_id, "FAILED")
-        tail = get_backend(self._handle["backend"]).read_logs(self._handle, 0)[0][-LOG_TAIL_LINES:]
+        self._end_run(mlflow_run_id, "KILLED" if status.state is JobState.STOPPED else "FAILED")
+        self._fail_parent_if_last_try(context["ti"])
+        try:
+            tail = get_backend(self._handle["backend"]).log_tail(self._handle, LOG_TAIL_LINES)
+        except Exception as exc:  # noqa: BLE001 - the failure itself is what matters
+            tail = [f"(could not read the log: {type(exc).__name__}: {exc})"]
         raise AirflowException(
             f"{stage} job {name} {status.state.value}: {status.message}.\n"
             f"Last lines of its log:\n" + "\n".join(tail))
+
+
+def job_identity(spec: JobSpec, fingerprint: str = "") -> str:
+    """A hash of everything that changes what the job is (see JobOperator: "Which job")."""
+    data = {k: v for k, v in spec.to_dict().items() if k not in NOT_IDENTITY}
+    # The MLFLOW_* variables are added per try (run id, tracking URI); the child run they name is
+    # found by the task's identity, which is in the name already.
+    data["env"] = {k: v for k, v in spec.env.items() if not k.startswith("MLFLOW_")}
+    data["backend_settings"] = fingerprint
+    return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _as_bool(value: Any) -> bool:
+    if isinstance(value, str):  # a templated "{{ params.force_rerun }}" renders as text
+        return value.strip().lower() in ("1", "true", "yes", "on")
+    return bool(value)

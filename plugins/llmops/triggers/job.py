@@ -9,51 +9,150 @@ from typing import Any, AsyncIterator
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
 from llmops.jobs.backends import get_backend
+from llmops.jobs.errors import Backoff
+from llmops.jobs.watch import JobWatch, call_with_retries
+
+# A checkpoint hands the log cursor back to the task, which defers again from it at once: a
+# triggerer restart replays at most the lines since the last one. It costs the task a worker slot
+# for a second, so it is taken every CHECKPOINT_SECONDS while lines come in, or sooner once
+# CHECKPOINT_LINES lines came in (but not more often than every MIN_CHECKPOINT_SECONDS).
+CHECKPOINT_SECONDS = 600
+CHECKPOINT_LINES = 2000
+MIN_CHECKPOINT_SECONDS = 120
 
 
 class JobTrigger(BaseTrigger):
     """Polls a backend until the job ends, streaming its log lines into the task log.
 
-    The deadline is the job's own max run time, not a fixed number of polls: pretraining may run
-    for days. Past it the job is stopped. A user killing the task stops the job (`on_kill`); a
-    triggerer restart does not (the trigger is simply resumed elsewhere).
+    Each poll is one `JobWatch.poll()` (llmops.jobs.watch), the same step the worker wait runs:
+    transient API errors are retried with backoff, log errors skipped, and the deadline
+    (`max_run_seconds + grace_seconds` from `started_at`) stops the job. `task_deadline` (epoch
+    seconds) is the task's execution_timeout, which Airflow does not apply while a task is deferred:
+    past it the job is stopped and the task fails with a timeout.
+
+    Events (the first one ends the trigger): the job's final state (`succeeded`, `failed`,
+    `stopped`), `timeout` (its deadline passed and it was stopped), `task_timeout`, `error` (its
+    status cannot be read; the job is left running), and `progress`: a checkpoint carrying this
+    trigger's kwargs with the current log cursor and start time, from which the task defers again.
+    The first sight of the job's start is checkpointed at once, so a restarted trigger keeps the
+    same deadline.
+
+    A user ending the task (mark failed or success, clear) stops the job (`on_kill`). A triggerer
+    restart or shutdown does not: Airflow 3.3 calls `on_kill` only when the trigger is no longer
+    wanted, and the trigger is resumed elsewhere from its serialized kwargs.
     """
 
-    def __init__(self, handle: dict[str, Any], poll_interval: float = 5.0,
-                 deadline: float | None = None, log_cursor: Any = None,
-                 context: dict[str, Any] | None = None):
+    def __init__(self, handle: dict[str, Any], poll_interval: float = 30.0,
+                 max_run_seconds: float | None = None, grace_seconds: float = 0.0,
+                 started_at: float | None = None, log_cursor: Any = None,
+                 task_deadline: float | None = None, context: dict[str, Any] | None = None,
+                 deadline: float | None = None):
         super().__init__()
         self.handle = handle
         self.context = context or {}  # handed back in the event: what the task resumes with
         self.poll_interval = poll_interval
-        self.deadline = deadline
+        self.max_run_seconds = max_run_seconds
+        self.grace_seconds = grace_seconds
+        self.started_at = started_at
         self.log_cursor = log_cursor
+        self.task_deadline = task_deadline
+        # An absolute deadline from submission: only in triggers deferred by an older version.
+        self.deadline = deadline
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
-        return ("llmops.triggers.job.JobTrigger",
-                {"handle": self.handle, "poll_interval": self.poll_interval,
-                 "deadline": self.deadline, "log_cursor": self.log_cursor,
-                 "context": self.context})
+        return ("llmops.triggers.job.JobTrigger", self._kwargs())
+
+    def _kwargs(self, **changes: Any) -> dict[str, Any]:
+        kwargs = {"handle": self.handle, "poll_interval": self.poll_interval,
+                  "max_run_seconds": self.max_run_seconds, "grace_seconds": self.grace_seconds,
+                  "started_at": self.started_at, "log_cursor": self.log_cursor,
+                  "task_deadline": self.task_deadline, "context": self.context}
+        if self.deadline is not None:
+            kwargs["deadline"] = self.deadline
+        return {**kwargs, **changes}
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         backend = get_backend(self.handle["backend"])
-        cursor = self.log_cursor
+        watch = JobWatch(backend, self.handle, poll_interval=self.poll_interval,
+                         max_run_seconds=self.max_run_seconds, grace_seconds=self.grace_seconds,
+                         log_cursor=self.log_cursor, started_at=self.started_at,
+                         fixed_deadline=self.deadline if self.max_run_seconds is None else None)
+        checkpoint_at, lines_since = time.monotonic(), 0
         while True:
-            lines, cursor = await asyncio.to_thread(backend.read_logs, self.handle, cursor)
-            for line in lines:
+            step = await asyncio.to_thread(watch.poll)
+            for warning in step.warnings:
+                self.log.warning("[%s] %s", self.handle["name"], warning)
+            for line in step.lines:
                 self.log.info("[%s] %s", self.handle["name"], line)
-            status = await asyncio.to_thread(backend.status, self.handle)
-            if status.state.terminal:
-                yield TriggerEvent({"state": status.state.value, "message": status.message,
-                                    "log_cursor": cursor, "handle": self.handle, **self.context})
+            lines_since += len(step.lines)
+            if step.error:
+                yield self._event(watch, "error", step.error)
                 return
-            if self.deadline is not None and time.time() > self.deadline:
-                await asyncio.to_thread(backend.stop, self.handle)
-                yield TriggerEvent({"state": "timeout", "log_cursor": cursor,
-                                    "handle": self.handle, **self.context,
-                                    "message": "the job ran past its max_run_seconds and was stopped"})
+            if step.done:
+                state = "timeout" if step.stopped else step.status.state.value
+                yield self._event(watch, state, step.status.message)
                 return
-            await asyncio.sleep(self.poll_interval)
+            if self.task_deadline is not None and time.time() > self.task_deadline:
+                await self._stop_quietly()
+                yield self._event(watch, "task_timeout",
+                                  f"the task's execution_timeout passed while it waited for job "
+                                  f"{self.handle['name']}, which was stopped")
+                return
+            since = time.monotonic() - checkpoint_at
+            if step.started or (lines_since and since >= CHECKPOINT_SECONDS) or (
+                    lines_since >= CHECKPOINT_LINES and since >= MIN_CHECKPOINT_SECONDS):
+                yield self._event(watch, "progress", "checkpoint",
+                                  trigger=self._kwargs(log_cursor=watch.log_cursor,
+                                                       started_at=watch.started_at))
+                return
+            await asyncio.sleep(step.delay)
+
+    def _event(self, watch: JobWatch, state: str, message: str, **extra: Any) -> TriggerEvent:
+        return TriggerEvent({"state": state, "message": message, "handle": self.handle,
+                             "log_cursor": watch.log_cursor, "started_at": watch.started_at,
+                             **self.context, **extra})
+
+    async def _stop(self) -> None:
+        """Stop the job, retrying transient errors a few times (Airflow bounds on_kill to 30 s)."""
+        backend = get_backend(self.handle["backend"])
+        await asyncio.to_thread(call_with_retries, lambda: backend.stop(self.handle),
+                                "stop the job", attempts=3, backoff=Backoff(base=0.5, cap=2.0),
+                                logger=self.log)
+
+    async def _stop_quietly(self) -> None:
+        try:
+            await self._stop()
+        except Exception:  # noqa: BLE001 - the task fails with the timeout either way
+            self.log.exception("Could not stop job %s: stop it by hand", self.handle["name"])
 
     async def on_kill(self) -> None:
-        await asyncio.to_thread(get_backend(self.handle["backend"]).stop, self.handle)
+        # Airflow 3.3 calls this only when the trigger is cancelled as no longer wanted, never on
+        # a triggerer restart or shutdown. "No longer wanted" is also what a live triggerer sees
+        # when its triggers were handed to another one (it missed heartbeats): the task is then
+        # still deferred, and the job must keep running.
+        state = await self._task_state()
+        if state == "deferred":
+            self.log.warning("The task is still deferred in Airflow (this trigger moved to another "
+                             "triggerer): job %s keeps running.", self.handle["name"])
+            return
+        self.log.info("The task was ended by a user (now %s): stopping job %s",
+                      state or "unknown", self.handle["name"])
+        await self._stop()
+
+    async def _task_state(self) -> str | None:
+        """The task instance's state in Airflow now, or None if it cannot be asked."""
+        ti = getattr(self, "task_instance", None)
+        if ti is None:
+            return None
+        try:
+            from airflow.sdk.execution_time.task_runner import RuntimeTaskInstance
+
+            states = await asyncio.wait_for(asyncio.to_thread(
+                RuntimeTaskInstance.get_task_states, dag_id=ti.dag_id, task_ids=[ti.task_id],
+                run_ids=[ti.run_id], map_index=ti.map_index), timeout=5)
+        except Exception as exc:  # noqa: BLE001 - unknown: a user's action is what Airflow says
+            self.log.warning("Could not ask Airflow for the task's state: %s", exc)
+            return None
+        key = ti.task_id if ti.map_index < 0 else f"{ti.task_id}_{ti.map_index}"
+        state = states.get(ti.run_id, {}).get(key)
+        return getattr(state, "value", state)

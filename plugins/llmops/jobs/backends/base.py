@@ -31,9 +31,16 @@ class JobStatus:
 
 
 class Backend(abc.ABC):
-    """A handle is a small JSON-able dict, so it survives deferral to the triggerer."""
+    """A handle is a small JSON-able dict, so it survives deferral to the triggerer.
+
+    A handle may carry `poll_interval` and `deadline_grace_seconds` (from the backend's settings):
+    the operator and the trigger use them over the class defaults.
+    """
 
     name: str
+    # Seconds between two polls of a job's status and log, unless the operator or the handle says
+    # otherwise. Remote services rate-limit describe and log calls per account.
+    poll_interval: float = 30.0
 
     @abc.abstractmethod
     def submit(self, spec: JobSpec) -> dict[str, Any]:
@@ -48,3 +55,19 @@ class Backend(abc.ABC):
     def read_logs(self, handle: dict[str, Any], cursor: Any = None) -> tuple[list[str], Any]:
         """New log lines since `cursor`, and the cursor to pass next time."""
         return [], cursor
+
+    def log_tail(self, handle: dict[str, Any], lines: int = 40) -> list[str]:
+        """The last `lines` lines of the job's log (shown when it fails).
+
+        This default reads the whole log; backends whose logs can be read from the end override it.
+        """
+        return self.read_logs(handle, None)[0][-lines:] if lines > 0 else []
+
+    def fingerprint(self, spec: JobSpec) -> str:
+        """A hash of the backend settings this spec's job is built from (e.g. the resolved stage
+        settings block: role, subnets, queue, image defaults), or "" when there are none.
+
+        It is part of the job's name: when an admin changes those settings, the next run of the
+        task starts a new job instead of reattaching to one built from the old settings.
+        """
+        return ""

@@ -32,6 +32,7 @@ def _write_atomic(path: Path, text: str) -> None:
 
 class LocalBackend(Backend):
     name = "local"
+    poll_interval = 2.0  # a local process is cheap to watch: its log and exit code are files
 
     def __init__(self, jobs_dir: str | os.PathLike | None = None):
         self.jobs_dir = Path(jobs_dir or settings.home() / "jobs")

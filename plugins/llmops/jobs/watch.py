@@ -1,0 +1,178 @@
+"""One poll of a running job: the logic the worker wait and the trigger share.
+
+`JobWatch.poll()` reads the job's new log lines and its status once and says what to do next:
+show these lines and wait `delay` seconds, or stop waiting (the job ended, or it ran past its
+deadline and was stopped), or fail the wait without touching the job. The worker calls it in a
+loop with `time.sleep`; the trigger runs the same call in a thread between `asyncio.sleep`s.
+
+Rules it implements, so both places keep them alike:
+
+- a log read never fails the wait: its error is logged and skipped, the cursor kept;
+- a transient status error (throttling, 5xx, a dropped connection) is retried for as long as the
+  job may be running, waiting the poll interval plus an exponential, jittered backoff;
+- any other status error fails the wait but leaves the job running: the next try reattaches;
+- the deadline is `max_run_seconds + grace` counted from when the job *started running*, so time
+  spent queued for capacity does not eat into the run. Backends report the start as
+  `JobStatus.details["started_at"]` (epoch seconds); for one that does not, the first poll that
+  sees the job RUNNING stands in. The service enforces the job's own limit; Airflow's deadline is
+  the safety net for a service that does not, hence the grace.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from llmops.jobs.backends.base import Backend, JobState, JobStatus
+from llmops.jobs.errors import Backoff, is_transient
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Step:
+    lines: list[str] = field(default_factory=list)  # new log lines, to show now
+    delay: float = 0.0                  # wait this long before the next poll (when not done)
+    status: JobStatus | None = None     # set when done: the job's final status
+    error: str = ""                     # set when the wait must fail (the job is left running)
+    warnings: list[str] = field(default_factory=list)  # retried or skipped errors, to log
+    started: bool = False               # started_at became known (or changed) in this poll
+    stopped: bool = False               # this watch stopped the job (its deadline passed)
+
+    @property
+    def done(self) -> bool:
+        return self.status is not None
+
+
+class JobWatch:
+    def __init__(self, backend: Backend, handle: dict[str, Any], *, poll_interval: float,
+                 max_run_seconds: float | None, grace_seconds: float = 0.0,
+                 log_cursor: Any = None, started_at: float | None = None,
+                 fixed_deadline: float | None = None, backoff: Backoff | None = None,
+                 clock: Callable[[], float] | None = None):
+        self.backend = backend
+        self.handle = handle
+        self.poll_interval = poll_interval
+        self.max_run_seconds = max_run_seconds
+        self.grace_seconds = grace_seconds
+        self.log_cursor = log_cursor
+        self.started_at = started_at
+        self.fixed_deadline = fixed_deadline  # a trigger deferred by an older version of this code
+        self.backoff = backoff or Backoff()
+        self.clock = clock or (lambda: time.time())  # looked up at call time (tests patch it)
+        self._stopping = False
+
+    @property
+    def deadline(self) -> float | None:
+        """When the job is stopped; None while it is queued (not started) and has no deadline."""
+        if self.fixed_deadline is not None:
+            return self.fixed_deadline
+        if self.started_at is None or self.max_run_seconds is None:
+            return None
+        return self.started_at + self.max_run_seconds + self.grace_seconds
+
+    def poll(self) -> Step:
+        step = Step()
+        if self._stopping:  # an earlier stop at the deadline hit a transient error: try again
+            return self._stop(step)
+        self._read_logs(step)
+        try:
+            status = self.backend.status(self.handle)
+        except Exception as exc:  # noqa: BLE001 - sorted into transient or not right here
+            return self._status_error(step, exc)
+        self.backoff.reset()
+        self._note_start(step, status)
+        if status.state.terminal:
+            self._read_logs(step)  # the last lines the job wrote before it ended
+            step.status = status
+            return step
+        deadline = self.deadline
+        if deadline is not None and self.clock() > deadline:
+            self._stopping = True
+            return self._stop(step)
+        step.delay = self.poll_interval
+        return step
+
+    # -- the pieces ------------------------------------------------------------------------------
+    def _read_logs(self, step: Step) -> None:
+        try:
+            lines, self.log_cursor = self.backend.read_logs(self.handle, self.log_cursor)
+        except Exception as exc:  # noqa: BLE001 - logs are a courtesy; the status decides
+            step.warnings.append(f"could not read the job's log, will try again: {_describe(exc)}")
+            return
+        step.lines.extend(lines)
+
+    def _status_error(self, step: Step, exc: Exception) -> Step:
+        if is_transient(exc):
+            deadline = self.deadline
+            if deadline is not None and self.clock() > deadline:
+                self._stopping = True  # the deadline holds even while the status cannot be read
+                return self._stop(step)
+            step.delay = self.poll_interval + self.backoff.next_delay()
+            step.warnings.append(f"could not read the job's status (attempt {self.backoff.attempt}), "
+                                 f"retrying in {step.delay:.0f}s: {_describe(exc)}")
+            return step
+        step.error = (f"could not read the status of job {self.handle.get('name')}: "
+                      f"{_describe(exc)}. The job was not stopped; a retry of this task "
+                      f"reattaches to it")
+        return step
+
+    def _note_start(self, step: Step, status: JobStatus) -> None:
+        reported = status.details.get("started_at")
+        if reported is not None:
+            if self.started_at != float(reported):
+                self.started_at = float(reported)
+                step.started = True
+        elif self.started_at is None and status.state is JobState.RUNNING:
+            self.started_at = self.clock()
+            step.started = True
+
+    def _stop(self, step: Step) -> Step:
+        try:
+            self.backend.stop(self.handle)
+        except Exception as exc:  # noqa: BLE001
+            if not is_transient(exc):
+                step.error = (f"job {self.handle.get('name')} ran past its deadline and could not "
+                              f"be stopped: {_describe(exc)}. Stop it by hand")
+                return step
+            step.delay = self.poll_interval + self.backoff.next_delay()
+            step.warnings.append(f"could not stop the job at its deadline, retrying in "
+                                 f"{step.delay:.0f}s: {_describe(exc)}")
+            return step
+        self._stopping = False
+        step.stopped = True
+        step.status = JobStatus(JobState.STOPPED, deadline_message(
+            self.max_run_seconds, self.grace_seconds, self.fixed_deadline is not None))
+        return step
+
+
+def deadline_message(max_run_seconds: float | None, grace_seconds: float, legacy: bool = False) -> str:
+    if legacy or max_run_seconds is None:
+        return "the job ran past its max_run_seconds and was stopped"
+    return (f"the job ran past its max_run_seconds ({max_run_seconds:.0f}s) plus a grace of "
+            f"{grace_seconds:.0f}s since it started, and was stopped")
+
+
+def call_with_retries(fn: Callable[[], Any], what: str, *, sleep: Callable[[float], None] | None = None,
+                      attempts: int | None = None, poll_interval: float = 0.0,
+                      backoff: Backoff | None = None, logger: Any = log) -> Any:
+    """`fn()`, retrying transient errors with the same backoff as a poll (forever by default)."""
+    backoff = backoff or Backoff()
+    tried = 0
+    while True:
+        try:
+            return fn()
+        except Exception as exc:  # noqa: BLE001
+            tried += 1
+            if not is_transient(exc) or (attempts is not None and tried >= attempts):
+                raise
+            delay = poll_interval + backoff.next_delay()
+            logger.warning("Could not %s (attempt %d), retrying in %.0fs: %s",
+                           what, tried, delay, _describe(exc))
+            (sleep or time.sleep)(delay)
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
