@@ -523,6 +523,30 @@ def test_a_restart_between_checkpoints_replays_only_the_lines_since_the_last_one
     assert job_lines(before)[0] == "line-10" and job_lines(after)[0] == "line-10"
 
 
+def test_a_saved_cursor_means_a_triggerer_killed_at_any_poll_shows_no_line_twice(use_backend, clock,
+                                                                                 tmp_path):
+    """The cursor is saved beside the job's result before its lines are shown: a restarted trigger
+    rebuilt from an old checkpoint resumes from the saved cursor, not from the checkpoint."""
+    running = JobStatus(JobState.RUNNING, details={"started_at": clock.now})
+    backend = use_backend(ScriptedBackend([running] * 3 + [TriggererDied()], lines=60))
+    backend.visible = 10
+    handle = {"backend": "fake", "name": "job-1", "result_uri": str(tmp_path / "job-1" / "result.json")}
+    checkpoint = trigger(handle=handle, started_at=clock.now, log_cursor=10)
+    before, after = Recorder(), Recorder()
+    checkpoint._log = before
+    with pytest.raises(TriggererDied):
+        run_trigger(checkpoint)
+    assert (tmp_path / "job-1" / "log-cursor.json").exists()
+    backend.statuses = [running] * 3 + [SUCCEEDED]
+    restarted = job_trigger.JobTrigger(**checkpoint.serialize()[1])  # still holds cursor 10
+    restarted._log = after
+    [payload] = run_trigger(restarted)
+    assert payload["state"] == "succeeded" and backend.stops == []
+    shown = job_lines(before) + job_lines(after)
+    assert shown == backend.all_lines[10:10 + len(shown)], "every line once, in order"
+    assert len(job_lines(after)) > 0
+
+
 def test_checkpoints_are_rare_when_nothing_is_logged(use_backend, clock):
     backend = use_backend(ScriptedBackend([RUNNING] * 100 + [SUCCEEDED], lines=0))
     [event] = run_trigger(trigger(started_at=clock.now))

@@ -11,6 +11,11 @@ Rules it implements, so both places keep them alike:
 - a transient status error (throttling, 5xx, a dropped connection) is retried for as long as the
   job may be running, waiting the poll interval plus an exponential, jittered backoff;
 - any other status error fails the wait but leaves the job running: the next try reattaches;
+- the log cursor is saved beside the job's result (`log-cursor.json` next to `result_uri`, on S3
+  or local disk) *before* the lines it covers are shown, and a new watch starts from the saved one:
+  a triggerer killed at any moment, a worker lost, or a retry that reattaches shows no line twice.
+  (A kill between the save and the log write loses those lines from the task log only; they stay
+  in the job's own log, CloudWatch or output.log.)
 - the deadline is `max_run_seconds + grace` counted from when the job *started running*, so time
   spent queued for capacity does not eat into the run. Backends report the start as
   `JobStatus.details["started_at"]` (epoch seconds); for one that does not, the first poll that
@@ -20,7 +25,9 @@ Rules it implements, so both places keep them alike:
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -63,6 +70,7 @@ class JobWatch:
         self.backoff = backoff or Backoff()
         self.clock = clock or (lambda: time.time())  # looked up at call time (tests patch it)
         self._stopping = False
+        self._cursor_loaded = False
 
     @property
     def deadline(self) -> float | None:
@@ -74,6 +82,17 @@ class JobWatch:
         return self.started_at + self.max_run_seconds + self.grace_seconds
 
     def poll(self) -> Step:
+        step = self._poll()
+        if step.lines:
+            # Saved as the last thing before the caller shows the lines: a watcher killed at any
+            # other moment (in a status call, a backoff, a sleep) shows none of them twice.
+            try:
+                save_log_cursor(self.handle, self.log_cursor)
+            except Exception as exc:  # noqa: BLE001 - a restart may then repeat these lines
+                step.warnings.append(f"could not save the log cursor: {_describe(exc)}")
+        return step
+
+    def _poll(self) -> Step:
         step = Step()
         if self._stopping:  # an earlier stop at the deadline hit a transient error: try again
             return self._stop(step)
@@ -98,6 +117,13 @@ class JobWatch:
     # -- the pieces ------------------------------------------------------------------------------
     def _read_logs(self, step: Step) -> None:
         try:
+            if not self._cursor_loaded:
+                # Newer than the cursor this watch was given whenever the last watcher died
+                # between two checkpoints: resume where it stopped, not where it was deferred.
+                saved = load_log_cursor(self.handle)
+                if saved is not None:
+                    self.log_cursor = saved
+                self._cursor_loaded = True
             lines, self.log_cursor = self.backend.read_logs(self.handle, self.log_cursor)
         except Exception as exc:  # noqa: BLE001 - logs are a courtesy; the status decides
             step.warnings.append(f"could not read the job's log, will try again: {_describe(exc)}")
@@ -146,6 +172,57 @@ class JobWatch:
         step.status = JobStatus(JobState.STOPPED, deadline_message(
             self.max_run_seconds, self.grace_seconds, self.fixed_deadline is not None))
         return step
+
+
+# -- the durable log cursor ---------------------------------------------------------------------
+
+LOG_CURSOR_FILE = "log-cursor.json"
+
+
+def log_cursor_uri(handle: dict[str, Any]) -> str:
+    """Where this job's log cursor is kept: beside its result (every backend's handle has one),
+    so it lives as long as the job's own records and needs no Airflow database."""
+    result = str(handle.get("result_uri") or "")
+    if not result or ("://" in result and not result.startswith("s3://")):
+        return ""
+    return result.rsplit("/", 1)[0] + "/" + LOG_CURSOR_FILE
+
+
+def load_log_cursor(handle: dict[str, Any]) -> Any:
+    uri = log_cursor_uri(handle)
+    if not uri:
+        return None
+    if uri.startswith("s3://"):
+        from llmops.aws import s3
+
+        data = s3.read_json(s3.s3_hook(handle.get("aws_conn_id") or None,
+                                       handle.get("region_name") or None), uri)
+    else:
+        try:
+            with open(uri) as fh:
+                data = json.load(fh)
+        except FileNotFoundError:
+            return None
+    return (data or {}).get("cursor")
+
+
+def save_log_cursor(handle: dict[str, Any], cursor: Any) -> None:
+    uri = log_cursor_uri(handle)
+    if not uri:
+        return
+    data = {"job_name": handle.get("job_name") or handle.get("name"), "cursor": cursor,
+            "saved_at": time.time()}
+    if uri.startswith("s3://"):
+        from llmops.aws import s3
+
+        s3.write_json(s3.s3_hook(handle.get("aws_conn_id") or None,
+                                 handle.get("region_name") or None), uri, data)
+        return
+    os.makedirs(os.path.dirname(uri), exist_ok=True)
+    tmp = f"{uri}.tmp"
+    with open(tmp, "w") as fh:
+        json.dump(data, fh, default=str)
+    os.replace(tmp, uri)
 
 
 def deadline_message(max_run_seconds: float | None, grace_seconds: float, legacy: bool = False) -> str:
