@@ -21,11 +21,12 @@ export PATH := $(VENV)/bin:$(PATH)
 export RAY_AUTH_MODE ?= disabled
 export MPLBACKEND ?= Agg
 
-.PHONY: help install demo test up airflow-db clean bench-data mwaa-bundle mwaa-check
+.PHONY: help install demo test chaos up airflow-db clean bench-data mwaa-bundle mwaa-check
 
 help:
 	@echo "make demo   - run the whole LLM lifecycle DAG locally (sets everything up first)"
-	@echo "make test   - run the test suite"
+	@echo "make test   - run the test suite (the fault matrix included)"
+	@echo "make chaos  - only the fault matrix; writes benchmarks/results/fault_matrix.json"
 	@echo "make up     - Airflow UI on :8080 and MLflow UI on :5000, to trigger runs with Params"
 	@echo "make clean  - remove local state (.llmops); keeps the venv"
 	@echo "make bench-data - data prep throughput against datatrove (creates .llmops/bench-venv)"
@@ -47,8 +48,14 @@ airflow-db: install
 demo: airflow-db
 	$(PY) scripts/demo.py
 
+# tests/test_fault_matrix.py (the fault matrix, ~10 min) is collected with the rest.
 test: install
 	$(PY) -m pytest tests
+
+# The fault matrix alone: a real Airflow deployment against moto behind a fault-injecting proxy
+# and job simulator (tests/chaos/); prints the table, writes benchmarks/results/fault_matrix.json.
+chaos: install
+	$(PY) -m tests.chaos.matrix --out benchmarks/results/fault_matrix.json
 
 up: airflow-db
 	$(PY) scripts/up.py

@@ -38,6 +38,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.parse
@@ -51,6 +52,10 @@ COMPONENTS = ("api-server", "scheduler", "dag-processor", "triggerer")
 HEALTH_KEYS = {"scheduler": "scheduler", "dag-processor": "dag_processor", "triggerer": "triggerer"}
 TERMINAL_TI = {"success", "failed", "skipped", "upstream_failed", "removed"}
 TERMINAL_RUN = {"success", "failed"}
+# SQLite connections wait this long for a lock instead of pysqlite's 5 s: with four components,
+# their task workers and two busy cores, a write can wait longer, and a scheduler that gets
+# "database is locked" exits. Read by Airflow through [database] sql_alchemy_connect_args.
+SQLITE_CONNECT_ARGS = {"timeout": 120}
 
 
 def free_port() -> int:
@@ -120,6 +125,9 @@ class AirflowDeployment:
         self.base = f"http://127.0.0.1:{self.port}"
         self.procs: dict[str, subprocess.Popen] = {}
         self.restarts: dict[str, int] = {c: 0 for c in COMPONENTS}
+        self.crashes: list[dict[str, Any]] = []   # components that exited on their own
+        self._lock = threading.RLock()            # restarts and revivals, one at a time
+        self._down: set[str] = set()              # killed on purpose, restarted by the caller
         self._token: str | None = None
         bin_dir = str(Path(sys.executable).parent)
         self.airflow = os.path.join(bin_dir, "airflow")
@@ -145,6 +153,8 @@ class AirflowDeployment:
             "AIRFLOW__API_AUTH__JWT_SECRET": secrets.token_urlsafe(32),
             "AIRFLOW__API_AUTH__JWT_EXPIRATION_TIME": "36000",
             "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{self.home / 'airflow.db'}",
+            "AIRFLOW__DATABASE__SQL_ALCHEMY_CONNECT_ARGS": f"{__name__}.SQLITE_CONNECT_ARGS",
+            "AIRFLOW__DATABASE__SQL_ALCHEMY_CONNECT_ARGS_ASYNC": f"{__name__}.SQLITE_CONNECT_ARGS",
             "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "5",
             "AIRFLOW__DAG_PROCESSOR__MIN_FILE_PROCESS_INTERVAL": "5",
             "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT": str(heartbeat_timeout),
@@ -198,6 +208,27 @@ class AirflowDeployment:
         path = self.workdir / "components" / f"{component}.log"
         return path.read_text(errors="replace")[-tail:] if path.exists() else ""
 
+    def exited(self) -> dict[str, int]:
+        """Components whose main process has exited on its own: {name: exit code}."""
+        return {name: proc.returncode for name, proc in self.procs.items() if proc.poll() is not None}
+
+    def revive(self) -> list[str]:
+        """Start again every component that exited on its own (not one we are restarting);
+        what was revived, with the tail of its log, for the caller to report."""
+        revived = []
+        with self._lock:
+            for name, code in self.exited().items():
+                if name in self._down:
+                    continue
+                tail = [line for line in self.component_log(name, 3000).splitlines() if line.strip()][-3:]
+                self.crashes.append({"component": name, "exit_code": code, "at": time.time(),
+                                     "log_tail": tail})
+                self.restarts[name] += 1
+                self._spawn(name)
+                revived.append(f"{name} exited with {code} and was started again: "
+                               + " / ".join(t[-200:] for t in tail))
+        return revived
+
     def pids(self, component: str) -> list[int]:
         proc = self.procs.get(component)
         return session_pids(proc.pid) if proc else []
@@ -206,6 +237,8 @@ class AirflowDeployment:
         """Signal a component: its whole session (a crash of its container, workers included),
         or only its main process (`whole_session=False`: a graceful stop it handles itself)."""
         proc = self.procs[component]
+        if sig in (signal.SIGKILL, signal.SIGTERM, signal.SIGINT):
+            self._down.add(component)
         targets = self.pids(component) if whole_session else [proc.pid]
         for pid in targets:
             try:
@@ -239,16 +272,19 @@ class AirflowDeployment:
                 wait: bool = True, timeout: float = 120) -> None:
         """Stop a component (`sig` to its main process, then SIGKILL to what is left of its
         session after `grace` s; `sig=None`: it was already killed) and start a new one."""
-        proc = self.procs[component]
-        if sig is not None and proc.poll() is None:
-            os.kill(proc.pid, sig)
-            try:
-                proc.wait(grace)
-            except subprocess.TimeoutExpired:
-                pass
-        self._end(component, grace=0)
-        self.restarts[component] += 1
-        self._spawn(component)
+        with self._lock:
+            proc = self.procs[component]
+            if sig is not None and proc.poll() is None:
+                os.kill(proc.pid, sig)
+                try:
+                    proc.wait(grace)
+                except subprocess.TimeoutExpired:
+                    pass
+            self._down.add(component)
+            self._end(component, grace=0)
+            self.restarts[component] += 1
+            self._spawn(component)
+            self._down.discard(component)
         if component == "api-server":
             self._token = None
         if wait:
@@ -258,6 +294,7 @@ class AirflowDeployment:
         """SIGINT to every component (the scheduler first, so no new task starts), then SIGKILL
         to whatever is left in their sessions."""
         order = ["scheduler", "triggerer", "dag-processor", "api-server"]
+        self._down.update(order)
         for component in order:
             proc = self.procs.get(component)
             if proc is not None and proc.poll() is None:

@@ -57,7 +57,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import hashlib
 import json
 import os
 import platform
@@ -112,20 +111,15 @@ def epoch(value: Any) -> float | None:
     return datetime.fromisoformat(str(value).replace("Z", "+00:00")).timestamp()
 
 
-def expected_base(dag_id: str, run_id: str, task_id: str, config: dict) -> str:
-    """The name JobOperator gives this task's job (plugins/llmops/operators/job.py)."""
-    from llmops.jobs.spec import job_name
-
-    content = hashlib.sha256(json.dumps([ENTRYPOINT, [], config], sort_keys=True,
-                                        default=str).encode()).hexdigest()
-    return job_name(dag_id, run_id, task_id, "-1", content, prefix=task_id)
-
-
 @dataclass
 class Run:
     dag_id: str
     run_id: str
-    bases: dict[str, set[str]] = field(default_factory=dict)   # task -> job name bases
+    bases: dict[str, set[str]] = field(default_factory=lambda: {t: set() for t in REMOTE_TASKS})
+
+    def label(self, task_id: str) -> str:
+        """What the numbered job prints as its first line (tests/dags/chaos_dags.py)."""
+        return f"{self.dag_id}/{self.run_id}/{task_id}"
 
 
 @dataclass
@@ -137,6 +131,8 @@ class Row:
     service_stopped: set[str] = field(default_factory=set)          # job names stopped by us
     seconds: float = 0.0
     error: str = ""
+    started_at: float = 0.0
+    ended_at: float = 0.0
 
 
 class Matrix:
@@ -148,6 +144,9 @@ class Matrix:
         self.chaos: Any = None
         self.dep: AirflowDeployment | None = None
         self.lock = threading.Lock()
+        self.labels: dict[str, tuple[str, str] | None] = {}   # job id -> (label, token) it printed
+        self.events: list[tuple[float, str]] = []  # what happened to the deployment on its own
+        self._watching = threading.Event()
 
     # -- setup -------------------------------------------------------------------------------
     def start(self) -> None:
@@ -160,6 +159,10 @@ class Matrix:
         self.chaos = ChaosClient(self.endpoint)
         self.chaos.clear()
         self.chaos.config(pending_seconds=self.pending_seconds)
+        import boto3
+
+        self.logs = boto3.client("logs", endpoint_url=self.aws.moto_url, region_name=REGION,
+                                 aws_access_key_id="testing", aws_secret_access_key="testing")
         self._aws_resources()
         dags = self.workdir / "dags"
         dags.mkdir(parents=True, exist_ok=True)
@@ -189,6 +192,17 @@ class Matrix:
         self.dep.start()
         for dag_id in (SMALL_DAG, WORKER_DAG, LIFECYCLE_DAG):
             self.dep.wait_dag(dag_id, timeout=180)
+        threading.Thread(target=self._watch, daemon=True, name="matrix-watchdog").start()
+
+    def _watch(self) -> None:
+        """A component that exits on its own (not one a row kills) is started again, and every
+        row running at the time gets a note: the row then measured that crash too."""
+        while not self._watching.wait(2):
+            assert self.dep is not None
+            for text in self.dep.revive():
+                print(f"[{time.strftime('%H:%M:%S')}] {text}", flush=True)
+                with self.lock:
+                    self.events.append((time.time(), text))
 
     def _aws_resources(self) -> None:
         import boto3
@@ -204,6 +218,7 @@ class Matrix:
             {"order": 1, "computeEnvironment": compute["computeEnvironmentArn"]}])
 
     def stop(self) -> None:
+        self._watching.set()
         if self.dep is not None:
             self.dep.stop()
         if self.aws is not None:
@@ -215,28 +230,63 @@ class Matrix:
 
     def trigger(self, row: Row, dag_id: str, conf: dict[str, Any]) -> Run:
         assert self.dep is not None
-        run_id = self.dep.trigger(dag_id, conf)
-        run = Run(dag_id, run_id)
-        if dag_id in (SMALL_DAG, WORKER_DAG):
-            config = {"seconds": conf["seconds"], "exit_code": conf["exit_code"]}
-            run.bases = {t: {expected_base(dag_id, run_id, t, config)} for t in REMOTE_TASKS}
-        else:
-            run.bases = {t: set() for t in REMOTE_TASKS}
+        run = Run(dag_id, self.dep.trigger(dag_id, conf))
         row.runs.append(run)
         return run
 
     def report(self) -> dict[str, Any]:
         return self.chaos.report()
 
-    def jobs_of(self, bases: set[str], report: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    def _label(self, job: dict[str, Any]) -> str | None:
+        found = self._identity(job)
+        return found[0] if found else None
+
+    def _token(self, job: dict[str, Any]) -> str | None:
+        found = self._identity(job)
+        return found[1] if found else None
+
+    def _identity(self, job: dict[str, Any]) -> tuple[str, str] | None:
+        """(label, token) from the `chaos-label <label> run=<token>` line a job printed first,
+        read from its CloudWatch stream in moto (directly: no faults on the harness's reads)."""
+        key = job["job_id"]
+        with self.lock:
+            if key in self.labels:
+                return self.labels[key]
+        group = "/aws/sagemaker/TrainingJobs" if job["service"] == "sagemaker" else "/aws/batch/job"
+        label = None
+        for stream in job.get("streams") or []:
+            try:
+                events = self.logs.get_log_events(logGroupName=group, logStreamName=stream,
+                                                  startFromHead=True, limit=20)["events"]
+            except Exception:
+                continue
+            for event in events:
+                if found := re.search(r"chaos-label (\S+) run=([0-9a-f]{8})", event["message"]):
+                    label = (found.group(1), found.group(2))
+                    break
+            if label:
+                break
+        if label or job.get("ended_at"):
+            with self.lock:
+                self.labels[key] = label
+        return label
+
+    def jobs_of(self, run: Run, task_id: str, report: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+        """The task instance's jobs: those that printed its label, those whose name base is one
+        of theirs (an attempt stopped before it printed anything) or one its log mentions."""
         jobs = (report or self.report())["jobs"]
+        label = run.label(task_id)
+        bases = run.bases[task_id]
+        for job in jobs:
+            if job["name"].startswith(task_id + "-") and self._label(job) == label:
+                bases.add(base_of(job["name"]))
         return [j for j in jobs if base_of(j["name"]) in bases]
 
     def wait_job(self, run: Run, task_id: str, predicate: Callable[[dict], bool],
                  timeout: float = 120, interval: float = 0.5) -> dict[str, Any] | None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            for job in self.jobs_of(run.bases[task_id]):
+            for job in self.jobs_of(run, task_id):
                 if predicate(job):
                     return job
             time.sleep(interval)
@@ -246,6 +296,14 @@ class Matrix:
         """A job of the task that has run its container for `after` s and not ended."""
         return self.wait_job(run, task_id, lambda j: j.get("started_at") and not j.get("ended_at")
                              and time.time() - j["started_at"] >= after, timeout)
+
+    def named_in_log(self, run: Run, task_id: str) -> set[str]:
+        """Job names the task's log mentions so far (the operator logs the name it submitted)."""
+        assert self.dep is not None
+        names = set()
+        for event in self.dep.task_log_events(run.dag_id, run.run_id, task_id):
+            names.update(re.findall(rf"\b{task_id}-[0-9a-f]{{12}}(?:-r\d+)?\b", event["event"]))
+        return names
 
     def wait_runs(self, row: Row, timeout: float = 300) -> None:
         assert self.dep is not None
@@ -278,7 +336,7 @@ class Matrix:
                     for found in re.findall(rf"\b{task_id}-[0-9a-f]{{12}}(?:-r\d+)?\b", event["event"]):
                         bases.add(base_of(found))
                 run.bases[task_id] = bases
-                jobs = sorted(self.jobs_of(bases, report), key=lambda j: j["created_at"])
+                jobs = sorted(self.jobs_of(run, task_id, report), key=lambda j: j["created_at"])
                 ti = self.dep.task_instance(run.dag_id, run.run_id, task_id)
                 label = f"{run.dag_id}/{task_id}"
                 # duplicate jobs
@@ -305,13 +363,21 @@ class Matrix:
                         counts["wrongly_stopped_jobs"] += 1
                         agents = sorted({_agent(s.get("user_agent", "")) for s in job["stop_requests"]})
                         details.append(f"{label}: {job['name']} stopped by a client ({', '.join(agents)})")
-                # lost results
+                # lost results (not where the user marked the task failed: that discards it)
                 succeeded = {j["name"] for j in jobs if j["status"] in SUCCEEDED}
-                if succeeded:
+                marked = any(b in row.marked_failed for b in bases)
+                if succeeded and not marked:
                     xcom = self.dep.xcom(run.dag_id, run.run_id, task_id) if ti.get("state") == "success" else None
-                    ok = (ti.get("state") == "success" and isinstance(xcom, dict)
-                          and xcom.get("job_name") in succeeded
-                          and (run.dag_id == LIFECYCLE_DAG or (xcom.get("metrics") or {}).get("answer") == 42.0))
+                    if run.dag_id == LIFECYCLE_DAG:
+                        # The XCom names the job (its base name or the attempt's) and has metrics.
+                        ok = (isinstance(xcom, dict) and bool(xcom.get("metrics"))
+                              and base_of(str(xcom.get("job_name"))) in {base_of(n) for n in succeeded})
+                    else:
+                        # The job's own result: the token it drew, and its metrics.
+                        tokens = {self._token(j) for j in jobs if j["status"] in SUCCEEDED} - {None}
+                        ok = (isinstance(xcom, dict) and (xcom.get("metrics") or {}).get("answer") == 42.0
+                              and (xcom.get("outputs") or {}).get("token") in tokens)
+                    ok = ok and ti.get("state") == "success"
                     if not ok:
                         counts["lost_results"] += 1
                         details.append(f"{label}: job(s) {sorted(succeeded)} succeeded, task {ti.get('state')}, "
@@ -337,8 +403,9 @@ class Matrix:
                 row_jobs = ", ".join(f"{j['name'].split('-', 1)[0]}{'-' + j['name'].rsplit('-', 1)[1] if BASE.search(j['name']) else ''}"
                                      f":{j['status']}" for j in jobs)
                 details.append(f"{label}: task {ti.get('state')} after {ti.get('try_number')} tries; jobs [{row_jobs}]")
+        crashes = [f"DEPLOYMENT: {text}" for at, text in self.events if row.started_at <= at <= row.ended_at]
         return {"fault": row.fault, "runs": len(row.runs), **counts, "seconds": round(row.seconds, 1),
-                "notes": row.notes + details + ([f"ERROR: {row.error}"] if row.error else [])}
+                "notes": row.notes + crashes + details + ([f"ERROR: {row.error}"] if row.error else [])}
 
     def _wrong_stop(self, row: Row, job: dict[str, Any]) -> bool:
         for stop in job.get("stop_requests") or []:
@@ -423,7 +490,7 @@ def _kill_workers(m: Matrix, row: Row, run: Run, sig: int, when: str) -> None:
         if when == "after_submit":
             pids = m.dep.wait_worker(ti["id"], timeout=60)
             deadline = time.monotonic() + 60
-            while pids and time.monotonic() < deadline and not m.jobs_of(run.bases[task_id]):
+            while pids and time.monotonic() < deadline and not m.named_in_log(run, task_id):
                 time.sleep(0.02)
         else:
             m.wait_running(run, task_id, after=5, timeout=120)
@@ -454,11 +521,11 @@ def row_clear_after_success(m: Matrix, row: Row) -> None:
     assert m.dep is not None
     run = m.trigger(row, SMALL_DAG, m.conf(seconds=max(5, m.seconds // 3)))
     m.wait_runs(row, timeout=240)
-    before = {t: len(m.jobs_of(run.bases[t])) for t in REMOTE_TASKS}
+    before = {t: len(m.jobs_of(run, t)) for t in REMOTE_TASKS}
     m.dep.clear_task(run.dag_id, run.run_id, list(REMOTE_TASKS))
     time.sleep(3)
     m.wait_runs(row, timeout=240)
-    after = {t: len(m.jobs_of(run.bases[t])) for t in REMOTE_TASKS}
+    after = {t: len(m.jobs_of(run, t)) for t in REMOTE_TASKS}
     row.notes.append(f"jobs per task before the clear {before}, after {after}")
 
 
@@ -498,7 +565,7 @@ def row_service(action: str) -> Callable[[Matrix, Row], None]:
         m.wait_runs(row, timeout=240 + 2 * m.seconds)
         report = m.report()
         for task_id in REMOTE_TASKS:
-            first = [j for j in m.jobs_of(run.bases[task_id], report) if not BASE.search(j["name"])]
+            first = [j for j in m.jobs_of(run, task_id, report) if not BASE.search(j["name"])]
             reason = first[0].get("reason", "") if first else ""
             text = "\n".join(e["event"] for e in m.dep.task_log_events(run.dag_id, run.run_id, task_id))
             shown = bool(reason) and reason.split(":")[0][:40] in text
@@ -548,7 +615,7 @@ ROWS: list[tuple[str, Callable[[Matrix, Row], None], str]] = [
 
 
 def _run_row(m: Matrix, fault: str, body: Callable[[Matrix, Row], None]) -> Row:
-    row = Row(fault)
+    row = Row(fault, started_at=time.time())
     started = time.monotonic()
     try:
         body(m, row)
@@ -556,6 +623,7 @@ def _run_row(m: Matrix, fault: str, body: Callable[[Matrix, Row], None]) -> Row:
         row.error = f"{type(exc).__name__}: {exc}"[:2000]
         traceback.print_exc()
     row.seconds = time.monotonic() - started
+    row.ended_at = time.time()
     print(f"[{time.strftime('%H:%M:%S')}] row done in {row.seconds:4.0f}s: {fault}", flush=True)
     return row
 
@@ -589,7 +657,7 @@ def run_matrix(workdir: Path | None = None, only: list[str] | None = None, secon
             groups = [g for g in groups if g[0][2] != "throttle"]
             groups.insert(0, throttle)
         for group in groups:
-            if len(group) == 1:
+            if len(group) == 1 and group[0][2] != "throttle":
                 rows.append(_run_row(m, group[0][0], group[0][1]))
                 continue
             if group[0][2] == "throttle":
@@ -611,7 +679,8 @@ def run_matrix(workdir: Path | None = None, only: list[str] | None = None, secon
         summary = {"injections": len(injections),
                    "injections_by_kind": _count(i.get("kind") for i in injections),
                    "jobs": len(report.get("jobs") or []),
-                   "component_restarts": dict(m.dep.restarts) if m.dep else {}}
+                   "component_restarts": dict(m.dep.restarts) if m.dep else {},
+                   "component_crashes": list(m.dep.crashes) if m.dep else []}
     finally:
         m.stop()
     total = time.monotonic() - started

@@ -4,7 +4,10 @@ line it prints is numbered and carries a token drawn when the process starts:
     chaos-line 7 run=3f9a1c2e
 
 so a line seen twice in a task's log (across its tries and the triggerer's parts) is a line of
-the same job run shown twice, never two jobs that happen to print the same text."""
+the same job run shown twice, never two jobs that happen to print the same text. Its first line,
+`chaos-label <label>`, says which task instance submitted it (the DAG passes
+`<dag_id>/<run_id>/<task_id>`): the matrix reads it from the job's CloudWatch stream to attribute
+jobs to task instances whatever naming scheme the operator uses."""
 
 from __future__ import annotations
 
@@ -20,11 +23,13 @@ from tasks.common.entry import run_stage
 class NumberedConfig:
     seconds: float = 30.0      # how long to run, one line per second
     exit_code: int = 0         # non-zero: fail with it at the end
+    label: str = ""            # who submitted it: <dag_id>/<run_id>/<task_id>
 
 
 def main(cfg: NumberedConfig) -> dict:
     token = os.urandom(4).hex()
     count = max(1, int(cfg.seconds))
+    print(f"chaos-label {cfg.label} run={token}", flush=True)
     for n in range(count):
         print(f"chaos-line {n} run={token}", flush=True)
         time.sleep(cfg.seconds / count)

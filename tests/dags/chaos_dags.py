@@ -19,7 +19,9 @@ from llmops.operators.job import JobOperator
 
 PARAMS = {"seconds": Param(40, type="number", minimum=0),
           "exit_code": Param(0, type="integer", minimum=0, maximum=255)}
-CONFIG = {"seconds": "{{ params.seconds }}", "exit_code": "{{ params.exit_code }}"}
+# The label tells the matrix which task instance submitted a job (tests/chaos/numbered_job.py).
+CONFIG = {"seconds": "{{ params.seconds }}", "exit_code": "{{ params.exit_code }}",
+          "label": "{{ dag.dag_id }}/{{ run_id }}/{{ ti.task_id }}"}
 ENTRYPOINT = "tests.chaos.numbered_job"
 TASKS = [("pretrain", "sagemaker", "ml.g5.2xlarge"), ("finetune", "batch", "p4d.24xlarge")]
 
