@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pendulum
 from airflow.sdk import Asset, dag, get_current_context, task
-from airflow.sdk.exceptions import AirflowSkipException
+from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
 
 from llmops import lifecycle, promotion
 from llmops.operators.job import JobOperator
@@ -33,13 +33,21 @@ LADDER_RECOMMENDATION = Asset(LADDER_RECOMMENDATION_URI)
 def llm_lifecycle():
     @task
     def start_run() -> dict:
-        """Validate the Params (before any job starts) and open the MLflow parent run."""
+        """Check every input (before any job starts) and open the MLflow parent run. A refusal
+        fails the task at once: no retry can fix the run's own Params."""
         ctx = get_current_context()
-        return lifecycle.start_run(ctx["params"], dag_id=ctx["dag"].dag_id, run_id=ctx["run_id"])
+        try:
+            return lifecycle.start_run(ctx["params"], dag_id=ctx["dag"].dag_id, run_id=ctx["run_id"],
+                                       conf=ctx["dag_run"].conf)
+        except lifecycle.validation_errors() as exc:
+            raise AirflowFailException(str(exc)) from None
 
     @task(trigger_rule="all_done", inlets=[LADDER_RECOMMENDATION], outlets=[SWEEP_BEST])
-    def pick_best(run: dict) -> dict:
-        """The study's best trial once every slot is done: a failed trial does not sink the sweep."""
+    def pick_best(run: dict | None) -> dict:
+        """The study's best trial once every slot is done: a failed trial does not sink the sweep.
+        Skipped when start_run refused the run (all_done runs it anyway)."""
+        if run is None:
+            raise AirflowSkipException("start_run did not finish (see its log): no sweep to pick from.")
         ctx = get_current_context()
         best = sweep.pick_best(run, sweep.latest_extra(ctx["inlet_events"][LADDER_RECOMMENDATION]))
         ctx["outlet_events"][SWEEP_BEST].extra = {k: v for k, v in best.items() if k != "trials"}

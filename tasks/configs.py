@@ -297,7 +297,8 @@ class FinetuneConfig:
     eval_files: list = bounded([], help="Held-out JSONL, same formats; empty = data_dir's "
                                         "sft/eval.jsonl.")
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-3, warmup_steps=10))
-    max_steps: int = bounded(150, minimum=1, maximum=10_000_000)
+    max_steps: int = bounded(150, minimum=1, maximum=10_000_000,
+                             help="Fine-tuning optimizer steps (each one batch_size units).")
     batch_size: int = bounded(16, minimum=1, maximum=1 << 16,
                               help="Units per step: SFT examples (packed rows with packing) plus "
                                    "replayed pretraining rows.")
@@ -344,7 +345,9 @@ class DistillConfig:
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=3e-3, warmup_steps=10))
     temperature: float = bounded(2.0, minimum=0.05, maximum=100.0, help="Softening temperature T.")
     alpha: float = bounded(0.7, minimum=0.0, maximum=1.0, help="Weight of the KL term.")
-    max_steps: int = bounded(300, minimum=1, maximum=10_000_000)
+    max_steps: int = bounded(300, minimum=1, maximum=10_000_000,
+                             help="Distillation optimizer steps of the student (each one "
+                                  "batch_size sequences).")
     batch_size: int = bounded(16, minimum=1, maximum=1 << 16)
     replay_fraction: float = bounded(0.25, minimum=0.0, maximum=0.9,
                                      help="Share of each step given to pretraining rows, distilled "

@@ -7,10 +7,14 @@ Cheap work only (no torch): the heavy lifting happens in the jobs these specs de
 from __future__ import annotations
 
 import copy
+import dataclasses
+import difflib
 import glob
+import json
+import logging
 import os
 import re
-from typing import Any
+from typing import Any, get_type_hints
 
 from llmops import params as lifecycle_params
 from llmops import promotion
@@ -19,6 +23,8 @@ from llmops.jobs.spec import JobSpec
 from llmops.sweep import budget as sweep_budget
 from llmops.sweep import stage as sweep_stage
 from tasks import configs
+
+log = logging.getLogger(__name__)
 
 ENTRYPOINTS = {
     "data_prep": "tasks.data.prep",
@@ -48,10 +54,7 @@ def resolve(params: dict[str, Any]) -> configs.LifecycleConfig:
     # One tokenizer serves every model: keep vocab and context in step with data prep.
     for model in (cfg.pretrain.model, cfg.distill.student):
         model.vocab_size, model.block_size = cfg.data.vocab_size, cfg.data.seq_len
-    try:
-        cfg = configs.from_dict(configs.LifecycleConfig, configs.to_dict(cfg))
-    except configs.ConfigError as exc:
-        raise LifecycleParamError(f"Invalid lifecycle parameters: {exc}") from None
+    cfg = _validated(configs.to_dict(cfg))
     for pattern in cfg.data.inputs + cfg.data.sft_inputs:
         if "://" not in pattern and not glob.glob(pattern):
             raise LifecycleParamError(
@@ -60,27 +63,315 @@ def resolve(params: dict[str, Any]) -> configs.LifecycleConfig:
     return cfg
 
 
-def start_run(params: dict[str, Any], *, dag_id: str, run_id: str) -> dict[str, Any]:
-    """Validate the Params, fix this run's storage paths, open the MLflow parent run, and pin
-    the current champion (by version) for the run's evaluation."""
+def _validated(data: dict[str, Any]) -> configs.LifecycleConfig:
+    """Build the LifecycleConfig; a refusal names the config path it is about (the student's
+    n_embd is `distill.student.n_embd`, not "ModelConfig.n_embd") and the Param that sets it."""
+    def check(cls: Any, value: dict[str, Any], path: str) -> None:
+        hints = get_type_hints(cls)
+        for f in dataclasses.fields(cls):   # the deepest refusal is the one that says where
+            if dataclasses.is_dataclass(hints[f.name]) and isinstance(value.get(f.name), dict):
+                check(hints[f.name], value[f.name], f"{path}.{f.name}" if path else f.name)
+        try:
+            configs.from_dict(cls, value, where=f"{cls.__name__}")
+        except configs.ConfigError as exc:
+            raise LifecycleParamError(_name_the_field(str(exc), cls.__name__, path)) from None
+
+    check(configs.LifecycleConfig, data, "")
+    return configs.from_dict(configs.LifecycleConfig, data)
+
+
+def _name_the_field(message: str, cls_name: str, path: str) -> str:
+    """"ModelConfig.n_embd (31) must be ..." at distill.student -> "Param 'student_n_embd'
+    (distill.student.n_embd): distill.student.n_embd (31) must be ...". """
+    prefix = f"{path}." if path else ""
+    message = re.sub(rf"\b{cls_name}\.", prefix, message)
+    fields = re.findall(rf"{re.escape(prefix)}([A-Za-z_][\w.]*)", message) if prefix else []
+    by_path = {p: n for n, p in lifecycle_params.KNOBS.items()}
+    paths = [f"{prefix}{f}".rstrip(".") for f in fields]
+    names = [by_path[p] for p in paths if p in by_path]
+    if not names:  # a field no Param sets: the recipe's value conflicts with a Param's
+        return f"Invalid lifecycle parameters: {message} (a recipe value; pick another recipe or " \
+               "change the Params that interact with it)."
+    head = ", ".join(f"Param '{n}' ({lifecycle_params.KNOBS[n]})" for n in dict.fromkeys(names))
+    return f"{head}: {message}"
+
+
+# -- every input checked before any job -----------------------------------------------------
+
+SHELL_META = re.compile(r"[;|&`$<>\\]|\$\(")
+S3_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
+
+
+def declared_params() -> set[str]:
+    return set(lifecycle_params.lifecycle_params())
+
+
+def check_known_keys(keys: Any, declared: set[str], *, where: str = "the run's conf") -> None:
+    """Refuse a key no Param declares (a typo is otherwise silently ignored), naming the nearest."""
+    unknown = sorted(set(keys) - declared)
+    if not unknown:
+        return
+    parts = []
+    for key in unknown:
+        near = difflib.get_close_matches(str(key), sorted(declared), n=1, cutoff=0.6)
+        parts.append(f"'{key}'" + (f" (did you mean '{near[0]}'?)" if near else ""))
+    raise LifecycleParamError(
+        f"Unknown Param{'s' if len(unknown) > 1 else ''} in {where}: {', '.join(parts)}. Nothing was "
+        f"started. The Params this DAG takes: {', '.join(sorted(declared))}.")
+
+
+def _safe_text(name: str, value: Any) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise LifecycleParamError(f"Param '{name}' must be a non-empty path, got {value!r}.")
+    if any(ord(c) < 32 or ord(c) == 127 for c in value):
+        raise LifecycleParamError(f"Param '{name}' contains a control character (newline, tab, ...): "
+                                  f"{value!r}. Give a plain path.")
+    if SHELL_META.search(value):
+        raise LifecycleParamError(f"Param '{name}' contains a shell metacharacter (one of ; | & ` $ "
+                                  f"< > \\): {value!r}. Give a plain path.")
+    return value
+
+
+def _under(path: str, roots: list[str]) -> bool:
+    """Is `path` (normalised: s3://bucket/key, or a resolved absolute path) inside one of `roots`?"""
+    for root in roots:
+        if root.startswith("s3://") != path.startswith("s3://"):
+            continue
+        if root.startswith("s3://"):
+            base = root.rstrip("/") + "/"
+        else:
+            base = os.path.join(os.path.realpath(root), "")
+        if path.rstrip("/") + "/" == base or path.startswith(base):
+            return True
+    return False
+
+
+def _normal_s3(name: str, value: str) -> str:
+    bucket, _, key = value[len("s3://"):].partition("/")
+    if not S3_BUCKET.match(bucket) or ".." in bucket:
+        raise LifecycleParamError(f"Param '{name}': {bucket!r} is not an S3 bucket name (3-63 "
+                                  f"lowercase letters, digits, . and -), in {value!r}.")
+    parts = [p for p in key.split("/") if p]
+    if any(p in (".", "..") for p in parts):
+        raise LifecycleParamError(f"Param '{name}': {value!r} has a '.' or '..' component.")
+    return f"s3://{bucket}/" + "/".join(parts)
+
+
+def check_storage_root(value: Any, *, name: str = "storage_root") -> str:
+    """The run's storage root, normalised and inside an allowed root; empty = the default."""
+    if value is None or value == "":
+        return settings.storage_root()
+    value = _safe_text(name, value)
+    allowed = settings.allowed_storage_roots()
+    hint = (f"Use a path under one of {allowed} (set {settings.ALLOWED_STORAGE_ROOTS_ENV} or the "
+            f"Airflow Variable {settings.ALLOWED_STORAGE_ROOTS_VARIABLE} to allow others), or leave "
+            "it empty for the default.")
+    if value.startswith("s3://"):
+        root = _normal_s3(name, value)
+    elif "://" in value:
+        raise LifecycleParamError(f"Param '{name}': {value!r} is neither a local path nor s3://. "
+                                  + hint)
+    else:
+        if not os.path.isabs(value):
+            raise LifecycleParamError(
+                f"Param '{name}': {value!r} is relative, so it would land wherever the worker "
+                f"runs (now {os.getcwd()}). Give an absolute path. " + hint)
+        if ".." in value.split(os.sep):
+            raise LifecycleParamError(f"Param '{name}': {value!r} has a '..' component. " + hint)
+        root = os.path.realpath(os.path.normpath(value))
+    if not _under(root, allowed):
+        raise LifecycleParamError(f"Param '{name}': {value!r} is outside the allowed storage roots. "
+                                  + hint)
+    return root.rstrip("/") if root.startswith("s3://") else root
+
+
+def check_data_path(name: str, value: Any) -> None:
+    """A data input (a file, dir or glob) must be inside an allowed data root, and so must every
+    file it matches (a symlink out of the root counts as outside)."""
+    value = _safe_text(name, value)
+    allowed = settings.allowed_data_roots()
+    hint = (f"Data is read only from under {allowed} (set {settings.ALLOWED_DATA_ROOTS_ENV} or the "
+            f"Airflow Variable {settings.ALLOWED_DATA_ROOTS_VARIABLE} to allow others).")
+    if value.startswith("s3://"):
+        if not _under(_normal_s3(name, value), allowed):
+            raise LifecycleParamError(f"Param '{name}': {value!r} is outside the allowed data roots. "
+                                      + hint)
+        return
+    if "://" in value:
+        raise LifecycleParamError(f"Param '{name}': {value!r} is neither a local path nor s3://. "
+                                  + hint)
+    if not os.path.isabs(value):
+        raise LifecycleParamError(f"Param '{name}': {value!r} is relative, so it would be read from "
+                                  f"wherever the worker runs (now {os.getcwd()}). Give an absolute "
+                                  "path. " + hint)
+    if ".." in value.split(os.sep):
+        raise LifecycleParamError(f"Param '{name}': {value!r} has a '..' component. " + hint)
+    fixed = re.split(r"[*?\[]", value, maxsplit=1)[0]
+    base = fixed if fixed.endswith(os.sep) or fixed == value else os.path.dirname(fixed)
+    matches = [base] + glob.glob(value)
+    outside = [m for m in matches if not _under(os.path.realpath(m), allowed)]
+    if outside:
+        raise LifecycleParamError(f"Param '{name}': {value!r} is outside the allowed data roots"
+                                  f"{'' if outside[0] == base else f' ({outside[0]} resolves elsewhere)'}. "
+                                  + hint)
+
+
+def check_params(params: dict[str, Any], conf: dict[str, Any] | None = None) -> str:
+    """Everything about the run's Params that needs no config: unknown keys, paths. Returns the
+    normalised storage root."""
+    declared = declared_params()
+    check_known_keys(conf or {}, declared)
+    check_known_keys(params, declared, where="the run's Params")
+    for name in ("data_inputs", "sft_inputs"):
+        value = params.get(name)
+        if value is None:
+            continue
+        if not isinstance(value, list):
+            raise LifecycleParamError(f"Param '{name}' must be a list of paths, got {value!r}.")
+        for entry in value:
+            check_data_path(name, entry)
+    return check_storage_root(params.get("storage_root"))
+
+
+# The settings each remote backend cannot submit without, beyond what for_stage checks.
+REQUIRED_SETTINGS: dict[str, tuple[str, ...]] = {
+    "sagemaker": ("role_arn", "staging_uri", "image"),
+    "sagemaker_processing": ("role_arn", "staging_uri", "image", "instance_type"),
+    "batch": ("job_queue", "staging_uri", "image"),
+    "hyperpod": ("staging_uri", "image"),
+    "ray": ("staging_uri",),
+}
+AWS_BACKENDS = ("sagemaker", "sagemaker_processing", "batch", "hyperpod", "ray")
+CHECK_TIMEOUT_SECONDS = 5
+
+
+def check_backends(backends: dict[str, str], params: dict[str, Any], storage_root: str,
+                   *, network: bool = True) -> None:
+    """Each remote stage's settings block has what its backend needs, and (where an AWS
+    connection is configured) the connection answers and the staging and storage buckets exist."""
+    from llmops.jobs.backends import settings as backend_settings
+
+    classes = {"sagemaker": backend_settings.SageMakerSettings,
+               "sagemaker_processing": backend_settings.ProcessingSettings,
+               "batch": backend_settings.BatchSettings, "hyperpod": backend_settings.HyperPodSettings,
+               "ray": backend_settings.RaySettings}
+    resources = params.get("stage_resources") or {}
+    buckets: dict[str, set[str]] = {}   # aws_conn_id -> buckets to check through it
+    for stage, backend in backends.items():
+        if backend == "local":
+            continue
+        knob = f"backend_{stage}"
+        try:
+            block = backend_settings.load(backend, classes[backend]).for_stage(stage)
+        except backend_settings.BackendSettingsError as exc:
+            raise LifecycleParamError(f"Param '{knob}' = {backend!r}: {exc}") from None
+        chosen = resources.get(stage) or {}
+        missing = [k for k in REQUIRED_SETTINGS[backend]
+                   if not (chosen.get(k) if k in ("image", "instance_type") else None)
+                   and not getattr(block, k)]
+        if backend == "hyperpod" and not (block.eks_cluster_name or block.kubernetes_conn_id):
+            missing.append("eks_cluster_name")
+        if missing:
+            example = {backend: {k: backend_settings.EXAMPLES.get(k, "...") for k in missing}}
+            raise LifecycleParamError(
+                f"Param '{knob}' = {backend!r}, but the Airflow Variable "
+                f"'{backend_settings.VARIABLE}' has no {', '.join(missing)} for it (key "
+                f"'{backend}'{', or stage_resources.' + stage + '.image' if 'image' in missing else ''}"
+                f"). Add them, e.g. {json.dumps(example)}, or set {knob} to 'local'. "
+                "Nothing was started.")
+        if not block.staging_uri.startswith("s3://"):
+            raise LifecycleParamError(f"Param '{knob}' = {backend!r}: the {backend} settings' "
+                                      f"staging_uri must be an s3:// prefix, got {block.staging_uri!r}.")
+        if backend in AWS_BACKENDS:
+            buckets.setdefault(block.aws_conn_id, set()).add(block.staging_uri[5:].split("/")[0])
+    if storage_root.startswith("s3://"):
+        conn = next(iter(buckets), settings.aws_conn_id())
+        buckets.setdefault(conn, set()).add(storage_root[5:].split("/")[0])
+    if network:
+        for conn_id, names in buckets.items():
+            _check_aws(conn_id, sorted(names), storage_root)
+
+
+def _check_aws(conn_id: str, buckets: list[str], storage_root: str) -> None:
+    """STS GetCallerIdentity and HeadBucket through the connection, each with a short timeout."""
+    from botocore.config import Config
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    from airflow.providers.amazon.aws.hooks.base_aws import AwsBaseHook
+
+    config = Config(connect_timeout=CHECK_TIMEOUT_SECONDS, read_timeout=CHECK_TIMEOUT_SECONDS,
+                    retries={"max_attempts": 1, "mode": "standard"})
+    try:
+        AwsBaseHook(aws_conn_id=conn_id, client_type="sts", config=config).conn.get_caller_identity()
+    except Exception as exc:  # ClientError, BotoCoreError, a missing connection
+        raise LifecycleParamError(
+            f"AWS connection '{conn_id}' does not work: GetCallerIdentity failed ({exc}). Check the "
+            "connection's credentials, region and endpoint (or the execution role), or run the "
+            "stages locally. Nothing was started.") from None
+    s3 = AwsBaseHook(aws_conn_id=conn_id, client_type="s3", config=config).conn
+    for bucket in buckets:
+        try:
+            s3.head_bucket(Bucket=bucket)
+        except ClientError as exc:
+            code = str(exc.response.get("Error", {}).get("Code", ""))
+            what = {"404": "does not exist", "NoSuchBucket": "does not exist",
+                    "403": "is not readable through it (access denied)"}.get(code, f"failed ({exc})")
+            used = "storage_root" if storage_root.startswith(f"s3://{bucket}") else "staging_uri"
+            raise LifecycleParamError(
+                f"S3 bucket '{bucket}' (from {used}) {what}, checked through AWS connection "
+                f"'{conn_id}'. Create it, or fix {used}. Nothing was started.") from None
+        except (BotoCoreError, OSError) as exc:
+            raise LifecycleParamError(f"S3 bucket '{bucket}' could not be checked through AWS "
+                                      f"connection '{conn_id}' ({exc}). Nothing was started.") from None
+
+
+def start_run(params: dict[str, Any], *, dag_id: str, run_id: str,
+              conf: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Check every input (before any job, before the MLflow parent run), fix this run's storage
+    paths, open the parent run, and pin the current champion (by version) for the run's
+    evaluation. `conf` is the DAG run's conf as triggered: a key no Param declares is refused
+    (Airflow drops it from `params` silently)."""
+    storage_root = check_params(params, conf)
     cfg = resolve(params)
     backends = {stage: params.get(f"backend_{stage}") or "local" for stage in lifecycle_params.STAGES}
     sweep_budget.check_sweep(cfg, backends["sweep"], params)  # refuse before any job starts
-    root = os.path.join(params.get("storage_root") or settings.storage_root(), dag_id,
-                        re.sub(r"[^A-Za-z0-9_.-]+", "_", run_id))
+    check_backends(backends, params, storage_root)
+    root = os.path.join(storage_root, dag_id, re.sub(r"[^A-Za-z0-9_.-]+", "_", run_id))
     config = configs.to_dict(cfg)
     parent = tracking.start_parent_run(experiment=dag_id, dag_id=dag_id, run_id=run_id,
                                        config={**config, "backends": backends, "root": root})
-    model_name = params.get("registered_model_name") or "llm-lifecycle"
-    # Read once per DAG run: if evaluate read it at execute time, a champion crowned between two
-    # tries would change its config, hence its job name, and the retry would start a second job.
-    champion = promotion.current_champion(model_name)
+    try:
+        model_name = params.get("registered_model_name") or "llm-lifecycle"
+        # Read once per DAG run: if evaluate read it at execute time, a champion crowned between
+        # two tries would change its config, hence its job name, and the retry would start a
+        # second job.
+        champion = promotion.current_champion(model_name)
+    except Exception as exc:
+        fail_parent_run(parent, f"start_run: {exc}")
+        raise
     return {"dag_id": dag_id, "run_id": run_id, "root": root, "config": config,
             "champion": {k: champion[k] for k in ("version", "uri", "run_id")} if champion else None,
             "backends": backends, "experiment": dag_id, "parent_run_id": parent,
             "resources": params.get("stage_resources") or {}, "team": params.get("team") or "",
             "priority": params.get("priority"),
             "model_name": model_name}
+
+
+def fail_parent_run(parent_run_id: str, reason: str) -> None:
+    """End the DAG run's parent run FAILED with the reason as the `failure_reason` tag."""
+    try:
+        c = tracking.client()
+        c.set_tag(parent_run_id, "failure_reason", reason[:5000])
+        tracking.end_run(parent_run_id, "FAILED")
+    except Exception:  # the refusal itself matters more than its bookkeeping
+        log.exception("Could not mark MLflow run %s failed", parent_run_id)
+
+
+# What start_run raises for input a retry cannot fix: the DAG fails the task without retrying.
+def validation_errors() -> tuple[type[Exception], ...]:
+    from llmops.jobs.backends.settings import BackendSettingsError
+
+    return (LifecycleParamError, sweep_budget.BudgetError, BackendSettingsError, configs.ConfigError)
 
 
 def _spec(run: dict[str, Any], stage: str, config: dict[str, Any], *,

@@ -3,6 +3,18 @@
 Each knob maps a Param to one config path. Its JSON schema (type, minimum, maximum, enum) comes
 from the dataclass field, so the UI form refuses exactly what the job would refuse. A knob left
 empty (null) keeps the chosen recipe's value.
+
+How Airflow 3.3's trigger form reads a schema (airflow/ui, FlexibleForm), and why these look as
+they do:
+- A Param is *required* (the Trigger button stays grey until it is filled) when its type does not
+  include "null" and its value is None or "". Every optional Param is `["null", <type>]` with
+  default None.
+- A number field clamps what is typed to the schema's top-level `minimum`/`maximum` when it loses
+  focus: 0 typed into n_layer would silently become 1. So the bounds sit in `allOf` (the form does
+  not read them there, jsonschema does) and the server refuses an out-of-range value, naming the
+  Param and its bounds; the description states them.
+- An enum that holds None shows its option as "null" unless `values_display` names it.
+- `section` groups Params under headings.
 """
 
 from __future__ import annotations
@@ -67,6 +79,17 @@ RETRAIN_KNOBS: dict[str, str] = {
 
 STAGES = ("data_prep", "sweep", "pretrain", "finetune", "distill", "evaluate")
 
+# Form headings, in the order a run goes through them.
+DATA, MODEL, SWEEP, PRETRAINING, POST_TRAINING, GATE, WHERE, LADDER = (
+    "Data", "Model", "Sweep", "Pretraining", "Post-training", "Evaluation and gate",
+    "Where it runs", "Scaling ladder")
+# Config path prefix -> heading; the longest matching prefix wins.
+SECTIONS: dict[str, str] = {
+    "data.": DATA, "pretrain.model.": MODEL, "pretrain.": PRETRAINING, "sweep.": SWEEP,
+    "sweep.size_from_ladder": PRETRAINING, "finetune.": POST_TRAINING, "distill.": POST_TRAINING,
+    "evaluate.": GATE, "gate.": GATE, "ladder.": LADDER,
+}
+
 # Where a stage's job runs when its backend is remote; empty fields keep the backend's defaults
 # (the `llmops_backends` Variable). Bounds are the services' own.
 RESOURCES_SCHEMA: dict[str, Any] = {
@@ -81,6 +104,9 @@ RESOURCES_SCHEMA: dict[str, Any] = {
     },
 }
 TEAM_PATTERN = r"^([a-z][a-z0-9]{0,30})?$"
+STORAGE_ROOT_HELP = ("Where stage outputs go: an absolute directory or an s3://bucket/prefix under "
+                     "one of the allowed storage roots (plugins/llmops/settings.py). Empty = "
+                     "$LLMOPS_STORAGE_ROOT, else $LLMOPS_HOME/storage.")
 _JSON_TYPES = {int: "integer", float: "number", str: "string", bool: "boolean", list: "array",
                dict: "object"}
 
@@ -125,24 +151,66 @@ def set_path(cfg: Any, path: str, value: Any) -> None:
     setattr(cfg, leaf, value)
 
 
+def section_of(path: str) -> str:
+    return SECTIONS[max((p for p in SECTIONS if path.startswith(p)), key=len)]
+
+
+def _number(value: float) -> str:
+    return f"{value:,}" if float(value).is_integer() and abs(value) < 1e12 else f"{value:g}"
+
+
+def bounds_text(py_type: type, lo: float | None, hi: float | None) -> str:
+    kind = "Integer" if py_type is int else "Number"
+    if lo is not None and hi is not None:
+        return f"{kind} from {_number(lo)} to {_number(hi)}."
+    if lo is not None:
+        return f"{kind}, at least {_number(lo)}."
+    if hi is not None:
+        return f"{kind}, at most {_number(hi)}."
+    return f"{kind}."
+
+
+def schema_bounds(schema: dict[str, Any]) -> tuple[float | None, float | None]:
+    """A Param's (minimum, maximum), wherever its schema keeps them."""
+    for part in [schema, *schema.get("allOf", [])]:
+        if "minimum" in part or "maximum" in part:
+            return part.get("minimum"), part.get("maximum")
+    return None, None
+
+
 def knob_schema(path: str) -> dict[str, Any]:
     f, py_type = field_of(path)
     schema: dict[str, Any] = {"type": ["null", _JSON_TYPES[py_type]]}
     meta = f.metadata
-    if meta.get("minimum") is not None:
-        schema["minimum"] = meta["minimum"]
-    if meta.get("maximum") is not None:
-        schema["maximum"] = meta["maximum"]
+    lo, hi = meta.get("minimum"), meta.get("maximum")
+    if lo is not None or hi is not None:
+        # Not top-level: the form's number field would clamp to them instead of refusing.
+        schema["allOf"] = [{k: v for k, v in (("minimum", lo), ("maximum", hi)) if v is not None}]
+    defaults = ", ".join(f"{name}={get_path(fn(), path)!r}" for name, fn in configs.RECIPES.items())
     if meta.get("choices"):
         schema["enum"] = [None, *meta["choices"]]
+        schema["values_display"] = {"null": f"(recipe's value: {defaults})"}
     if py_type is list:
         items = [type(v) for v in get_path(configs.base(), path)]
         schema["items"] = ({"type": "number"} if items and set(items) <= {int, float}
                            else {"type": "string", "minLength": 1})
-    defaults = ", ".join(f"{name}={get_path(fn(), path)!r}" for name, fn in configs.RECIPES.items())
     help_text = meta.get("help") or path
-    schema["description"] = f"{help_text} Empty = the recipe's value ({defaults}). Sets {path}."
+    kind = ""
+    if py_type in (int, float):
+        kind = " " + bounds_text(py_type, lo, hi)
+    elif meta.get("choices"):
+        kind = f" One of {', '.join(meta['choices'])}."
+    schema["description"] = (f"{help_text}{kind} Empty = the recipe's value ({defaults}). "
+                             f"Sets {path}.")
+    schema["section"] = section_of(path)
     return schema
+
+
+def optional_text(description: str, section: str, **schema: Any):
+    """An optional string Param: empty (None) submits, the form does not mark it required."""
+    from airflow.sdk import Param
+
+    return Param(None, type=["null", "string"], description=description, section=section, **schema)
 
 
 def lifecycle_params() -> dict[str, Any]:
@@ -154,41 +222,45 @@ def lifecycle_params() -> dict[str, Any]:
     params: dict[str, Any] = {
         "recipe": Param("demo", type="string", enum=sorted(configs.RECIPES),
                         description="Named sizes every knob starts from: tiny (tests), demo "
-                                    "(make demo, CPU), gpu (one GPU)."),
-        "storage_root": Param("", type="string",
-                              description="Where stage outputs go; empty = $LLMOPS_STORAGE_ROOT "
-                                          "or .llmops/storage."),
-        "registered_model_name": Param("llm-lifecycle", type="string",
-                                       pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$",
-                                       description="MLflow Model Registry name for the champion."),
+                                    "(make demo, CPU), gpu (one GPU). Every knob left empty "
+                                    "keeps the recipe's value."),
     }
     for name, path in KNOBS.items():
         schema = knob_schema(path)
         params[name] = Param(None, **schema)
+    params["registered_model_name"] = Param(
+        "llm-lifecycle", type="string", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$",
+        section=GATE, description="MLflow Model Registry name for the champion: 1-128 letters, "
+                                  "digits, _ . - (starting with a letter or digit).")
+    params["storage_root"] = optional_text(STORAGE_ROOT_HELP, WHERE, maxLength=1024)
     for stage in STAGES:
         params[f"backend_{stage}"] = Param("local", type="string", enum=sorted(BACKENDS),
-                                           description=f"Where the {stage} job runs.")
+                                           section=WHERE,
+                                           description=f"Where the {stage} job runs: local (this "
+                                                       "machine), or a remote backend configured "
+                                                       "in the Airflow Variable llmops_backends.")
     params["stage_resources"] = Param(
-        {}, type="object", additionalProperties=False,
+        None, type=["null", "object"], additionalProperties=False,
         properties={stage: RESOURCES_SCHEMA for stage in STAGES},
         description="Per stage, for remote backends: instance_type, instance_count, "
                     "nproc_per_node, image, max_run_seconds, e.g. {\"pretrain\": "
                     "{\"instance_type\": \"ml.p5.48xlarge\", \"instance_count\": 2, "
                     "\"nproc_per_node\": 8, \"max_run_seconds\": 432000}}. Empty = the "
-                    "backend's defaults.")
-    params["team"] = Param("", type="string", pattern=TEAM_PATTERN,
-                           description="The team the run belongs to (lowercase letters and digits): "
-                                       "AWS Batch fair-share identifier, HyperPod namespace and "
-                                       "queue, a tag on every job. Empty = none.")
-    params["force_rerun"] = Param(False, type="boolean",
+                    "backend's defaults.", section=WHERE)
+    params["team"] = optional_text("The team the run belongs to (a lowercase letter, then up to 30 "
+                                   "lowercase letters and digits): AWS Batch fair-share "
+                                   "identifier, HyperPod namespace and queue, a tag on every job. "
+                                   "Empty = none.", WHERE, pattern=TEAM_PATTERN)
+    params["force_rerun"] = Param(False, type="boolean", section=WHERE,
                                   description="Run every stage's job afresh, even one that already "
                                               "succeeded in this DAG run (a cleared task normally "
                                               "reattaches to its job). Retries still reattach to "
                                               "the job the forced try started.")
-    params["priority"] = Param(None, type=["null", "integer"], minimum=0, maximum=9999,
+    params["priority"] = Param(None, type=["null", "integer"], allOf=[{"minimum": 0, "maximum": 9999}],
+                               section=WHERE,
                                description="Scheduling priority, higher first: AWS Batch "
                                            "schedulingPriorityOverride, HyperPod priority class. "
-                                           "Empty = the queue's default.")
+                                           "Integer from 0 to 9,999. Empty = the queue's default.")
     return params
 
 
@@ -203,15 +275,13 @@ def ladder_params() -> dict[str, Any]:
                         description="Named sizes every knob starts from: tiny (tests), demo (CPU), "
                                     "gpu. The ladder's rungs are the recipe's pretraining model at "
                                     "other widths."),
-        "storage_root": Param("", type="string",
-                              description="Where stage outputs go; empty = $LLMOPS_STORAGE_ROOT "
-                                          "or .llmops/storage."),
+        "storage_root": optional_text(STORAGE_ROOT_HELP, WHERE, maxLength=1024),
     }
     for name, path in LADDER_KNOBS.items():
         params[name] = Param(None, **knob_schema(path))
     for stage in LADDER_STAGES:
         params[f"backend_{stage}"] = Param("local", type="string", enum=sorted(BACKENDS),
-                                           description=f"Where the {stage} jobs run.")
+                                           section=WHERE, description=f"Where the {stage} jobs run.")
     return params
 
 
@@ -228,13 +298,10 @@ def retrain_params() -> dict[str, Any]:
                                        pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$",
                                        description="MLflow Model Registry name whose `champion` is "
                                                    "retrained."),
-        "data_dir": Param("", type="string",
-                          description="A data prep output to fine-tune on; empty = the newest "
-                                      "curated-data asset event's data_dir."),
-        "storage_root": Param("", type="string",
-                              description="Where stage outputs go; empty = $LLMOPS_STORAGE_ROOT "
-                                          "or .llmops/storage."),
-        "backend": Param("local", type="string", enum=sorted(BACKENDS),
+        "data_dir": optional_text("A data prep output to fine-tune on; empty = the newest "
+                                  "curated-data asset event's data_dir.", DATA, maxLength=1024),
+        "storage_root": optional_text(STORAGE_ROOT_HELP, WHERE, maxLength=1024),
+        "backend": Param("local", type="string", enum=sorted(BACKENDS), section=WHERE,
                          description="Where the fine-tuning and evaluation jobs run."),
     }
     for name, path in RETRAIN_KNOBS.items():
