@@ -21,7 +21,7 @@ export PATH := $(VENV)/bin:$(PATH)
 export RAY_AUTH_MODE ?= disabled
 export MPLBACKEND ?= Agg
 
-.PHONY: help install demo test chaos up airflow-db clean bench-data mwaa-bundle mwaa-check
+.PHONY: help install browser demo test chaos up airflow-db clean bench-data mwaa-bundle mwaa-check
 
 help:
 	@echo "make demo   - run the whole LLM lifecycle DAG locally (sets everything up first)"
@@ -48,8 +48,16 @@ airflow-db: install
 demo: airflow-db
 	$(PY) scripts/demo.py
 
-# tests/test_fault_matrix.py (the fault matrix, ~10 min) is collected with the rest.
-test: install
+# The browser tests/test_browser.py drives: Debian's Chromium (Playwright cannot download its own
+# here). Installed when missing, with sudo when not root.
+CHROMIUM := /usr/bin/chromium
+browser:
+	@test -x $(CHROMIUM) || { echo "Installing Debian's chromium for tests/test_browser.py"; \
+	  SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+	  $$SUDO apt-get update -qq && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
+
+# tests/test_fault_matrix.py (the fault matrix, ~14 min on 2 cores) is collected with the rest.
+test: install browser
 	$(PY) -m pytest tests
 
 # The fault matrix alone: a real Airflow deployment against moto behind a fault-injecting proxy

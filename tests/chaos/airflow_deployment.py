@@ -371,7 +371,7 @@ class AirflowDeployment:
         return self._token
 
     def request(self, method: str, path: str, body: Any = None, *, auth: bool = True,
-                timeout: float = 30, raw: bool = False, retries: int = 30) -> Any:
+                timeout: float = 60, raw: bool = False, retries: int = 30) -> Any:
         """One REST call; retried while the API server is down or restarting (connection
         refused, 5xx), re-authenticated on 401."""
         data = json.dumps(body).encode() if body is not None else None
@@ -414,10 +414,21 @@ class AirflowDeployment:
                 time.sleep(2)
 
     def trigger(self, dag_id: str, conf: dict | None = None, run_id: str | None = None) -> str:
-        body: dict[str, Any] = {"logical_date": None, "conf": conf or {}}
-        if run_id:
-            body["dag_run_id"] = run_id
-        return self.request("POST", f"/api/v2/dags/{dag_id}/dagRuns", body)["dag_run_id"]
+        """A new DAG run, named so that a request retried after a timeout (the first one may
+        have gone through) cannot create a second run: Airflow answers 409 to the retry."""
+        run_id = run_id or f"manual__{time.strftime('%Y-%m-%dT%H:%M:%S')}-{secrets.token_hex(4)}"
+        body: dict[str, Any] = {"logical_date": None, "conf": conf or {}, "dag_run_id": run_id}
+        path = f"/api/v2/dags/{dag_id}/dagRuns"
+        for attempt in range(30):
+            try:
+                return self.request("POST", path, body, retries=1, timeout=60)["dag_run_id"]
+            except AirflowError as exc:
+                if "HTTP 409" in str(exc) and attempt:
+                    return run_id          # our earlier attempt created it
+                if "HTTP 4" in str(exc) or attempt == 29:
+                    raise
+                time.sleep(1)
+        return run_id
 
     def run(self, dag_id: str, run_id: str) -> dict[str, Any]:
         return self.request("GET", f"/api/v2/dags/{dag_id}/dagRuns/{_q(run_id)}")

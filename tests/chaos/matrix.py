@@ -327,6 +327,7 @@ class Matrix:
         counts = {c: 0 for c in COLUMNS}
         details: list[str] = []
         for run in row.runs:
+            details.append(f"{run.dag_id} run {run.run_id}: {self.dep.run(run.dag_id, run.run_id)['state']}")
             events_by_task = {t: self.dep.task_log_events(run.dag_id, run.run_id, t) for t in REMOTE_TASKS}
             for task_id in REMOTE_TASKS:
                 bases = set(run.bases.get(task_id, set()))
@@ -760,6 +761,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", type=Path, default=None)
     args = parser.parse_args(argv)
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    # SIGTERM too ends the matrix through its clean-up (the deployment and the fake AWS stop).
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     only = [o.strip() for o in args.only.split(",") if o.strip()]
     result = run_matrix(args.workdir, only or None, args.seconds, lifecycle=not args.no_lifecycle)
     print(table(result))
