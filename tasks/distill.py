@@ -27,6 +27,13 @@ from tasks.configs import DistillConfig, to_dict
 
 log = logging.getLogger("tasks.distill")
 
+# The final scores' MLflow names: grouped for the charts as the training curves are
+# (tasks.common.tracking.CHART_NAMES); the result keeps the plain keys.
+FINAL_NAMES = {"val_loss": "loss/val", "prose_perplexity": "prose/perplexity",
+               "task_accuracy": "task/accuracy", "teacher_val_loss": "teacher/val_loss",
+               "teacher_prose_perplexity": "teacher/prose_perplexity",
+               "teacher_task_accuracy": "teacher/task_accuracy"}
+
 
 def student_config(cfg: DistillConfig, teacher_dir: Path):
     from tasks.common.io import read_json
@@ -118,7 +125,7 @@ def main(cfg: DistillConfig) -> dict[str, Any]:
                    "teacher_prose_perplexity": math.exp(teacher_metrics["prose_val_loss"]),
                    "teacher_task_accuracy": teacher_metrics["task_accuracy"],
                    "params_ratio": student.num_params() / teacher_params}
-        mlflow.log_metrics(metrics, step=result.step)
+        mlflow.log_metrics({FINAL_NAMES.get(k, k): v for k, v in metrics.items()}, step=result.step)
         log_json_artifact({"student": student_task, "teacher": teacher_metrics}, "task_eval.json")
 
         model_dir, model_uri = publish_model(
@@ -189,7 +196,7 @@ def quantize_student(student, sft, cfg: DistillConfig, model_dir: Path, device) 
     path = export_int8(quantized, Path(cfg.output_dir), Path(model_dir) / "tokenizer.json",
                        {**read_meta(model_dir), "float_model_dir": str(model_dir),
                         "comparison": report})
-    mlflow.log_metrics({f"int8.{k}": v for k, v in report.items()})
+    mlflow.log_metrics({f"int8/{k}": v for k, v in report.items()})
     log_json_artifact(report, "int8_report.json")
     _ = device  # measured on CPU whatever the training device: int8 dynamic is a CPU feature
     return {"report": report, "model_dir": str(path)}

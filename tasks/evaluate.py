@@ -116,11 +116,16 @@ def main(cfg: EvalConfig) -> dict[str, Any]:
         device = pick_device()
         Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
         suites = load_suites(cfg)
-        models = {name: evaluate_model(name, str(ref), cfg, suites, device)
-                  for name, ref in cfg.models.items()}
+        from tasks.train.telemetry import Progress
+
+        progress, models = Progress(len(cfg.models)), {}
+        for i, (name, ref) in enumerate(cfg.models.items(), 1):
+            models[name] = evaluate_model(name, str(ref), cfg, suites, device)
+            log.info("evaluated model %d/%d (%s) | %s", i, len(cfg.models), name, progress.line(i))
         metrics = {f"{name}.{key}": value for name, m in models.items()
                    for key, value in m["metrics"].items()}
-        mlflow.log_metrics(metrics)
+        # "<model>/<metric>" in MLflow: one chart section per model; the result keeps the dots
+        mlflow.log_metrics({k.replace(".", "/", 1): v for k, v in metrics.items()})
         report_path = write_json(Path(cfg.output_dir) / "report.json",
                                  {"models": models, "metrics": metrics,
                                   "suites": {s.name: str(s.path) for s in suites},

@@ -69,9 +69,9 @@ def main(cfg: FinetuneConfig) -> dict[str, Any]:
         log.info("before fine-tuning: completion loss %.4f, task accuracy %.3f, prose perplexity "
                  "%.2f", before["val_loss"], before["task"]["accuracy"],
                  math.exp(before["prose_val_loss"]))
-        mlflow.log_metrics({"val_loss_before": before["val_loss"],
-                            "prose_perplexity_before": math.exp(before["prose_val_loss"]),
-                            "task_accuracy_before": before["task"]["accuracy"]}, step=0)
+        mlflow.log_metrics({"loss/val_before": before["val_loss"],
+                            "prose/perplexity_before": math.exp(before["prose_val_loss"]),
+                            "task/accuracy_before": before["task"]["accuracy"]}, step=0)
 
         adapters = None
         if cfg.lora_rank:
@@ -94,9 +94,9 @@ def main(cfg: FinetuneConfig) -> dict[str, Any]:
         log.info("after fine-tuning: completion loss %.4f, task accuracy %.3f, prose perplexity "
                  "%.2f", after["val_loss"], after["task"]["accuracy"],
                  math.exp(after["prose_val_loss"]))
-        mlflow.log_metrics({"task_accuracy_after": after["task"]["accuracy"],
-                            "prose_perplexity_after": math.exp(after["prose_val_loss"]),
-                            **{f"task_accuracy_after.{k}": v
+        mlflow.log_metrics({"task/accuracy_after": after["task"]["accuracy"],
+                            "prose/perplexity_after": math.exp(after["prose_val_loss"]),
+                            **{f"task/accuracy_after.{k}": v
                                for k, v in after["task"]["per_skill"].items()}},
                            step=result.step)
         log_json_artifact({"before": before["task"], "after": after["task"]}, "task_eval.json")

@@ -205,6 +205,8 @@ def _log_new_events(run_dir: Path) -> None:
     the supervisor itself does not import MLflow (it must start in milliseconds)."""
     import mlflow
 
+    from tasks.common.tracking import chart_name
+
     marker = run_dir / "events_logged"
     done = int(marker.read_text()) if marker.exists() else 0
     events = tm.read_events(run_dir)
@@ -213,8 +215,8 @@ def _log_new_events(run_dir: Path) -> None:
                                                                 "budget_exhausted"):
             if e["kind"] == "worker_exit" and e.get("code") == 0:
                 continue
-            mlflow.log_metric(f"event.{e['kind']}", 1.0, step=max(0, int(e.get("step", 0))),
-                              timestamp=int(e["t"] * 1000))
+            mlflow.log_metric(chart_name(f"event.{e['kind']}"), 1.0,
+                              step=max(0, int(e.get("step", 0))), timestamp=int(e["t"] * 1000))
     marker.write_text(str(len(events)))
 
 
@@ -233,12 +235,14 @@ def _report(run_dir: Path, result: Any) -> dict[str, Any]:
               for kind, name in (("restart", "restarts"), ("hang", "hangs"),
                                  ("rollback", "rollbacks"), ("peer_failure", "peer_failures"),
                                  ("anomaly", "anomalies"))}
-    metrics = {"goodput": report["goodput"],
-               "goodput_excluding_hang_wait": report["goodput_excluding_hang_wait"],
-               **{f"badput.{k}_s": v for k, v in report["buckets"].items() if k != "productive"},
-               "productive_s": report["buckets"]["productive"],
-               **{f"resilience.{k}": float(v) for k, v in counts.items()},
-               "resilience.skipped_batches": float(len(result.skipped_batches))}
+    # one chart section, after the loss curves (see tasks.common.tracking.CHART_NAMES)
+    metrics = {"resilience/goodput": report["goodput"],
+               "resilience/goodput_excluding_hang_wait": report["goodput_excluding_hang_wait"],
+               **{f"resilience/badput_{k}_s": v for k, v in report["buckets"].items()
+                  if k != "productive"},
+               "resilience/productive_s": report["buckets"]["productive"],
+               **{f"resilience/{k}": float(v) for k, v in counts.items()},
+               "resilience/skipped_batches": float(len(result.skipped_batches))}
     mlflow.log_metrics(metrics, step=result.step)
     log_json_artifact(report, "goodput.json", artifact_path="resilience")
     mlflow.log_artifact(str(run_dir / "events.jsonl"), artifact_path="resilience")

@@ -131,8 +131,8 @@ def run_trial(cfg: TrainConfig, reporter: StudyReporter | None = None) -> dict[s
         run_id = os.environ.get("MLFLOW_RUN_ID") or mlflow.last_active_run().info.run_id
         client = mlflow.MlflowClient()
         client.set_tag(run_id, "trial_state", "pruned")
-        client.log_metric(run_id, "trial_steps_run", step)
-        client.log_metric(run_id, "trial_steps_saved", cfg.max_steps - step)
+        client.log_metric(run_id, "trial/steps_run", step)
+        client.log_metric(run_id, "trial/steps_saved", cfg.max_steps - step)
         client.set_terminated(run_id, "FINISHED")
         return {"state": "pruned", "outputs": {}, "mlflow_run_id": run_id,
                 "metrics": {"val_loss": val_loss, "lr": cfg.optim.lr, "step": step,
@@ -140,8 +140,8 @@ def run_trial(cfg: TrainConfig, reporter: StudyReporter | None = None) -> dict[s
     run_id = result["mlflow_run_id"]
     client = mlflow.MlflowClient()
     client.set_tag(run_id, "trial_state", "complete")
-    client.log_metric(run_id, "trial_steps_run", result["metrics"]["step"])
-    client.log_metric(run_id, "trial_steps_saved", 0)
+    client.log_metric(run_id, "trial/steps_run", result["metrics"]["step"])
+    client.log_metric(run_id, "trial/steps_saved", 0)
     tokens = result["metrics"]["step"] * cfg.batch_size * cfg.model.block_size
     return {"state": "complete", **result,
             "metrics": {**result["metrics"], "tokens": tokens, **sizes}}

@@ -117,6 +117,6 @@ def test_lifecycle_with_pretraining_on_sagemaker(airflow_db, sagemaker_deploymen
     runs = client.search_runs([exp.experiment_id], "tags.stage = 'pretrain' and tags.backend = 'sagemaker'")
     assert len(runs) == 1 and runs[0].info.status == "FINISHED"
     assert runs[0].data.tags["team"] == "research" and runs[0].data.tags["job_name"] == job
-    assert "loss" in runs[0].data.metrics, "the container logged into the same MLflow run"
+    assert "loss/train" in runs[0].data.metrics, "the container logged into the same MLflow run"
     champion = client.get_model_version_by_alias("llm-lifecycle", "champion")
     assert champion.tags["run_id"] == f"manual__{LOGICAL_DATE}"

@@ -62,9 +62,9 @@ def test_training_stages_log_step_wise_metrics_and_their_config(lifecycle_run):
         artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
         assert "config.json" in artifacts, stage
         if stage in ("pretrain", "finetune", "distill"):
-            history = client.get_metric_history(run.info.run_id, "loss")
+            history = client.get_metric_history(run.info.run_id, "loss/train")
             assert len(history) >= 2 and history[0].step < history[-1].step, stage
-            for key in ("lr", "grad_norm", "tokens_per_s"):
+            for key in ("optim/lr", "optim/grad_norm", "perf/tokens_per_s"):
                 assert key in run.data.metrics, (stage, key)
 
 
@@ -82,6 +82,6 @@ def test_a_model_is_registered_as_champion_with_its_lineage(lifecycle_run):
 def test_evaluation_reports_both_candidates(lifecycle_run):
     evaluation = next(r for r in lifecycle_run["children"] if r.data.tags["stage"] == "evaluate")
     for name in ("pretrained", "teacher", "student"):
-        assert f"{name}.perplexity" in evaluation.data.metrics
-        assert f"{name}.task_accuracy" in evaluation.data.metrics
-    assert evaluation.data.metrics["student.params"] < evaluation.data.metrics["teacher.params"]
+        assert f"{name}/perplexity" in evaluation.data.metrics
+        assert f"{name}/task_accuracy" in evaluation.data.metrics
+    assert evaluation.data.metrics["student/params"] < evaluation.data.metrics["teacher/params"]

@@ -275,8 +275,8 @@ def test_finetuning_lowers_held_out_completion_loss(finetuned, pretrained):
     import mlflow
 
     logged = mlflow.MlflowClient().get_run(finetuned["mlflow_run_id"]).data.metrics
-    assert {"val_loss_before", "task_accuracy_before", "task_accuracy_after", "loss",
-            "val_loss", "prose_val_loss", "prose_perplexity_after"} <= set(logged)
+    assert {"loss/val_before", "task/accuracy_before", "task/accuracy_after", "loss/train",
+            "loss/val", "loss/val_prose", "prose/perplexity_after"} <= set(logged)
 
 
 def test_distilled_student_from_the_cache_is_smaller_and_shares_the_teachers_tokens(
@@ -455,8 +455,8 @@ def test_evaluate_reports_every_model(tiny_data_dir, workdir, pretrained, finetu
         result["metrics"]["student.perplexity"], rel=0.05)
 
     run = mlflow.MlflowClient().get_run(result["mlflow_run_id"])
-    assert {"base.perplexity", "teacher.task_accuracy", "student.params",
-            "student.bits_per_byte"} <= set(run.data.metrics)
+    assert {"base/perplexity", "teacher/task_accuracy", "student/params",
+            "student/bits_per_byte"} <= set(run.data.metrics)
     artifacts = {a.path for a in mlflow.MlflowClient().list_artifacts(result["mlflow_run_id"])}
     assert {"report.json", "report.md", "eval_table.json", "eval_report.png",
             "eval_suites.png", "suites"} <= artifacts

@@ -325,10 +325,12 @@ def test_kill_corrupt_checkpoint_hang_spike_and_nan_in_one_supervised_run(tiny_d
     assert 0 < report < 1
     client = mlflow.MlflowClient()
     run = client.get_run(result["mlflow_run_id"])
-    for key in ("goodput", "badput.recovery_s", "badput.hang_detection_s", "resilience.restarts",
-                "resilience.rollbacks", "event.rollback", "event.restart", "event.hang"):
+    for key in ("resilience/goodput", "resilience/badput_recovery_s",
+                "resilience/badput_hang_detection_s", "resilience/restarts",
+                "resilience/rollbacks", "resilience/event_rollback", "resilience/event_restart",
+                "resilience/event_hang"):
         assert key in run.data.metrics, key
-    assert run.data.metrics["resilience.restarts"] == 2
+    assert run.data.metrics["resilience/restarts"] == 2
     artifacts = {a.path for a in client.list_artifacts(result["mlflow_run_id"], "resilience")}
     assert {"resilience/goodput.png", "resilience/goodput.json", "resilience/events.jsonl",
             "resilience/skipped_batches.json"} <= artifacts

@@ -156,6 +156,6 @@ def test_the_champion_is_retrained_evaluated_gated_approved_and_promoted(retrain
     by_stage = {r.data.tags["stage"]: r for r in children}
     assert set(by_stage) == {"finetune", "evaluate"}
     scored = by_stage["evaluate"].data.metrics
-    assert {"champion.task_accuracy", "challenger.task_accuracy", "champion.bits_per_byte",
-            "challenger.bits_per_byte"} <= set(scored)
+    assert {"champion/task_accuracy", "challenger/task_accuracy", "champion/bits_per_byte",
+            "challenger/bits_per_byte"} <= set(scored)
     assert tags["training_run_id"] == by_stage["finetune"].info.run_id

@@ -111,9 +111,9 @@ def test_pruning_stops_a_hopeless_trial_at_its_first_evaluation(pruner, tiny_dat
     client = mlflow.MlflowClient()
     pruned_run = client.get_run(hopeless["mlflow_run_id"])
     assert pruned_run.data.tags["trial_state"] == "pruned"
-    assert [m.step for m in client.get_metric_history(hopeless["mlflow_run_id"], "val_loss")] == [10]
-    assert len(client.get_metric_history(good[0]["mlflow_run_id"], "val_loss")) == 4
-    assert pruned_run.data.metrics["trial_steps_saved"] == 30
+    assert [m.step for m in client.get_metric_history(hopeless["mlflow_run_id"], "loss/val")] == [10]
+    assert len(client.get_metric_history(good[0]["mlflow_run_id"], "loss/val")) == 4
+    assert pruned_run.data.metrics["trial/steps_saved"] == 30
 
 
 # --------------------------------------------------------------------------------------------

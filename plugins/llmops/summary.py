@@ -7,10 +7,11 @@ import sys
 from llmops import tracking
 from llmops.params import STAGES
 
-KEY_METRICS = ("documents_in", "documents_kept", "train_tokens", "val_loss", "tokens_per_s",
-               "task_accuracy_before", "task_accuracy_after", "params",
-               "teacher.task_accuracy", "student.task_accuracy", "pretrained.task_accuracy",
-               "teacher.perplexity", "student.perplexity", "teacher.params", "student.params")
+# MLflow names (tasks.common.tracking.CHART_NAMES; evaluate logs "<model>/<metric>")
+KEY_METRICS = ("documents_in", "documents_kept", "train_tokens", "loss/val", "perf/tokens_per_s",
+               "task/accuracy_before", "task/accuracy_after", "params",
+               "teacher/task_accuracy", "student/task_accuracy", "pretrained/task_accuracy",
+               "teacher/perplexity", "student/perplexity", "teacher/params", "student/params")
 
 
 def summarize(dag_id: str) -> str:

@@ -2,8 +2,9 @@
 
 Runs are found again by their tags, so a retried task logs into the run its first try opened
 instead of leaving a trail of orphans. Tags on every child run: stage, dag_id, run_id, task_id,
-map_index, try_number, backend, git_commit, data_hash, job_name. Only the MLflow client is used
-here (mlflow-skinny on MWAA).
+map_index, try_number, backend, git_commit, data_hash, job_name; the parent run also carries
+`airflow_run_url`. Child runs are named after their stage (trials: `trial-<n> lr=<lr>`).
+Only the MLflow client is used here (mlflow-skinny on MWAA).
 """
 
 from __future__ import annotations
@@ -18,6 +19,14 @@ from llmops.provenance import source_commit
 from tasks.configs import flatten  # stdlib only; shipped in plugins.zip beside llmops
 
 PARENT_KIND = "lifecycle"
+# MLflow 3 opens an experiment without this tag in its GenAI view, where training runs are listed
+# as "evaluation runs"; this value selects the view for model training (runs, charts, models).
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+EXPERIMENT_KIND = "custom_model_development"
+# Where the MLflow UI is, for links and the task log: this environment variable, else this
+# Airflow Variable, else the tracking URI when it is a server, else `make up`'s local server.
+MLFLOW_UI_ENV = "LLMOPS_MLFLOW_UI_URL"
+MLFLOW_UI_VARIABLE = "llmops_mlflow_ui_url"
 
 
 def tracking_uri() -> str:
@@ -28,6 +37,9 @@ def tracking_uri() -> str:
 def client():
     from mlflow import MlflowClient
 
+    # no tqdm bars in task logs for artifact transfers (tasks.common.entry does it for jobs)
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+
     uri = tracking_uri()
     if uri.startswith("sqlite:///"):
         os.makedirs(os.path.dirname(uri[len("sqlite:///"):]) or ".", exist_ok=True)
@@ -35,21 +47,69 @@ def client():
 
 
 def ensure_experiment(name: str) -> str:
+    """The experiment's id, created if missing; tagged for MLflow's training view either way
+    (experiments made before the tag existed get it on their next run)."""
     c = client()
     exp = c.get_experiment_by_name(name)
     if exp is not None:
+        if exp.tags.get(EXPERIMENT_KIND_TAG) != EXPERIMENT_KIND:
+            c.set_experiment_tag(exp.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
         return exp.experiment_id
     artifact_location = None
     if tracking_uri().startswith("sqlite:"):
         # Keep artifacts beside the store, not in whatever directory a worker happens to run in.
         artifact_location = (settings.home() / "mlartifacts" / name).as_uri()
     try:
-        return c.create_experiment(name, artifact_location=artifact_location)
+        return c.create_experiment(name, artifact_location=artifact_location,
+                                   tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})
     except Exception:  # another task created it first
         exp = c.get_experiment_by_name(name)
         if exp is None:
             raise
         return exp.experiment_id
+
+
+def mlflow_ui_url() -> str:
+    """The MLflow UI's base URL (see MLFLOW_UI_ENV)."""
+    url = os.environ.get(MLFLOW_UI_ENV, "")
+    if not url:
+        try:
+            from airflow.sdk import Variable
+
+            url = Variable.get(MLFLOW_UI_VARIABLE, default="") or ""
+        except Exception:  # noqa: BLE001 - outside a task, or no Airflow at all
+            url = ""
+    if not url:
+        uri = tracking_uri()
+        if uri.startswith(("http://", "https://")):
+            url = uri
+    if not url:
+        # `make up` serves the local store here (scripts/up.py)
+        url = f"http://localhost:{os.environ.get('MLFLOW_PORT') or 5000}"
+    return url.rstrip("/")
+
+
+def run_url(run_id: str, experiment_id: str | None = None) -> str:
+    """The run's page in the MLflow UI."""
+    if experiment_id is None:
+        experiment_id = client().get_run(run_id).info.experiment_id
+    return f"{mlflow_ui_url()}/#/experiments/{experiment_id}/runs/{run_id}"
+
+
+def airflow_run_url(dag_id: str, run_id: str) -> str:
+    """The DAG run's page in the Airflow UI: `[api] base_url`, else the local API server."""
+    from urllib.parse import quote
+
+    base = ""
+    try:
+        from airflow.configuration import conf
+
+        base = conf.get("api", "base_url", fallback="") or ""
+        if not base:
+            base = f"http://localhost:{conf.get('api', 'port', fallback='8080') or 8080}"
+    except Exception:  # noqa: BLE001 - no Airflow config (a job's container)
+        base = "http://localhost:8080"
+    return f"{base.rstrip('/')}/dags/{quote(dag_id, safe='')}/runs/{quote(run_id, safe='')}"
 
 
 def _find_run(experiment_id: str, tags: dict[str, str]):
@@ -65,10 +125,14 @@ def start_parent_run(*, experiment: str, dag_id: str, run_id: str, config: dict[
     key = {"kind": PARENT_KIND, "dag_id": dag_id, "run_id": run_id}
     found = _find_run(exp_id, key)
     c = client()
+    url = airflow_run_url(dag_id, run_id)
     if found:
+        if found.data.tags.get("airflow_run_url") != url:  # a parent made before the tag existed
+            c.set_tag(found.info.run_id, "airflow_run_url", url)
         return found.info.run_id
     run = c.create_run(exp_id, run_name=f"{dag_id} {run_id}",
-                       tags={**key, "git_commit": source_commit()})
+                       tags={**key, "git_commit": source_commit(),
+                             "airflow_run_url": url})
     for k, v in sorted(flatten(config).items()):
         c.log_param(run.info.run_id, k, str(v)[:6000])
     log_json(run.info.run_id, config, "lifecycle_config.json")
@@ -90,11 +154,21 @@ def start_child_run(*, experiment: str, parent_run_id: str, stage: str, tags: di
         if found.info.status != "RUNNING":
             c.update_run(run_id, status="RUNNING")
     else:
-        run_id = c.create_run(exp_id, run_name=identity.get("task_id", stage),
+        run_id = c.create_run(exp_id, run_name=child_run_name(stage, identity),
                               tags={"mlflow.parentRunId": parent_run_id, **all_tags}).info.run_id
     for k, v in all_tags.items():
         c.set_tag(run_id, k, str(v))
     return run_id
+
+
+def child_run_name(stage: str, identity: dict[str, str]) -> str:
+    """The stage's name; a mapped task's adds its map index (`sweep-3`)."""
+    index = str(identity.get("map_index", "-1"))
+    return stage if index in ("", "-1") else f"{stage}-{index}"
+
+
+def rename_run(run_id: str, name: str) -> None:
+    client().update_run(run_id, name=name)
 
 
 def end_run(run_id: str, status: str) -> None:

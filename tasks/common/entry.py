@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 from typing import Any, Callable, TypeVar
@@ -28,6 +29,9 @@ def run_stage(stage: str, config_cls: type[C], main: Callable[[C], dict[str, Any
     parser.add_argument("--config", required=True, help="Stage config JSON file.")
     parser.add_argument("--result", required=True, help="Where to write the result JSON.")
     args = parser.parse_args(argv)
+    # MLflow draws a tqdm bar for every artifact download or upload ("Downloading artifacts",
+    # 16 lines per job in the task log). Read at each use; the job's own processes inherit it.
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     logging.basicConfig(level=logging.INFO, stream=sys.stdout,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

@@ -16,6 +16,29 @@ from typing import Any, Iterator
 from tasks.configs import flatten, to_dict
 
 MAX_PARAM_CHARS = 6000  # MLflow's param value limit
+# MLflow 3 shows an experiment without this tag in its GenAI view (runs listed as evaluations).
+EXPERIMENT_KIND_TAG, EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_development"
+
+# The names metrics get in MLflow. Its UI groups a run's charts by the part of the name before
+# "/", one section per group, so the loss curves (train and validation side by side) come first
+# and the rest follows in sections that sort after them: optim/, perf/, resilience/ (goodput,
+# badput, restarts, events). Results handed back to Airflow keep the plain keys.
+CHART_NAMES = {
+    "loss": "loss/train", "val_loss": "loss/val", "prose_val_loss": "loss/val_prose",
+    "lr": "optim/lr", "grad_norm": "optim/grad_norm",
+    "tokens_per_s": "perf/tokens_per_s", "mfu": "perf/mfu",
+}
+
+
+def chart_name(key: str) -> str:
+    """The MLflow name of a training metric (CHART_NAMES); events: `resilience/event_<kind>`."""
+    if key.startswith("event."):
+        return "resilience/event_" + key[len("event."):]
+    return CHART_NAMES.get(key, key)
+
+
+def chart_metrics(metrics: dict[str, float]) -> dict[str, float]:
+    return {chart_name(k): v for k, v in metrics.items()}
 
 
 @contextlib.contextmanager
@@ -50,10 +73,13 @@ def _set_experiment(name: str) -> None:
         db_dir = os.path.dirname(os.path.abspath(uri[len("sqlite:///"):]))
         location = "file://" + os.path.join(db_dir, "mlartifacts", name)
         try:
-            mlflow.create_experiment(name, artifact_location=location)
+            mlflow.create_experiment(name, artifact_location=location,
+                                     tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})
         except Exception:  # created concurrently by another job
             pass
-    mlflow.set_experiment(name)
+    experiment = mlflow.set_experiment(name)
+    if experiment.tags.get(EXPERIMENT_KIND_TAG) != EXPERIMENT_KIND:
+        mlflow.set_experiment_tag(EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
 
 
 def log_json_artifact(data: Any, name: str, artifact_path: str | None = None) -> None:

@@ -100,6 +100,9 @@ log = logging.getLogger(__name__)
 # may be moved, or finished by another engine, without redoing anything.
 LAYOUT_ONLY_FIELDS = ("engine", "workers", "output_dir")
 STAGES = ("all", "shards", "finalize")
+# The phases each stage reports progress by (prepare's `lap`).
+_ALL_PHASES = ("plan", "shards", "dedup", "tokenizer", "documents_and_tokens", "pack_and_manifest")
+PHASES = {"all": _ALL_PHASES, "finalize": _ALL_PHASES, "shards": ("plan", "shards")}
 # Kept-document length histogram: log-spaced character counts, fixed so shards can be summed.
 LENGTH_BINS = np.unique(np.round(np.geomspace(1, 10_000_000, 57)).astype(np.int64))
 DROPPED_COLUMNS = ("id", "source", "line", "step", "reason", "duplicate_of", "detail")
@@ -558,14 +561,21 @@ def prepare(config: DataPrepConfig, stage: str = "all") -> Prepared:
         return Prepared(existing, reused=True)
     if stage != "shards":
         _remove_temporaries(out_dir)
+    from tasks.train.telemetry import Progress
+
     seconds: dict[str, float] = {}
     clock = time.perf_counter()
+    phases = PHASES[stage]
+    progress = Progress(len(phases))
 
     def lap(name: str) -> None:
         nonlocal clock
         now = time.perf_counter()
         seconds[name] = round(now - clock, 3)
         clock = now
+        done = phases.index(name) + 1
+        log.info("data prep phase %d/%d %s done in %.1fs | %s", done, len(phases), name,
+                 seconds[name], progress.line(done))
 
     if config.inputs:
         files = resolve_inputs(config.inputs)
@@ -798,8 +808,8 @@ def main(config: DataPrepConfig, stage: str = "all") -> dict[str, Any]:
         manifest = prepared.manifest
         metrics = _metrics(manifest)
         mlflow.log_metrics({**metrics, "seconds": time.time() - started,
-                            **{f"seconds.{k}": v for k, v in prepared.seconds.items()},
-                            **{f"dropped.{r}": n for r, n in manifest["counts"]["dropped"].items()}})
+                            **{f"seconds/{k}": v for k, v in prepared.seconds.items()},
+                            **{f"dropped/{r}": n for r, n in manifest["counts"]["dropped"].items()}})
         mlflow.set_tag("data_hash", manifest["content_hash"])
         log_json_artifact(manifest, "manifest.json")
         if not prepared.reused:

@@ -169,6 +169,7 @@ class _Trainer:
         self.val: dict[str, float] = {}
         self.total_tokens, self.total_time = 0, 0.0
         self.first_resume = True
+        self.progress = tm.Progress(cfg.max_steps)  # restarted with each _train
 
     # -- the outer loop: (re)join, resume, train -------------------------------------------
     def run(self) -> LoopResult:
@@ -349,6 +350,7 @@ class _Trainer:
         interval_start, paused = time.perf_counter(), 0.0
         grad_norm = torch.zeros(())
         lr = 0.0
+        self.progress = tm.Progress(cfg.max_steps, self.step)
         self.model.train()
         while self.step < cfg.max_steps:
             step = self.step
@@ -416,10 +418,14 @@ class _Trainer:
                     metrics["mfu"] = per_device * opts.flops_per_token / opts.peak_flops
                 self._log_metrics(metrics, done)
                 self.history.append({"step": done, **metrics})
-                log.info("step %d/%d | loss %.4f | lr %.2e | grad_norm %.3f | %.0f tok/s%s",
+                # "step N/M | loss X" and "| T tok/s" are parsed by SageMaker's metric regexes
+                # (llmops.jobs.backends.sagemaker.METRICS): keep them as they are. MFU only with
+                # a known peak (tasks.train.runtime.peak_flops).
+                log.info("step %d/%d | loss %.4f | lr %.2e | grad_norm %.3f | %.0f tok/s%s | %s",
                          done, cfg.max_steps, self.train_loss, lr, metrics["grad_norm"],
                          metrics["tokens_per_s"],
-                         f" | mfu {metrics['mfu']:.2%}" if "mfu" in metrics else "")
+                         f" | mfu {metrics['mfu']:.2%}" if "mfu" in metrics else "",
+                         self.progress.line(done))
                 interval_loss.zero_()
                 interval_steps, interval_tokens = 0, 0
                 interval_start, paused = time.perf_counter(), 0.0
@@ -450,8 +456,9 @@ class _Trainer:
         self._log_metrics(self.val, done)
         self.history.append({"step": done, **self.val})
         self._event("eval", step=done, t0=t0, t1=t1, echo=False)
-        log.info("step %d/%d | %s", done, self.cfg.max_steps,
-                 " | ".join(f"{k} {v:.4f}" for k, v in self.val.items()))
+        log.info("step %d/%d | %s | %s", done, self.cfg.max_steps,
+                 " | ".join(f"{k} {v:.4f}" for k, v in self.val.items()),
+                 self.progress.line(done))
         if self.on_eval is not None:
             self.on_eval(done, dict(self.val))
 
@@ -518,30 +525,35 @@ class _Trainer:
             self._log_metrics({f"event.{kind}": 1.0}, int(fields.get("step", self.step)))
 
     def _log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        """Log under the chart names (loss/train, loss/val, optim/lr...: tasks.common.tracking)."""
         if self.tracking:
             import mlflow
 
+            from tasks.common.tracking import chart_metrics
+
             # asynchronous: a metric write to the tracking store is a network or database round
             # trip that should not stall the training thread
-            mlflow.log_metrics(metrics, step=step, synchronous=False)
+            mlflow.log_metrics(chart_metrics(metrics), step=step, synchronous=False)
 
 
 def _log_loss_curve(history: list[dict[str, float]]) -> None:
-    """Plot loss and val_loss from the run's metric history, which also holds the steps of
-    earlier attempts when a retry resumed into the same run; fall back to this attempt's."""
+    """Plot loss and val_loss on one chart from the run's metric history, which also holds the
+    steps of earlier attempts when a retry resumed into the same run; fall back to this
+    attempt's."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display on a worker
     import matplotlib.pyplot as plt
     import mlflow
 
-    from tasks.common.tracking import log_figure
+    from tasks.common.tracking import chart_name, log_figure
 
     client = mlflow.MlflowClient()
     run_id = mlflow.active_run().info.run_id
     curves: dict[str, tuple[list[int], list[float]]] = {}
     for key in ("loss", "val_loss"):
-        points = sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
+        points = sorted((m.step, m.value)
+                        for m in client.get_metric_history(run_id, chart_name(key)))
         if not points:
             points = [(int(h["step"]), h[key]) for h in history if key in h]
         if points:
@@ -550,7 +562,8 @@ def _log_loss_curve(history: list[dict[str, float]]) -> None:
         return
     fig, ax = plt.subplots(figsize=(6, 4))
     for key, (steps, values) in curves.items():
-        ax.plot(steps, values, marker="o" if key == "val_loss" else None, markersize=3, label=key)
+        ax.plot(steps, values, marker="o" if key == "val_loss" else None, markersize=3,
+                label={"loss": "train", "val_loss": "validation"}[key])
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     ax.grid(alpha=0.3)

@@ -6,7 +6,6 @@ import contextlib
 import logging
 import os
 import random
-import time
 from typing import Any, ContextManager
 
 import numpy as np
@@ -84,37 +83,30 @@ def set_rng_state(state: dict[str, Any]) -> None:
 # --------------------------------------------------------------------------------------------
 # Model FLOPs utilization
 
-# Dense bf16 tensor-core peak per GPU (no sparsity), from the vendors' data sheets.
-# Others (A10G, ...): set LLMOPS_PEAK_TFLOPS.
-GPU_PEAK_TFLOPS = {"B200": 2250.0, "H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0,
-                   "L4": 121.0}
-_cpu_peak: float | None = None
+# Dense bf16 tensor-core peak per GPU (no sparsity), from the vendors' data sheets; matched
+# against torch.cuda.get_device_name, longest key first ("H100 PCIe" before "H100", "L40S" before
+# "L4"). A10G is AWS's A10, taken at the A10's data sheet. Anything else (another GPU, a CPU)
+# has no known peak and gets no MFU: a guessed peak gave CPUs an MFU of 70-77%. Set
+# LLMOPS_PEAK_TFLOPS to state a peak yourself.
+GPU_PEAK_TFLOPS = {"B200": 2250.0, "H200": 989.0, "H100": 989.0, "H100 PCIe": 756.0,
+                   "A100": 312.0, "L40S": 362.0, "L4": 121.0, "A10G": 125.0}
 
 
 def peak_flops(device: torch.device) -> float:
-    """FLOP/s one device can do at best: $LLMOPS_PEAK_TFLOPS, else the data-sheet number for a
-    known GPU, else (CPU) what a large fp32 matmul reaches here, measured once in ~0.1 s;
-    0.0 when unknown (MFU is then not logged)."""
-    global _cpu_peak
+    """FLOP/s one device can do at best: $LLMOPS_PEAK_TFLOPS, else the data-sheet number of a
+    known GPU (GPU_PEAK_TFLOPS); 0.0 when unknown, and then MFU is neither logged nor printed."""
     if os.environ.get("LLMOPS_PEAK_TFLOPS"):
         return float(os.environ["LLMOPS_PEAK_TFLOPS"]) * 1e12
     if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        # longest names first, so "L40S" is not taken for "L4"
-        for key in sorted(GPU_PEAK_TFLOPS, key=len, reverse=True):
-            if key in name:
-                return GPU_PEAK_TFLOPS[key] * 1e12
-        return 0.0
-    if _cpu_peak is None:
-        # constants, not randn: the probe must not move the RNG that dropout draws from
-        a, b = torch.full((512, 512), 0.5), torch.full((512, 512), 0.25)
-        a @ b  # warm up the kernel
-        n, t0 = 0, time.perf_counter()
-        while time.perf_counter() - t0 < 0.1:
-            a @ b
-            n += 1
-        _cpu_peak = 2 * 512**3 * n / (time.perf_counter() - t0)
-    return _cpu_peak
+        return gpu_peak_flops(torch.cuda.get_device_name(device))
+    return 0.0
+
+
+def gpu_peak_flops(name: str) -> float:
+    for key in sorted(GPU_PEAK_TFLOPS, key=len, reverse=True):
+        if key in name:
+            return GPU_PEAK_TFLOPS[key] * 1e12
+    return 0.0
 
 
 def gpt_flops_per_token(n_params: int, n_layer: int, n_embd: int, seq_len: int,

@@ -10,6 +10,9 @@
         heartbeat.rank<r>   32 bytes, memory-mapped: step, time, phase and pid of the rank's worker,
                             read by its supervisor's watchdog
 
+and `Progress`, the "| 25.0% | elapsed 0:01:02 | eta 0:03:06" ending every progress line of a
+long job (training steps, data prep phases, evaluated models).
+
 Standard library only: the supervisor imports this without torch. Events are appended with one
 write() on an O_APPEND descriptor, so lines from several processes never interleave; times are
 wall-clock seconds (time.time) because they are compared across processes.
@@ -153,3 +156,36 @@ def read_heartbeat(path: str | Path) -> tuple[int, float, int, int]:
     if len(data) != _HEARTBEAT.size:
         return -1, 0.0, STARTING, 0
     return _HEARTBEAT.unpack(data)
+
+
+def duration(seconds: float) -> str:
+    """H:MM:SS (days as `2d 03:04:05`), the clock format of the progress lines."""
+    seconds = max(0, int(round(seconds)))
+    days, rest = divmod(seconds, 86400)
+    hours, rest = divmod(rest, 3600)
+    text = f"{hours}:{rest // 60:02d}:{rest % 60:02d}"
+    return f"{days}d {hours:02d}:{rest // 60:02d}:{rest % 60:02d}" if days else text
+
+
+class Progress:
+    """Share done, time elapsed and time left of `total` units of work (steps, phases, models).
+
+    The rate is measured from this process's first unit: a resumed job counts only the work it
+    does itself, so its ETA is not flattered by the steps a checkpoint already held."""
+
+    def __init__(self, total: int, done: int = 0, *, clock=time.monotonic) -> None:
+        self.total, self.start_done = max(1, int(total)), int(done)
+        self.clock = clock
+        self.t0 = clock()
+
+    def line(self, done: int) -> str:
+        elapsed = self.clock() - self.t0
+        share = min(1.0, done / self.total)
+        rate = (done - self.start_done) / elapsed if elapsed > 0 else 0.0
+        if done >= self.total:
+            eta = "0:00:00"
+        elif rate > 0:
+            eta = duration((self.total - done) / rate)
+        else:
+            eta = "?"
+        return f"{share:.1%} | elapsed {duration(elapsed)} | eta {eta}"

@@ -16,6 +16,7 @@ from llmops.jobs.backends import Backend, JobState, JobStatus, get_backend
 from llmops.jobs.errors import Backoff
 from llmops.jobs.spec import JobSpec, JobSpecError, job_name
 from llmops.jobs.watch import JobWatch, Step, call_with_retries
+from llmops.operators import links
 
 LOG_TAIL_LINES = 40
 # Backends whose jobs run on the worker itself: waited for there, and stopped with the task.
@@ -85,6 +86,8 @@ class JobOperator(BaseOperator):
 
     template_fields = ("spec", "op_kwargs", "force_rerun")
     ui_color = "#e8f1ff"
+    # MLflow run, SageMaker / Batch / EKS console, CloudWatch logs, Ray dashboard (links.py)
+    operator_extra_links = links.JOB_LINKS
 
     def __init__(self, *, spec: JobSpec | dict | None = None,
                  build_spec: Callable[..., JobSpec | dict] | None = None,
@@ -119,6 +122,7 @@ class JobOperator(BaseOperator):
         self._parent_run_id = spec.mlflow_parent_run_id
         try:
             record = self._submit_or_reattach(backend, spec, store)
+            self._push_links(run_id)
             watch_kwargs = {"poll_interval": self._poll_interval(backend),
                             "max_run_seconds": spec.max_run_seconds,
                             "grace_seconds": self._grace_seconds(),
@@ -264,6 +268,21 @@ class JobOperator(BaseOperator):
         record = {"name": spec.name, "handle": self._handle, "try_number": self._ti.try_number}
         self._save(store, record)
         return record
+
+    def _push_links(self, mlflow_run_id: str) -> None:
+        """The task's extra links, as soon as the job's handle is known (links.py); the MLflow
+        run's URL also goes to the task log."""
+        mlflow_run = ""
+        if mlflow_run_id:
+            try:
+                mlflow_run = tracking.run_url(mlflow_run_id)
+                self.log.info("MLflow run: %s", mlflow_run)
+            except Exception as exc:  # noqa: BLE001 - a link is never worth failing the task
+                self.log.warning("Could not build the MLflow run's URL: %s", exc)
+        try:
+            links.push_links(self._ti, links.links_for(self._handle or {}, mlflow_run))
+        except Exception as exc:  # noqa: BLE001
+            self.log.warning("Could not store the task's links: %s", exc)
 
     # -- the task state store: best effort, the job name is the fallback ---------------------
     def _recall(self, store: Any) -> dict[str, Any]:

@@ -65,6 +65,9 @@ class TrialOperator(JobOperator):
     def _prepare(self, context: Any):
         spec = super()._prepare(context)
         self._mlflow_run_id = spec.env.get("MLFLOW_RUN_ID", "")
+        trial = self.op_kwargs.get("trial")
+        if self._mlflow_run_id and trial:
+            tracking.rename_run(self._mlflow_run_id, trial_run_name(trial))
         return spec
 
     def _record(self, study: Any, trial: Any, result: dict[str, Any]) -> dict[str, Any]:
@@ -96,3 +99,10 @@ class TrialOperator(JobOperator):
         for key, value in {"trial_state": state, "trial_number": str(number),
                            "study": study_name}.items():
             client.set_tag(run_id, key, value)
+
+
+def trial_run_name(trial: dict[str, Any]) -> str:
+    """`trial-3 lr=2.5e-03`: the trial's number and, when it is searched, its learning rate."""
+    params = trial.get("params") or {}
+    lr = params.get("optim.lr", params.get("lr"))
+    return f"trial-{trial['number']}" + (f" lr={float(lr):.2e}" if lr is not None else "")
