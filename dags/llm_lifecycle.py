@@ -7,7 +7,7 @@ import pendulum
 from airflow.sdk import Asset, dag, get_current_context, task
 from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
 
-from llmops import lifecycle, promotion
+from llmops import lifecycle, promotion, run_summary
 from llmops.operators.job import JobOperator
 from llmops.params import lifecycle_params
 from llmops.sweep import LADDER_RECOMMENDATION_URI, POOL, SWEEP_BEST_URI
@@ -58,6 +58,12 @@ def llm_lifecycle():
         """The gate: the preferred passing model becomes `champion`; a refused one stays
         `challenger` with its reasons, and the task is skipped so CHAMPION gets no event."""
         decision = lifecycle.promote(run, evaluation, data)
+        ctx = get_current_context()
+        # The run page's headline figures onto the MLflow parent run, and the DAG run's note line
+        # (a task cannot set notes: llmops.run_note copies this XCom when the run finishes).
+        note = run_summary.record(run, recipe=ctx["params"].get("recipe"))
+        if note:
+            ctx["ti"].xcom_push(run_summary.NOTE_XCOM, note)
         if not decision["promoted"]:
             raise AirflowSkipException(promotion.summary(decision))
         return decision

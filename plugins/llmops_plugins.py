@@ -9,6 +9,7 @@ normally (the plugins folder is on sys.path) and its plugins are registered here
 
 from airflow.plugins_manager import AirflowPlugin
 
+from llmops import run_note, run_page
 from llmops.sweep import pool as sweep_pool
 
 
@@ -17,3 +18,14 @@ class SweepPoolPlugin(AirflowPlugin):
 
     name = "llmops_sweep_pool"
     listeners = [sweep_pool] if sweep_pool.hookimpl is not None else []
+
+
+class RunPagePlugin(AirflowPlugin):
+    """One page per lifecycle run: a tab "LLM run" on every DAG run page (an external view of the
+    FastAPI app the API server mounts under /llmops), and the run's note from its promote task."""
+
+    name = "llmops_run_page"
+    fastapi_apps = [{"app": run_page.app, "url_prefix": run_page.URL_PREFIX, "name": "llmops run page"}]
+    external_views = [{"name": "LLM run", "href": run_page.RUN_PAGE_HREF, "destination": "dag_run",
+                       "url_route": "llm-run"}]
+    listeners = [run_note] if run_note.hookimpl is not None else []

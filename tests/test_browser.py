@@ -1,0 +1,351 @@
+"""The Airflow UI in a real browser: log in, trigger `llm_lifecycle` from its Trigger form on the
+tiny recipe, watch the run in the grid, then open the run's "LLM run" tab (the llmops_run_page
+plugin) and check that its numbers are MLflow's, and that the run's note is the summary line.
+
+SETUP: `airflow standalone` (SQLite, LocalExecutor, parallelism 4) on free ports in this test's
+own AIRFLOW_HOME; Debian's Chromium driven by Playwright (`make test` installs it when missing;
+Playwright's own browser download cannot work here). BODY: the browser. TEARDOWN: SIGINT to
+standalone, always. Screenshots: the test's tmp dir and `.llmops/test-artifacts/browser/`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run"]
+DAG_ID = "llm_lifecycle"
+ARTIFACTS = ROOT / ".llmops" / "test-artifacts" / "browser"
+RUN_TIMEOUT_S = 420  # the tiny recipe takes ~2-3 min here on 2 busy cores
+
+pytestmark = [
+    pytest.mark.skipif(not os.path.exists(CHROMIUM),
+                       reason=f"{CHROMIUM} is missing: `apt-get install -y chromium` (make test does)"),
+    pytest.mark.timeout(900),
+]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Standalone:
+    """`airflow standalone` in its own AIRFLOW_HOME, on free ports; `stop()` is SIGINT."""
+
+    def __init__(self, workdir: Path):
+        self.home = workdir / "airflow"
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.log_path = workdir / "standalone.log"
+        bin_dir = str(Path(sys.executable).parent)
+        self.env = {
+            **{k: v for k, v in os.environ.items() if not k.startswith("AIRFLOW__")},
+            "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
+            "AIRFLOW_HOME": str(self.home),
+            "AIRFLOW__CORE__DAGS_FOLDER": str(ROOT / "dags"),
+            "AIRFLOW__CORE__PLUGINS_FOLDER": str(ROOT / "plugins"),
+            "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+            "AIRFLOW__CORE__UNIT_TEST_MODE": "False",
+            "AIRFLOW__CORE__PARALLELISM": "4",
+            "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"{self.base}/execution/",
+            "AIRFLOW__API__PORT": str(self.port),
+            "AIRFLOW__API__HOST": "127.0.0.1",
+            "AIRFLOW__API__BASE_URL": self.base,
+            # other Airflows may run on this machine: no fixed port of ours may clash with theirs
+            "AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT": str(free_port()),
+            "AIRFLOW__LOGGING__TRIGGER_LOG_SERVER_PORT": str(free_port()),
+            "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "5",
+            "AIRFLOW__DAG_PROCESSOR__MIN_FILE_PROCESS_INTERVAL": "5",
+        }
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> "Standalone":
+        self.home.mkdir(parents=True, exist_ok=True)
+        airflow = str(Path(sys.executable).parent / "airflow")
+        subprocess.run([airflow, "db", "migrate"], env=self.env, check=True, capture_output=True,
+                       timeout=300)
+        subprocess.run([sys.executable, "-m", "llmops.sweep.pool"], env=self.env, check=True,
+                       capture_output=True, timeout=120)
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                [airflow, "standalone"], stdout=log, stderr=subprocess.STDOUT, env=self.env,
+                # SIGINT stops standalone cleanly; a background start may inherit it ignored
+                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+                start_new_session=True)
+        self.wait_for("the API server", lambda: self.request("GET", "/api/v2/monitor/health"), 240)
+        self.token = self.wait_for("the admin password", self._token, 60)
+        self.wait_for(f"DAG {DAG_ID}", lambda: self.request("GET", f"/api/v2/dags/{DAG_ID}"), 240)
+        return self
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+
+    def credentials(self) -> tuple[str, str]:
+        creds = json.loads((self.home / "simple_auth_manager_passwords.json.generated").read_text())
+        return next(iter(creds.items()))
+
+    def _token(self) -> str:
+        user, password = self.credentials()
+        return self.request("POST", "/auth/token", {"username": user, "password": password},
+                            auth=False)["access_token"]
+
+    def request(self, method: str, path: str, body: dict | None = None, auth: bool = True):
+        headers = {"Content-Type": "application/json"}
+        if auth and getattr(self, "token", None):
+            headers["Authorization"] = f"Bearer {self.token}"
+        req = urllib.request.Request(self.base + path, method=method, headers=headers,
+                                     data=json.dumps(body).encode() if body is not None else None)
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return json.loads(resp.read() or b"null")
+
+    def wait_for(self, what: str, probe, timeout: float):
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"airflow standalone exited while waiting for {what}:\n"
+                                   + self.log_path.read_text(errors="replace")[-4000:])
+            try:
+                result = probe()
+                if result:
+                    return result
+            except (urllib.error.URLError, OSError, KeyError, IndexError, ValueError):
+                pass
+            time.sleep(1)
+        raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}; see {self.log_path}")
+
+
+@pytest.fixture(scope="module")
+def airflow(tmp_path_factory):
+    deployment = Standalone(tmp_path_factory.mktemp("standalone"))
+    try:
+        yield deployment.start()
+    finally:
+        deployment.stop()
+
+
+@pytest.fixture(scope="module")
+def shots(tmp_path_factory):
+    """screenshot(page, name): a PNG in the test's tmp dir, copied to .llmops/test-artifacts/."""
+    out = tmp_path_factory.mktemp("screenshots")
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+
+    def screenshot(page, name: str, full_page: bool = False) -> Path:
+        path = out / f"{name}.png"
+        page.screenshot(path=str(path), full_page=full_page)
+        shutil.copy(path, ARTIFACTS / path.name)
+        return path
+
+    return screenshot
+
+
+@pytest.fixture(scope="module")
+def browser():
+    sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright")
+    with sync_api.sync_playwright() as p:
+        instance = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            yield instance
+        finally:
+            instance.close()
+
+
+def log_in(page, airflow: Standalone) -> None:
+    user, password = airflow.credentials()
+    page.goto(f"{airflow.base}/auth/login")
+    page.locator("input[name=username]").fill(user)
+    page.locator("input[name=password]").fill(password)
+    page.get_by_role("button", name="Sign in").click()
+    page.wait_for_url(re.compile(r"^(?!.*/auth/login).*$"), timeout=60_000)
+
+
+def page_figures(frame) -> dict[str, str]:
+    """data-key -> data-value of every figure the run page shows."""
+    return frame.evaluate("""() => Object.fromEntries([...document.querySelectorAll('[data-key]')]
+        .map(e => [e.dataset.key, e.dataset.value ?? e.textContent]))""")
+
+
+def mlflow_run(run_id: str):
+    """What MLflow holds for DAG run `run_id`: the parent run and its child runs by task."""
+    from llmops import run_summary, tracking
+
+    client = tracking.client()
+    parent = run_summary.find_parent(client, DAG_ID, run_id)
+    children = client.search_runs([parent.info.experiment_id],
+                                  f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'", max_results=100)
+    by_task = {(r.data.tags["task_id"], int(r.data.tags.get("map_index", -1))): r for r in children}
+    return client, parent, by_task
+
+
+def test_trigger_from_the_form_and_read_the_run_page(airflow, browser, shots):
+    timings = {}
+    started = time.time()
+    airflow.request("PATCH", f"/api/v2/dags/{DAG_ID}", {"is_paused": False})
+    context = browser.new_context(viewport={"width": 1400, "height": 900})
+    page = context.new_page()
+    page.set_default_timeout(30_000)
+    try:
+        log_in(page, airflow)
+        page.goto(f"{airflow.base}/dags/{DAG_ID}")
+        page.get_by_role("button", name=re.compile("^Trigger")).first.click()
+        dialog = page.get_by_role("dialog")
+        dialog.wait_for()
+        shots(page, "01-trigger-form")
+        fill_trigger_form(page, dialog, {"recipe": "tiny", "sweep_trials": 1})
+        shots(page, "02-trigger-form-filled")
+        trigger = dialog.get_by_role("button", name=re.compile("^Trigger"))
+        assert trigger.is_enabled(), "the Trigger button is greyed out: a Param the form requires is empty"
+        trigger.click()
+        run = airflow.wait_for("the triggered run", lambda: airflow.request(
+            "GET", f"/api/v2/dags/{DAG_ID}/dagRuns?order_by=-run_after&limit=1")["dag_runs"][0], 60)
+        run_id = run["dag_run_id"]
+        assert run["conf"].get("recipe") == "tiny" and run["conf"].get("sweep_trials") == 1, run["conf"]
+        timings["triggered_s"] = time.time() - started
+
+        page.goto(f"{airflow.base}/dags/{DAG_ID}")
+        # the grid: a bar per run, linking to its run page
+        page.wait_for_function("""runId => [...document.querySelectorAll('a[href]')].some(
+            a => decodeURIComponent(a.getAttribute('href')).includes('/runs/' + runId))""",
+                               arg=run_id, timeout=60_000)
+        page.get_by_text("promote").first.wait_for()  # the grid's task names have loaded
+        shots(page, "03-grid-running")
+        state = airflow.wait_for("the run to finish", lambda: _finished(airflow, run_id), RUN_TIMEOUT_S)
+        timings["run_s"] = time.time() - started - timings["triggered_s"]
+        assert state == "success", _task_states(airflow, run_id)
+        page.reload()
+        page.get_by_text("promote").first.wait_for()
+        shots(page, "04-grid-finished")
+
+        # the run page, as the tab on the DAG run page shows it
+        page.goto(f"{airflow.base}/dags/{DAG_ID}/runs/{run_id}")
+        tab = page.get_by_role("link", name="LLM run").or_(page.get_by_role("tab", name="LLM run")).first
+        tab.click()
+        frame_el = page.locator("iframe[title='LLM run']")
+        frame_el.wait_for()
+        frame = frame_el.element_handle().content_frame()
+        frame.wait_for_selector("h1")
+        shots(page, "05-run-tab")
+        check_numbers_against_mlflow(page_figures(frame), run_id)
+
+        # the page on its own, full length, to read
+        page.goto(f"{airflow.base}/llmops/runs/{DAG_ID}/{run_id}")
+        shots(page, "06-run-page-full", full_page=True)
+        check_numbers_against_mlflow(page_figures(page), run_id)
+
+        # the note (copied from promote's XCom by the plugin's listener when the run finished)
+        from llmops import tracking  # noqa: F401  (the test session's MLflow store)
+
+        _, parent, _ = mlflow_run(run_id)
+        note = airflow.request("GET", f"/api/v2/dags/{DAG_ID}/dagRuns/{run_id}")["note"]
+        assert note == parent.data.tags["summary"], (note, parent.data.tags.get("summary"))
+        assert note.startswith("recipe tiny | ") and "gate " in note
+    finally:
+        timings["total_s"] = time.time() - started
+        print(f"browser test timings: {json.dumps({k: round(v, 1) for k, v in timings.items()})}")
+        context.close()
+
+    # without the UI's session cookie the page is refused, as Airflow's own API is
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(f"{airflow.base}/llmops/runs/{DAG_ID}/{run_id}", timeout=30)
+    assert refused.value.code in (401, 403)
+
+
+def fill_trigger_form(page, dialog, values: dict) -> None:
+    """Set Params in the Trigger form one field at a time, as a user would: open the field's
+    section, then type into it (an enum is a combobox: type and pick the option)."""
+    for name, value in values.items():
+        inc = dialog.locator(f'[id="number-input:element_{name}:inc"]')
+        if inc.count():  # a number field: its input is the one the +/- buttons control
+            field = dialog.locator(f'[id="{inc.get_attribute("aria-controls")}"]')
+        else:
+            holder = dialog.locator(f'[name="element_{name}"]')
+            combo = dialog.locator(f'xpath=//input[@name="element_{name}"]/ancestor::*'
+                                   f'[.//input[@role="combobox"]][1]//input[@role="combobox"]')
+            field = combo if combo.count() else holder
+        section = field.locator('xpath=ancestor::*[@data-part="item-content"][1]')
+        if section.count():
+            trigger = dialog.locator(f'[aria-controls="{section.get_attribute("id")}"]')
+            if trigger.get_attribute("aria-expanded") != "true":
+                trigger.click()
+        field.scroll_into_view_if_needed()
+        if field.get_attribute("role") == "combobox":
+            field.click()
+            field.fill(str(value))
+            page.get_by_role("option", name=str(value), exact=True).click()
+            assert dialog.locator(f'[name="element_{name}"]').input_value() == str(value), name
+        else:
+            field.fill(str(value))
+            field.press("Tab")
+
+
+def _finished(airflow: Standalone, run_id: str) -> str | None:
+    try:
+        state = airflow.request("GET", f"/api/v2/dags/{DAG_ID}/dagRuns/{run_id}")["state"]
+    except urllib.error.HTTPError as exc:
+        if exc.code == 401:
+            airflow.token = airflow._token()
+            return None
+        raise
+    return state if state in ("success", "failed") else None
+
+
+def _task_states(airflow: Standalone, run_id: str) -> dict:
+    tis = airflow.request("GET", f"/api/v2/dags/{DAG_ID}/dagRuns/{run_id}/taskInstances?limit=100")
+    return {f"{t['task_id']}[{t['map_index']}]": t["state"] for t in tis["task_instances"]}
+
+
+def check_numbers_against_mlflow(figures: dict[str, str], run_id: str) -> None:
+    """The page's numbers are the ones MLflow holds, read here straight from MLflow."""
+    from llmops import run_summary
+
+    client, parent, by_task = mlflow_run(run_id)
+    assert figures["mlflow_run_id"] == parent.info.run_id
+    data = by_task[("data_prep", -1)].data.metrics
+    for key in ("documents_in", "documents_kept", "train_tokens"):
+        assert float(figures[f"data.{key}"]) == data[key], key
+    for reason, value in run_summary.family(data, "dropped.").items():
+        assert float(figures[f"data.dropped.{reason}"]) == value, reason
+    trial = by_task[("sweep_trial", 0)]
+    number = trial.data.tags.get("trial_number", trial.data.tags.get("trial"))
+    assert float(figures[f"trial.{number}.lr"]) == float(trial.data.params["optim.lr"])
+    assert float(figures[f"trial.{number}.val_loss"]) == run_summary.metric(trial.data.metrics, "val_loss")
+    assert float(figures["sweep.best_val_loss"]) == run_summary.metric(parent.data.metrics, "sweep.best_val_loss")
+    pretrain = by_task[("pretrain", -1)]
+    history = client.get_metric_history(pretrain.info.run_id,
+                                        run_summary.metric_key(pretrain.data.metrics, "val_loss"))
+    assert float(figures["pretrain.val_loss"]) == max(history, key=lambda m: m.step).value
+    assert float(figures["goodput"]) == run_summary.metric(pretrain.data.metrics, "goodput")
+    evaluation = by_task[("evaluate", -1)].data.metrics
+    shown = [k for k in figures if k.startswith("eval.") and figures[k]]
+    assert shown, "the evaluation table is empty"
+    for key in shown:
+        model, name = key[len("eval."):].split(".", 1)
+        logged = evaluation.get(f"{model}/{name}", evaluation.get(f"{model}.{name}"))
+        assert float(figures[key]) == logged, key
+    version = parent.data.tags.get("champion", "").rpartition("/")[2]
+    assert figures["gate.outcome"] == parent.data.tags["gate"]
+    if version:
+        assert figures["gate.version"] == version

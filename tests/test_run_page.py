@@ -1,0 +1,175 @@
+"""The run page and the run summary, on an MLflow store the test fills the way the lifecycle's jobs
+do: one parent run, child runs per stage, metric histories under both the old names (`loss`,
+`val_loss`) and the new prefixed ones (`loss/train`, `loss/val`), and a registered version."""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+
+import pytest
+
+DAG_ID = "llm_lifecycle"
+
+
+def _child(client, exp_id, parent_id, run_id, stage, task_id, *, map_index=-1, tags=None,
+           params=None, metrics=None, history=None):
+    run = client.create_run(exp_id, run_name=task_id, tags={
+        "mlflow.parentRunId": parent_id, "stage": stage, "dag_id": DAG_ID, "run_id": run_id,
+        "task_id": task_id, "map_index": str(map_index), "try_number": "1", **(tags or {})})
+    rid = run.info.run_id
+    for k, v in (params or {}).items():
+        client.log_param(rid, k, v)
+    for k, v in (metrics or {}).items():
+        client.log_metric(rid, k, v)
+    for k, points in (history or {}).items():
+        for step, value in points:
+            client.log_metric(rid, k, value, step=step)
+    client.set_terminated(rid, "FINISHED")
+    return rid
+
+
+@pytest.fixture()
+def lifecycle_run():
+    """A finished lifecycle run as MLflow holds it; returns (run_id, ids of its MLflow runs)."""
+    from llmops import tracking
+
+    client = tracking.client()
+    exp_id = tracking.ensure_experiment(DAG_ID)
+    run_id = f"manual__{uuid.uuid4().hex[:8]}"
+    parent = tracking.start_parent_run(experiment=DAG_ID, dag_id=DAG_ID, run_id=run_id,
+                                       config={"recipe_test": True})
+    client.log_metric(parent, "sweep.best_val_loss", 5.03)
+    for k, v in {"sweep.trials_complete": 1, "sweep.trials_pruned": 1, "sweep.trials_failed": 0}.items():
+        client.log_metric(parent, k, v)
+    client.set_tag(parent, "sweep.best_trial", "0")
+    ids = {"parent": parent}
+    ids["data_prep"] = _child(client, exp_id, parent, run_id, "data_prep", "data_prep", metrics={
+        "documents_in": 300, "documents_kept": 191, "documents_dropped": 109, "train_tokens": 81510,
+        "dropped/too_few_sentences": 42, "dropped.exact_duplicate": 4})
+    ids["trial0"] = _child(client, exp_id, parent, run_id, "sweep", "sweep_trial", map_index=0,
+                           tags={"trial": "0", "trial_state": "complete"},
+                           params={"optim.lr": "0.0035"}, metrics={"trial_steps_run": 10},
+                           history={"val_loss": [(5, 5.24), (10, 5.03)]})
+    ids["trial1"] = _child(client, exp_id, parent, run_id, "sweep", "sweep_trial", map_index=1,
+                           tags={"trial": "1", "trial_state": "pruned"},
+                           params={"optim.lr": "0.03"}, metrics={"trial_steps_run": 5},
+                           history={"loss/val": [(5, 6.1)]})
+    # old names and the new prefixed ones side by side: both must read the same
+    ids["pretrain"] = _child(client, exp_id, parent, run_id, "pretrain", "pretrain", metrics={
+        "resilience/goodput": 0.8, "resilience/goodput_excluding_hang_wait": 0.9,
+        "resilience/productive_s": 8.0, "resilience/badput_startup_s": 1.5,
+        "resilience/badput_checkpoint_save_s": 0.5, "resilience/restarts": 0}, history={
+        "loss": [(1, 5.7), (10, 5.5), (20, 4.88)], "val_loss": [(10, 5.38), (20, 4.66)]})
+    ids["finetune"] = _child(client, exp_id, parent, run_id, "finetune", "finetune", history={
+        "loss/train": [(1, 5.6), (10, 5.5)], "loss/val": [(5, 5.85), (10, 5.49)]})
+    ids["evaluate"] = _child(client, exp_id, parent, run_id, "evaluate", "evaluate", metrics={
+        "teacher.task_accuracy": 0.25, "teacher.perplexity": 110.0, "teacher.params": 23392,
+        "student/task_accuracy": 0.125, "student/perplexity": 228.9, "student/params": 8624,
+        "student/suite.prose_cloze.accuracy": 0.15})
+    name = f"llm-test-{uuid.uuid4().hex[:6]}"
+    client.create_registered_model(name)
+    mv = client.create_model_version(name, source="file:///nonexistent/model", tags={
+        "lifecycle_run_id": parent, "candidate": "student", "gate.passed": "true",
+        "gate.reasons": "none", "gate.compared_to": "no champion yet"})
+    client.set_registered_model_alias(name, "champion", mv.version)
+    client.set_tag(parent, "gate", "passed")
+    client.set_tag(parent, "champion", f"{name}/{mv.version}")
+    tracking.end_run(parent, "FINISHED")
+    ids.update(model_name=name, version=str(mv.version))
+    return run_id, ids
+
+
+def test_collect_reads_every_section_and_both_metric_namings(lifecycle_run):
+    from llmops import run_summary
+
+    run_id, ids = lifecycle_run
+    s = run_summary.collect(DAG_ID, run_id)
+    assert s["mlflow_run_id"] == ids["parent"] and s["status"] == "FINISHED"
+    assert [st["task_id"] for st in s["stages"]] == [
+        "data_prep", "sweep_trial", "sweep_trial", "pretrain", "finetune", "evaluate"]
+    assert s["curves"]["pretrain"]["train"] == [[1.0, 5.7], [10.0, 5.5], [20.0, 4.88]]
+    assert s["curves"]["pretrain"]["val"] == [[10.0, 5.38], [20.0, 4.66]]
+    assert s["curves"]["finetune"]["train"] == [[1.0, 5.6], [10.0, 5.5]]
+    assert s["curves"]["finetune"]["val"] == [[5.0, 5.85], [10.0, 5.49]]
+    assert [(t["number"], t["lr"], t["state"], t["val_loss"]) for t in s["trials"]] == [
+        (0, 0.0035, "complete", 5.03), (1, 0.03, "pruned", 6.1)]
+    assert s["data"]["drop_reasons"] == {"too_few_sentences": 42.0, "exact_duplicate": 4.0}
+    assert s["goodput"]["goodput"] == 0.8 and s["goodput"]["productive_s"] == 8.0
+    assert s["goodput"]["badput_s"] == {"startup": 1.5, "checkpoint_save": 0.5}
+    assert s["goodput"]["resilience"] == {"restarts": 0.0}
+    assert s["evaluation"]["columns"] == ["params", "perplexity", "task_accuracy",
+                                          "suite.prose_cloze.accuracy"]
+    assert s["evaluation"]["models"] == ["teacher", "student"]
+    assert s["evaluation"]["table"]["student"]["task_accuracy"] == 0.125
+    gate = s["gate"]
+    assert (gate["outcome"], gate["candidate"], gate["model_name"], gate["version"], gate["aliases"]) == (
+        "passed", "student", ids["model_name"], ids["version"], ["champion"])
+    assert run_summary.collect(DAG_ID, "no_such_run") is None
+
+
+def test_publish_mirrors_headline_figures_onto_the_parent_run(lifecycle_run):
+    from llmops import run_summary, tracking
+
+    run_id, ids = lifecycle_run
+    note = run_summary.record({"dag_id": DAG_ID, "run_id": run_id}, recipe="tiny")
+    assert note == (f"recipe tiny | student: task accuracy 0.125, perplexity 228.9 | "
+                    f"gate passed: {ids['model_name']} v{ids['version']} champion")
+    client = tracking.client()
+    parent = client.get_run(ids["parent"])
+    assert parent.data.tags["recipe"] == "tiny" and parent.data.tags["summary"] == note
+    m = parent.data.metrics
+    assert m["summary/documents_kept"] == 191 and m["summary/pretrain_goodput"] == 0.8
+    assert m["summary/pretrain_val_loss"] == 4.66 and m["summary/finetune_val_loss"] == 5.49
+    assert m["summary/candidate_task_accuracy"] == 0.125
+    assert m["summary/registered_version"] == float(ids["version"]) and m["summary/gate_passed"] == 1
+    assert {a.path for a in client.list_artifacts(ids["parent"])} >= {"summary.json", "summary.md"}
+    local = client.download_artifacts(ids["parent"], "summary.json")
+    with open(local) as fh:
+        assert json.load(fh)["note"] == note
+
+
+def _page_figures(text: str) -> dict[str, str]:
+    return dict(re.findall(r'data-key="([^"]+)" data-value="([^"]*)"', text))
+
+
+def test_the_page_shows_mlflows_numbers(lifecycle_run):
+    from fastapi.testclient import TestClient
+
+    from llmops import run_page, tracking
+
+    run_id, ids = lifecycle_run
+    api = TestClient(run_page.make_app(authorize=lambda: None))
+    resp = api.get(f"/runs/{DAG_ID}/{run_id}")
+    assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/html")
+    figures = _page_figures(resp.text)
+    client = tracking.client()
+    data = client.get_run(ids["data_prep"]).data.metrics
+    assert float(figures["data.documents_kept"]) == data["documents_kept"]
+    assert float(figures["data.dropped.too_few_sentences"]) == data["dropped/too_few_sentences"]
+    evaluation = client.get_run(ids["evaluate"]).data.metrics
+    assert float(figures["eval.student.task_accuracy"]) == evaluation["student/task_accuracy"]
+    assert float(figures["eval.teacher.perplexity"]) == evaluation["teacher.perplexity"]
+    assert float(figures["trial.1.val_loss"]) == 6.1 and float(figures["trial.0.lr"]) == 0.0035
+    assert float(figures["goodput"]) == 0.8
+    assert figures["gate.outcome"] == "passed" and figures["gate.version"] == ids["version"]
+    assert resp.text.count("<svg") >= 6  # timeline, drops, trials, two loss charts, goodput
+    assert "<script" not in resp.text and "http://" not in resp.text.replace(
+        'xmlns="http://www.w3.org/2000/svg"', "")  # nothing for the browser to fetch
+    as_json = api.get(f"/runs/{DAG_ID}/{run_id}/summary.json").json()
+    assert as_json["gate"]["version"] == ids["version"]
+    missing = api.get(f"/runs/{DAG_ID}/manual__never")
+    assert missing.status_code == 404 and "start_run" in missing.text
+
+
+def test_the_plugin_adds_a_tab_to_the_dag_run_page():
+    import llmops_plugins
+    from llmops import run_note, run_page
+
+    plugin = llmops_plugins.RunPagePlugin
+    assert plugin.external_views == [{"name": "LLM run", "href": "llmops/runs/{DAG_ID}/{RUN_ID}",
+                                      "destination": "dag_run", "url_route": "llm-run"}]
+    assert plugin.fastapi_apps[0]["url_prefix"] == "/llmops"
+    assert isinstance(plugin.fastapi_apps[0]["app"], run_page.LazyApp)
+    assert plugin.listeners == [run_note]
