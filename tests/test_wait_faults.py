@@ -368,11 +368,25 @@ def test_sigterm_while_the_task_still_runs_in_airflow_leaves_the_remote_job_runn
     assert backend.stops == [] and runs_ended == []
 
 
-@pytest.mark.parametrize("state", ["failed", "success", "restarting", None])
+@pytest.mark.parametrize("state", ["failed", "success"])
 def test_a_user_ending_the_task_stops_the_job(monkeypatch, runs_ended, state):
     op, backend = sigterm_case(monkeypatch, "sagemaker", state)
     op.on_kill()
     op.on_kill()  # Airflow may call it twice (SIGTERM, then after the exception)
+    assert backend.stops == ["job-1"] and runs_ended == [("run-1", "KILLED")]
+
+
+@pytest.mark.parametrize("state", ["restarting", None])
+def test_a_clear_leaves_the_job_running_for_the_next_try_unless_force_rerun(monkeypatch, runs_ended,
+                                                                           state):
+    """A cleared task's next try reattaches to the running job; stopping it (and submitting
+    `-r2`) would throw away its progress. With force_rerun the next try starts a fresh job, so
+    the old one is stopped rather than left unwatched."""
+    op, backend = sigterm_case(monkeypatch, "sagemaker", state)
+    op.on_kill()
+    assert backend.stops == [] and runs_ended == []
+    op._forced = True
+    op.on_kill()
     assert backend.stops == ["job-1"] and runs_ended == [("run-1", "KILLED")]
 
 
@@ -570,12 +584,15 @@ def test_a_trigger_deferred_by_the_previous_version_still_runs(use_backend, cloc
     assert event["state"] == "timeout" and backend.stops == ["job-1"]
 
 
-@pytest.mark.parametrize("state, stopped", [
-    ("failed", True), ("success", True), (None, True), (RuntimeError("no API"), True),
-    ("deferred", False),  # the trigger was handed to another triggerer: the task still waits
+@pytest.mark.parametrize("state, force, stopped", [
+    ("failed", False, True), ("success", False, True),
+    ("deferred", False, False),  # the trigger was handed to another triggerer: the task still waits
+    (RuntimeError("no API"), False, False),  # unknown: never stop a job on a guess
+    (None, False, False), ("scheduled", False, False),  # cleared: the next try reattaches
+    (None, True, True),  # cleared with force_rerun: the next try starts a fresh job
 ])
 def test_trigger_on_kill_stops_the_job_when_the_user_ended_the_task(use_backend, monkeypatch,
-                                                                     state, stopped):
+                                                                     state, force, stopped):
     from airflow.sdk.execution_time.task_runner import RuntimeTaskInstance
 
     def get_task_states(**query):
@@ -585,7 +602,7 @@ def test_trigger_on_kill_stops_the_job_when_the_user_ended_the_task(use_backend,
 
     monkeypatch.setattr(RuntimeTaskInstance, "get_task_states", staticmethod(get_task_states))
     backend = use_backend(ScriptedBackend([RUNNING]))
-    killed = trigger()
+    killed = trigger(stop_on_clear=force)
     killed.task_instance = FakeTI()  # set by the triggerer on every trigger it runs
     killed._log = Recorder()
     asyncio.run(killed.on_kill())

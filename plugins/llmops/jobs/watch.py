@@ -46,6 +46,7 @@ class Step:
     error: str = ""                     # set when the wait must fail (the job is left running)
     warnings: list[str] = field(default_factory=list)  # retried or skipped errors, to log
     started: bool = False               # started_at became known (or changed) in this poll
+    start_from_poll: bool = False       # ... and only this watch knows it (the backend reports none)
     stopped: bool = False               # this watch stopped the job (its deadline passed)
 
     @property
@@ -153,7 +154,7 @@ class JobWatch:
                 step.started = True
         elif self.started_at is None and status.state is JobState.RUNNING:
             self.started_at = self.clock()
-            step.started = True
+            step.started = step.start_from_poll = True
 
     def _stop(self, step: Step) -> Step:
         try:

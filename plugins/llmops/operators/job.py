@@ -32,6 +32,9 @@ CHECKPOINT_SECONDS = 600
 # lost its heartbeat and will retry. The job keeps running and the next try reattaches.
 NOT_ENDED_BY_USER = frozenset({"running", "queued", "scheduled", "deferred", "up_for_retry",
                                "up_for_reschedule"})
+# A cleared task instance: its next try reattaches to the running job, so a clear does not stop
+# it — unless the run asked for fresh jobs (force_rerun), when the old one would be left unwatched.
+CLEARED = frozenset({"restarting", None})
 STATE_LOOKUP_SECONDS = 3.0
 # Spec fields that do not change what the job computes: left out of the job's identity.
 NOT_IDENTITY = ("name", "tags", "mlflow_experiment", "mlflow_parent_run_id")
@@ -111,6 +114,7 @@ class JobOperator(BaseOperator):
         self._run_id = ""
         self._parent_run_id = ""
         self._job_stopped = False
+        self._forced = False   # force_rerun resolved for this try (set by _prepare)
 
     # -- execute -----------------------------------------------------------------------------
     def execute(self, context: Any) -> dict[str, Any]:
@@ -135,6 +139,7 @@ class JobOperator(BaseOperator):
                 task_deadline = (time.time() + self.execution_timeout.total_seconds()
                                  if self.execution_timeout else None)
                 self.defer(trigger=JobTrigger(handle=self._handle, task_deadline=task_deadline,
+                                              stop_on_clear=self._forced,
                                               context={"stage": spec.stage, "mlflow_run_id": run_id,
                                                        "parent_run_id": spec.mlflow_parent_run_id},
                                               **watch_kwargs),
@@ -187,6 +192,11 @@ class JobOperator(BaseOperator):
             self._stop_job("the task was killed")
             return
         known, state = self._task_state_now()
+        if known and state in CLEARED and not self._forced:
+            self.log.warning("The task was cleared: job %s keeps running and the next try "
+                             "reattaches to it (set force_rerun to start a fresh job instead).",
+                             handle["name"])
+            return
         if not known or state in NOT_ENDED_BY_USER:
             self.log.warning(
                 "The task's process is being terminated while the task is %s in Airflow (a worker "
@@ -233,7 +243,8 @@ class JobOperator(BaseOperator):
         force = self.force_rerun
         if force is None:
             force = (context.get("params") or {}).get("force_rerun")
-        if not _as_bool(force):
+        self._forced = _as_bool(force)
+        if not self._forced:
             return ""
         ti = context["ti"]
         first_try = int(getattr(ti, "max_tries", 0) or 0) - int(self.retries or 0) + 1

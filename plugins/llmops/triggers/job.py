@@ -10,11 +10,14 @@ from airflow.triggers.base import BaseTrigger, TriggerEvent
 
 from llmops.jobs.backends import get_backend
 from llmops.jobs.errors import Backoff
-from llmops.jobs.watch import JobWatch, call_with_retries
+from llmops.jobs.watch import JobWatch, call_with_retries, log_cursor_uri
 
 # A checkpoint hands the log cursor back to the task, which defers again from it at once: a
 # triggerer restart replays at most the lines since the last one. It costs the task a worker slot
-# for a second, so it is taken every CHECKPOINT_SECONDS while lines come in, or sooner once
+# for a second (and each hand-over is a window in which Airflow's own state changes can race), so
+# it is taken only for what nothing durable covers: the log cursor of a job whose handle has no
+# place to save it beside its result (llmops.jobs.watch), and the start of a job whose backend
+# does not report one. Then every CHECKPOINT_SECONDS while lines come in, or sooner once
 # CHECKPOINT_LINES lines came in (but not more often than every MIN_CHECKPOINT_SECONDS).
 CHECKPOINT_SECONDS = 600
 CHECKPOINT_LINES = 2000
@@ -37,16 +40,19 @@ class JobTrigger(BaseTrigger):
     The first sight of the job's start is checkpointed at once, so a restarted trigger keeps the
     same deadline.
 
-    A user ending the task (mark failed or success, clear) stops the job (`on_kill`). A triggerer
-    restart or shutdown does not: Airflow 3.3 calls `on_kill` only when the trigger is no longer
-    wanted, and the trigger is resumed elsewhere from its serialized kwargs.
+    A user ending the task (mark failed or success) stops the job (`on_kill`). A clear does not:
+    the next try reattaches to the running job (with `stop_on_clear`, set by force_rerun, it is
+    stopped, since the next try starts a fresh one). Nor does a triggerer restart or shutdown:
+    Airflow 3.3 calls `on_kill` only when the trigger is no longer wanted, and the trigger is
+    resumed elsewhere from its serialized kwargs. When the task's state cannot be read the job
+    keeps running: it is never stopped on a guess.
     """
 
     def __init__(self, handle: dict[str, Any], poll_interval: float = 30.0,
                  max_run_seconds: float | None = None, grace_seconds: float = 0.0,
                  started_at: float | None = None, log_cursor: Any = None,
                  task_deadline: float | None = None, context: dict[str, Any] | None = None,
-                 deadline: float | None = None):
+                 deadline: float | None = None, stop_on_clear: bool = False):
         super().__init__()
         self.handle = handle
         self.context = context or {}  # handed back in the event: what the task resumes with
@@ -56,6 +62,7 @@ class JobTrigger(BaseTrigger):
         self.started_at = started_at
         self.log_cursor = log_cursor
         self.task_deadline = task_deadline
+        self.stop_on_clear = stop_on_clear  # force_rerun: a clear means "start a fresh job"
         # An absolute deadline from submission: only in triggers deferred by an older version.
         self.deadline = deadline
 
@@ -66,7 +73,8 @@ class JobTrigger(BaseTrigger):
         kwargs = {"handle": self.handle, "poll_interval": self.poll_interval,
                   "max_run_seconds": self.max_run_seconds, "grace_seconds": self.grace_seconds,
                   "started_at": self.started_at, "log_cursor": self.log_cursor,
-                  "task_deadline": self.task_deadline, "context": self.context}
+                  "task_deadline": self.task_deadline, "context": self.context,
+                  "stop_on_clear": self.stop_on_clear}
         if self.deadline is not None:
             kwargs["deadline"] = self.deadline
         return {**kwargs, **changes}
@@ -78,13 +86,15 @@ class JobTrigger(BaseTrigger):
                          log_cursor=self.log_cursor, started_at=self.started_at,
                          fixed_deadline=self.deadline if self.max_run_seconds is None else None)
         checkpoint_at, lines_since = time.monotonic(), 0
+        cursor_is_saved = bool(log_cursor_uri(self.handle))
         while True:
             step = await asyncio.to_thread(watch.poll)
             for warning in step.warnings:
                 self.log.warning("[%s] %s", self.handle["name"], warning)
             for line in step.lines:
                 self.log.info("[%s] %s", self.handle["name"], line)
-            lines_since += len(step.lines)
+            if not cursor_is_saved:
+                lines_since += len(step.lines)
             if step.error:
                 yield self._event(watch, "error", step.error)
                 return
@@ -99,7 +109,7 @@ class JobTrigger(BaseTrigger):
                                   f"{self.handle['name']}, which was stopped")
                 return
             since = time.monotonic() - checkpoint_at
-            if step.started or (lines_since and since >= CHECKPOINT_SECONDS) or (
+            if step.start_from_poll or (lines_since and since >= CHECKPOINT_SECONDS) or (
                     lines_since >= CHECKPOINT_LINES and since >= MIN_CHECKPOINT_SECONDS):
                 yield self._event(watch, "progress", "checkpoint",
                                   trigger=self._kwargs(log_cursor=watch.log_cursor,
@@ -130,20 +140,25 @@ class JobTrigger(BaseTrigger):
         # a triggerer restart or shutdown. "No longer wanted" is also what a live triggerer sees
         # when its triggers were handed to another one (it missed heartbeats): the task is then
         # still deferred, and the job must keep running.
-        state = await self._task_state()
-        if state == "deferred":
-            self.log.warning("The task is still deferred in Airflow (this trigger moved to another "
-                             "triggerer): job %s keeps running.", self.handle["name"])
+        known, state = await self._task_state()
+        if not known or state == "deferred":
+            self.log.warning("The task is %s in Airflow (this trigger moved to another triggerer, "
+                             "or the triggerer cannot ask): job %s keeps running.",
+                             state if known else "in an unknown state", self.handle["name"])
+            return
+        if state in ("restarting", "scheduled", "queued", "up_for_retry", None) and not self.stop_on_clear:
+            self.log.warning("The task was cleared (now %s): job %s keeps running and the next try "
+                             "reattaches to it.", state, self.handle["name"])
             return
         self.log.info("The task was ended by a user (now %s): stopping job %s",
                       state or "unknown", self.handle["name"])
         await self._stop()
 
-    async def _task_state(self) -> str | None:
-        """The task instance's state in Airflow now, or None if it cannot be asked."""
+    async def _task_state(self) -> tuple[bool, str | None]:
+        """(True, the task instance's state in Airflow now), or (False, None) if it cannot be asked."""
         ti = getattr(self, "task_instance", None)
         if ti is None:
-            return None
+            return False, None
         try:
             from airflow.sdk.execution_time.task_runner import RuntimeTaskInstance
 
@@ -152,7 +167,7 @@ class JobTrigger(BaseTrigger):
                 run_ids=[ti.run_id], map_index=ti.map_index), timeout=5)
         except Exception as exc:  # noqa: BLE001 - unknown: a user's action is what Airflow says
             self.log.warning("Could not ask Airflow for the task's state: %s", exc)
-            return None
+            return False, None
         key = ti.task_id if ti.map_index < 0 else f"{ti.task_id}_{ti.map_index}"
         state = states.get(ti.run_id, {}).get(key)
-        return getattr(state, "value", state)
+        return True, getattr(state, "value", state)
