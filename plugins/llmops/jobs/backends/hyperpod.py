@@ -38,8 +38,10 @@ preempted by Kueue) is PENDING, not stopped.
 
 from __future__ import annotations
 
+import atexit
 import base64
 import logging
+import os
 import re
 import tempfile
 import threading
@@ -295,11 +297,20 @@ def connect(eks_cluster_name: str, kubernetes_conn_id: str, aws_conn_id: str,
     cluster = eks.conn.describe_cluster(name=eks_cluster_name)["cluster"]
     with tempfile.NamedTemporaryFile("wb", prefix="llmops-eks-ca-", suffix=".crt", delete=False) as ca:
         ca.write(base64.b64decode(cluster["certificateAuthority"]["data"]))
+    # The Kubernetes client wants a file; it lives as long as this process's cached client.
+    atexit.register(_remove_quietly, ca.name)
     configuration = client.Configuration()
     configuration.host, configuration.ssl_ca_cert = cluster["endpoint"], ca.name
     session, region = eks.get_session(), eks.conn.meta.region_name
     return KubeClient.from_api_client(client.ApiClient(configuration),
                                       token=lambda: eks_token(session, eks_cluster_name, region))
+
+
+def _remove_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 def eks_token(session: Any, cluster: str, region: str) -> str:
