@@ -195,6 +195,26 @@ def test_a_training_job_runs_logs_live_and_completes(fake, chaos):
             (fake.workdir / "jobs" / handle["job_name"] / "request.json").read_text()))
 
 
+def test_a_rule_narrowed_to_jobs_fires_only_for_calls_about_them(fake, chaos):
+    """`jobs` globs match the name or a `tag=value` of the job a call is about; a call about
+    another job, or about none (S3), is never touched: one row's faults beside another's."""
+    backend = sagemaker_backend()
+    mine = backend.submit(sample("sm-chaos-mine", seconds=1).replace(stage="pretrain"))
+    other = backend.submit(sample("sm-chaos-other", seconds=1))
+    sm, s3 = client(fake, "sagemaker", attempts=1), client(fake, "s3", attempts=1)
+    since = time.time()
+    for jobs in (["llmops:stage=pretrain"], ["sm-chaos-mine-*"]):
+        chaos.faults([{"operations": ["*"], "kind": "throttle", "jobs": jobs}])
+        with pytest.raises(ClientError, match="Throttl"):
+            sm.describe_training_job(TrainingJobName=mine["job_name"])
+        assert sm.describe_training_job(TrainingJobName=other["job_name"])["TrainingJobName"] == other["job_name"]
+        s3.list_objects_v2(Bucket=BUCKET)
+    assert {i["operation"] for i in chaos.report()["injections"] if i["at"] >= since} == {"DescribeTrainingJob"}
+    chaos.clear()
+    for handle in (mine, other):
+        wait_state(backend, handle, {JobState.SUCCEEDED, JobState.FAILED})
+
+
 def test_a_stopped_training_job_stops_its_processes(fake, chaos, tmp_path):
     backend = sagemaker_backend()
     marker = tmp_path / "marker"

@@ -4,7 +4,7 @@ orphaned or wrongly stopped job, no lost result and no log line shown twice.
 
 SETUP     one fake AWS and one Airflow deployment (api-server, scheduler, dag-processor,
           triggerer; LocalExecutor) for the whole matrix, ~15 s.
-BODY      every row of the matrix (about 14 minutes on 2 busy CPU cores); the result, with machine
+BODY      every row of the matrix (about 11 minutes on 2 busy CPU cores); the result, with machine
           information, goes to benchmarks/results/fault_matrix.json (`make chaos` runs only this).
 TEARDOWN  the deployment and the fake AWS stop, their processes and jobs with them.
 """

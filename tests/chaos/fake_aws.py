@@ -14,7 +14,12 @@ the proxy's host; moto does not check signatures, so forwarding needs no re-sign
 
 What is simulated here, because moto does not do it:
 - Faults (`POST /_chaos/faults`): throttling, 500, 503, connection resets (RST via SO_LINGER 0)
-  and read timeouts, on operations picked by name or glob, with a rate, a window and a count.
+  and read timeouts, on operations picked by name or glob, with a rate, a window and a count;
+  `jobs` (globs) narrows a rule to calls about jobs whose name or a tag `key=value` matches
+  (`"llmops:stage=pretrain"`): the job a Describe/Stop/Terminate names, the jobs a Batch
+  DescribeJobs lists, the job whose log stream GetLogEvents reads; a call about no known job
+  (S3, a ListJobs without a name) never fires such a rule, so a row can throttle its own jobs
+  while others run beside it. Resets are not logged as errors (no traceback per reset).
   Error bodies are in each service's protocol (JSON: SageMaker, Logs; REST-JSON: Batch; REST-XML:
   S3; query: STS/IAM), so botocore's retry handler classifies them as it would AWS's.
 - SageMaker training jobs: moto stores the job (and says Completed at once); the simulator keeps
@@ -192,12 +197,14 @@ class Rule:
     until: float | None = None          # time.time() after which the rule is inactive
     remaining: int | None = None        # injections left
     services: list[str] | None = None   # optional: only these services (signing names)
+    jobs: list[str] | None = None       # optional: only calls about jobs whose name or tag matches
     hold_seconds: float = 70.0          # "timeout": how long the connection is held
     rng: random.Random = field(default_factory=random.Random)
 
     @classmethod
     def parse(cls, raw: dict[str, Any]) -> Rule:
-        allowed = {"operations", "kind", "rate", "seconds", "count", "seed", "services", "hold_seconds"}
+        allowed = {"operations", "kind", "rate", "seconds", "count", "seed", "services", "hold_seconds",
+                   "jobs"}
         if unknown := set(raw) - allowed:
             raise ValueError(f"unknown fault rule keys {sorted(unknown)}; allowed: {sorted(allowed)}")
         if str(raw.get("kind")) not in KINDS:
@@ -209,14 +216,19 @@ class Rule:
                    until=time.time() + float(raw["seconds"]) if raw.get("seconds") is not None else None,
                    remaining=int(raw["count"]) if raw.get("count") is not None else None,
                    services=raw.get("services"), hold_seconds=float(raw.get("hold_seconds", 70.0)),
+                   jobs=list(raw["jobs"]) if raw.get("jobs") else None,
                    rng=random.Random(raw.get("seed")))
 
-    def fires(self, call: Call) -> bool:
+    def fires(self, call: Call, keys: Callable[[], set[str]] = set) -> bool:
+        """`keys`: the names and `tag=value`s of the jobs the call is about (asked only when
+        the rule has `jobs`)."""
         if self.until is not None and time.time() > self.until or self.remaining == 0:
             return False
         if self.services and call.service not in self.services:
             return False
         if not any(fnmatch.fnmatchcase(call.operation, pattern) for pattern in self.operations):
+            return False
+        if self.jobs and not any(fnmatch.fnmatchcase(k, g) for k in keys() for g in self.jobs):
             return False
         return self.rng.random() < self.rate
 
@@ -232,11 +244,12 @@ class Faults:
         with self.lock:
             self.rules = rules
 
-    def pick(self, call: Call) -> Rule | None:
+    def pick(self, call: Call, keys: Callable[[], set[str]] = set) -> Rule | None:
         """The first rule that fires for this call (counted and recorded), or None."""
+        keys = functools.cache(keys)
         with self.lock:
             for index, rule in enumerate(self.rules):
-                if rule.fires(call):
+                if rule.fires(call, keys):
                     if rule.remaining is not None:
                         rule.remaining -= 1
                     self.injections.append({"at": time.time(), "service": call.service,
@@ -368,6 +381,42 @@ class Simulator:
     def report(self) -> list[dict[str, Any]]:
         with self.lock:
             return [j.report() for j in sorted(self.jobs.values(), key=lambda j: j.created_at)]
+
+    def keys(self, call: Call, body: bytes) -> set[str]:
+        """Names and `tag=value`s of the known jobs a call is about (for rules with `jobs`)."""
+        try:
+            request = json.loads(body or b"{}")
+        except ValueError:
+            return set()
+        if not isinstance(request, dict):
+            return set()
+        refs: set[str] = set()
+        streams: set[str] = set()
+        if call.service == "sagemaker":
+            refs.update(str(request[k]) for k in ("TrainingJobName",) if request.get(k))
+            if request.get("NameContains"):
+                with self.lock:
+                    refs.update(j.name for j in self.jobs.values() if request["NameContains"] in j.name)
+        elif call.service == "batch":
+            refs.update(str(i).split("#")[0] for i in request.get("jobs") or [])
+            refs.update(str(request[k]) for k in ("jobId", "jobName") if request.get(k))
+            for flt in request.get("filters") or []:
+                if flt.get("name") == "JOB_NAME":
+                    refs.update(str(v).rstrip("*") for v in flt.get("values") or [])
+        elif call.service == "logs":
+            streams.update(str(v) for v in request.get("logStreamNames") or [])
+            streams.update(str(request[k]) for k in ("logStreamName", "logStreamNamePrefix") if request.get(k))
+        out: set[str] = set()
+        with self.lock:
+            for job in self.jobs.values():
+                if job.name in refs or job.job_id in refs or any(
+                        s == t or (len(s) > 8 and t.startswith(s)) for s in streams for t in job.streams):
+                    out.add(job.name)
+                    tags = job.request.get("Tags") or job.request.get("tags") or {}
+                    if isinstance(tags, list):
+                        tags = {t.get("Key"): t.get("Value") for t in tags if isinstance(t, dict)}
+                    out.update(f"{k}={v}" for k, v in tags.items())
+        return out | {r for r in refs if r}
 
     def shutdown(self) -> None:
         self.closing.set()
@@ -799,7 +848,7 @@ class ProxyHandler(BaseHTTPRequestHandler):
             return self._send(self._control(url.path, body))
         call = identify(self.command, url.path, url.query, self.headers, body)
         self.fake.count(call)
-        rule = self.fake.faults.pick(call)
+        rule = self.fake.faults.pick(call, lambda: self.fake.sim.keys(call, body))
         if rule is None:
             answer = self.fake.sim.handle(call, body, self._forward, self.headers.get("User-Agent", ""))
             return self._send(answer)
@@ -890,6 +939,16 @@ class _Server(ThreadingHTTPServer):
     daemon_threads = True
     block_on_close = False   # a held "timeout" connection must not block stop()
     request_queue_size = 128  # every Airflow process and its connection pool, at once
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A connection reset (injected here, or a client killed mid-request) is part of the
+        # game: no traceback on stderr for it, a debug line.
+        exc = sys.exc_info()[1]
+        if isinstance(exc, (ConnectionError, TimeoutError)) or (
+                isinstance(exc, (OSError, ValueError)) and ("closed" in str(exc) or "Bad file" in str(exc))):
+            log.debug("connection from %s ended: %r", client_address, exc)
+            return
+        super().handle_error(request, client_address)
 
 
 class FakeAws:

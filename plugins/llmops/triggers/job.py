@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import time
 from typing import Any, AsyncIterator
 
@@ -11,6 +12,12 @@ from airflow.triggers.base import BaseTrigger, TriggerEvent
 from llmops.jobs.backends import get_backend
 from llmops.jobs.errors import Backoff
 from llmops.jobs.watch import JobWatch, call_with_retries, log_cursor_uri
+
+# on_kill's calls (the task's state, the stop) get threads of their own: the loop's default
+# executor can be full of polls (a cancelled trigger's poll runs on in its thread, and a
+# throttled poll holds its thread through its retries), and Airflow bounds on_kill to 30 s.
+_ON_KILL_THREADS = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="llmops-on-kill")
+STATE_TIMEOUT = 20.0   # s to ask Airflow for the task's state (the triggerer's supervisor answers)
 
 # A checkpoint hands the log cursor back to the task, which defers again from it at once: a
 # triggerer restart replays at most the lines since the last one. It costs the task a worker slot
@@ -125,9 +132,10 @@ class JobTrigger(BaseTrigger):
     async def _stop(self) -> None:
         """Stop the job, retrying transient errors a few times (Airflow bounds on_kill to 30 s)."""
         backend = get_backend(self.handle["backend"])
-        await asyncio.to_thread(call_with_retries, lambda: backend.stop(self.handle),
-                                "stop the job", attempts=3, backoff=Backoff(base=0.5, cap=2.0),
-                                logger=self.log)
+        await asyncio.get_running_loop().run_in_executor(
+            _ON_KILL_THREADS, lambda: call_with_retries(lambda: backend.stop(self.handle), "stop the job",
+                                                        attempts=3, backoff=Backoff(base=0.5, cap=2.0),
+                                                        logger=self.log))
 
     async def _stop_quietly(self) -> None:
         try:
@@ -162,11 +170,15 @@ class JobTrigger(BaseTrigger):
         try:
             from airflow.sdk.execution_time.task_runner import RuntimeTaskInstance
 
-            states = await asyncio.wait_for(asyncio.to_thread(
-                RuntimeTaskInstance.get_task_states, dag_id=ti.dag_id, task_ids=[ti.task_id],
-                run_ids=[ti.run_id], map_index=ti.map_index), timeout=5)
+            started = time.monotonic()
+            states = await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(
+                _ON_KILL_THREADS, lambda: RuntimeTaskInstance.get_task_states(
+                    dag_id=ti.dag_id, task_ids=[ti.task_id], run_ids=[ti.run_id],
+                    map_index=ti.map_index)), timeout=STATE_TIMEOUT)
+            if time.monotonic() - started > 2:
+                self.log.info("Airflow took %.1f s to say the task's state", time.monotonic() - started)
         except Exception as exc:  # noqa: BLE001 - unknown: a user's action is what Airflow says
-            self.log.warning("Could not ask Airflow for the task's state: %s", exc)
+            self.log.warning("Could not ask Airflow for the task's state (%s): %r", type(exc).__name__, exc)
             return False, None
         key = ti.task_id if ti.map_index < 0 else f"{ti.task_id}_{ti.map_index}"
         state = states.get(ti.run_id, {}).get(key)
