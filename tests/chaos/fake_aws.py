@@ -992,6 +992,10 @@ class FakeAws:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.moto = ThreadedMotoServer(ip_address="127.0.0.1", port=self.moto_port, verbose=False)
         self.moto.start()
+        # In-process moto keeps its state in module globals: a FakeAws started earlier in the same
+        # process (another test) would leave its roles, queues and jobs behind. Start empty.
+        urllib.request.urlopen(urllib.request.Request(
+            f"{self.moto_url}/moto-api/reset", data=b"", method="POST"), timeout=10).read()
         # Batch jobs would need Docker in moto; the simulator runs them instead.
         urllib.request.urlopen(urllib.request.Request(
             f"{self.moto_url}/moto-api/config", data=json.dumps({"batch": {"use_docker": False}}).encode(),
