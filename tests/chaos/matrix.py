@@ -484,6 +484,10 @@ def row_lifecycle_throttle(m: Matrix, row: Row) -> None:
             "backend_finetune": "batch", "storage_root": str(m.workdir / "storage"),
             "stage_resources": {"pretrain": {"instance_type": "ml.g5.2xlarge", "max_run_seconds": 3600},
                                 "finetune": {"instance_type": "p4d.24xlarge", "max_run_seconds": 3600}}}
+    assert m.dep is not None
+    # Beside 12 other rows on 2 cores, a re-parse of the lifecycle file can run past the
+    # dag-processor's timeout and the DAG be briefly gone (a 404 seen once): wait for it.
+    m.dep.wait_dag(LIFECYCLE_DAG, timeout=300)
     m.chaos.faults(LIFECYCLE_THROTTLE)
     try:
         m.trigger(row, LIFECYCLE_DAG, conf)
