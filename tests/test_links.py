@@ -197,22 +197,6 @@ def test_trials_are_named_by_number_and_learning_rate():
     assert trial_run_name({"number": 0, "params": {}}) == "trial-0"
 
 
-def test_mfu_only_for_a_gpu_whose_peak_is_known(monkeypatch):
-    import torch
-
-    from tasks.train.runtime import gpu_peak_flops, peak_flops
-
-    monkeypatch.delenv("LLMOPS_PEAK_TFLOPS", raising=False)
-    assert peak_flops(torch.device("cpu")) == 0.0  # no guessed CPU peak
-    assert gpu_peak_flops("NVIDIA H100 80GB HBM3") == 989e12
-    assert gpu_peak_flops("NVIDIA H100 PCIe") == 756e12
-    assert gpu_peak_flops("NVIDIA L40S") == 362e12 and gpu_peak_flops("NVIDIA L4") == 121e12
-    assert gpu_peak_flops("NVIDIA A10G") == 125e12 and gpu_peak_flops("NVIDIA A100-SXM4-80GB") == 312e12
-    assert gpu_peak_flops("Tesla T4") == 0.0
-    monkeypatch.setenv("LLMOPS_PEAK_TFLOPS", "100")
-    assert peak_flops(torch.device("cpu")) == 100e12
-
-
 def test_progress_lines_keep_what_sagemaker_parses_and_add_share_elapsed_eta():
     import re
 

@@ -157,7 +157,7 @@ def test_remote_estimates_use_the_instance_types_accelerator(monkeypatch):
     assert budget.instance_type_for("sagemaker", "ladder") == "ml.g5.2xlarge"
     on_p5 = budget.sweep_estimate(cfg, "ml.p5.48xlarge")
     on_g5 = budget.sweep_estimate(cfg, "ml.g5.2xlarge")
-    assert on_p5.accelerator == "H100" and on_g5.accelerator == "A10G"
+    assert on_p5.accelerator == "H100 SXM" and on_g5.accelerator == "A10G"
     assert on_p5.flops == on_g5.flops and on_p5.hours < on_g5.hours
     # 8 trials x (300 steps x 32 x 1024 tokens, 6 FLOPs per parameter and token; 4 evals of 8
     # batches, 2 FLOPs) of a 91.2M-parameter model

@@ -11,6 +11,8 @@ from typing import Any, ContextManager
 import numpy as np
 import torch
 
+from tasks import hardware
+
 log = logging.getLogger(__name__)
 
 
@@ -83,29 +85,20 @@ def set_rng_state(state: dict[str, Any]) -> None:
 # --------------------------------------------------------------------------------------------
 # Model FLOPs utilization
 
-# Dense bf16 tensor-core peak per GPU (no sparsity), from the vendors' data sheets; matched
-# against torch.cuda.get_device_name, longest key first ("H100 PCIe" before "H100", "L40S" before
-# "L4"). A10G is AWS's A10, taken at the A10's data sheet. Anything else (another GPU, a CPU)
-# has no known peak and gets no MFU: a guessed peak gave CPUs an MFU of 70-77%. Set
-# LLMOPS_PEAK_TFLOPS to state a peak yourself.
-GPU_PEAK_TFLOPS = {"B200": 2250.0, "H200": 989.0, "H100": 989.0, "H100 PCIe": 756.0,
-                   "A100": 312.0, "L40S": 362.0, "L4": 121.0, "A10G": 125.0}
-
-
 def peak_flops(device: torch.device) -> float:
     """FLOP/s one device can do at best: $LLMOPS_PEAK_TFLOPS, else the data-sheet number of a
-    known GPU (GPU_PEAK_TFLOPS); 0.0 when unknown, and then MFU is neither logged nor printed."""
+    known accelerator (tasks/hardware.py, matched by its exact name); 0.0 when unknown, and then
+    MFU is neither logged nor printed."""
     if os.environ.get("LLMOPS_PEAK_TFLOPS"):
         return float(os.environ["LLMOPS_PEAK_TFLOPS"]) * 1e12
     if device.type == "cuda":
-        return gpu_peak_flops(torch.cuda.get_device_name(device))
-    return 0.0
-
-
-def gpu_peak_flops(name: str) -> float:
-    for key in sorted(GPU_PEAK_TFLOPS, key=len, reverse=True):
-        if key in name:
-            return GPU_PEAK_TFLOPS[key] * 1e12
+        name = torch.cuda.get_device_name(device)
+        found = hardware.for_device_name(name)
+        if found is None:
+            log.warning("no known bf16 peak for %r (tasks/hardware.py): MFU is not reported; set "
+                        "LLMOPS_PEAK_TFLOPS to state one", name)
+            return 0.0
+        return found.peak_tflops * 1e12
     return 0.0
 
 

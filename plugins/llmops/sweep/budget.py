@@ -17,25 +17,16 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from tasks import configs
+from tasks import configs, hardware
 
-# SageMaker instance family -> (accelerator, effective FLOP/s per accelerator)
-ACCELERATORS: dict[str, tuple[str, float]] = {
-    "ml.g5.": ("A10G", 0.4 * 125e12),
-    "ml.g6.": ("L4", 0.4 * 121e12),
-    "ml.g6e.": ("L40S", 0.4 * 362e12),
-    "ml.p3": ("V100", 0.4 * 125e12),
-    "ml.p4d": ("A100", 0.4 * 312e12),
-    "ml.p5.": ("H100", 0.4 * 989e12),
-    "ml.p5e": ("H200", 0.4 * 989e12),
-    "ml.p6-b200": ("B200", 0.4 * 2250e12),
-    "ml.trn1": ("Trainium", 0.4 * 190e12),
-    "ml.trn2": ("Trainium2", 0.4 * 667e12),
-}
+# Planning utilisation of an accelerator's dense bf16 peak (tasks/hardware.py, the table the jobs'
+# MFU uses too)
+PLANNING_MFU = 0.4
 # This project's CPU jobs: the tiny and demo models reach ~1e10 FLOP/s on 2 cores (small matmuls
 # are overhead-bound; measured from the loop's tokens/s).
 LOCAL = ("CPU", 1e10)
-UNKNOWN = ("an unknown accelerator, assumed A10G-class", 0.4 * 125e12)
+UNKNOWN = ("an unknown accelerator, assumed A10G-class",
+           PLANNING_MFU * hardware.ACCELERATORS["A10G"].peak_tflops * 1e12)
 JOB_OVERHEAD_SECONDS = {"local": 10.0, "remote": 300.0}
 
 
@@ -61,10 +52,10 @@ class Estimate:
 def accelerator(instance_type: str) -> tuple[str, float]:
     if instance_type == "local":
         return LOCAL
-    for prefix, found in ACCELERATORS.items():
-        if instance_type.startswith(prefix):
-            return found
-    return UNKNOWN
+    found = hardware.for_instance_type(instance_type)
+    if found is None:
+        return UNKNOWN
+    return found.name, PLANNING_MFU * found.peak_tflops * 1e12
 
 
 def instance_type_for(backend: str, stage: str, params: dict[str, Any] | None = None) -> str:
