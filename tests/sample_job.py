@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tasks.common.entry import run_stage
 
@@ -17,10 +17,13 @@ class SampleConfig:
     exit_code: int = 0            # non-zero: fail with it
     spawn_child: bool = False     # start a grandchild, to prove stop() ends the whole group
     marker_dir: str = ""          # where to record the pids and each start
+    print_env: list = field(default_factory=list)  # names of env vars to print (masker tests)
 
 
 def main(cfg: SampleConfig) -> dict:
     print(f"sample job starting (pid {os.getpid()})", flush=True)
+    for name in cfg.print_env:
+        print(f"env {name}={os.environ.get(name, '<unset>')}", flush=True)
     if cfg.marker_dir:
         os.makedirs(cfg.marker_dir, exist_ok=True)
         with open(os.path.join(cfg.marker_dir, "starts"), "a") as fh:

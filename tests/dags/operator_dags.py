@@ -7,10 +7,15 @@ from airflow.sdk import DAG
 
 from llmops.operators.job import JobOperator
 
+PRINTED_SECRETS = ["AWS_SECRET_ACCESS_KEY", "WAREHOUSE_PASSWORD", "AIRFLOW_CONN_WAREHOUSE"]
+
 for dag_id, deferrable, config, timeout in [
     ("job_operator_worker", False, {"seconds": 0.5}, None),
     ("job_operator_deferred", True, {"seconds": 0.5}, None),
     ("job_operator_failing", False, {"exit_code": 5}, None),
+    # Prints planted secrets of the worker's environment: the task log must show *** (test_secrets).
+    ("job_operator_prints_secrets", False, {"print_env": PRINTED_SECRETS}, None),
+    ("job_operator_prints_secrets_deferred", True, {"print_env": PRINTED_SECRETS}, None),
     # The task's own timeout must stop the job, not leave it running unwatched.
     ("job_operator_timeout", False, {"seconds": 120, "spawn_child": True,
                                      "marker_dir": "{{ var.value.get('marker_dir', '') }}"},

@@ -4,6 +4,10 @@ The backend starts this as the leader of a new process session, so the job outli
 worker that submitted it (a deferred task leaves the worker) and stopping the job is one signal to
 the whole process group. The exit code is written atomically when the command ends; a job whose
 runner died without one is reported failed.
+
+The job's environment is the runner's own (inherited from the worker, never written to disk) with
+the job's recorded env laid over it. The runner's umask makes what the job writes private to the
+user: its logs, outputs and checkpoints.
 """
 
 from __future__ import annotations
@@ -15,13 +19,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+PRIVATE_UMASK = 0o077  # files 0600, directories 0700
+
 
 def main(job_dir: str) -> int:
+    os.umask(PRIVATE_UMASK)
     job = Path(job_dir)
     command = json.loads((job / "command.json").read_text())
     # A background start from a non-interactive shell inherits SIGINT ignored; the job should not.
     signal.signal(signal.SIGINT, signal.SIG_DFL)
-    proc = subprocess.Popen(command["argv"], cwd=command["cwd"], env=command["env"])
+    proc = subprocess.Popen(command["argv"], cwd=command["cwd"], env={**os.environ, **command["env"]})
 
     def forward(signum, _frame):  # let the job checkpoint or clean up before it ends
         proc.send_signal(signum)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import threading
 import time
 from typing import Any, Callable
@@ -12,6 +13,7 @@ from airflow.sdk import BaseOperator, conf
 from airflow.sdk.exceptions import AirflowException, AirflowFailException, AirflowTaskTimeout
 
 from llmops import tracking
+from llmops.jobs import env_secrets
 from llmops.jobs.backends import Backend, JobState, JobStatus, get_backend
 from llmops.jobs.errors import Backoff
 from llmops.jobs.spec import JobSpec, JobSpecError, job_name
@@ -120,6 +122,9 @@ class JobOperator(BaseOperator):
     def execute(self, context: Any) -> dict[str, Any]:
         self._ti = context["ti"]
         spec = self._prepare(context)
+        # Before any job line reaches the task log: a local job inherits this worker's
+        # environment, and whatever of it the job prints must show as ***.
+        env_secrets.mask_in_task_logs(os.environ, spec.env)
         backend = get_backend(spec.backend)
         store = context.get("task_state_store")
         self._run_id = run_id = spec.env.get("MLFLOW_RUN_ID", "")
@@ -154,6 +159,7 @@ class JobOperator(BaseOperator):
 
     def execute_complete(self, context: Any, event: dict[str, Any]) -> dict[str, Any]:
         self._ti = context["ti"]
+        env_secrets.mask_in_task_logs(os.environ)  # a new worker process: the failure shows log lines
         self._handle = handle = event["handle"]
         self._run_id = event.get("mlflow_run_id", "")
         self._parent_run_id = event.get("parent_run_id", "")
@@ -362,7 +368,7 @@ class JobOperator(BaseOperator):
     def _show(self, step: Step) -> None:
         for warning in step.warnings:
             self.log.warning("%s", warning)
-        for line in step.lines:
+        for line in env_secrets.redact_lines(step.lines):
             self.log.info("[job] %s", line)
 
     # -- end ---------------------------------------------------------------------------------
@@ -448,7 +454,7 @@ class JobOperator(BaseOperator):
             tail = [f"(could not read the log: {type(exc).__name__}: {exc})"]
         raise AirflowException(
             f"{stage} job {name} {status.state.value}: {status.message}.\n"
-            f"Last lines of its log:\n" + "\n".join(tail))
+            f"Last lines of its log:\n" + "\n".join(env_secrets.redact_lines(tail)))
 
 
 def job_identity(spec: JobSpec, fingerprint: str = "") -> str:

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import os
 import time
 from typing import Any, AsyncIterator
 
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
+from llmops.jobs import env_secrets
 from llmops.jobs.backends import get_backend
 from llmops.jobs.errors import Backoff
 from llmops.jobs.watch import JobWatch, call_with_retries, log_cursor_uri
@@ -87,6 +89,8 @@ class JobTrigger(BaseTrigger):
         return {**kwargs, **changes}
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
+        # A local job inherits the worker's environment; what it prints of it shows as ***.
+        await env_secrets.amask_in_task_logs(os.environ)
         backend = get_backend(self.handle["backend"])
         watch = JobWatch(backend, self.handle, poll_interval=self.poll_interval,
                          max_run_seconds=self.max_run_seconds, grace_seconds=self.grace_seconds,
@@ -98,7 +102,7 @@ class JobTrigger(BaseTrigger):
             step = await asyncio.to_thread(watch.poll)
             for warning in step.warnings:
                 self.log.warning("[%s] %s", self.handle["name"], warning)
-            for line in step.lines:
+            for line in env_secrets.redact_lines(step.lines):
                 self.log.info("[%s] %s", self.handle["name"], line)
             if not cursor_is_saved:
                 lines_since += len(step.lines)

@@ -4,6 +4,11 @@ One directory per job name under `$LLMOPS_HOME/jobs/`: the spec, the stage confi
 log, the runner's pid and, once done, its exit code and the job's result.json. Submitting a name
 that is running or already succeeded reattaches to it; a failed or stopped one is started again
 (the stage resumes from its checkpoints), with the earlier attempt's log kept.
+
+Nothing of the worker's own environment is written down: `command.json` holds only the job's env
+(JobSpec.env and what this backend sets), and the runner adds it to the environment it inherited
+when it starts the job. Job directories are 0700 and their files 0600: a spec, config or log can
+still hold something only its user should read.
 """
 
 from __future__ import annotations
@@ -24,10 +29,29 @@ from llmops.jobs.spec import JobSpec, JobSpecError
 STOP_GRACE_SECONDS = 10
 
 
+PRIVATE_DIR_MODE = 0o700
+PRIVATE_FILE_MODE = 0o600
+
+
 def _write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
+    with _open_private(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC) as fh:
+        fh.write(text.encode())
     os.replace(tmp, path)
+
+
+def _open_private(path: Path, flags: int):
+    """Open a file created 0600 (an existing one is narrowed to 0600 too)."""
+    fd = os.open(path, flags, PRIVATE_FILE_MODE)
+    os.fchmod(fd, PRIVATE_FILE_MODE)
+    return os.fdopen(fd, "ab" if flags & os.O_APPEND else "wb")
+
+
+def _private_dir(path: Path) -> None:
+    """Create `path` (and the jobs directory above it) 0700; an older, wider one is narrowed."""
+    for directory in (path.parent, path):
+        directory.mkdir(mode=PRIVATE_DIR_MODE, parents=True, exist_ok=True)
+        os.chmod(directory, PRIVATE_DIR_MODE)
 
 
 class LocalBackend(Backend):
@@ -59,21 +83,21 @@ class LocalBackend(Backend):
         if current and current.state in (JobState.RUNNING, JobState.SUCCEEDED):
             handle["reattached"] = True
             return handle
-        job_dir.mkdir(parents=True, exist_ok=True)
+        _private_dir(job_dir)
         attempt = self._archive_previous_attempt(job_dir)
-        env = {**os.environ, **spec.env,
-               "PYTHONUNBUFFERED": "1",
-               "PYTHONPATH": os.pathsep.join(p for p in (str(settings.tasks_root()),
-                                                         os.environ.get("PYTHONPATH", "")) if p)}
+        job_env = self.job_env(spec)
         _write_atomic(job_dir / "spec.json", json.dumps(spec.to_dict(), indent=2))
         _write_atomic(job_dir / "config.json", json.dumps(spec.config, indent=2))
         _write_atomic(job_dir / "command.json", json.dumps(
-            {"argv": self.command(spec, job_dir), "cwd": str(settings.tasks_root()), "env": env}))
-        with open(job_dir / "output.log", "ab") as log:
+            {"argv": self.command(spec, job_dir), "cwd": str(settings.tasks_root()), "env": job_env}))
+        with _open_private(job_dir / "output.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND) as log:
+            # The runner inherits the worker's environment in memory (PATH, HOME, local
+            # credentials) and hands it on to the job; only job_env was written down.
             proc = subprocess.Popen(
                 [sys.executable, "-m", "llmops.jobs.local_runner", str(job_dir)],
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                cwd=str(settings.tasks_root()), env={**env, "PYTHONPATH": _plugins_path(env)},
+                cwd=str(settings.tasks_root()),
+                env={**os.environ, **job_env, "PYTHONPATH": _plugins_path(job_env)},
                 start_new_session=True,  # own process group: stop() signals the whole job
             )
         _write_atomic(job_dir / "runner.json", json.dumps(
@@ -81,6 +105,14 @@ class LocalBackend(Backend):
         handle["reattached"] = False
         handle["attempt"] = attempt
         return handle
+
+    def job_env(self, spec: JobSpec) -> dict[str, str]:
+        """The job's own environment, what command.json records: the spec's env and what this
+        backend sets. The runner lays it over the environment it inherits."""
+        return {**spec.env,
+                "PYTHONUNBUFFERED": "1",
+                "PYTHONPATH": os.pathsep.join(p for p in (str(settings.tasks_root()),
+                                                          os.environ.get("PYTHONPATH", "")) if p)}
 
     def _archive_previous_attempt(self, job_dir: Path) -> int:
         runner = job_dir / "runner.json"

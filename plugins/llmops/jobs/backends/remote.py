@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from llmops.aws import s3
+from llmops.jobs import env_secrets
 from llmops.jobs.spec import JobSpec, JobSpecError
 from tasks.configs import to_dict
 
@@ -36,10 +37,6 @@ LOG_INTERVAL = 10.0   # see log_due
 # Settings that change how a job is watched, not what runs: they stay out of its fingerprint, so
 # changing them never turns a clear-and-rerun into a second job.
 WATCH_ONLY = ("poll_interval_seconds", "deadline_grace_seconds")
-# Whole words of a variable name: HF_TOKEN and AWS_SECRET_ACCESS_KEY, not TOKENIZERS_PARALLELISM.
-_SECRET_NAME = re.compile(r"(^|_)(PASSWORD|PASSWD|SECRET|TOKEN|CREDENTIALS?|PRIVATE_KEY|ACCESS_KEY|"
-                          r"API_KEY)(_|$)", re.IGNORECASE)
-_USERINFO = re.compile(r"^[a-z][a-z0-9+.-]*://[^/@\s]*:[^/@\s]*@", re.IGNORECASE)
 _WILDCARD = re.compile(r"[*?\[]")
 
 
@@ -67,17 +64,8 @@ def latest_attempt(base: str, exists: Callable[[str], Any], max_len: int = 63) -
     raise JobSpecError(f"Job {base} already has {MAX_ATTEMPTS} attempts; rename the task or clear it.")
 
 
-def check_environment(env: dict[str, str]) -> None:
-    """Refuse anything that looks like a secret: job requests are readable by describe calls."""
-    for key, value in env.items():
-        if _SECRET_NAME.search(key):
-            raise JobSpecError(
-                f"JobSpec.env[{key!r}] looks like a secret. A remote job's environment is visible in "
-                "its API description: give the job an IAM role (or read the secret from AWS Secrets "
-                "Manager inside the job) instead of passing it in the environment.")
-        if _USERINFO.match(value):
-            raise JobSpecError(f"JobSpec.env[{key!r}] holds a URI with a password; use a URI without "
-                               "credentials and grant the job access through its IAM role.")
+# Refuse credentials in a remote job's env, with the key named (one rule with the operator's masker).
+check_environment = env_secrets.check_remote_env
 
 
 def warn_if_unreachable(env: dict[str, str], log: Any) -> None:
@@ -89,8 +77,7 @@ def warn_if_unreachable(env: dict[str, str], log: Any) -> None:
                     "SageMaker managed MLflow ARN) that both Airflow and the jobs reach.", redact(uri))
 
 
-def redact(uri: str) -> str:
-    return _USERINFO.sub(lambda m: m.group(0).split("://")[0] + "://***@", uri)
+redact = env_secrets.redact_uri
 
 
 def log_due(cursor: Any) -> bool:
