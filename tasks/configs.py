@@ -264,6 +264,22 @@ class TrainConfig:
     hot_spare: bool = bounded(True, help="Keep a warm worker process ready to replace a failed one.")
     hang_timeout_s: float = bounded(300.0, minimum=1.0, maximum=86400.0,
                                     help="No step progress this long: dump stacks, restart the worker.")
+    # The watchdog's budgets for phases that are slow by nature (tasks/train/supervisor.py). In
+    # save, restore and upload every chunk of checkpoint bytes moved counts as progress, so these
+    # bound a stall, not a transfer; 30 min, 6x the default hang_timeout_s, still lets a gathered
+    # FSDP state, a cold S3 read or a throttled upload through without a byte for minutes.
+    save_timeout_s: float = bounded(1800.0, minimum=1.0, maximum=86400.0,
+                                    help="A checkpoint save (state gather, write, upload) this long "
+                                         "without progress: dump stacks, restart the worker.")
+    restore_timeout_s: float = bounded(1800.0, minimum=1.0, maximum=86400.0,
+                                       help="A checkpoint restore (download, load) this long "
+                                            "without progress: dump stacks, restart the worker.")
+    upload_timeout_s: float = bounded(1800.0, minimum=1.0, maximum=86400.0,
+                                      help="Waiting for the final checkpoint to be durable with no "
+                                           "bytes moving this long: dump stacks, restart the worker.")
+    compile_timeout_s: float = bounded(1800.0, minimum=1.0, maximum=86400.0,
+                                       help="The first step after torch.compile (it compiles): this "
+                                            "long without finishing, restart the worker.")
     max_rollbacks: int = bounded(5, minimum=0, maximum=1000,
                                  help="NaN or spike rollbacks to the last checkpoint before failing.")
     spike_sigma: float = bounded(6.0, minimum=0.0, maximum=1000.0,

@@ -52,6 +52,12 @@ def collective_timeout_s(cfg: TrainConfig) -> float:
     return 2 * cfg.hang_timeout_s + 30
 
 
+def phase_timeouts(cfg: TrainConfig) -> dict[int, float]:
+    """The watchdog's budget for each phase that is slow by nature (tasks/train/supervisor.py)."""
+    return {tm.SAVE: cfg.save_timeout_s, tm.RESTORE: cfg.restore_timeout_s,
+            tm.UPLOAD: cfg.upload_timeout_s, tm.COMPILE: cfg.compile_timeout_s}
+
+
 @dataclass
 class _Setup:
     device: Any
@@ -300,7 +306,8 @@ def _supervise(cfg: TrainConfig, env: WorkerEnv) -> dict[str, Any]:
         (run_dir / "mlflow_run_id").unlink(missing_ok=True)  # a new job opens (or gets) its own
     supervisor = Supervisor(
         run_dir=run_dir, rank=env.rank, max_restarts=cfg.max_restarts,
-        hang_timeout_s=cfg.hang_timeout_s, hot_spare=cfg.hot_spare,
+        hang_timeout_s=cfg.hang_timeout_s, phase_timeouts=phase_timeouts(cfg),
+        hot_spare=cfg.hot_spare,
         worker_cmd=[sys.executable, "-m", "tasks.pretrain", "--config", str(config_path),
                     "--result", str(result_path)])
     code = supervisor.run()
@@ -312,7 +319,9 @@ def _supervise(cfg: TrainConfig, env: WorkerEnv) -> dict[str, Any]:
     if env.rank == 0:
         result = read_json(result_path)
     else:
-        result = _rank0_result(run_dir, result_path, cfg.hang_timeout_s + 600)
+        # rank 0 may still be waiting for the final checkpoint's upload
+        result = _rank0_result(run_dir, result_path,
+                               cfg.hang_timeout_s + cfg.upload_timeout_s + 600)
     result.setdefault("metrics", {})["restarts"] = supervisor.restarts
     return result
 

@@ -369,3 +369,97 @@ def test_two_process_run_survives_a_killed_rank(tiny_data_dir, tmp_path, paralle
     final = final_weights(Path(cfg.output_dir), 16)
     for name, value in reference.state_dict().items():
         torch.testing.assert_close(final[name], value, rtol=1e-4, atol=1e-5, msg=name)
+
+
+# --------------------------------------------------------------------------------------------
+# Watchdog phases with budgets of their own (save, restore, upload, compile), and slow I/O
+
+PHASED_WORKER = textwrap.dedent("""
+    import json, os, sys, time
+    from tasks.train import telemetry as tm
+    from tasks.train.supervisor import WorkerEnv
+    env = WorkerEnv.from_env()
+    hb = tm.Heartbeat(env.heartbeat_path)
+    with open(os.path.join(os.environ["LLMOPS_TRAIN_RUN_DIR"], "attempts"), "a") as log:
+        log.write(f"{env.attempt} {os.getpid()}\\n")
+    plans = json.loads(sys.argv[1])
+    # each segment: [phase name, seconds in it, seconds between checkpoint-byte beats (0: none)]
+    for phase, seconds, io_every in plans[min(env.attempt, len(plans)) - 1]:
+        hb.beat(1, tm.PHASES.index(phase))
+        end = time.time() + seconds
+        while time.time() < end:
+            time.sleep(io_every or 0.05)
+            if io_every:
+                hb.io_progress(1 << 20)
+""")
+
+
+def supervise_phases(tmp_path: Path, plans: list, **kwargs) -> tuple[int, list[dict]]:
+    script = tmp_path / "phased_worker.py"
+    script.write_text(PHASED_WORKER)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    sup = Supervisor(run_dir=run_dir, worker_cmd=[sys.executable, str(script), json.dumps(plans)],
+                     **{**dict(max_restarts=1, hot_spare=False, poll_s=0.02, dump_grace_s=0.2),
+                        **kwargs})
+    return sup.run(), tm.read_events(run_dir)
+
+
+def test_supervisor_gives_save_restore_upload_and_compile_their_own_budgets(tmp_path):
+    """Each slow phase lasts 3x hang_timeout_s without a beat: within its own budget, so no
+    kill; the same stall in an ordinary step is a hang (the control, in the same run)."""
+    budgets = {tm.SAVE: 3.0, tm.RESTORE: 3.0, tm.UPLOAD: 3.0, tm.COMPILE: 3.0}
+    slow = [[phase, 1.2, 0] for phase in ("restore", "compile", "save", "upload")]
+    code, events = supervise_phases(tmp_path, [slow + [["step", 1.2, 0]], []],
+                                    hang_timeout_s=0.4, phase_timeouts=budgets)
+    assert code == 0
+    [hang] = kinds(events, "hang")
+    assert hang["phase"] == "step" and hang["budget_s"] == 0.4 and hang["attempt"] == 1
+
+
+def test_supervisor_counts_moving_checkpoint_bytes_as_progress_and_kills_a_stalled_save(tmp_path):
+    """An upload beating its bytes lasts 4x its budget and is not killed; the same phase with no
+    bytes moving is killed at its budget (not at hang_timeout_s, and no sooner)."""
+    budgets = {tm.UPLOAD: 0.6, tm.SAVE: 0.6}
+    plans = [[["upload", 2.4, 0.1], ["save", 5.0, 0]], []]
+    code, events = supervise_phases(tmp_path, plans, hang_timeout_s=0.2, phase_timeouts=budgets)
+    assert code == 0
+    [hang] = kinds(events, "hang")
+    assert hang["phase"] == "save" and 0.6 <= hang["stale_s"] < 2.0
+
+
+def test_rendezvous_and_finishing_are_left_to_their_own_timeouts(tmp_path):
+    plans = [[["rendezvous", 1.0, 0], ["finishing", 1.0, 0]]]
+    code, events = supervise_phases(tmp_path, plans, hang_timeout_s=0.3)
+    assert code == 0 and not kinds(events, "hang")
+
+
+def test_slow_save_restore_and_final_upload_do_not_trip_the_watchdog(tiny_data_dir, tmp_path):
+    """A slowed-down writer: the step-5 checkpoint stalls 3x hang_timeout_s before its first
+    byte (so the step-10 save waits on it), the restore after a kill stalls as long, and so does
+    the final checkpoint, which the job waits for before it reports. No hang is declared, the
+    only restart is the kill's, and the final checkpoint is committed."""
+    common = dict(max_steps=20, checkpoint_interval=5, eval_interval=20, log_interval=5,
+                  hot_spare=False, max_restarts=2, hang_timeout_s=1.5, save_timeout_s=60.0,
+                  restore_timeout_s=60.0, upload_timeout_s=60.0)
+    cfg = tiny_cfg(tiny_data_dir, tmp_path / "slow", **common)
+    proc, result_file = run_pretrain(
+        cfg, tmp_path, faults="slow_save@5+4.5s,kill@13,slow_restore@5+4.5s,slow_save@20+4.5s")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-6000:]
+    events = tm.read_events(tm.run_dir(cfg.output_dir))
+    assert not kinds(events, "hang"), "a slow save, restore or upload was taken for a hang"
+    assert len(kinds(events, "restart")) == 1 and kinds(events, "worker_exit", code=-9)
+    assert max(e["blocked_s"] for e in kinds(events, "save", step=10)) > cfg.hang_timeout_s
+    [restore] = [e for e in kinds(events, "resume") if e["path"]]
+    assert restore["t1"] - restore["t0"] >= 4.5
+    assert max(e["blocked_s"] for e in kinds(events, "save", step=20)) > cfg.hang_timeout_s
+    assert ckpt.verify_checkpoint(Path(cfg.output_dir) / "checkpoints" / "step_000020") is None
+    assert json.loads(result_file.read_text())["metrics"]["step"] == 20
+
+
+def test_slow_io_faults_take_a_duration_and_only_they_do():
+    assert parse_faults("slow_save@5+4.5s,slow_restore@10:1") == [
+        Fault("slow_save", 5, seconds=4.5), Fault("slow_restore", 10, 1)]
+    with pytest.raises(FaultSpecError, match=r"take a duration, as kind@step\+Ds"):
+        parse_faults("kill@5+3s")

@@ -10,10 +10,16 @@ optimizer step N runs there (steps count from 1, as in the logs and checkpoint n
     kill          the worker SIGKILLs itself in the middle of step N (a crash: no cleanup at all)
     hang          the worker stops making progress in step N (sleeps forever, as a stuck
                   collective or a deadlocked data loader would)
-    spike         step N's loss is multiplied by 100, as a garbage batch would do to it
+    spike         step N's loss is multiplied by 100, as a garbage batch would do to it;
+                  `spike@N*F` multiplies it by F instead (spike@450*5: a spike of x5)
     nan           step N's loss becomes NaN
     corrupt_ckpt  the first checkpoint saved at step >= N is damaged on disk after it commits
                   (one byte of its weights flipped), so a later resume must skip it
+    slow_save     the first checkpoint saved at step >= N stalls for D seconds before its first
+                  byte is written (`slow_save@N+Ds`, default 30 s), as a stuck disk or a
+                  throttled S3 would: the save must not trip the watchdog within its budget
+    slow_restore  the first restore of a checkpoint of step >= N stalls for D seconds before
+                  loading it (`slow_restore@N+Ds`, default 30 s)
 
 "Once per job": a fault is recorded in events.jsonl (fsynced) before it acts, and a restarted
 worker reads which faults already fired, so the replayed step N does not fail again.
@@ -35,9 +41,12 @@ from tasks.train.telemetry import EventLog, read_events
 log = logging.getLogger(__name__)
 
 ENV = "LLMOPS_FAULTS"
-KINDS = ("kill", "hang", "spike", "nan", "corrupt_ckpt")
+KINDS = ("kill", "hang", "spike", "nan", "corrupt_ckpt", "slow_save", "slow_restore")
+SLOW_KINDS = ("slow_save", "slow_restore")  # the ones that take a duration, kind@N+Ds
+SLOW_S = 30.0
 SPIKE_FACTOR = 100.0
-_FAULT = re.compile(r"^(?P<kind>[a-z_]+)@(?P<step>\d+)(?::(?P<rank>\d+))?$")
+_FAULT = re.compile(r"^(?P<kind>[a-z_]+)@(?P<step>\d+)(?:\*(?P<factor>\d+(?:\.\d*)?))?"
+                    r"(?:\+(?P<seconds>\d+(?:\.\d*)?)s)?(?::(?P<rank>\d+))?$")
 
 
 class FaultSpecError(ValueError):
@@ -49,6 +58,8 @@ class Fault:
     kind: str
     step: int
     rank: int = 0
+    factor: float = SPIKE_FACTOR  # spike only: what the loss is multiplied by
+    seconds: float = SLOW_S  # slow_save and slow_restore only: how long the I/O stalls
 
     @property
     def id(self) -> str:
@@ -68,7 +79,14 @@ def parse_faults(spec: str) -> list[Fault]:
         if int(m["step"]) < 1:
             raise FaultSpecError(f"Bad fault {item!r}: write kind@step[:rank] with step >= 1 "
                                  "(steps count from 1, as in the logs).")
-        faults.append(Fault(m["kind"], int(m["step"]), int(m["rank"] or 0)))
+        if m["factor"] is not None and (m["kind"] != "spike" or float(m["factor"]) <= 1):
+            raise FaultSpecError(f"Bad fault {item!r}: only spike takes a size, as spike@step*F "
+                                 "with F > 1 (the loss multiplier), e.g. 'spike@450*5'.")
+        if m["seconds"] is not None and m["kind"] not in SLOW_KINDS:
+            raise FaultSpecError(f"Bad fault {item!r}: only {list(SLOW_KINDS)} take a duration, "
+                                 "as kind@step+Ds, e.g. 'slow_save@50+600s'.")
+        faults.append(Fault(m["kind"], int(m["step"]), int(m["rank"] or 0),
+                            float(m["factor"] or SPIKE_FACTOR), float(m["seconds"] or SLOW_S)))
     return faults
 
 
@@ -115,20 +133,17 @@ class FaultInjector:
     def scale_loss(self, step: int, loss: Any) -> Any:
         if not self._by_step:
             return loss
-        if self._take("spike", step):
-            return loss * SPIKE_FACTOR
+        spike = self._take("spike", step)
+        if spike:
+            return loss * spike.factor
         if self._take("nan", step):
             return loss * float("nan")
         return loss
 
     def after_checkpoint(self, step: int, path: Path) -> None:
         """Called when checkpoint `step` is committed (and uploaded, when mirrored)."""
-        # list() first: this runs on the checkpoint writer's thread while the training thread
-        # may remove other fired faults from the dict
-        due = [f for f in list(self.pending.values()) if f.kind == "corrupt_ckpt" and step >= f.step]
-        if not due:
+        if not self._take_due("corrupt_ckpt", step):
             return
-        self._take("corrupt_ckpt", due[0].step)
         victim = path / "model.pt"
         with open(victim, "r+b") as fh:
             fh.seek(victim.stat().st_size // 2)
@@ -136,6 +151,29 @@ class FaultInjector:
             fh.seek(-1, os.SEEK_CUR)
             fh.write(bytes([byte[0] ^ 0xFF]))
         log.warning("fault injection: flipped a byte of %s", victim)
+
+
+    def before_checkpoint_write(self, step: int) -> None:
+        """Called on the checkpoint writer's thread before checkpoint `step` is written."""
+        self._stall("slow_save", step)
+
+    def before_restore(self, step: int) -> None:
+        """Called before the checkpoint of `step` is loaded."""
+        self._stall("slow_restore", step)
+
+    def _stall(self, kind: str, step: int) -> None:
+        fault = self._take_due(kind, step)
+        if fault:
+            log.warning("fault injection: %s of step %d stalls for %.1fs", kind, step,
+                        fault.seconds)
+            time.sleep(fault.seconds)
+
+    def _take_due(self, kind: str, step: int) -> Fault | None:
+        """The pending fault of `kind` that fires at the first checkpoint of step >= its own."""
+        # list() first: this runs on the checkpoint writer's thread while the training thread
+        # may remove other fired faults from the dict
+        due = [f for f in list(self.pending.values()) if f.kind == kind and step >= f.step]
+        return self._take(kind, due[0].step) if due else None
 
 
 def _hang_forever() -> None:

@@ -151,7 +151,10 @@ class _Trainer:
         self.checkpointer = ckpt.Checkpointer(
             self.ckpt_root, keep=cfg.keep_checkpoints, config=resolved_config,
             asynchronous=options.async_checkpoint, mirror=options.checkpoint_mirror,
-            on_commit=self.faults.after_checkpoint if self.faults else None)
+            on_commit=self.faults.after_checkpoint if self.faults else None,
+            before_write=self.faults.before_checkpoint_write if self.faults else None,
+            # bytes of a checkpoint moving are progress for the watchdog (tasks/train/telemetry.py)
+            on_progress=self.hb.io_progress if self.hb else None)
         self.guard = SpikeDetector(options.spike_sigma, options.spike_window)
         self.fwd: nn.Module = model  # what the forward pass runs: DDP-wrapped and/or compiled
         self.optimizer: torch.optim.Optimizer | None = None
@@ -169,6 +172,7 @@ class _Trainer:
         self.val: dict[str, float] = {}
         self.total_tokens, self.total_time = 0, 0.0
         self.first_resume = True
+        self.compiling = False  # the next step runs a model torch.compile has not compiled yet
         self.progress = tm.Progress(cfg.max_steps)  # restarted with each _train
 
     # -- the outer loop: (re)join, resume, train -------------------------------------------
@@ -193,12 +197,14 @@ class _Trainer:
                                           f"{self.opts.max_rejoins} rejoins: {exc}") from exc
             self._finish()
         finally:
-            if self.hb is not None:
-                self.hb.beat(phase=tm.FINISHING)
+            if self.hb is not None:  # a save still in flight gets the upload budget, not a kill
+                self.hb.beat(phase=tm.UPLOAD)
             try:
                 self.checkpointer.wait()
             except Exception:  # noqa: BLE001 - do not mask the exception that got us here
                 log.exception("the last checkpoint save failed")
+            if self.hb is not None:
+                self.hb.beat(phase=tm.FINISHING)
             if self.dist is not None:
                 self.dist.leave(failed=False)
         if self.tracking:
@@ -230,7 +236,10 @@ class _Trainer:
         if self.optimizer is None:
             self.optimizer = build_optimizer(self.model, self.cfg.optim, self.device)
             self.params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        self.fwd = maybe_compile(self.fwd, self.device, self.opts.compile)
+        compiled = maybe_compile(self.fwd, self.device, self.opts.compile)
+        # torch.compile compiles in the first forward pass: that step has a budget of its own
+        self.compiling = compiled is not self.fwd
+        self.fwd = compiled
 
     # -- checkpoints -----------------------------------------------------------------------
     def _read_skipped(self) -> set[int]:
@@ -302,6 +311,8 @@ class _Trainer:
             path = None
         else:
             path = self.checkpointer.ensure_local(choice["path"])
+            if self.faults:
+                self.faults.before_restore(int(path.name.rsplit("_", 1)[-1]))
             self._load(ckpt.load_checkpoint(path, map_location="cpu"))
             self.resumed_from = str(path)
         t1 = time.time()
@@ -356,7 +367,7 @@ class _Trainer:
             step = self.step
             done = step + 1  # optimizer steps completed; checkpoints and metrics are indexed by it
             if self.hb is not None:
-                self.hb.beat(step, tm.STEP)
+                self.hb.beat(step, tm.COMPILE if self.compiling else tm.STEP)
             t0 = time.time()
             batch_index = self._next_batch_index()
             batch = self.get_batch(batch_index).to(device)
@@ -366,7 +377,7 @@ class _Trainer:
                 group["lr"] = lr
             if self.faults:
                 self.faults.before_compute(done)
-            if self.hb is not None and self.dist is not None:
+            if self.hb is not None and self.dist is not None and not self.compiling:
                 self.hb.phase(tm.SYNC)  # from here on this rank may be waiting for its peers
             with autocast(device):
                 loss = self.loss_fn(self.fwd, batch)
@@ -396,6 +407,7 @@ class _Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             self.guard.add(done, loss_value, norm_value)
             self.step, self.cursor = done, batch_index + 1
+            self.compiling = False
             self.recent.append((done, batch_index))
             if self.steps is not None:
                 self.steps.record(done, batch_index, t0, t_data, time.time())
@@ -501,6 +513,8 @@ class _Trainer:
                      self.resumed_from, self.step, self.cfg.max_steps)
             self.val = self.evaluate(self.model)
         t0 = time.time()
+        if self.hb is not None:  # the upload budget, with the writer's bytes as progress
+            self.hb.beat(phase=tm.UPLOAD)
         self.checkpointer.wait()  # the final checkpoint must be committed before we report it
         self._event("save", step=self.step, t0=t0, t1=time.time(), blocked_s=round(time.time() - t0, 4),
                     echo=False)

@@ -29,6 +29,7 @@ from tasks.common.io import read_json
 log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
+BytesMoved = Callable[[int], None]  # n more bytes moved (the watchdog's I/O beat)
 _RETRY_CODES = {"SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout", "Throttling",
                 "ThrottlingException", "RequestTimeTooSkewed", "500", "502", "503", "504"}
 
@@ -40,6 +41,10 @@ def split_uri(uri: str) -> tuple[str, str]:
     if not bucket:
         raise ValueError(f"{uri!r} names no bucket; write s3://bucket/prefix.")
     return bucket, prefix.strip("/")
+
+
+def _no_progress(nbytes: int) -> None:
+    pass
 
 
 def _retryable(exc: Exception) -> bool:
@@ -101,21 +106,24 @@ class S3Mirror:
         raise AssertionError("unreachable")
 
     # -- write -------------------------------------------------------------------------------
-    def upload_checkpoint(self, local: Path) -> str:
-        """Upload one local checkpoint directory, manifest last; returns its s3:// prefix."""
+    def upload_checkpoint(self, local: Path, progress: BytesMoved | None = None) -> str:
+        """Upload one local checkpoint directory, manifest last; returns its s3:// prefix.
+        progress(n): n more bytes are up (per object or multipart part), for the watchdog."""
         step_name = local.name
         self._clear_unfinished(keep=step_name)
         names = sorted(read_json(local / MANIFEST)["files"])
         for name in names:
-            self.upload_file(local / name, self._key(step_name, name))
-        self.upload_file(local / MANIFEST, self._key(step_name, MANIFEST))  # the commit
+            self.upload_file(local / name, self._key(step_name, name), progress)
+        self.upload_file(local / MANIFEST, self._key(step_name, MANIFEST), progress)  # the commit
         return f"s3://{self.bucket}/{self._key(step_name)}"
 
-    def upload_file(self, path: Path, key: str) -> None:
+    def upload_file(self, path: Path, key: str, progress: BytesMoved | None = None) -> None:
+        progress = progress or _no_progress
         size = path.stat().st_size
         if size <= self.part_size:
             self.call(f"put {key}", self.client.put_object, Bucket=self.bucket, Key=key,
                       Body=path.read_bytes())
+            progress(size)
             return
         upload_id = self.call(f"create multipart {key}", self.client.create_multipart_upload,
                               Bucket=self.bucket, Key=key)["UploadId"]
@@ -127,6 +135,7 @@ class S3Mirror:
             etag = self.call(f"upload part {number} of {key}", self.client.upload_part,
                              Bucket=self.bucket, Key=key, UploadId=upload_id, PartNumber=number,
                              Body=body)["ETag"]
+            progress(len(body))
             return {"PartNumber": number, "ETag": etag}
 
         n_parts = -(-size // self.part_size)
@@ -174,22 +183,26 @@ class S3Mirror:
         return sorted((int(name[5:]) for name, ok in self._step_prefixes().items()
                        if ok and name[5:].isdigit()), reverse=True)
 
-    def download(self, step: int, dest: Path) -> Path:
-        """Fetch step's files into dest (a fresh directory); the caller verifies them."""
+    def download(self, step: int, dest: Path, progress: BytesMoved | None = None) -> Path:
+        """Fetch step's files into dest (a fresh directory); the caller verifies them.
+        progress(n): n more bytes are down (per MiB), for the watchdog."""
         name = f"step_{step:06d}"
         dest.mkdir(parents=True)
         manifest = dest / MANIFEST
-        self._get(self._key(name, MANIFEST), manifest)
+        self._get(self._key(name, MANIFEST), manifest, progress)
         for file in read_json(manifest)["files"]:
-            self._get(self._key(name, file), dest / file)
+            self._get(self._key(name, file), dest / file, progress)
         return dest
 
-    def _get(self, key: str, path: Path) -> None:
+    def _get(self, key: str, path: Path, progress: BytesMoved | None = None) -> None:
+        progress = progress or _no_progress
+
         def fetch() -> None:
             body = self.client.get_object(Bucket=self.bucket, Key=key)["Body"]
             with open(path, "wb") as fh:
                 for chunk in iter(lambda: body.read(1 << 20), b""):
                     fh.write(chunk)
+                    progress(len(chunk))
 
         self.call(f"get {key}", fetch)
 

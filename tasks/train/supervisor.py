@@ -19,6 +19,13 @@ The supervisor
     stack to the task log (faulthandler, on SIGUSR1), then kills and restarts the worker. A
     worker inside a collective may only be waiting for a hung peer, so it gets 1.5x the time:
     the hung rank is killed first and its peers recover in place;
+  - gives the phases that are slow by nature a budget of their own instead of hang_timeout_s
+    (`phase_timeouts`, from TrainConfig's save/restore/upload/compile_timeout_s): a checkpoint
+    save, a restore, the wait for the final checkpoint to be durable (UPLOAD) and the first step
+    after torch.compile. In save, restore and upload the checkpoint I/O beats too (bytes written,
+    parts uploaded, chunks downloaded), so the budget bounds a stall, not the transfer: slow but
+    moving I/O is never killed, and the final upload is not killed half-way. RENDEZVOUS and
+    FINISHING (after the final checkpoint is durable) are left to their own timeouts;
   - stops after max_restarts restarts (the task then fails, and Airflow's retry takes over), and
     never restarts a worker that failed while setting up (exit code 3: bad config or data,
     which a restart would only repeat);
@@ -114,8 +121,12 @@ class Supervisor:
     def __init__(self, *, run_dir: Path, worker_cmd: list[str], max_restarts: int,
                  hang_timeout_s: float, hot_spare: bool, rank: int = 0,
                  poll_s: float = 0.05, dump_grace_s: float = 1.0,
-                 victim_factor: float = 1.5, spare_delay_s: float = 10.0) -> None:
+                 victim_factor: float = 1.5, spare_delay_s: float = 10.0,
+                 phase_timeouts: dict[int, float] | None = None) -> None:
         self.run_dir, self.worker_cmd, self.rank = run_dir, worker_cmd, rank
+        # phase -> seconds without progress before a kill; hang_timeout_s for the phases not
+        # named, never for the phases another timeout bounds
+        self.phase_timeouts = {**(phase_timeouts or {}), tm.RENDEZVOUS: None, tm.FINISHING: None}
         self.max_restarts, self.hang_timeout_s, self.hot_spare = max_restarts, hang_timeout_s, hot_spare
         self.poll_s, self.dump_grace_s, self.victim_factor = poll_s, dump_grace_s, victim_factor
         self.spare_delay_s = spare_delay_s
@@ -166,7 +177,8 @@ class Supervisor:
         """Supervise until the worker succeeds (0) or the budget is spent (its exit code)."""
         previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
         self.events.emit("job_start", max_restarts=self.max_restarts,
-                         hang_timeout_s=self.hang_timeout_s, hot_spare=self.hot_spare)
+                         hang_timeout_s=self.hang_timeout_s, hot_spare=self.hot_spare,
+                         phase_timeouts={tm.PHASES[p]: s for p, s in self.phase_timeouts.items()})
         worker: _Child | None = self._spawn(attempt=1)
         spare: _Child | None = None
         try:
@@ -182,7 +194,7 @@ class Supervisor:
                     spare = self._tend_spare(worker, spare)
                     time.sleep(self.poll_s)
                     continue
-                step = tm.read_heartbeat(self.heartbeat)[0]
+                step = tm.read_heartbeat(self.heartbeat).step
                 self.events.emit("worker_exit", code=code, attempt=worker.attempt, step=step)
                 if code == 0:
                     return 0
@@ -224,8 +236,8 @@ class Supervisor:
         # Start the spare once the worker has trained for spare_delay_s: during the worker's
         # start-up it would compete for the CPU on the critical path, and a job that ends
         # within seconds gains nothing from a spare (its own warm-up takes seconds).
-        step, _, _, pid = tm.read_heartbeat(self.heartbeat)
-        if pid != worker.pid or step < 1:
+        beat = tm.read_heartbeat(self.heartbeat)
+        if beat.pid != worker.pid or beat.step < 1:
             return None
         if worker.training_since is None:
             worker.training_since = time.time()
@@ -234,30 +246,38 @@ class Supervisor:
             self.events.emit("spare_start", spare_pid=spare.pid)
         return spare
 
+    def budget(self, phase: int) -> float | None:
+        """Seconds without progress the watchdog allows in `phase`; None: no limit of its own."""
+        return self.phase_timeouts.get(phase, self.hang_timeout_s)
+
     def _watch(self, worker: _Child) -> bool:
         """The hang watchdog; True when it killed the worker."""
-        step, t, phase, pid = tm.read_heartbeat(self.heartbeat)
-        if pid != worker.pid or t == 0.0 or phase in (tm.RENDEZVOUS, tm.FINISHING):
+        beat = tm.read_heartbeat(self.heartbeat)
+        budget = self.budget(beat.phase)
+        if beat.pid != worker.pid or beat.t == 0.0 or budget is None:
             return False  # not started yet, or blocked where a timeout of its own applies
+        t = beat.progress_t()
         stale = time.time() - t
-        if stale < self.hang_timeout_s:
+        if stale < budget:
             return False
+        phase = tm.PHASES[beat.phase]
         if worker.dumped_at != t:
             worker.dumped_at = t
-            log.error("[supervisor rank %d] no progress from worker %d for %.1fs (step %d, %s); "
-                      "dumping its stacks", self.rank, worker.pid, stale, step, tm.PHASES[phase])
+            log.error("[supervisor rank %d] no progress from worker %d for %.1fs (step %d, %s, "
+                      "budget %.0fs); dumping its stacks", self.rank, worker.pid, stale, beat.step,
+                      phase, budget)
             _signal(worker.proc, signal.SIGUSR1)
             time.sleep(self.dump_grace_s)  # let faulthandler write every thread's stack
-            if tm.read_heartbeat(self.heartbeat)[1] != t:
+            if tm.read_heartbeat(self.heartbeat).progress_t() != t:
                 return False  # it moved on (a waiting peer that got its error, say)
-        limit = self.hang_timeout_s * (self.victim_factor if phase == tm.SYNC else 1.0)
+        limit = budget * (self.victim_factor if beat.phase == tm.SYNC else 1.0)
         if time.time() - t < limit:
             return False
         _signal(worker.proc, signal.SIGKILL)
         worker.proc.wait()
         self.hangs += 1
-        self.events.emit("hang", attempt=worker.attempt, step=step, phase=tm.PHASES[phase],
-                         last_progress=t, stale_s=round(time.time() - t, 3))
+        self.events.emit("hang", attempt=worker.attempt, step=beat.step, phase=phase,
+                         budget_s=budget, last_progress=t, stale_s=round(time.time() - t, 3))
         return True
 
 

@@ -7,8 +7,14 @@
         steps.rank0.jsonl   one line per optimizer step that passed its checks (rank 0 only):
                             attempt, step, batch index and the times it started, had its batch,
                             and ended
-        heartbeat.rank<r>   32 bytes, memory-mapped: step, time, phase and pid of the rank's worker,
-                            read by its supervisor's watchdog
+        heartbeat.rank<r>   48 bytes, memory-mapped, read by the rank's supervisor's watchdog: the
+                            training thread's record (step, time of its last progress, phase, pid)
+                            and the checkpoint I/O record (time of the last bytes written, uploaded
+                            or downloaded, and how many so far). Two records because a background
+                            save runs while steps continue: a step's beat must not vouch for a stuck
+                            writer, nor the writer's for a stuck step. The watchdog counts the I/O
+                            record as progress only while the training thread waits on that I/O
+                            (phases SAVE, RESTORE, UPLOAD).
 
 and `Progress`, the "| 25.0% | elapsed 0:01:02 | eta 0:03:06" ending every progress line of a
 long job (training steps, data prep phases, evaluated models).
@@ -27,17 +33,38 @@ import os
 import struct
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, NamedTuple
 
 log = logging.getLogger(__name__)
 
 RUN_DIR = "resilience"
 
-# What a worker is doing, for the watchdog (a worker blocked in SYNC may be waiting on a peer).
-STARTING, READY, STEP, SYNC, EVAL, SAVE, RESTORE, RENDEZVOUS, FINISHING = range(9)
-PHASES = ("starting", "ready", "step", "sync", "eval", "save", "restore", "rendezvous", "finishing")
+# What a worker is doing, for the watchdog (a worker blocked in SYNC may be waiting on a peer;
+# SAVE, RESTORE, UPLOAD (waiting for the last checkpoint to be durable) and COMPILE (the first
+# step after torch.compile) have budgets of their own, tasks/train/supervisor.py).
+(STARTING, READY, STEP, SYNC, EVAL, SAVE, RESTORE, RENDEZVOUS, FINISHING, COMPILE,
+ UPLOAD) = range(11)
+PHASES = ("starting", "ready", "step", "sync", "eval", "save", "restore", "rendezvous", "finishing",
+          "compile", "upload")
+IO_PHASES = (SAVE, RESTORE, UPLOAD)  # where checkpoint bytes moving count as progress
 
-_HEARTBEAT = struct.Struct("<qdqq")  # step, time, phase, pid
+_TRAINING = struct.Struct("<qdqq")  # step, time, phase, pid: the training thread's record
+_IO = struct.Struct("<dq")  # time of the last checkpoint bytes moved, bytes moved so far
+_HEARTBEAT_SIZE = _TRAINING.size + _IO.size
+
+
+class Beat(NamedTuple):
+    step: int
+    t: float  # the training thread's last progress; 0.0 until its first beat
+    phase: int
+    pid: int
+    io_t: float  # the checkpoint writer's (or restore's) last bytes moved; 0.0 if none yet
+    io_bytes: int
+
+    def progress_t(self) -> float:
+        """The last sign of life that counts in this phase: in an I/O phase the training thread
+        waits on the writer, so bytes moving are progress."""
+        return max(self.t, self.io_t) if self.phase in IO_PHASES else self.t
 
 
 def run_dir(output_dir: str | Path) -> Path:
@@ -112,27 +139,34 @@ def read_steps(directory: str | Path, rank: int = 0) -> list[dict[str, Any]]:
 
 
 class Heartbeat:
-    """A worker's progress in 32 shared bytes: writing it is a memory store, no system call, so
+    """A worker's progress in 48 shared bytes: writing it is a memory store, no system call, so
     it costs nothing per step; the supervisor reads the same file."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        if not self.path.exists() or self.path.stat().st_size != _HEARTBEAT.size:
+        if not self.path.exists() or self.path.stat().st_size != _HEARTBEAT_SIZE:
             reset_heartbeat(self.path)
         self._fd = os.open(self.path, os.O_RDWR)
-        self._map = mmap.mmap(self._fd, _HEARTBEAT.size)
+        self._map = mmap.mmap(self._fd, _HEARTBEAT_SIZE)
         self.step, self.pid = -1, os.getpid()
+        self.io_bytes = 0
 
     def beat(self, step: int | None = None, phase: int = STEP) -> None:
         if step is not None:
             self.step = step
-        _HEARTBEAT.pack_into(self._map, 0, self.step, time.time(), phase, self.pid)
+        _TRAINING.pack_into(self._map, 0, self.step, time.time(), phase, self.pid)
 
     def phase(self, phase: int) -> None:
         """Mark a change of phase without counting it as progress: the time stays the last
         progress time, so a worker stuck in a collective still looks stale."""
-        step, t, _, _ = _HEARTBEAT.unpack_from(self._map, 0)
-        _HEARTBEAT.pack_into(self._map, 0, step, t, phase, self.pid)
+        step, t, _, _ = _TRAINING.unpack_from(self._map, 0)
+        _TRAINING.pack_into(self._map, 0, step, t, phase, self.pid)
+
+    def io_progress(self, nbytes: int) -> None:
+        """nbytes more of a checkpoint written, uploaded or downloaded (any thread): slow but
+        moving I/O is progress, only a stalled one runs out its phase's budget."""
+        self.io_bytes += nbytes
+        _IO.pack_into(self._map, _TRAINING.size, time.time(), self.io_bytes)
 
     def close(self) -> None:
         self._map.close()
@@ -143,19 +177,19 @@ def reset_heartbeat(path: str | Path) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_bytes(_HEARTBEAT.pack(-1, 0.0, STARTING, 0))
+    tmp.write_bytes(_TRAINING.pack(-1, 0.0, STARTING, 0) + _IO.pack(0.0, 0))
     os.replace(tmp, path)
 
 
-def read_heartbeat(path: str | Path) -> tuple[int, float, int, int]:
-    """(step, time of the last progress, phase, pid); time 0.0 until the worker's first beat."""
+def read_heartbeat(path: str | Path) -> Beat:
+    """Both records of a worker's heartbeat; times 0.0 until its first beat."""
     try:
         data = Path(path).read_bytes()
     except FileNotFoundError:
-        return -1, 0.0, STARTING, 0
-    if len(data) != _HEARTBEAT.size:
-        return -1, 0.0, STARTING, 0
-    return _HEARTBEAT.unpack(data)
+        data = b""
+    if len(data) != _HEARTBEAT_SIZE:
+        return Beat(-1, 0.0, STARTING, 0, 0.0, 0)
+    return Beat(*_TRAINING.unpack_from(data, 0), *_IO.unpack_from(data, _TRAINING.size))
 
 
 def duration(seconds: float) -> str:
