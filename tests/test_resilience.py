@@ -463,3 +463,66 @@ def test_slow_io_faults_take_a_duration_and_only_they_do():
         Fault("slow_save", 5, seconds=4.5), Fault("slow_restore", 10, 1)]
     with pytest.raises(FaultSpecError, match=r"take a duration, as kind@step\+Ds"):
         parse_faults("kill@5+3s")
+
+
+# --------------------------------------------------------------------------------------------
+# A peer failure heard through the store (tasks/train/distributed.py: the stale-round watcher)
+
+STALE_ROUND_WORKER = textwrap.dedent("""
+    import datetime, sys, time
+    import torch, torch.distributed as dist
+    from tasks.train.distributed import DistContext
+    rank, port = int(sys.argv[1]), int(sys.argv[2])
+    timeout = datetime.timedelta(seconds=60)
+    def connect():
+        return dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
+    ctx = DistContext(rank=rank, world_size=2, local_rank=0, device=torch.device("cpu"),
+                      timeout=timeout, store=connect(), key="job", watch_store=connect(),
+                      stale_grace_s=1.0)
+    ctx.join()
+    dist.all_reduce(torch.ones(1))
+    print("in round", ctx.round, flush=True)
+    if rank == 1:
+        time.sleep(120)  # hung, not dead: its sockets stay open, so no connection reset
+    dist.all_reduce(torch.ones(1))  # blocks on the hung rank
+""")
+
+
+def test_a_rank_blocked_on_a_hung_peer_hears_the_round_is_over_and_exits_for_a_restart(tmp_path):
+    """Rank 1 hangs with its connections open; its replacement moves the round on (here the
+    test does, as join() would). Rank 0, blocked in a gloo all_reduce that would wait out the
+    60 s collective timeout, learns it from the store and exits for its supervisor to restart
+    it, within its 1 s grace."""
+    import datetime
+    import time
+
+    import torch.distributed as dist
+
+    from tasks.train.distributed import STALE_GROUP_EXIT, DistContext
+
+    script = tmp_path / "stale_round_worker.py"
+    script.write_text(STALE_ROUND_WORKER)
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                           timeout=datetime.timedelta(seconds=60))
+    env = {**os.environ, "PYTHONPATH": f"{REPO}:{REPO / 'plugins'}"}
+    procs = [subprocess.Popen([sys.executable, str(script), str(r), str(master.port)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(2)]
+    try:
+        assert [p.stdout.readline().strip() for p in procs] == ["in round 0"] * 2
+        time.sleep(0.5)  # rank 0 is in its second all_reduce, rank 1 asleep
+        replacement = DistContext(rank=1, world_size=2, local_rank=0, device=torch.device("cpu"),
+                                  timeout=datetime.timedelta(seconds=60), store=master, key="job")
+        t0 = time.time()
+        replacement._move_on(0)
+        code = procs[0].wait(timeout=30)
+        took = time.time() - t0
+        err = procs[0].stderr.read()
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    assert code == STALE_GROUP_EXIT, err[-3000:]
+    assert "round 0 is over" in err
+    assert 1.0 <= took < 5.0, took
+    assert master.get("job/round") == b"1"

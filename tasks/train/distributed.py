@@ -13,10 +13,31 @@ moves everyone on to round r+1. A surviving worker whose collective fails becaus
 round on and joins the next one, keeping its process, imports, data and model: only the failed
 worker is restarted. Everyone then loads the checkpoint rank 0 chose.
 
+Failure notice through the store: whoever moves the round on (a survivor that got an error, or
+the failed rank's replacement finding its old round full) also sets round<r>/stale. Every worker
+has a thread blocked on that key (its own store connection, no polling). When it fires while the
+worker is still in round r, the worker's collectives may be blocked on a peer that will never
+answer, so the thread
+  - NCCL: aborts the communicators (distributed_c10d._abort_process_group): a collective blocked
+    on the dead peer returns an error at once, the training thread takes it as a peer failure,
+    destroys the group and joins the next round in place (DDP; FSDP restarts the worker);
+  - gloo: has nothing that unblocks a collective (ProcessGroupGloo.abort() returns and the call
+    stays blocked until the peer's socket closes; measured), but a dead peer's socket closing
+    already makes the call fail at once;
+and if the worker is still in round r STALE_GRACE_S later (blocked on a peer that is hung, not
+dead, or behind a lost network), it exits with STALE_GROUP_EXIT and its supervisor restarts it,
+from the hot spare: a fast restart instead of waiting out the collective timeout.
+
+NCCL_ENV: TORCH_NCCL_ASYNC_ERROR_HANDLING=2 ("CleanUpOnly": on an error or timeout the NCCL
+watchdog aborts the communicators and the error is raised in the training thread, which rejoins)
+instead of torch's default 3 ("SkipCleanUp": end the process without aborting), which would make
+every survivor of a peer failure restart; 1 aborts and then ends the process, 0 does nothing and
+leaves a failed collective blocked. The abort above is the same clean-up, only sooner: it does not
+wait for the collective timeout.
+
 Timeouts: every collective and rendezvous has `timeout` (the hang watchdog's wait plus a margin,
-so the watchdog fires first and dumps stacks). For NCCL, async error handling tears a process
-down when a collective fails or times out instead of leaving it blocked, and the flight recorder
-dumps the last collectives on timeout.
+so the watchdog fires first and dumps stacks); the flight recorder dumps the last NCCL
+collectives on timeout.
 """
 
 from __future__ import annotations
@@ -26,6 +47,9 @@ import gc
 import json
 import logging
 import os
+import sys
+import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -37,11 +61,16 @@ log = logging.getLogger(__name__)
 
 # Set before the first NCCL process group exists; a value already in the environment wins.
 NCCL_ENV = {
-    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",  # a failed or timed-out collective ends the process
+    # a failed or timed-out collective aborts the communicator and raises: the rank rejoins
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",
     "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",  # flight recorder: the last collectives per rank
     "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",  # ... written out when one times out
     "TORCH_NCCL_ENABLE_MONITORING": "1",  # a stuck NCCL watchdog thread also ends the process
 }
+
+
+STALE_GROUP_EXIT = 75  # a worker stuck in a group its peers have left; its supervisor restarts it
+STALE_GRACE_S = 10.0  # time for the training thread to get its error and leave the stale round
 
 
 class PeerFailure(RuntimeError):
@@ -69,6 +98,12 @@ class DistContext:
     key: str = "llmops"
     round: int = -1
     shared: int = field(default=0)  # decisions shared in this round (same count on every rank)
+    watch_store: Any = None  # a second connection to the store, for the stale-round watcher
+    stale_grace_s: float = STALE_GRACE_S
+    in_round: bool = False  # between join() and leave(): the watcher acts only then
+    stale_notices: list[float] = field(default_factory=list)  # when the watcher fired
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _watcher: threading.Thread | None = field(default=None, repr=False)
 
     @classmethod
     def from_env(cls, device: torch.device, *, parallelism: str, timeout_s: float
@@ -88,13 +123,15 @@ class DistContext:
                 os.environ.setdefault(name, value)
             os.environ.setdefault("TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC", str(int(timeout_s) + 60))
         timeout = datetime.timedelta(seconds=timeout_s)
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                              is_master=False, timeout=timeout)
+        def connect() -> Any:
+            return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                 is_master=False, timeout=timeout)
+
         run_id = os.environ.get("TORCHELASTIC_RUN_ID", "local")
         return cls(rank=int(os.environ["RANK"]), world_size=world,
                    local_rank=int(os.environ.get("LOCAL_RANK", "0")), device=device,
-                   timeout=timeout, parallelism=parallelism, store=store,
-                   key=f"llmops/{run_id}")
+                   timeout=timeout, parallelism=parallelism, store=connect(),
+                   key=f"llmops/{run_id}", watch_store=connect())
 
     @property
     def backend(self) -> str:
@@ -110,26 +147,83 @@ class DistContext:
             if self.store.add(f"{self.key}/round{r}/joined", 1) <= self.world_size:
                 break
             # full: a round whose member died; move everyone on (no-op if someone already did)
-            self.store.compare_set(round_key, str(r), str(r + 1))
+            self._move_on(r)
         kwargs: dict[str, Any] = {}
         if self.device.type == "cuda":
             kwargs["device_id"] = self.device  # eager NCCL init: errors surface here, not later
         dist.init_process_group(self.backend, store=dist.PrefixStore(f"{self.key}/round{r}/pg", self.store),
                                 rank=self.rank, world_size=self.world_size, timeout=self.timeout,
                                 **kwargs)
-        self.round, self.shared = r, 0
+        with self._lock:
+            self.round, self.shared, self.in_round = r, 0, True
+        if self.watch_store is not None and self._watcher is None:
+            self._watcher = threading.Thread(target=self._watch_rounds, name="stale-round-watcher",
+                                             daemon=True)
+            self._watcher.start()
         return r
 
     def leave(self, *, failed: bool) -> None:
         """Destroy this round's group; after a failure also move the round on."""
+        with self._lock:
+            self.in_round = False
         if failed and self.round >= 0:
-            self.store.compare_set(f"{self.key}/round", str(self.round), str(self.round + 1))
+            self._move_on(self.round)
         try:
             if dist.is_initialized():
                 dist.destroy_process_group()
         except Exception as exc:  # noqa: BLE001 - a broken group may fail to tear down cleanly
             log.warning("destroying the process group of round %d failed: %s", self.round, exc)
         gc.collect()  # drop the old DDP reducer and its hooks before the model is wrapped again
+
+    def _move_on(self, r: int) -> None:
+        """Round r is over (a member failed): the next joiner starts round r+1, and every member
+        still in round r hears of it through round<r>/stale."""
+        self.store.compare_set(f"{self.key}/round", str(r), str(r + 1))
+        self.store.set(f"{self.key}/round{r}/stale", "1")
+
+    def _watch_rounds(self) -> None:
+        """The stale-round watcher (see the module docstring): blocks on round<r>/stale of the
+        round this rank is in, on its own store connection."""
+        done = -1
+        while True:
+            with self._lock:
+                r = self.round if self.in_round else -1
+            if r < 0 or r == done:
+                time.sleep(0.05)
+                continue
+            try:
+                self.watch_store.wait([f"{self.key}/round{r}/stale"], datetime.timedelta(hours=1))
+            except Exception:  # noqa: BLE001 - a timeout (wait again) or the store gone (retry)
+                time.sleep(1.0)
+                continue
+            done = r
+            self._on_stale(r)
+
+    def _on_stale(self, r: int) -> None:
+        with self._lock:
+            if not (self.in_round and self.round == r):
+                return  # it left round r on its own (it got the error first)
+            self.stale_notices.append(time.time())
+        log.warning("round %d is over (a peer failed, the store says); %s", r,
+                    "aborting this rank's NCCL communicators" if self.backend == "nccl" else
+                    f"waiting {self.stale_grace_s:.0f}s for this rank's collectives to fail")
+        if self.backend == "nccl":
+            try:
+                dist.distributed_c10d._abort_process_group()
+            except Exception as exc:  # noqa: BLE001 - the grace below still ends a stuck worker
+                log.warning("aborting the process group of round %d failed: %s", r, exc)
+        deadline = time.monotonic() + self.stale_grace_s
+        while time.monotonic() < deadline:
+            with self._lock:
+                if not (self.in_round and self.round == r):
+                    return
+            time.sleep(0.05)
+        log.error("still blocked in round %d %.0fs after its end (a peer hung, not dead); "
+                  "exiting with %d for the supervisor to restart this worker", r,
+                  self.stale_grace_s, STALE_GROUP_EXIT)
+        logging.shutdown()
+        sys.stderr.flush()
+        os._exit(STALE_GROUP_EXIT)
 
     def share(self, name: str, compute: Callable[[], Any]) -> Any:
         """Rank 0 computes a JSON value, every rank returns it (through the store, so a rank
