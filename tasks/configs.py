@@ -243,7 +243,12 @@ class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     max_steps: int = bounded(200, minimum=1, maximum=10_000_000, help="Optimizer steps.")
-    batch_size: int = bounded(16, minimum=1, maximum=1 << 16, help="Sequences per step per process.")
+    batch_size: int = bounded(16, minimum=1, maximum=1 << 16,
+                              help="Sequences per micro-step per process (what one forward holds).")
+    global_batch_tokens: int = bounded(0, minimum=0, maximum=1 << 40,
+                                       help="Tokens per optimizer step over all processes, kept "
+                                            "whatever the world size by gradient accumulation; "
+                                            "0 = batch_size x seq_len x world size.")
     eval_interval: int = bounded(50, minimum=1, maximum=10_000_000, help="Steps between val evals.")
     eval_batches: int = bounded(8, minimum=1, maximum=100_000, help="Batches per val eval.")
     checkpoint_interval: int = bounded(50, minimum=1, maximum=10_000_000,
@@ -297,6 +302,25 @@ class TrainConfig:
         _check(not self.checkpoint_uri or self.checkpoint_uri.startswith("s3://"),
                f"TrainConfig.checkpoint_uri must be empty or an s3://bucket/prefix URI, got "
                f"{self.checkpoint_uri!r}.")
+
+    def accumulation_steps(self, seq_len: int, world_size: int) -> int:
+        """Micro-steps per optimizer step: global_batch_tokens / (batch_size x seq_len x world
+        size). Known only at start (the data's seq_len, the job's world size), so checked there."""
+        per_micro_step = self.batch_size * seq_len * world_size
+        if self.global_batch_tokens == 0:
+            return 1
+        if self.global_batch_tokens % per_micro_step == 0:
+            return self.global_batch_tokens // per_micro_step
+        below = self.global_batch_tokens // per_micro_step * per_micro_step
+        sizes = [b for b in range(1, self.global_batch_tokens // (seq_len * world_size) + 1)
+                 if self.global_batch_tokens % (b * seq_len * world_size) == 0]
+        raise ConfigError(
+            f"TrainConfig.global_batch_tokens ({self.global_batch_tokens}) is not a multiple of "
+            f"batch_size x seq_len x world size = {self.batch_size} x {seq_len} x {world_size} = "
+            f"{per_micro_step}: set global_batch_tokens to "
+            f"{' or '.join(str(v) for v in (below, below + per_micro_step) if v > 0)}"
+            + (f", or batch_size to one of {sizes[-4:]}" if sizes else
+               f" (no batch_size divides it on {world_size} processes)") + ".")
 
 
 @dataclass(kw_only=True)

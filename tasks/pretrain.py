@@ -66,6 +66,7 @@ class _Setup:
     val_rows: Any
     model: Any
     peak_flops: float
+    accumulation: int  # micro-steps per optimizer step (TrainConfig.global_batch_tokens)
 
 
 def _setup(cfg: TrainConfig, env: WorkerEnv, *, warm: bool = False) -> _Setup:
@@ -84,6 +85,7 @@ def _setup(cfg: TrainConfig, env: WorkerEnv, *, warm: bool = False) -> _Setup:
     data = DataDir(cfg.data_dir)
     data.check_tokenizer()
     check_model_fits_data(cfg.model, data.vocab_size, data.seq_len)
+    accumulation = cfg.accumulation_steps(data.seq_len, env.world_size)  # refused here, not later
     train_rows, val_rows = data.split("train"), data.split("val")
     if warm:
         import matplotlib.pyplot  # noqa: F401 - imported for its import time
@@ -95,11 +97,28 @@ def _setup(cfg: TrainConfig, env: WorkerEnv, *, warm: bool = False) -> _Setup:
         if env.rank == 0:
             mlflow.MlflowClient().search_experiments(max_results=1)  # opens the store
     seed_everything(cfg.seed)  # the initial weights are part of what the seed reproduces
-    model = GPT(cfg.model)
+    if cfg.parallelism == "fsdp" and env.world_size > 1:
+        # shapes only: each rank allocates its own shards (tasks/train/distributed.py wrap)
+        with torch.device("meta"):
+            model = GPT(cfg.model)
+    else:
+        model = GPT(cfg.model)
     if env.world_size > 1:
         # DDP starts every rank from rank 0's weights; dropout should differ per rank
         torch.manual_seed(cfg.seed + env.rank)
-    return _Setup(device, data, train_rows, val_rows, model, peak_flops(device))
+    return _Setup(device, data, train_rows, val_rows, model, peak_flops(device), accumulation)
+
+
+def _initial_weights(cfg: TrainConfig) -> dict[str, Any]:
+    """The weights a single-process run starts from (GPT(cfg.model) after seeding with cfg.seed),
+    built on the CPU without disturbing this process's generators: FSDP's rank 0 shards them."""
+    import torch
+
+    from tasks.model import GPT
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.seed)
+        return GPT(cfg.model).state_dict()
 
 
 def pretrain(cfg: TrainConfig, stage: str = "pretrain", publish: bool = True, *,
@@ -121,7 +140,9 @@ def _train(cfg: TrainConfig, setup: _Setup, env: WorkerEnv, *, stage: str, publi
     from tasks.train.runtime import gpt_flops_per_token
     from tasks.train.scoring import shard_loss
 
-    device, data, model = setup.device, setup.data, setup.model.to(setup.device)
+    device, data, model = setup.device, setup.data, setup.model
+    if not any(p.is_meta for p in model.parameters()):  # FSDP allocates its shards itself
+        model = model.to(device)
     run_dir = tm.run_dir(cfg.output_dir)
     supervised = env.role is not None
     events = tm.EventLog(run_dir, rank=env.rank, source="worker")
@@ -146,7 +167,9 @@ def _train(cfg: TrainConfig, setup: _Setup, env: WorkerEnv, *, stage: str, publi
         skipped_file=run_dir / "skipped_batches.json",
         flops_per_token=gpt_flops_per_token(model.num_params(), cfg.model.n_layer, cfg.model.n_embd,
                                             data.seq_len, model.transformer.wpe.weight.numel()),
-        peak_flops=setup.peak_flops, compile=cfg.compile)
+        peak_flops=setup.peak_flops, compile=cfg.compile, accumulation=setup.accumulation,
+        global_batch=cfg.batch_size * world * setup.accumulation,
+        init_weights=lambda: _initial_weights(cfg))
     val_rows = setup.val_rows
 
     tracked = stage_run(stage, cfg) if rank == 0 else contextlib.nullcontext(None)
@@ -166,7 +189,8 @@ def _train(cfg: TrainConfig, setup: _Setup, env: WorkerEnv, *, stage: str, publi
 
         result = train(
             model=model, cfg=cfg, device=device, resolved_config=to_dict(cfg),
-            get_batch=PretrainBatches(setup.train_rows, cfg.batch_size, cfg.seed, rank, world),
+            get_batch=PretrainBatches(setup.train_rows, cfg.batch_size, cfg.seed, rank, world,
+                                      setup.accumulation),
             loss_fn=cross_entropy, on_eval=on_eval, options=options, tracking=run is not None,
             evaluate=lambda m: {"val_loss": shard_loss(m, val_rows, cfg.batch_size,
                                                        cfg.eval_batches, device)})
@@ -199,11 +223,9 @@ def _train(cfg: TrainConfig, setup: _Setup, env: WorkerEnv, *, stage: str, publi
 
 def _from_checkpoint(cfg: TrainConfig, path: str) -> Any:
     from tasks.model import GPT
-    from tasks.train.checkpoint import read_part
+    from tasks.train.checkpoint import load_model_weights
 
-    model = GPT(cfg.model)
-    model.load_state_dict(read_part(path, "model"))
-    return model
+    return load_model_weights(path, GPT(cfg.model))
 
 
 def _log_new_events(run_dir: Path) -> None:

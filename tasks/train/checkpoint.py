@@ -6,6 +6,13 @@ each file's sha256 and size is written last, and only then is the directory rena
 A reader therefore never sees a half-written step_* directory; one that is damaged afterwards
 (a truncated copy from S3, a bad disk) fails its checksum and `latest_valid_checkpoint` falls
 back to the one before. Everything loads with torch.load(weights_only=True): no pickled code.
+
+Two layouts, one contract. One process or DDP: rank 0 writes <name>.pt files (model, optimizer,
+trainer). FSDP: every rank writes its own shards through torch.distributed.checkpoint
+(__<rank>_<n>.distcp, plus DCP's .metadata): nothing is gathered, and a job on another world
+size reads them resharded. Each rank hashes its own files; rank 0 adds trainer.pt (step, data
+cursor, RNG, guard state) and the manifest, last, once every rank's files are done, then renames
+the directory into place. The manifest's "layout" says which one a checkpoint is.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
+SHARDED = "dcp"  # manifest "layout" of a torch.distributed.checkpoint checkpoint
 _STEP_DIR = re.compile(r"^step_(\d{6,})$")
 
 
@@ -112,32 +120,77 @@ def save_checkpoint(root: str | Path, step: int, tensors: dict[str, Any], config
     try:
         files = {f"{name}.pt": _save_tensor_file(obj, tmp / f"{name}.pt", progress)
                  for name, obj in tensors.items()}
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return _commit(tmp, final, step, files, config, keep)
+
+
+def _file_entry(path: Path) -> dict[str, Any]:
+    return {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
+
+
+def _commit(tmp: Path, final: Path, step: int, files: dict[str, Any], config: dict[str, Any],
+            keep: int, layout: str | None = None) -> Path:
+    """Add config.json and the manifest (last) to the files written in tmp, rename tmp to final
+    and delete all but the newest `keep` checkpoints."""
+    try:
         write_json(tmp / "config.json", config)
-        files["config.json"] = {"bytes": (tmp / "config.json").stat().st_size,
-                                "sha256": sha256_file(tmp / "config.json")}
-        write_json(tmp / MANIFEST, {"format": FORMAT_VERSION, "step": step, "files": files,
-                                    "created": time.time()})
+        files = {**files, "config.json": _file_entry(tmp / "config.json")}
+        manifest = {"format": FORMAT_VERSION, "step": step, "files": files, "created": time.time()}
+        write_json(tmp / MANIFEST, {**manifest, "layout": layout} if layout else manifest)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     # A retry that reached the same step again replaces the old copy, which may be the damaged
     # one that sent us back.
     publish_dir(tmp, final)
-    for _, old in step_dirs(root)[keep:]:
+    for _, old in step_dirs(final.parent)[keep:]:
         shutil.rmtree(old, ignore_errors=True)
     return final
 
 
+def is_sharded(path: str | Path) -> bool:
+    """Whether a checkpoint holds torch.distributed.checkpoint shards (FSDP) or .pt files."""
+    return read_json(Path(path) / MANIFEST).get("layout") == SHARDED
+
+
 def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
     """Every <name>.pt of a checkpoint by name, plus its config; weights_only, so loading runs no
-    code from the file."""
+    code from the file. A sharded checkpoint's model and optimizer come whole, read in this one
+    process (for export, inspection, or a job without FSDP; FSDP reads its shards with
+    distributed.load_sharded_state). Its optimizer state is keyed by parameter name, as
+    torch.distributed.checkpoint.state_dict.set_state_dict takes it."""
     path = Path(path)
     manifest = read_json(path / MANIFEST)
     out: dict[str, Any] = {"step": manifest["step"], "config": read_json(path / "config.json")}
     for name in manifest["files"]:
         if name.endswith(".pt"):
             out[name[:-3]] = torch.load(path / name, map_location=map_location, weights_only=True)
+    if manifest.get("layout") == SHARDED:
+        import tempfile
+
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+        with tempfile.TemporaryDirectory(dir=path.parent) as scratch:
+            whole = Path(scratch) / "whole.pt"
+            dcp_to_torch_save(path, whole)
+            out.update(torch.load(whole, map_location=map_location, weights_only=True))
     return out
+
+
+def load_model_weights(path: str | Path, model: torch.nn.Module) -> torch.nn.Module:
+    """The weights of a checkpoint of either layout into `model` (whole, in this process); of a
+    sharded one only the model's tensors are read, not the optimizer's."""
+    if is_sharded(path):
+        import torch.distributed.checkpoint as dcp
+
+        state = {"model": model.state_dict()}
+        dcp.load(state, checkpoint_id=str(path), no_dist=True)
+        model.load_state_dict(state["model"])
+    else:
+        model.load_state_dict(read_part(path, "model"))
+    return model
 
 
 def read_part(path: str | Path, name: str) -> Any:
@@ -203,11 +256,23 @@ class Checkpointer:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._pinned = _PinnedBuffers() if torch.cuda.is_available() else None
+        # sharded (FSDP): every rank saves its shards, through this group (see shard_with)
+        self.group: Any = None
+        self.rank = 0
+
+    def shard_with(self, group: Any, rank: int) -> None:
+        """From now on every rank calls save() with its shards (distributed.sharded_state) and
+        the trainer state; `group` (distributed.DistContext.checkpoint_group) carries the
+        checkpoint's collectives, which run beside training's."""
+        self.group, self.rank = group, rank
 
     def save(self, step: int, state: dict[str, Any]) -> float:
         """Checkpoint `state` as step `step`; returns the seconds training was blocked."""
         t0 = time.perf_counter()
         self.wait()
+        if self.group is not None:
+            self._save_sharded(step, state)
+            return time.perf_counter() - t0
         snap = snapshot(state, self._pinned)
         if self._pinned is not None and torch.cuda.is_available():
             torch.cuda.synchronize()  # the pinned copies were queued non-blocking
@@ -239,6 +304,71 @@ class Checkpointer:
         except BaseException as exc:  # noqa: BLE001 - handed to the training thread
             self._error = exc
 
+    def _save_sharded(self, step: int, state: dict[str, Any]) -> None:
+        """torch.distributed.checkpoint's async_save returns once this rank's shards are staged
+        in CPU memory (all training waits for) and writes them on its own thread; ours then
+        commits the directory (_commit_sharded)."""
+        import torch.distributed.checkpoint as dcp
+
+        # one name on every rank: they all write into it (it is removed at the next resume if
+        # this save never commits, see find_resume)
+        tmp = self.root / f".tmp-step_{step:06d}-sharded"
+        shards = {k: v for k, v in state.items() if k != "trainer"}
+        trainer = snapshot(state["trainer"])
+        writer = dcp.FileSystemWriter(tmp)
+        if self.asynchronous:
+            future = dcp.async_save(shards, storage_writer=writer, process_group=self.group)
+            self._thread = threading.Thread(target=self._commit_sharded,
+                                            args=(step, tmp, trainer, future.result),
+                                            name=f"checkpoint-{step}", daemon=True)
+            self._thread.start()
+        else:
+            dcp.save(shards, storage_writer=writer, process_group=self.group)
+            self._commit_sharded(step, tmp, trainer, lambda: None)
+            self._raise()
+
+    def _commit_sharded(self, step: int, tmp: Path, trainer: dict[str, Any],
+                        written: Callable[[], Any]) -> None:
+        """Every rank: wait for its shards, hash them (and upload them: with several nodes each
+        uploads its own ranks' files), hand the entries to rank 0. Rank 0: once every rank's are
+        in, add trainer.pt, config.json and the manifest, rename, upload the rest, manifest last.
+        All ranks wait for that before the next save may start."""
+        import torch.distributed as dist
+
+        try:
+            t0 = time.perf_counter()
+            written()
+            if self.before_write is not None and self.rank == 0:
+                self.before_write(step)
+            final = self.root / f"step_{step:06d}"
+            own = {f.name: _file_entry(f) for f in sorted(tmp.glob(f"__{self.rank}_*.distcp"))}
+            if self.mirror is not None:
+                self.mirror.upload_files(tmp, final.name, sorted(own), progress=self.on_progress)
+            entries: list[Any] = [None] * dist.get_world_size(self.group)
+            dist.all_gather_object(entries, own, group=self.group)
+            if self.rank == 0:
+                files = {name: e for rank_files in entries for name, e in rank_files.items()}
+                files[".metadata"] = _file_entry(tmp / ".metadata")  # DCP's index of the shards
+                files["trainer.pt"] = _save_tensor_file(trainer, tmp / "trainer.pt",
+                                                        self.on_progress)
+                path = _commit(tmp, final, step, files, self.config, self.keep, layout=SHARDED)
+                where = str(path)
+                if self.mirror is not None:
+                    where = self.mirror.upload_checkpoint(
+                        path, progress=self.on_progress,
+                        skip=[n for n in files if n.endswith(".distcp")])
+                    self.mirror.prune(self.keep)
+                log.info("sharded checkpoint step %d (%d ranks) committed to %s in %.2fs", step,
+                         len(entries), where, time.perf_counter() - t0)
+            dist.barrier(group=self.group)
+            if tmp.exists():  # another node's copy (rank 0 renamed its own): its files are up
+                shutil.rmtree(tmp, ignore_errors=True)
+            self.last = final
+            if self.on_commit is not None and self.rank == 0:
+                self.on_commit(step, final)
+        except BaseException as exc:  # noqa: BLE001 - handed to the training thread
+            self._error = exc
+
     def _raise(self) -> None:
         if self._error is not None:
             error, self._error = self._error, None
@@ -259,6 +389,10 @@ class Checkpointer:
         any batch in `skipped` (batches marked bad after it was saved). A checkpoint only the
         mirror has (a replaced node, a wiped disk) is downloaded first."""
         self.wait()
+        if self.group is not None:
+            # a sharded save that never committed; no rank writes until this choice is shared
+            for stale in self.root.glob(".tmp-step_*-sharded"):
+                shutil.rmtree(stale, ignore_errors=True)
         local = dict((s, p) for s, p in step_dirs(self.root))
         remote = set(self.mirror.steps()) if self.mirror is not None else set()
         for step in sorted(set(local) | remote, reverse=True):

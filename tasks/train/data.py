@@ -1,11 +1,12 @@
 """Reading what data prep wrote: memory-mapped token shards and prompt/completion examples.
 
-Batch order is a pure function of (seed, batch index): batch `b` holds positions b*B .. b*B+B-1
-of an endless stream made of one seeded permutation of all rows per epoch. The training loop's
-data cursor is the index of the next batch (the step, plus any batches skipped after a loss
-spike), kept in every checkpoint, so a job resumed from one reads exactly the batches the
-uninterrupted job would. With several processes, global batch b is split across ranks the way
-DistributedSampler splits a dataset: each position is read by exactly one rank.
+Batch order is a pure function of (seed, batch index): global batch `b` holds positions b*G ..
+b*G+G-1 of an endless stream made of one seeded permutation of all rows per epoch, G sequences
+per optimizer step over all processes. The training loop's data cursor is the index of the next
+global batch (the step, plus any batches skipped after a loss spike), kept in every checkpoint,
+so a job resumed from one reads exactly the batches the uninterrupted job would. G does not
+depend on the world size (gradient accumulation makes up the difference), so neither does the
+cursor: a job resumed on another number of processes reads the same sequence of samples.
 """
 
 from __future__ import annotations
@@ -37,6 +38,17 @@ class Batch:
             return Batch(self.inputs.pin_memory().to(device, non_blocking=True),
                          self.targets.pin_memory().to(device, non_blocking=True), self.tokens)
         return self
+
+    def split(self, n: int) -> list["Batch"]:
+        """n equal micro-batches along the batch dimension (gradient accumulation); tokens are
+        shared in proportion, which is exact for packed rows (every row has the same length)."""
+        if n == 1:
+            return [self]
+        rows = self.inputs.shape[0]
+        if rows % n:
+            raise ValueError(f"a batch of {rows} rows does not split into {n} micro-batches.")
+        return [Batch(i, t, self.tokens * i.shape[0] // rows)
+                for i, t in zip(self.inputs.split(rows // n), self.targets.split(rows // n))]
 
 
 class DataDir:
@@ -133,25 +145,33 @@ class EpochSampler:
 
 
 class PretrainBatches:
-    """Batch `b` of next-token training (input = row[:-1], target = row[1:]), this rank's share.
+    """This rank's share of global batch `b` of next-token training (input = row[:-1], target =
+    row[1:]): the rows of all its micro-steps, in micro-step order (the loop splits them).
 
-    Global batch b is positions b*B*W .. (b+1)*B*W - 1 of the stream (B per rank, W ranks); rank
-    r takes positions r, r+W, r+2W, ... of it, as DistributedSampler does. With W = 1 this is
+    Global batch b is positions b*G .. (b+1)*G - 1 of the stream, G = B x W x A (B per micro-step,
+    W ranks, A micro-steps). It is cut into W x A slices of B consecutive positions; rank r's
+    micro-step m reads slice m*W + r. Slice c is the same rows whatever the split, so world 1
+    with A = 2 and world 2 with A = 1 train on the same micro-batches; with W = A = 1 this is
     batch b of the single-process stream.
     """
 
     def __init__(self, rows: TokenRows, batch_size: int, seed: int, rank: int = 0,
-                 world_size: int = 1) -> None:
+                 world_size: int = 1, accumulation: int = 1) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world_size {world_size}.")
         self.rows, self.batch_size = rows, batch_size
-        self.rank, self.world_size = rank, world_size
+        self.rank, self.world_size, self.accumulation = rank, world_size, accumulation
+        self.global_batch = batch_size * world_size * accumulation
         self.sampler = EpochSampler(rows.rows, batch_size, seed)
 
+    def positions(self, b: int) -> np.ndarray:
+        """Stream positions this rank reads for global batch b (all its micro-steps)."""
+        slices = np.arange(self.accumulation) * self.world_size + self.rank
+        offsets = (slices[:, None] * self.batch_size + np.arange(self.batch_size)).ravel()
+        return b * self.global_batch + offsets
+
     def __call__(self, b: int) -> Batch:
-        start = b * self.batch_size * self.world_size
-        positions = start + self.rank + self.world_size * np.arange(self.batch_size)
-        return self.rows.take(self.sampler.at(positions))
+        return self.rows.take(self.sampler.at(self.positions(b)))
 
 
 # --------------------------------------------------------------------------------------------

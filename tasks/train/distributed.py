@@ -247,36 +247,73 @@ class DistContext:
         return out
 
     # -- models ------------------------------------------------------------------------------
-    def wrap(self, model: nn.Module) -> nn.Module:
+    def wrap(self, model: nn.Module, init_weights: Callable[[], dict[str, torch.Tensor]] | None = None
+             ) -> nn.Module:
         """DDP: a replica per rank, gradients averaged during backward. FSDP (fully_shard):
         parameters, gradients and optimizer state sharded across ranks, one unit per block
-        (gathered just before the block runs), for models that do not fit one device."""
+        (gathered just before the block runs), for models that do not fit one device.
+
+        FSDP of a model built on the meta device: shard first, then allocate only this rank's
+        shards on its device (to_empty) and fill them from init_weights(), the full initial
+        weights, which only rank 0 computes (on its CPU) and broadcasts one tensor at a time:
+        no device ever holds the whole model, and every world size starts from the same
+        weights as a single-process build."""
         if self.parallelism == "fsdp":
+            from torch.distributed.checkpoint.state_dict import (StateDictOptions,
+                                                                 set_model_state_dict)
             from torch.distributed.fsdp import fully_shard
 
+            on_meta = any(p.is_meta for p in model.parameters())
             blocks = getattr(getattr(model, "transformer", None), "h", [])
             for block in blocks:
                 fully_shard(block)
             fully_shard(model)
+            if on_meta:
+                if init_weights is None:
+                    raise ValueError("a model built on the meta device needs init_weights.")
+                model.to_empty(device=self.device)
+                full = init_weights() if self.rank == 0 else {}
+                set_model_state_dict(model, full, options=StateDictOptions(
+                    full_state_dict=True, broadcast_from_rank0=True))
             return model
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         ids = [self.device.index] if self.device.type == "cuda" else None
         return DDP(model, device_ids=ids, gradient_as_bucket_view=True)
 
+    def checkpoint_group(self) -> Any:
+        """A gloo group of all ranks for sharded checkpoints: their collectives run on a
+        background thread while training uses the main group, and gloo carries the small CPU
+        messages (write plans, file lists) whatever the training backend."""
+        return dist.new_group(backend="gloo", timeout=self.timeout)
 
-def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
-    """FSDP: the whole (unsharded) model and optimizer state, gathered to rank 0's CPU (empty
-    dicts on the other ranks). A collective: every rank calls it."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-    return get_state_dict(model, optimizer,
-                          options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+def sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """FSDP: this rank's shards of the model and optimizer state (DTensors, no copy, no gather),
+    as torch.distributed.checkpoint saves them. A collective: every rank calls it."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optim_state = get_state_dict(model, optimizer)
+    return {"model": model_state, "optimizer": optim_state}
+
+
+def load_sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer, path: str | os.PathLike
+                       ) -> None:
+    """FSDP: read this rank's shards of a checkpoint written by torch.distributed.checkpoint,
+    whatever world size wrote it (DCP reshards), into the model and optimizer."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    state = sharded_state(model, optimizer)
+    dcp.load(state, checkpoint_id=os.fspath(path))
+    set_state_dict(model, optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optimizer"])
 
 
 def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict,
                     optim_state: dict) -> None:
-    """FSDP: every rank loads the full state and keeps its own shard of it."""
+    """FSDP from a checkpoint of one process or DDP: every rank loads the full state and keeps
+    its own shard of it."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
     set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state,

@@ -20,15 +20,18 @@ Without options the loop behaves as it always has: one process, NaN fails fast.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
-import sys
+import random
 import time
 from collections import deque
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
+import numpy as np
 import torch
 import torch.nn as nn
 
@@ -37,8 +40,8 @@ from tasks.configs import OptimConfig
 from tasks.train import checkpoint as ckpt
 from tasks.train import telemetry as tm
 from tasks.train.data import Batch
-from tasks.train.distributed import (DistContext, PeerFailure, full_state, is_peer_failure,
-                                     load_full_state)
+from tasks.train.distributed import (DistContext, PeerFailure, is_peer_failure, load_full_state,
+                                     load_sharded_state, sharded_state)
 from tasks.train.faults import FaultInjector
 from tasks.train.guard import Anomaly, SpikeDetector
 from tasks.train.losses import LossFn
@@ -89,6 +92,13 @@ class LoopOptions:
     flops_per_token: float = 0.0  # with peak_flops: MFU is logged
     peak_flops: float = 0.0
     compile: bool = False
+    # the global batch: get_batch(b) returns all of this rank's rows of global batch b, trained
+    # as `accumulation` micro-batches; global_batch (sequences over all ranks, 0 = not stated)
+    # is checked at resume, which may then change the world size (tasks/train/data.py)
+    accumulation: int = 1
+    global_batch: int = 0
+    # FSDP of a model built on the meta device: its full initial weights (tasks/train/distributed.py)
+    init_weights: Callable[[], dict[str, torch.Tensor]] | None = None
 
 
 @dataclass
@@ -158,6 +168,7 @@ class _Trainer:
             on_progress=self.hb.io_progress if self.hb else None)
         self.guard = SpikeDetector(options.spike_sigma, options.spike_window)
         self.fwd: nn.Module = model  # what the forward pass runs: DDP-wrapped and/or compiled
+        self.ddp: Any = None  # the DDP wrapper (its no_sync skips the all-reduce of a micro-step)
         self.optimizer: torch.optim.Optimizer | None = None
         self.params: list[torch.Tensor] = []
         # training state that checkpoints carry
@@ -207,9 +218,7 @@ class _Trainer:
             if self.hb is not None:
                 self.hb.beat(phase=tm.FINISHING)
             if self.dist is not None:
-                # leaving on an error ends the round: peers blocked on this rank hear of it
-                # through the store at once (tasks/train/distributed.py)
-                self.dist.leave(failed=sys.exc_info()[0] is not None)
+                self.dist.leave(failed=False)
         if self.tracking:
             _log_loss_curve(self.history)
         final = self.checkpointer.last or (Path(self.resumed_from) if self.resumed_from else None)
@@ -233,9 +242,10 @@ class _Trainer:
             self._event("joined", round=r, seconds=round(time.time() - t0, 3))
             if self.fsdp:
                 if self.optimizer is None:  # sharding happens once, before the optimizer exists
-                    self.fwd = self.dist.wrap(self.model)
+                    self.fwd = self.dist.wrap(self.model, self.opts.init_weights)
+                    self.checkpointer.shard_with(self.dist.checkpoint_group(), self.rank)
             else:
-                self.fwd = self.dist.wrap(self.model)
+                self.fwd = self.ddp = self.dist.wrap(self.model)
         if self.optimizer is None:
             self.optimizer = build_optimizer(self.model, self.cfg.optim, self.device)
             self.params = [p for g in self.optimizer.param_groups for p in g["params"]]
@@ -265,13 +275,14 @@ class _Trainer:
         trainer: dict[str, Any] = {
             "step": self.step, "data_cursor": self.cursor, "skipped_batches": sorted(self.skipped),
             "recent_batches": [list(x) for x in self.recent], "train_loss": self.train_loss,
-            "rng": rng_state(), "guard": self.guard.state_dict(), "world_size": self.world}
+            "rng": rng_state(), "guard": self.guard.state_dict(), "world_size": self.world,
+            "global_batch": self.opts.global_batch,
+            "samples_seen": self.step * self.opts.global_batch}
         if self.dist is not None:
             trainer["rng_ranks"] = self.dist.gather(trainer["rng"])  # dropout differs per rank
-        if self.fsdp:
-            model_state, optim_state = full_state(self.model, self.optimizer)
-        else:
-            model_state, optim_state = self.model.state_dict(), self.optimizer.state_dict()
+        if self.fsdp:  # every rank saves its own shards: nothing is gathered
+            return {**sharded_state(self.model, self.optimizer), "trainer": trainer}
+        model_state, optim_state = self.model.state_dict(), self.optimizer.state_dict()
         if self.rank != 0:
             return None
         return {"model": model_state, "optimizer": optim_state, "trainer": trainer}
@@ -316,7 +327,7 @@ class _Trainer:
             path = self.checkpointer.ensure_local(choice["path"])
             if self.faults:
                 self.faults.before_restore(int(path.name.rsplit("_", 1)[-1]))
-            self._load(ckpt.load_checkpoint(path, map_location="cpu"))
+            self._load(path)
             self.resumed_from = str(path)
         t1 = time.time()
         if self.hb is not None:
@@ -326,16 +337,22 @@ class _Trainer:
         if path is not None:
             log.info("resuming from %s at step %d of %d", path, self.step, self.cfg.max_steps)
 
-    def _load(self, state: dict[str, Any]) -> None:
+    def _load(self, path: Path) -> None:
         assert self.optimizer is not None
-        # onto the CPU first: RNG states must stay CPU tensors, and load_state_dict copies the
-        # weights and optimizer moments onto the parameters' device anyway
-        if self.fsdp:
-            load_full_state(self.model, self.optimizer, state["model"], state["optimizer"])
+        if self.fsdp and ckpt.is_sharded(path):
+            # this rank's shards only, resharded by DCP when another world size wrote them
+            load_sharded_state(self.model, self.optimizer, path)
+            trainer = ckpt.read_part(path, "trainer")
         else:
-            self.model.load_state_dict(state["model"])
-            self.optimizer.load_state_dict(state["optimizer"])
-        trainer = state["trainer"]
+            # onto the CPU first: RNG states must stay CPU tensors, and load_state_dict copies the
+            # weights and optimizer moments onto the parameters' device anyway
+            state = ckpt.load_checkpoint(path, map_location="cpu")
+            if self.fsdp or ckpt.is_sharded(path):  # whole weights to shard, or shards read whole
+                load_full_state(self.model, self.optimizer, state["model"], state["optimizer"])
+            else:
+                self.model.load_state_dict(state["model"])
+                self.optimizer.load_state_dict(state["optimizer"])
+            trainer = state["trainer"]
         self.step = int(trainer["step"])
         self.cursor = int(trainer.get("data_cursor", self.step))
         self.skipped |= set(trainer.get("skipped_batches", []))
@@ -343,13 +360,31 @@ class _Trainer:
         self.recent.extend(tuple(x) for x in trainer.get("recent_batches", []))
         self.train_loss = float(trainer["train_loss"])
         self.guard.load_state_dict(trainer.get("guard", {}))
-        ranks = trainer.get("rng_ranks")
+        self._restore_rng(trainer)
+
+    def _restore_rng(self, trainer: dict[str, Any]) -> None:
+        """Same world size: every rank's generators as saved (a resume is bitwise). Another world
+        size, allowed when the global batch is the same (the cursor then means the same samples):
+        ranks have no saved generators of their own, so each is re-seeded from the saved state
+        of rank 0 and its rank, deterministically; only dropout draws differ from a run that
+        was never resized."""
         saved_world = int(trainer.get("world_size", 1))
-        if saved_world != self.world:
-            raise ValueError(f"the checkpoint was written by {saved_world} processes and this job "
-                             f"has {self.world}: the data cursor counts global batches of "
-                             f"{saved_world} ranks. Resume with nproc_per_node x nodes = "
-                             f"{saved_world}.")
+        saved_batch = int(trainer.get("global_batch", 0))
+        if saved_world != self.world or (saved_batch and self.opts.global_batch
+                                         and saved_batch != self.opts.global_batch):
+            if not (saved_batch and saved_batch == self.opts.global_batch):
+                raise ValueError(
+                    f"the checkpoint was written by {saved_world} processes with global batches "
+                    f"of {saved_batch or 'unrecorded'} sequences; this job has {self.world} "
+                    f"processes and {self.opts.global_batch or 'unstated'}: its data cursor "
+                    "counts global batches of the old size. Set global_batch_tokens to the old "
+                    "global batch x seq_len (or resume with the old world size).")
+            set_rng_state(trainer["rng"])
+            _reseed(trainer["rng"], self.rank)
+            log.info("resuming on %d processes from a checkpoint of %d: same samples, generators "
+                     "re-seeded per rank", self.world, saved_world)
+            return
+        ranks = trainer.get("rng_ranks")
         set_rng_state(ranks[self.rank] if ranks else trainer["rng"])
 
     # -- the step loop -----------------------------------------------------------------------
@@ -382,11 +417,7 @@ class _Trainer:
                 self.faults.before_compute(done)
             if self.hb is not None and self.dist is not None and not self.compiling:
                 self.hb.phase(tm.SYNC)  # from here on this rank may be waiting for its peers
-            with autocast(device):
-                loss = self.loss_fn(self.fwd, batch)
-            if self.faults:
-                loss = self.faults.scale_loss(done, loss)
-            loss.backward()
+            loss = self._forward_backward(batch, done)
             # clip_grad_norm_ also returns the norm before clipping: with grad_clip 0 we still want it
             max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
             grad_norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)
@@ -454,6 +485,26 @@ class _Trainer:
                 t_save = time.perf_counter()
                 self._save()
                 paused += time.perf_counter() - t_save
+
+    def _forward_backward(self, batch: Batch, done: int) -> torch.Tensor:
+        """This rank's loss on its share of the global batch (the mean over its micro-batches),
+        with the gradients of all of them accumulated; they are averaged across ranks once, in
+        the last micro-batch's backward (DDP no_sync and FSDP's gradient sync off before it)."""
+        micro = batch.split(self.opts.accumulation)
+        losses = []
+        for i, part in enumerate(micro):
+            last = i == len(micro) - 1
+            if self.fsdp:
+                self.model.set_requires_gradient_sync(last)
+            sync = self.ddp.no_sync() if self.ddp is not None and not last else nullcontext()
+            with sync:
+                with autocast(self.device):
+                    loss = self.loss_fn(self.fwd, part)
+                if self.faults:
+                    loss = self.faults.scale_loss(done, loss)
+                (loss / len(micro) if len(micro) > 1 else loss).backward()
+            losses.append(loss.detach())
+        return losses[0] if len(losses) == 1 else torch.stack(losses).mean()
 
     def _next_batch_index(self) -> int:
         while self.cursor in self.skipped:
@@ -551,6 +602,15 @@ class _Trainer:
             # asynchronous: a metric write to the tracking store is a network or database round
             # trip that should not stall the training thread
             mlflow.log_metrics(chart_metrics(metrics), step=step, synchronous=False)
+
+
+def _reseed(saved_rng: dict[str, Any], rank: int) -> None:
+    """Seed every generator from a saved state and a rank: the same numbers on every rerun."""
+    digest = hashlib.sha256(saved_rng["torch"].numpy().tobytes() + rank.to_bytes(4, "little"))
+    seed = int.from_bytes(digest.digest()[:4], "little")
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
 
 
 def _log_loss_curve(history: list[dict[str, float]]) -> None:

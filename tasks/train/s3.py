@@ -22,7 +22,7 @@ import random
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Collection
 
 from tasks.common.io import read_json
 
@@ -106,16 +106,25 @@ class S3Mirror:
         raise AssertionError("unreachable")
 
     # -- write -------------------------------------------------------------------------------
-    def upload_checkpoint(self, local: Path, progress: BytesMoved | None = None) -> str:
+    def upload_checkpoint(self, local: Path, progress: BytesMoved | None = None,
+                          skip: Collection[str] = ()) -> str:
         """Upload one local checkpoint directory, manifest last; returns its s3:// prefix.
-        progress(n): n more bytes are up (per object or multipart part), for the watchdog."""
+        progress(n): n more bytes are up (per object or multipart part), for the watchdog.
+        skip: files already uploaded (a sharded checkpoint's shards, by their own ranks)."""
         step_name = local.name
         self._clear_unfinished(keep=step_name)
-        names = sorted(read_json(local / MANIFEST)["files"])
+        names = sorted(set(read_json(local / MANIFEST)["files"]) - set(skip))
         for name in names:
             self.upload_file(local / name, self._key(step_name, name), progress)
         self.upload_file(local / MANIFEST, self._key(step_name, MANIFEST), progress)  # the commit
         return f"s3://{self.bucket}/{self._key(step_name)}"
+
+    def upload_files(self, local: Path, step_name: str, names: list[str],
+                     progress: BytesMoved | None = None) -> None:
+        """Upload some files of a checkpoint not yet committed (no manifest: not a checkpoint
+        until upload_checkpoint adds it), e.g. one rank's shards from its node."""
+        for name in names:
+            self.upload_file(local / name, self._key(step_name, name), progress)
 
     def upload_file(self, path: Path, key: str, progress: BytesMoved | None = None) -> None:
         progress = progress or _no_progress
