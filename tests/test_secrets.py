@@ -67,7 +67,7 @@ def test_remote_jobs_refuse_aws_credentials_in_their_env(name):
 
 
 def test_secret_values_are_secret_names_and_uri_passwords():
-    env = {"HF_TOKEN": "hf_abcdef", "TOKENIZERS_PARALLELISM": "false",
+    env = {"HF_TOKEN": "hf_abcdef", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_DISABLE_TOKEN": "true",
            "AIRFLOW_CONN_WAREHOUSE": "postgres://u:p%40ss-word@h/db", "PLAIN_URL": "https://h/x"}
     assert env_secrets.secret_values(env) == sorted({"hf_abcdef", "p%40ss-word", "p@ss-word"})
 

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import re
 from typing import Mapping
-from urllib.parse import unquote, urlsplit
+from urllib.parse import unquote
 
 # Whole words of a variable name: HF_TOKEN and AWS_SECRET_ACCESS_KEY, not TOKENIZERS_PARALLELISM.
 SECRET_NAME = re.compile(r"(^|_)(PASSWORD|PASSWD|SECRET|TOKEN|CREDENTIALS?|PRIVATE_KEY|ACCESS_KEY|"
                          r"API_KEY)(_|$)", re.IGNORECASE)
 URI_USERINFO = re.compile(r"^[a-z][a-z0-9+.-]*://[^/@\s]*:[^/@\s]*@", re.IGNORECASE)
+# Flags beside a secret (HF_HUB_DISABLE_TOKEN=true): masked, every "true" in the logs would go.
+NOT_SECRET_VALUES = frozenset({"true", "false", "yes", "no", "none", "null", "0", "1"})
 # What boto3 reads as static credentials: a remote job must get its own from its IAM role.
 AWS_CREDENTIAL_NAMES = frozenset({"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",
                                   "AWS_SECURITY_TOKEN"})
@@ -37,7 +39,7 @@ def secret_values(env: Mapping[str, str]) -> list[str]:
     for name, value in env.items():
         if not value:
             continue
-        if SECRET_NAME.search(name):
+        if SECRET_NAME.search(name) and value.lower() not in NOT_SECRET_VALUES:
             found.add(value)
         password = uri_password(value)
         if password:
