@@ -19,7 +19,7 @@ import statistics
 import time
 from pathlib import Path
 
-from pretrain_common import isolate, last_json_line, prepared_data, train_config
+from pretrain_common import RESULTS, isolate, last_json_line, prepared_data, train_config
 
 from tasks.configs import ModelConfig, to_dict
 
@@ -28,6 +28,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--saves", type=int, default=5)
     parser.add_argument("--steps-between", type=int, default=4)
+    parser.add_argument("--out", type=Path, default=RESULTS / "pretrain_checkpoint_stall.json")
     parser.add_argument("--work", type=Path, default=Path("/tmp/llmops-bench-ckpt"))
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
@@ -98,7 +99,7 @@ def main() -> None:
     print(f"async blocks {ratio:.1f}x less per save")
     last_json_line({"benchmark": "pretrain_checkpoint_stall", "params": model.num_params(),
                     "saves": args.saves, "steps_between": args.steps_between,
-                    "sync": s, "async": a, "blocked_ratio_sync_over_async": ratio})
+                    "sync": s, "async": a, "blocked_ratio_sync_over_async": ratio}, args.out)
 
 
 if __name__ == "__main__":

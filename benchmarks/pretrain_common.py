@@ -84,8 +84,29 @@ def run_job(cfg: TrainConfig, name: str, *, faults: str = "", retries: int = 0,
         time.sleep(retry_delay_s)
 
 
-def last_json_line(report: dict[str, Any]) -> None:
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+def machine() -> dict[str, Any]:
+    """What a result was measured on: platform, cores, versions and the load while it ran."""
+    import platform
+
+    import torch
+
+    return {"platform": platform.platform(), "cpus": os.cpu_count(),
+            "python": platform.python_version(), "torch": torch.__version__,
+            "load_avg_1_5_15_at_end": [round(x, 2) for x in os.getloadavg()],
+            "finished_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
+def last_json_line(report: dict[str, Any], out: Path | None = None) -> None:
+    """Print the result as one JSON line (with the machine it ran on) and write it to `out`."""
+    report = {**report, "machine": machine()}
     print(json.dumps(report, sort_keys=True, default=str))
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=2, sort_keys=True, default=str) + "\n")
+        print(f"wrote {out}")
 
 
 def bare_loop(data_dir: Path, cfg: TrainConfig, steps: int, warmup: int = 20) -> dict[str, float]:

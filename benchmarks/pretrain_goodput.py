@@ -1,35 +1,45 @@
 """Goodput under faults: in-job supervision against Airflow task retries, in the same run.
 
 A CPU pretraining job of at least --minutes minutes is run twice on the same model, data and
-fault schedule (one kill, one hang, one loss spike, at 25%, 50% and 75% of the steps), both
-through the local backend as the DAG's JobOperator submits it:
+fault schedule (one kill, one hang, one loss spike, at 25%, 50% and 75% of the steps):
 
-  supervised   the default: the in-job supervisor restarts the killed or hung worker (a hot
-               spare takes its place) and the spike is rolled back in place;
-  airflow      supervision off (max_restarts=0, max_rollbacks=0, no spare): every fault fails
-               the job; like Airflow's retry (the DAG's retry_delay is 5 s; JobOperator polls
-               every 2 s) the job is submitted again and resumes from its newest checkpoint.
-               The hang is still caught by the same watchdog, so both wait the same
-               hang_timeout_s (Airflow alone would wait for the task's execution_timeout).
+  supervised   the default, through the local backend as the DAG's JobOperator submits it: the
+               in-job supervisor restarts the killed or hung worker (a hot spare takes its
+               place) and the spike is rolled back in place;
+  airflow      supervision off (max_restarts=0, max_rollbacks=0, no spare), run by a real
+               Airflow deployment (scheduler, dag-processor, API server, triggerer:
+               tests/chaos/airflow_deployment.py) as one JobOperator task of
+               benchmarks/dags/goodput_baseline.py with retries: every fault fails the job and
+               the try; the scheduler retries the task after `retry_delay` (Airflow's default,
+               `[core] default_task_retry_delay` = 300 s, or --retry-delay), and the new try
+               resubmits the job, which resumes from its newest checkpoint. The hang is still
+               caught by the same watchdog, so both wait the same hang_timeout_s (Airflow alone
+               would wait for the task's execution_timeout).
 
 Prints goodput (productive step time / wall time, and without the configured hang wait), the
-badput buckets and each fault's recovery seconds side by side; the last line is one JSON object.
+badput buckets, each fault's recovery seconds side by side, and the scheduler's own latency per
+retry (next try's start - failed try's end - retry_delay); the last line is one JSON object,
+also written to --out.
 
-    python benchmarks/pretrain_goodput.py [--minutes 10] [--work /tmp/llmops-bench-goodput]
+    python benchmarks/pretrain_goodput.py [--minutes 10] [--retry-delay 300] [--out FILE]
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
 import shutil
+import sys
 import time
 from pathlib import Path
+from typing import Any
 
-from pretrain_common import (bare_loop, isolate, last_json_line, prepared_data, run_job,
-                             train_config)
+from pretrain_common import (RESULTS, ROOT, bare_loop, isolate, last_json_line, prepared_data,
+                             run_job, train_config)
 
 from tasks.common.io import read_json
+from tasks.configs import to_dict
 from tasks.train import telemetry as tm
 
 
@@ -38,7 +48,10 @@ def main() -> None:
     parser.add_argument("--minutes", type=float, default=10.0)
     parser.add_argument("--work", type=Path, default=Path("/tmp/llmops-bench-goodput"))
     parser.add_argument("--hang-timeout", type=float, default=10.0)
-    parser.add_argument("--retry-delay", type=float, default=5.0, help="Airflow's retry_delay")
+    parser.add_argument("--retry-delay", type=float, default=None,
+                        help="the baseline task's retry_delay in seconds (default: Airflow's "
+                             "[core] default_task_retry_delay, 300)")
+    parser.add_argument("--out", type=Path, default=RESULTS / "pretrain_goodput.json")
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     isolate(args.work)
@@ -58,22 +71,26 @@ def main() -> None:
                   spike_window=100, spike_sigma=6.0)
 
     runs = {}
-    for name, knobs, retries in (
-            ("supervised", dict(max_restarts=3, max_rollbacks=3, hot_spare=True), 0),
-            ("airflow", dict(max_restarts=0, max_rollbacks=0, hot_spare=False), 10)):
-        out = args.work / name
-        shutil.rmtree(out, ignore_errors=True)
-        cfg = train_config(data, out, **common, **knobs)
-        print(f"{name}: running ...", flush=True)
-        t0 = time.time()
-        job = run_job(cfg, f"bench-{name}-{int(t0)}", faults=faults, retries=retries,
-                      retry_delay_s=args.retry_delay)
-        report = read_json(tm.run_dir(out) / "goodput.json")
-        runs[name] = {"report": report, "tries": job["tries"], "job_wall_s": job["wall_s"],
-                      "val_loss": job["result"]["metrics"]["val_loss"],
-                      "restarts": job["result"]["metrics"].get("restarts")}
-        print(f"{name}: done in {job['wall_s']:.0f}s, {job['tries']} tries, goodput "
-              f"{report['goodput']:.2%}", flush=True)
+    out = args.work / "supervised"
+    shutil.rmtree(out, ignore_errors=True)
+    cfg = train_config(data, out, **common, max_restarts=3, max_rollbacks=3, hot_spare=True)
+    print("supervised: running ...", flush=True)
+    t0 = time.time()
+    job = run_job(cfg, f"bench-supervised-{int(t0)}", faults=faults)
+    runs["supervised"] = {"report": read_json(tm.run_dir(out) / "goodput.json"), "tries": 1,
+                          "job_wall_s": job["wall_s"],
+                          "val_loss": job["result"]["metrics"]["val_loss"],
+                          "restarts": job["result"]["metrics"].get("restarts")}
+    print(f"supervised: done in {job['wall_s']:.0f}s, goodput "
+          f"{runs['supervised']['report']['goodput']:.2%}", flush=True)
+    out = args.work / "airflow"
+    shutil.rmtree(out, ignore_errors=True)
+    cfg = train_config(data, out, **common, max_restarts=0, max_rollbacks=0, hot_spare=False)
+    print("airflow: running the job as a task of a real Airflow deployment ...", flush=True)
+    runs["airflow"] = airflow_baseline(args.work, to_dict(cfg), faults, args.retry_delay)
+    runs["airflow"]["report"] = read_json(tm.run_dir(out) / "goodput.json")
+    print(f"airflow: done in {runs['airflow']['job_wall_s']:.0f}s, {runs['airflow']['tries']} "
+          f"tries, goodput {runs['airflow']['report']['goodput']:.2%}", flush=True)
 
     sup, base = runs["supervised"]["report"], runs["airflow"]["report"]
     print()
@@ -95,10 +112,11 @@ def main() -> None:
               f"{f_base.get('recovery_s')!s:>7}s | lost {f_sup.get('lost_s')!s:>6}s vs "
               f"{f_base.get('lost_s')!s:>6}s | detected by {f_sup.get('detected_by')} "
               f"in {f_sup.get('detect_s')}s")
-    last_json_line({
+    result = {
         "benchmark": "pretrain_goodput", "minutes": args.minutes, "steps": steps,
         "ms_per_step": round(probe["s_per_step"] * 1000, 2), "faults": faults,
-        "hang_timeout_s": args.hang_timeout, "retry_delay_s": args.retry_delay,
+        "hang_timeout_s": args.hang_timeout, "retry_delay_s": runs["airflow"]["retry_delay_s"],
+        "scheduler_latency_s": runs["airflow"]["scheduler_latency_s"],
         "supervised": {"goodput": sup["goodput"],
                        "goodput_excluding_hang_wait": sup["goodput_excluding_hang_wait"],
                        "wall_s": sup["wall_s"], "buckets": sup["buckets"],
@@ -112,8 +130,47 @@ def main() -> None:
                        for k, v in by_fault.items()},
         "lost_s": {k: {"supervised": v["supervised"].get("lost_s"),
                        "airflow_retry": v["airflow"].get("lost_s")} for k, v in by_fault.items()},
-    })
+    }
+    last_json_line(result, args.out)
 
+
+def airflow_baseline(work: Path, config: dict[str, Any], faults: str,
+                     retry_delay: float | None) -> dict[str, Any]:
+    """The unsupervised job as a task of a real Airflow deployment, retried by its scheduler."""
+    sys.path.insert(0, str(ROOT))
+    from tests.chaos.airflow_deployment import AirflowDeployment, _epoch
+
+    env = {"LLMOPS_HOME": os.environ["LLMOPS_HOME"],
+           "MLFLOW_TRACKING_URI": os.environ["MLFLOW_TRACKING_URI"], "OMP_NUM_THREADS": "1"}
+    if retry_delay is not None:
+        env["LLMOPS_BENCH_RETRY_DELAY"] = str(retry_delay)
+    airflow_dir = work / "airflow-deployment"
+    shutil.rmtree(airflow_dir, ignore_errors=True)
+    with AirflowDeployment(airflow_dir, dags_folder=ROOT / "benchmarks" / "dags", env=env) as dep:
+        dep.wait_dag("bench_goodput_baseline")
+        delay = _default_retry_delay(retry_delay)
+        t0 = time.time()
+        run_id = dep.trigger("bench_goodput_baseline", {"config": config, "faults": faults})
+        state = dep.wait_run("bench_goodput_baseline", run_id, timeout=6 * 3600)
+        wall = time.time() - t0
+        tries = sorted(dep.tries("bench_goodput_baseline", run_id, "pretrain"),
+                       key=lambda t: t["try_number"])
+    if state != "success":
+        raise RuntimeError(f"the baseline DAG run ended {state}; see {airflow_dir}")
+    latency = [round(_epoch(b["start_date"]) - _epoch(a["end_date"]) - delay, 2)
+               for a, b in zip(tries, tries[1:])]
+    print(f"  {len(tries)} tries, retry_delay {delay:.0f}s, scheduler latency per retry {latency}s",
+          flush=True)
+    return {"tries": len(tries), "job_wall_s": wall, "retry_delay_s": delay,
+            "scheduler_latency_s": latency}
+
+
+def _default_retry_delay(retry_delay: float | None) -> float:
+    if retry_delay is not None:
+        return float(retry_delay)
+    from airflow.configuration import conf
+
+    return conf.getfloat("core", "default_task_retry_delay")
 
 if __name__ == "__main__":
     main()

@@ -27,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-from pretrain_common import (bare_loop, isolate, last_json_line, prepared_data, run_job,
+from pretrain_common import (RESULTS, bare_loop, isolate, last_json_line, prepared_data, run_job,
                              session_cpu_s, train_config)
 
 from tasks.train import telemetry as tm
@@ -70,6 +70,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--checkpoint-every", type=int, default=100)
+    parser.add_argument("--out", type=Path, default=RESULTS / "pretrain_overhead.json")
     parser.add_argument("--work", type=Path, default=Path("/tmp/llmops-bench-overhead"))
     parser.add_argument("--bare", type=Path, help=argparse.SUPPRESS)  # child mode: config file
     args = parser.parse_args()
@@ -130,7 +131,7 @@ def main() -> None:
           "few CPU seconds, a larger share of a shorter window.)")
     last_json_line({"benchmark": "pretrain_overhead", "steps": args.steps, "rounds": args.rounds,
                     "checkpoint_every": args.checkpoint_every, "tokens_per_s": wall,
-                    "tokens_per_cpu_s": cpu, "overhead": overheads})
+                    "tokens_per_cpu_s": cpu, "overhead": overheads}, args.out)
 
 
 if __name__ == "__main__":

@@ -369,12 +369,24 @@ if __name__ == "__main__":
             print(f"--faults: {exc}", file=sys.stderr)
             sys.exit(2)
         os.environ[FAULTS_ENV] = known.faults  # workers inherit it
-    run_stage("pretrain", TrainConfig, main, argv=rest)
-    if WorkerEnv.from_env().role is not None:
+    worker = WorkerEnv.from_env().role is not None
+    try:
+        run_stage("pretrain", TrainConfig, main, argv=rest)
+        code = 0
+    except Exception:
+        if not worker:
+            raise
+        # a failed worker: its supervisor restarts it, and with FSDP its peers wait for it in
+        # the next round, so it exits as fast as a successful one (below)
+        log.exception("the worker failed; its supervisor restarts it")
+        if "mlflow" in sys.modules:
+            sys.modules["mlflow"].flush_async_logging()  # the metrics of the attempt that failed
+        code = 1
+    if worker:
         # A worker's outcome is its result file, already written and fsynced, and its log.
         # Skip the interpreter's teardown of torch and MLflow (seconds under load): the
         # supervisor is waiting for this exit to finish the job or promote a replacement.
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(0)
+        os._exit(code)
