@@ -92,3 +92,19 @@ def test_a_secret_a_job_prints_shows_as_stars_in_the_task_log(airflow_db, monkey
     for text in [output, *(p.read_text(errors="replace") for p in task_logs)]:
         for value in planted.values():
             assert value not in text
+
+
+def test_a_remote_request_carries_no_worker_credential(monkeypatch):
+    """SageMaker's request is built from the spec and the backend's settings, never from the
+    worker's environment; credentials put in the settings' env are refused like the spec's."""
+    from tests.test_backend_sagemaker import pretrain_spec, render
+
+    planted = planted_secrets()
+    for name, value in planted.items():
+        monkeypatch.setenv(name, value)
+    request, _ = render(pretrain_spec())
+    text = json.dumps(request)
+    assert not any(value in text for value in planted.values())
+    assert not set(request["Environment"]) & env_secrets.AWS_CREDENTIAL_NAMES
+    with pytest.raises(JobSpecError, match="'AWS_SECRET_ACCESS_KEY'.*IAM role"):
+        render(pretrain_spec(), env={"AWS_SECRET_ACCESS_KEY": planted["AWS_SECRET_ACCESS_KEY"]})
