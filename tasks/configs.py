@@ -286,12 +286,18 @@ class TrainConfig:
                                        help="The first step after torch.compile (it compiles): this "
                                             "long without finishing, restart the worker.")
     max_rollbacks: int = bounded(5, minimum=0, maximum=1000,
-                                 help="NaN or spike rollbacks to the last checkpoint before failing.")
+                                 help="NaN or spike rollbacks per job (worker restarts included) "
+                                      "before it fails without a restart.")
     spike_sigma: float = bounded(6.0, minimum=0.0, maximum=1000.0,
-                                 help="Loss or grad norm above mean + k*std of the window is a spike; "
-                                      "0 = off.")
+                                 help="A loss above median + k x (MAD as a std) of the window is a "
+                                      "spike; 0 = off. Checked after the lr warm-up.")
     spike_window: int = bounded(100, minimum=5, maximum=1_000_000,
-                                help="Recent steps the spike statistics cover.")
+                                help="Recent accepted steps the spike statistics cover; detection "
+                                     "starts after the lr warm-up, with a full window.")
+    spike_min_ratio: float = bounded(3.0, minimum=1.0, maximum=1000.0,
+                                     help="A spike is also at least this many times the window's "
+                                          "median loss: healthy tiny models spike to 2.2x on their "
+                                          "own (benchmarks/results/spike_guard.json).")
     spike_skip_batches: int = bounded(1, minimum=1, maximum=1_000_000,
                                       help="Batches up to and including a spike skipped after rollback.")
 

@@ -160,6 +160,7 @@ def _train(cfg: TrainConfig, setup: _Setup, env: WorkerEnv, *, stage: str, publi
     options = LoopOptions(
         dist=dist, async_checkpoint=cfg.async_checkpoint, checkpoint_mirror=mirror,
         spike_sigma=cfg.spike_sigma, spike_window=cfg.spike_window,
+        spike_min_ratio=cfg.spike_min_ratio,
         spike_skip_batches=cfg.spike_skip_batches, max_rollbacks=cfg.max_rollbacks,
         max_rejoins=cfg.max_restarts, faults=faults if faults else None, events=events,
         steps=tm.StepLog(run_dir, rank=0, attempt=env.attempt) if rank == 0 else None,
@@ -313,7 +314,14 @@ def _worker(cfg: TrainConfig, env: WorkerEnv) -> dict[str, Any]:
         tm.EventLog(env.run_dir or tm.run_dir(cfg.output_dir), rank=env.rank,
                     source="spare").emit("spare_ready")
         env.wait_for_promotion()
-    result = _train(cfg, setup, env, stage="pretrain", publish=True, on_eval=None)
+    from tasks.train.guard import UnrecoverableAnomaly
+
+    try:
+        result = _train(cfg, setup, env, stage="pretrain", publish=True, on_eval=None)
+    except UnrecoverableAnomaly as exc:
+        # the rollback budget is the job's (skipped_batches.json): a restart would fail again
+        log.error("training stopped: %s", exc)
+        sys.exit(FATAL_EXIT)
     result.pop("seconds", None)
     return result
 

@@ -26,7 +26,7 @@ from tasks.train import goodput
 from tasks.train import telemetry as tm
 from tasks.train.data import DataDir, PretrainBatches
 from tasks.train.faults import Fault, FaultSpecError, parse_faults
-from tasks.train.guard import SpikeDetector
+from tasks.train.guard import SpikeGuard
 from tasks.train.losses import cross_entropy
 from tasks.train.loop import LoopOptions, train
 from tasks.train.runtime import pick_device, seed_everything
@@ -108,20 +108,21 @@ def test_fault_spec_parses_and_bad_specs_say_the_form():
 
 
 def test_spike_detector_needs_a_full_window_and_flags_outliers_only():
-    guard = SpikeDetector(sigma=6.0, window=10)
-    losses = [4.0 - 0.01 * i + (0.02 if i % 2 else -0.02) for i in range(10)]
+    guard = SpikeGuard(sigma=6.0, window=10, warmup_steps=12)
+    losses = [4.0 - 0.01 * i + (0.02 if i % 2 else -0.02) for i in range(12)]
     for i, loss in enumerate(losses):
-        assert guard.check(i + 1, 50.0, 1.0) is None  # the window is not full yet
+        assert guard.check(i + 1, 50.0, 1.0) is None  # in the lr warm-up, or the window not full
         guard.add(i + 1, loss, 1.0 + 0.05 * (i % 3))
-    assert guard.check(11, 3.95, 1.02) is None  # an ordinary step
-    spike = guard.check(11, 9.0, 1.0)
-    assert spike.kind == "loss_spike" and spike.threshold < 9.0
-    assert guard.check(11, 3.9, 25.0).kind == "grad_spike"
-    assert guard.check(11, float("nan"), 1.0).kind == "nan"
-    assert guard.check(11, 3.9, float("inf")).kind == "nan"
+    assert guard.check(13, 3.95, 1.02) is None  # an ordinary step
+    spike = guard.check(13, 20.0, 1.0)
+    assert spike.kind == "loss_spike" and spike.threshold < 20.0
+    assert guard.check(13, 9.0, 1.0) is None  # 2.3x the median: healthy models spike so far
+    assert guard.check(13, 3.9, 25.0) is None  # the grad norm is clipped, not a spike signal
+    assert guard.check(13, float("nan"), 1.0).kind == "nan"
+    assert guard.check(13, 3.9, float("inf")).kind == "nan"
     guard.forget_after(5)  # a rollback to step 5: steps 6.. will run again
-    assert [h[0] for h in guard.history] == [1, 2, 3, 4, 5]
-    assert guard.check(6, 50.0, 1.0) is None  # and detection waits for a full window again
+    assert [h[0] for h in guard.history] == [3, 4, 5]  # the window held steps 3..12
+    assert guard.check(13, 50.0, 1.0) is None  # and detection waits for a full window again
 
 
 def test_ranks_split_each_global_batch_like_distributed_sampler(tiny_data_dir):

@@ -43,7 +43,7 @@ from tasks.train.data import Batch
 from tasks.train.distributed import (DistContext, PeerFailure, is_peer_failure, load_full_state,
                                      load_sharded_state, sharded_state)
 from tasks.train.faults import FaultInjector
-from tasks.train.guard import Anomaly, SpikeDetector
+from tasks.train.guard import DEFAULT_MIN_RATIO, Anomaly, SpikeGuard, UnrecoverableAnomaly
 from tasks.train.losses import LossFn
 from tasks.train.runtime import autocast, maybe_compile, rng_state, set_rng_state
 from tasks.train.schedule import lr_at
@@ -63,8 +63,9 @@ class LoopConfig(Protocol):
     log_interval: int
 
 
-class LossSpikeError(FloatingPointError):
-    """A loss or gradient-norm spike that could not be rolled back in this process."""
+class LossSpikeError(UnrecoverableAnomaly):
+    """A loss spike the job could not roll back (its budget is spent, or the loss kept spiking
+    after rollbacks at a lower lr: tasks/train/guard.py)."""
 
 
 class RestartRequired(RuntimeError):
@@ -81,8 +82,10 @@ class LoopOptions:
     checkpoint_mirror: Any = None  # an S3Mirror, or None for local checkpoints only
     spike_sigma: float = 0.0  # 0: no spike detection (NaN/Inf is always checked)
     spike_window: int = 100
+    spike_min_ratio: float = DEFAULT_MIN_RATIO  # a spike is also this many times the window's median
     spike_skip_batches: int = 1
-    max_rollbacks: int = 0  # 0: a NaN or spike fails the job, as the plain loop always did
+    max_rollbacks: int = 0  # per job; 0: a NaN or spike fails the job, as the plain loop always did
+    guard: SpikeGuard | None = None  # None: built from the spike_* fields (pass one to observe it)
     max_rejoins: int = 0  # peer failures this process survives by joining a new group
     faults: FaultInjector | None = None
     events: tm.EventLog | None = None
@@ -111,7 +114,7 @@ class LoopResult:
     resumed_from: str | None
     history: list[dict[str, float]] = field(default_factory=list)
     skipped_batches: list[int] = field(default_factory=list)
-    rollbacks: int = 0
+    rollbacks: int = 0  # the job's, across worker restarts (skipped_batches.json)
     rejoins: int = 0
 
 
@@ -166,19 +169,22 @@ class _Trainer:
             before_write=self.faults.before_checkpoint_write if self.faults else None,
             # bytes of a checkpoint moving are progress for the watchdog (tasks/train/telemetry.py)
             on_progress=self.hb.io_progress if self.hb else None)
-        self.guard = SpikeDetector(options.spike_sigma, options.spike_window)
+        self.guard = options.guard or SpikeGuard(
+            sigma=options.spike_sigma, window=options.spike_window,
+            min_ratio=options.spike_min_ratio, warmup_steps=cfg.optim.warmup_steps,
+            max_rollbacks=options.max_rollbacks)
         self.fwd: nn.Module = model  # what the forward pass runs: DDP-wrapped and/or compiled
         self.ddp: Any = None  # the DDP wrapper (its no_sync skips the all-reduce of a micro-step)
         self.optimizer: torch.optim.Optimizer | None = None
         self.params: list[torch.Tensor] = []
         # training state that checkpoints carry
         self.step, self.cursor = 0, 0
-        self.skipped: set[int] = self._read_skipped()
+        self.skipped: set[int] = self._read_skipped()  # and the guard's job state (rollbacks)
         self.recent: deque[tuple[int, int]] = deque(maxlen=max(1, options.spike_skip_batches))
         self.train_loss = math.nan
         # this process's bookkeeping
         self.resumed_from: str | None = None
-        self.rollbacks, self.rejoins = 0, 0
+        self.rejoins = 0
         self.nan_batches: set[int] = set()  # batches that gave a NaN once: skipped if they do again
         self.history: list[dict[str, float]] = []
         self.val: dict[str, float] = {}
@@ -229,7 +235,7 @@ class _Trainer:
                           val=self.val, tokens_per_s=self.total_tokens / self.total_time
                           if self.total_time else 0.0, checkpoint=str(final),
                           resumed_from=self.resumed_from, history=self.history,
-                          skipped_batches=sorted(self.skipped), rollbacks=self.rollbacks,
+                          skipped_batches=sorted(self.skipped), rollbacks=self.guard.rollbacks,
                           rejoins=self.rejoins)
 
     def _connect(self) -> None:
@@ -259,14 +265,16 @@ class _Trainer:
         f = self.opts.skipped_file
         if f is None or not f.exists():
             return set()
-        return set(read_json(f)["batches"])
+        saved = read_json(f)
+        self.guard.load_job_state(saved.get("guard", {}))
+        return set(saved["batches"])
 
     def _write_skipped(self, records: list[dict[str, Any]]) -> None:
         f = self.opts.skipped_file
         if f is None or self.rank != 0:
             return
         old = read_json(f) if f.exists() else {"batches": [], "records": []}
-        write_json(f, {"batches": sorted(self.skipped),
+        write_json(f, {"batches": sorted(self.skipped), "guard": self.guard.job_state(),
                        "records": old.get("records", []) + records})
 
     def _state(self) -> dict[str, Any] | None:
@@ -410,7 +418,7 @@ class _Trainer:
             batch_index = self._next_batch_index()
             batch = self.get_batch(batch_index).to(device)
             t_data = time.time()
-            lr = lr_at(step, cfg.optim, cfg.max_steps)
+            lr = lr_at(step, cfg.optim, cfg.max_steps) * self.guard.lr_scale(step)
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
             if self.faults:
@@ -532,7 +540,9 @@ class _Trainer:
         """Do not apply the update; roll back to the last good checkpoint. For a spike, the
         batches of the last spike_skip_batches steps are skipped from now on; a NaN is first
         replayed (a transient fault, such as a flipped bit, does not recur) and its batch is
-        skipped only if it fails again."""
+        skipped only if it fails again. The guard counts the rollback against the job's budget
+        and lowers the lr when skipping did not help (tasks/train/guard.py); when it gives up,
+        the job fails with UnrecoverableAnomaly."""
         opts = self.opts
         self._event("anomaly", step=anomaly.step, anomaly=anomaly.kind, value=anomaly.value,
                     threshold=anomaly.threshold, batch=batch_index, t0=t0)
@@ -542,18 +552,20 @@ class _Trainer:
         else:
             window = [b for s, b in self.recent if s > anomaly.step - opts.spike_skip_batches]
             bad = sorted({*window, batch_index})
+        self.skipped |= set(bad)
+        problem = self.guard.rollback(anomaly, skipped=bool(bad))
+        # the job file, not the checkpoint, keeps the count: the rollback below goes back to a
+        # checkpoint older than this anomaly, and a restarted worker must continue the count
+        self._write_skipped([{"step": anomaly.step, "batches": bad, "reason": anomaly.kind,
+                              "value": anomaly.value, "t": time.time()}] if bad else [])
         if bad:
-            self.skipped |= set(bad)
-            self._write_skipped([{"step": anomaly.step, "batches": bad, "reason": anomaly.kind,
-                                  "value": anomaly.value, "t": time.time()}])
             self._event("skip", step=anomaly.step, batches=bad, reason=anomaly.kind)
-        self.rollbacks += 1
-        if self.rollbacks > opts.max_rollbacks:
-            error = FloatingPointError if anomaly.kind == "nan" else LossSpikeError
-            hint = ("lower optim.lr or raise optim.warmup_steps." if anomaly.kind == "nan" else
-                    "raise max_rollbacks to roll back in place, or spike_sigma to be less strict.")
-            raise error(f"{anomaly.describe()} (rollback {self.rollbacks} of at most "
-                        f"{opts.max_rollbacks}); {hint}")
+        if problem is not None:
+            error = UnrecoverableAnomaly if anomaly.kind == "nan" else LossSpikeError
+            raise error(problem)
+        if self.guard.escalation:  # skipping did not help: this rollback retrains at a lower lr
+            self._event("lr_reduced", step=anomaly.step, lr_scale=self.guard.lr_scale_value,
+                        until_step=self.guard.lr_scale_until)
         from_step = self.step
         self._resume(reason=anomaly.kind, max_step=anomaly.step - 1)
         self.guard.forget_after(self.step)
