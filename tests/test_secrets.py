@@ -45,11 +45,11 @@ def test_a_local_job_records_only_its_own_env_and_its_files_are_private(tmp_path
 
     recorded = json.loads((job_dir / "command.json").read_text())["env"]
     assert set(recorded) == {"STAGE_SETTING", "PYTHONUNBUFFERED", "PYTHONPATH"}
-    for path in job_dir.iterdir():
-        if path.name != "output.log":  # the job printed the key on purpose: it still gets it
-            assert planted["AWS_SECRET_ACCESS_KEY"] not in path.read_text(), path.name
+    # The job got the inherited key (it printed it, not '<unset>'); its log shows *** instead.
     lines, _ = backend.read_logs(handle)
-    assert f"env AWS_SECRET_ACCESS_KEY={planted['AWS_SECRET_ACCESS_KEY']}" in lines
+    assert "env AWS_SECRET_ACCESS_KEY=***" in lines, lines
+    for path in job_dir.iterdir():
+        assert not any(v in path.read_text() for v in planted.values()), path.name
 
     for directory in (job_dir.parent, job_dir):
         assert stat.S_IMODE(directory.stat().st_mode) == 0o700, directory
@@ -64,6 +64,16 @@ def test_remote_jobs_refuse_aws_credentials_in_their_env(name):
     with pytest.raises(JobSpecError) as err:
         check_environment({"MLFLOW_RUN_ID": "abc", name: "AKIAFAKE0123456789"})
     assert repr(name) in str(err.value) and "IAM role" in str(err.value)
+
+
+def test_lines_pass_through_airflows_masker_once_the_env_is_registered(monkeypatch):
+    planted = planted_secrets()
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", planted["AWS_SECRET_ACCESS_KEY"])
+    line = f"key={planted['AWS_SECRET_ACCESS_KEY']} dsn={planted['AIRFLOW_CONN_WAREHOUSE']}"
+    assert env_secrets.mask_in_task_logs(os.environ, {"AIRFLOW_CONN_WAREHOUSE":
+                                                      planted["AIRFLOW_CONN_WAREHOUSE"]}) >= 2
+    assert env_secrets.redact_lines([line]) == [
+        "key=*** dsn=postgres://etl:***@warehouse.internal:5432/dw"]
 
 
 def test_secret_values_are_secret_names_and_uri_passwords():
