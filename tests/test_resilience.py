@@ -4,7 +4,8 @@ The supervisor is tested on real child processes (small Python scripts standing 
 then the whole entrypoint on the tiny data: a kill, a corrupt checkpoint, a hang, a loss spike
 and a NaN in one supervised run that must end with the weights of an uninterrupted run that
 skipped the same batch. The DDP and FSDP tests launch two processes with torchrun, as the local
-backend does.
+backend does. The last sections: the watchdog's phase budgets (stand-in workers, then a job
+with a slowed-down checkpoint writer and restore) and a peer failure heard through the store.
 """
 
 from __future__ import annotations

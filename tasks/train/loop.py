@@ -24,6 +24,7 @@ import hashlib
 import logging
 import math
 import random
+import sys
 import time
 from collections import deque
 from contextlib import nullcontext
@@ -224,7 +225,9 @@ class _Trainer:
             if self.hb is not None:
                 self.hb.beat(phase=tm.FINISHING)
             if self.dist is not None:
-                self.dist.leave(failed=False)
+                # leaving on an error ends the round: peers blocked on this rank hear of it
+                # through the store at once (tasks/train/distributed.py)
+                self.dist.leave(failed=sys.exc_info()[0] is not None)
         if self.tracking:
             _log_loss_curve(self.history)
         final = self.checkpointer.last or (Path(self.resumed_from) if self.resumed_from else None)
