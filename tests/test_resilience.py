@@ -118,7 +118,7 @@ def test_spike_detector_needs_a_full_window_and_flags_outliers_only():
     spike = guard.check(13, 20.0, 1.0)
     assert spike.kind == "loss_spike" and spike.threshold < 20.0
     assert guard.check(13, 9.0, 1.0) is None  # 2.3x the median: healthy models spike so far
-    assert guard.check(13, 3.9, 25.0) is None  # the grad norm is clipped, not a spike signal
+    assert guard.check(13, 3.9, 25.0) is None  # a grad norm alone is no spike (it is clipped)
     assert guard.check(13, float("nan"), 1.0).kind == "nan"
     assert guard.check(13, 3.9, float("inf")).kind == "nan"
     guard.forget_after(5)  # a rollback to step 5: steps 6.. will run again

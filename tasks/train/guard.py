@@ -15,7 +15,10 @@ models x 8 seeds x dropout 0/0.1 x lr 1x/2x, 400 steps):
     have transient spikes of up to 2.2x the window's median loss (pre-clip grad norm up to 250x)
     that recover within two steps, at the recipe's lr. min_ratio (default 3) is the floor that
     keeps them out; a x2 spike is inside that range and is not caught (lower min_ratio for a
-    model whose healthy spikes are smaller: the tiny recipe's stay under 1.12x);
+    model whose healthy spikes are smaller: the tiny recipe's stay under 1.12x). Measured at
+    window 30, sigma 6: 0 of 64 clean runs alarm (the old mean + k*std rule on loss and pre-clip
+    grad norm: 60 of 64), x5, x20 and x100 spikes are all caught, x2 none; min_ratio 1.5 catches
+    x2 too but alarms on 5 of 64 clean runs (0 of 64 at window 100, which starts later);
   - the grad norm is not a spike signal: the pre-clip norm was the false alarm of issue 12 (it
     falls over a window in early training and then rises again, and its healthy excursions reach
     hundreds of times the median), and the post-clip norm, what the optimizer applies, is bounded
