@@ -4,18 +4,27 @@ run in MLflow under one parent run, and a model is registered with the alias `ch
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 import pytest
 
-from tests.isolated_env import airflow_cli
+from tests.isolated_env import SESSION_DIR, airflow_cli
+from tests.test_secrets import planted_secrets
 
 STAGES = ("data_prep", "sweep", "pretrain", "finetune", "distill", "evaluate")
 
 
 @pytest.fixture(scope="module")
 def lifecycle_run(airflow_db):
-    proc = airflow_cli("dags", "test", "llm_lifecycle", "-c", json.dumps({"recipe": "tiny"}),
-                       timeout=900)
+    # The worker runs with credentials in its environment, as a real one would: an AWS secret
+    # key and a database password (plain and in an Airflow connection). None may leak (issue 14).
+    planted = planted_secrets()
+    with pytest.MonkeyPatch.context() as env:
+        for name, value in planted.items():
+            env.setenv(name, value)
+        proc = airflow_cli("dags", "test", "llm_lifecycle", "-c", json.dumps({"recipe": "tiny"}),
+                           timeout=900)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0 and "state=success" in output, output[-6000:]
 
@@ -27,7 +36,8 @@ def lifecycle_run(airflow_db):
                                 order_by=["attributes.start_time DESC"], max_results=1)[0]
     children = client.search_runs(
         [exp.experiment_id], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'", max_results=100)
-    return {"client": client, "parent": parent, "children": children, "output": output}
+    return {"client": client, "parent": parent, "children": children, "output": output,
+            "planted": planted}
 
 
 def test_every_stage_has_a_finished_child_run_with_the_tracking_tags(lifecycle_run):
@@ -85,3 +95,29 @@ def test_evaluation_reports_both_candidates(lifecycle_run):
         assert f"{name}/perplexity" in evaluation.data.metrics
         assert f"{name}/task_accuracy" in evaluation.data.metrics
     assert evaluation.data.metrics["student/params"] < evaluation.data.metrics["teacher/params"]
+
+
+def test_no_planted_secret_reaches_disk_logs_or_mlflow(lifecycle_run):
+    """Every file of the session's state (job dirs, stage outputs, MLflow store and artifacts,
+    Airflow's DB and task logs), every MLflow param and tag, and the task logs printed by the
+    run: none holds the planted AWS secret key or database password."""
+    client, planted = lifecycle_run["client"], lifecycle_run["planted"]
+    values = {planted["AWS_SECRET_ACCESS_KEY"], planted["WAREHOUSE_PASSWORD"]}
+    home = Path(os.environ["LLMOPS_HOME"]).resolve()
+    runs = [lifecycle_run["parent"], *lifecycle_run["children"]]
+    for experiment_id in {run.info.experiment_id for run in runs}:
+        # Artifacts are files under the state directory, so the file scan below reads them.
+        location = client.get_experiment(experiment_id).artifact_location
+        assert Path(location.removeprefix("file://")).resolve().is_relative_to(home), location
+    for run in runs:
+        fields = {**run.data.params, **run.data.tags}
+        for key, value in fields.items():
+            assert not any(v in value for v in values), (run.info.run_name, key)
+    roots = [home, Path(os.environ["AIRFLOW_HOME"]), SESSION_DIR]
+    scanned = 0
+    for path in {p for root in roots for p in root.rglob("*") if p.is_file()}:
+        data = path.read_bytes()
+        scanned += 1
+        assert not any(v.encode() in data for v in values), path
+    assert scanned > 50 and (home / "jobs").is_dir()
+    assert not any(v in lifecycle_run["output"] for v in values)
