@@ -281,7 +281,8 @@ class _Trainer:
                        "records": old.get("records", []) + records})
 
     def _state(self) -> dict[str, Any] | None:
-        """The checkpoint: on rank 0 the whole state, elsewhere None (after the collectives)."""
+        """The checkpoint: FSDP, every rank's shards; else on rank 0 the whole state, elsewhere
+        None (after the collectives)."""
         assert self.optimizer is not None
         trainer: dict[str, Any] = {
             "step": self.step, "data_cursor": self.cursor, "skipped_batches": sorted(self.skipped),
@@ -404,10 +405,13 @@ class _Trainer:
         assert self.optimizer is not None
         # Running sums as tensors: reading a loss with .item() every step would stall a GPU
         # queue. Throughput is wall time per log interval (synchronized once, at the log), minus
-        # the time spent evaluating and checkpointing, so it measures training alone.
+        # the time spent evaluating and checkpointing, so it measures training alone. The first
+        # step of every (re)start is not timed: it compiles the model (torch.compile on GPU, up to
+        # minutes) and warms the allocator and caches, which says nothing about the steady rate.
         interval_loss = torch.zeros((), device=device)
         interval_steps, interval_tokens = 0, 0
         interval_start, paused = time.perf_counter(), 0.0
+        warmed_up = False
         grad_norm = torch.zeros(())
         lr = 0.0
         self.progress = tm.Progress(cfg.max_steps, self.step)
@@ -458,30 +462,37 @@ class _Trainer:
                 self.steps.record(done, batch_index, t0, t_data, time.time())
             interval_loss += loss.detach().float()
             interval_steps += 1
-            interval_tokens += batch.tokens * self.world
+            if warmed_up:
+                interval_tokens += batch.tokens * self.world
+            else:  # the untimed first step: the clock starts when it has finished
+                warmed_up = True
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                interval_start, paused = time.perf_counter(), 0.0
 
             # step 1 too: the first loss (about ln(vocab) from scratch) is the quickest sanity check
             if done % cfg.log_interval == 0 or done in (1, cfg.max_steps):
                 if device.type == "cuda":
                     torch.cuda.synchronize()  # honest timing: wait for the queued kernels
                 elapsed = max(time.perf_counter() - interval_start - paused, 1e-9)
-                self.total_tokens += interval_tokens
-                self.total_time += elapsed
                 self.train_loss = float(interval_loss) / interval_steps
-                metrics = {"loss": self.train_loss, "lr": lr, "grad_norm": float(grad_norm),
-                           "tokens_per_s": interval_tokens / elapsed}
-                if opts.flops_per_token and opts.peak_flops:
-                    per_device = metrics["tokens_per_s"] / self.world
-                    metrics["mfu"] = per_device * opts.flops_per_token / opts.peak_flops
+                metrics = {"loss": self.train_loss, "lr": lr, "grad_norm": float(grad_norm)}
+                if interval_tokens:  # not at a first step, which is untimed
+                    self.total_tokens += interval_tokens
+                    self.total_time += elapsed
+                    metrics["tokens_per_s"] = interval_tokens / elapsed
+                    if opts.flops_per_token and opts.peak_flops:
+                        per_device = metrics["tokens_per_s"] / self.world
+                        metrics["mfu"] = per_device * opts.flops_per_token / opts.peak_flops
                 self._log_metrics(metrics, done)
                 self.history.append({"step": done, **metrics})
                 # "step N/M | loss X" and "| T tok/s" are parsed by SageMaker's metric regexes
                 # (llmops.jobs.backends.sagemaker.METRICS): keep them as they are. MFU only with
                 # a known peak (tasks.train.runtime.peak_flops).
-                log.info("step %d/%d | loss %.4f | lr %.2e | grad_norm %.3f | %.0f tok/s%s | %s",
+                log.info("step %d/%d | loss %.4f | lr %.2e | grad_norm %.3f%s%s | %s",
                          done, cfg.max_steps, self.train_loss, lr, metrics["grad_norm"],
-                         metrics["tokens_per_s"],
-                         f" | mfu {metrics['mfu']:.2%}" if "mfu" in metrics else "",
+                         f" | {metrics['tokens_per_s']:.0f} tok/s" if "tokens_per_s" in metrics
+                         else "", f" | mfu {metrics['mfu']:.2%}" if "mfu" in metrics else "",
                          self.progress.line(done))
                 interval_loss.zero_()
                 interval_steps, interval_tokens = 0, 0
