@@ -17,7 +17,8 @@ steps a detector would reject (a rejected step stays out of its window, as in th
 Detection: the same replays with step N's loss and pre-clip grad norm multiplied by F (a loss
 x F has gradients x F), F in 2, 5, 20, 100, N in 100, 200, 300: caught means the detector fires
 at step N. Then real loop runs with `spike@N*F` injected (tasks/train/faults.py) and the new
-guard: caught, rollbacks and skipped batches (only the spike's batch should be skipped).
+guard: caught, rollbacks and skipped batches (only the spike's batch should be skipped); and 3
+or 4 spikes on consecutive steps (the weights, not a batch: lr halved twice, then a failure).
 
 Writes benchmarks/results/spike_guard.json. Runs on one torch thread.
 """
@@ -261,6 +262,17 @@ def main() -> None:
                 print(f"spike x{size:g} at {n} seed {seed}: caught {row['caught']}, "
                       f"{row['rollbacks']} rollbacks, {row['skipped']} skipped", flush=True)
 
+    # an incident: spikes on consecutive steps, as when the weights (not a batch) are the problem
+    incidents = []
+    for count in (3, 4):
+        spec = ",".join(f"spike@{150 + i}" for i in range(count))
+        run = loop_run(data_dir, args.work / "run", model=models()["tiny"], seed=0, dropout=0.1,
+                       lr_factor=1.0, steps=args.steps, faults=spec)
+        incidents.append({"faults": spec, "rollbacks": run["rollbacks"], "skipped": run["skipped"],
+                          "anomaly_steps": run["anomaly_steps"], "failure": run["failure"]})
+        print(f"{spec}: {run['rollbacks']} rollbacks, {run['skipped']} skipped, "
+              f"{'failed: ' + run['failure'] if run['failure'] else 'finished'}", flush=True)
+
     loop_clean = {"runs": len(clean), "rollbacks": sum(r["rollbacks"] for r in clean),
                   "skipped_batches": sum(r["skipped"] for r in clean),
                   "runs_with_rollbacks": sum(r["rollbacks"] > 0 for r in clean)}
@@ -304,6 +316,7 @@ def main() -> None:
         "false_alarms_loop_new_aggressive": loop_clean,
         "detection_replayed_aggressive": detection,
         "injected_loop_new_aggressive": {"by_size": by_size, "runs": injected},
+        "consecutive_spikes_loop_new_aggressive": incidents,
         "clean_max_over_window_median": excursions,
         "clean_runs": [{k: v for k, v in r.items() if k != "trace"} for r in clean],
         "wall_s": time.time() - t_start,

@@ -80,8 +80,8 @@ def spike_threshold(values: list[float], sigma: float) -> float:
 
 
 class SpikeGuard:
-    """sigma 0 turns spike detection off (NaN/Inf is always checked). grad_clip 0: no clipping,
-    the grad norm is checked as it is. The loop calls check() on every optimizer step, add()
+    """sigma 0 turns spike detection off (NaN/Inf is always checked). The loop calls check() on
+    every optimizer step (one loss and one grad norm, whatever the gradient accumulation), add()
     for an accepted one, rollback() for a rejected one and lr_scale() for every step's lr."""
 
     def __init__(self, *, sigma: float, window: int, min_ratio: float = DEFAULT_MIN_RATIO,
@@ -126,7 +126,7 @@ class SpikeGuard:
                         "a NaN that recurs is the lr or the data: lower optim.lr or raise "
                         "optim.warmup_steps." if anomaly.kind == "nan" else
                         "if they are bad data, raise max_rollbacks; if the guard rejects healthy "
-                        "steps, raise spike_sigma or spike_window."))
+                        "steps, raise spike_min_ratio, spike_sigma or spike_window."))
         repeat = self.last_skip_step is not None and anomaly.step <= self.last_skip_step + REPEAT_STEPS
         if skipped:
             self.last_skip_step = anomaly.step
