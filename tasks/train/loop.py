@@ -460,7 +460,7 @@ class _Trainer:
             self.recent.append((done, batch_index))
             if self.steps is not None:
                 self.steps.record(done, batch_index, t0, t_data, time.time())
-            interval_loss += loss.detach().float()
+            interval_loss += stats[0]  # the loss of the global batch (averaged over ranks)
             interval_steps += 1
             if warmed_up:
                 interval_tokens += batch.tokens * self.world
