@@ -18,7 +18,7 @@ from typing import Any, get_type_hints
 
 from llmops import params as lifecycle_params
 from llmops import promotion
-from llmops import settings, tracking
+from llmops import settings, teams, tracking
 from llmops.jobs.spec import JobSpec
 from llmops.sweep import budget as sweep_budget
 from llmops.sweep import stage as sweep_stage
@@ -206,14 +206,22 @@ def check_data_path(name: str, value: Any) -> None:
                                   "path. " + hint)
     if ".." in value.split(os.sep):
         raise LifecycleParamError(f"Param '{name}': {value!r} has a '..' component. " + hint)
+    outside = outside_roots(value, allowed)
+    if outside is not None:
+        raise LifecycleParamError(f"Param '{name}': {value!r} is outside the allowed data roots"
+                                  f"{'' if outside == value else f' ({outside} resolves elsewhere)'}. "
+                                  + hint)
+
+
+def outside_roots(value: str, roots: list[str]) -> str | None:
+    """A local file, dir or glob: the first of its fixed base and its matches that resolves outside
+    `roots` (the base itself is returned as `value`), or None when all are inside."""
     fixed = re.split(r"[*?\[]", value, maxsplit=1)[0]
     base = fixed if fixed.endswith(os.sep) or fixed == value else os.path.dirname(fixed)
-    matches = [base] + glob.glob(value)
-    outside = [m for m in matches if not _under(os.path.realpath(m), allowed)]
-    if outside:
-        raise LifecycleParamError(f"Param '{name}': {value!r} is outside the allowed data roots"
-                                  f"{'' if outside[0] == base else f' ({outside[0]} resolves elsewhere)'}. "
-                                  + hint)
+    for match in [base] + glob.glob(value):
+        if not _under(os.path.realpath(match), roots):
+            return value if match == base else match
+    return None
 
 
 def check_params(params: dict[str, Any], conf: dict[str, Any] | None = None) -> str:
@@ -251,10 +259,6 @@ def check_backends(backends: dict[str, str], params: dict[str, Any], storage_roo
     connection is configured) the connection answers and the staging and storage buckets exist."""
     from llmops.jobs.backends import settings as backend_settings
 
-    classes = {"sagemaker": backend_settings.SageMakerSettings,
-               "sagemaker_processing": backend_settings.ProcessingSettings,
-               "batch": backend_settings.BatchSettings, "hyperpod": backend_settings.HyperPodSettings,
-               "ray": backend_settings.RaySettings}
     resources = params.get("stage_resources") or {}
     buckets: dict[str, set[str]] = {}   # aws_conn_id -> buckets to check through it
     for stage, backend in backends.items():
@@ -262,7 +266,7 @@ def check_backends(backends: dict[str, str], params: dict[str, Any], storage_roo
             continue
         knob = f"backend_{stage}"
         try:
-            block = backend_settings.load(backend, classes[backend]).for_stage(stage)
+            block = backend_settings.load(backend, backend_settings.settings_class(backend)).for_stage(stage)
         except backend_settings.BackendSettingsError as exc:
             raise LifecycleParamError(f"Param '{knob}' = {backend!r}: {exc}") from None
         chosen = resources.get(stage) or {}
@@ -335,6 +339,10 @@ def start_run(params: dict[str, Any], *, dag_id: str, run_id: str,
     cfg = resolve(params)
     backends = {stage: params.get(f"backend_{stage}") or "local" for stage in lifecycle_params.STAGES}
     sweep_budget.check_sweep(cfg, backends["sweep"], params)  # refuse before any job starts
+    check_backends(backends, params, storage_root, network=False)  # the settings, naming the Param
+    team = teams.check_run(params, cfg, backends, storage_root)   # the team's lane (llmops_teams)
+    hours = sweep_budget.check_team(team, sweep_budget.run_estimate(cfg, backends, params))
+    log.info("Estimate: %.4g accelerator-hours for team %s", hours, team.name if team else "-")
     check_backends(backends, params, storage_root)
     root = os.path.join(storage_root, dag_id, re.sub(r"[^A-Za-z0-9_.-]+", "_", run_id))
     config = configs.to_dict(cfg)
@@ -352,7 +360,8 @@ def start_run(params: dict[str, Any], *, dag_id: str, run_id: str,
     return {"dag_id": dag_id, "run_id": run_id, "root": root, "config": config,
             "champion": {k: champion[k] for k in ("version", "uri", "run_id")} if champion else None,
             "backends": backends, "experiment": dag_id, "parent_run_id": parent,
-            "resources": params.get("stage_resources") or {}, "team": params.get("team") or "",
+            "resources": params.get("stage_resources") or {},
+            "team": team.name if team else params.get("team") or "",
             "priority": params.get("priority"),
             "model_name": model_name}
 
@@ -371,7 +380,8 @@ def fail_parent_run(parent_run_id: str, reason: str) -> None:
 def validation_errors() -> tuple[type[Exception], ...]:
     from llmops.jobs.backends.settings import BackendSettingsError
 
-    return (LifecycleParamError, sweep_budget.BudgetError, BackendSettingsError, configs.ConfigError)
+    return (LifecycleParamError, sweep_budget.BudgetError, BackendSettingsError, configs.ConfigError,
+            teams.TeamError)
 
 
 def _spec(run: dict[str, Any], stage: str, config: dict[str, Any], *,

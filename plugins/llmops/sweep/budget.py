@@ -1,4 +1,5 @@
-"""What a sweep or a ladder will cost, in accelerator-hours, and the refusal when it is too much.
+"""What a run will cost, in accelerator-hours, and the refusal when it is too much: a sweep's or a
+ladder's against its budget_hours Param, every stage of a run against its team's monthly budget.
 
 Training a model of P parameters on T tokens costs about 6 * P * T FLOPs (forward and backward),
 evaluating it 2 * P per token. Divided by an accelerator's effective throughput (its dense bf16
@@ -6,18 +7,29 @@ peak at ~40% model-FLOPs utilisation: a planning figure, not a promise) this giv
 accelerator-seconds; each job also pays its start-up (instances, image pull, data). The number does
 not depend on how many accelerators a job uses: more of them finish sooner at the same total.
 
+Every stage on every backend (`run_estimate`): its upper bound is instances x accelerators per
+instance x max run time (stage_resources, else the backend settings, else JobSpec's 24 h): the
+service stops the job there. Where a training-FLOPs estimate applies (sweep, pretrain, finetune,
+distill) the stage is charged that estimate plus every instance's start-up, capped at the upper
+bound; data prep and evaluation are charged the upper bound. Accelerators per instance come from
+the job ledger's price table (plugins/llmops/ledger/prices.json; Batch `gpus`, HyperPod
+`gpus_per_node` when set); a CPU instance has 0, a type in neither counts as 1 per instance (no
+guess of 0), and a local stage runs on the worker's CPU: 0.
+
 Checked by the first task of a run (`start_run`, `start_ladder`), before any job starts.
 """
 
 from __future__ import annotations
 
-import json
+import datetime as dt
 import math
-import os
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tasks import configs, hardware
+
+if TYPE_CHECKING:
+    from llmops.teams import Team
 
 # Planning utilisation of an accelerator's dense bf16 peak (tasks/hardware.py, the table the jobs'
 # MFU uses too)
@@ -61,24 +73,32 @@ def accelerator(instance_type: str) -> tuple[str, float]:
 def instance_type_for(backend: str, stage: str, params: dict[str, Any] | None = None) -> str:
     """The instance type a stage's jobs will get: the run's stage_resources Param, else the
     backend's deployment settings (the Airflow Variable llmops_backends), else unknown ("")."""
-    if backend == "local":
-        return "local"
-    chosen = ((params or {}).get("stage_resources") or {}).get(stage) or {}
-    if isinstance(chosen, dict) and chosen.get("instance_type"):
-        return str(chosen["instance_type"])
-    text = None
-    try:
-        from airflow.sdk import Variable
+    from llmops.jobs.backends.settings import BackendSettingsError
 
-        text = Variable.get("llmops_backends", default=None)
-    except Exception:  # outside a task
-        text = os.environ.get("AIRFLOW_VAR_LLMOPS_BACKENDS")
     try:
-        block = (json.loads(text) if isinstance(text, str) else text or {}).get(backend) or {}
-    except (ValueError, AttributeError):
+        return stage_resources(backend, stage, params)["instance_type"]
+    except BackendSettingsError:  # check_backends refuses it, naming the Param
         return ""
-    stage_block = (block.get("stages") or {}).get(stage) or {}
-    return str(stage_block.get("instance_type") or block.get("instance_type") or "")
+
+
+def stage_resources(backend: str, stage: str, params: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What a stage's jobs will run on, as the backends resolve it (remote.merged): the run's
+    stage_resources over the backend's settings for the stage: image, instance_type,
+    instance_count, max_run_seconds and accelerators per instance (None = not known here)."""
+    from llmops.jobs.backends import settings as backend_settings
+    from llmops.jobs.spec import JobSpec
+
+    chosen = ((params or {}).get("stage_resources") or {}).get(stage) or {}
+    max_run = int(chosen.get("max_run_seconds") or JobSpec.__dataclass_fields__["max_run_seconds"].default)
+    if backend == "local":
+        return {"image": "", "instance_type": "local", "instance_count": 1,
+                "max_run_seconds": max_run, "accelerators": 0}
+    block = backend_settings.load(backend, backend_settings.settings_class(backend)).for_stage(stage)
+    per_node = getattr(block, "gpus", 0) or getattr(block, "gpus_per_node", 0)
+    return {"image": str(chosen.get("image") or block.image),
+            "instance_type": str(chosen.get("instance_type") or block.instance_type),
+            "instance_count": int(chosen.get("instance_count") or block.instance_count or 1),
+            "max_run_seconds": max_run, "accelerators": per_node or None}
 
 
 def _training_flops(model: configs.ModelConfig, steps: int, batch_size: int, seq_len: int,
@@ -140,3 +160,119 @@ def check_ladder(cfg: configs.LifecycleConfig, backend: str, params: dict[str, A
     check(estimate, cfg.ladder.budget_hours, knob="budget_hours",
           lower="ladder_widths or ladder_tokens_per_param")
     return estimate
+
+
+# -- every stage of a run, against its team's monthly budget ---------------------------------
+
+@dataclass
+class StageEstimate:
+    stage: str
+    backend: str
+    instance_type: str
+    instances: int                # per job
+    jobs: int
+    accelerators: int             # per instance
+    max_run_seconds: int
+    flops_hours: float | None     # the training-FLOPs estimate plus start-up; None = not a training stage
+    counted_as: str               # how the accelerators per instance were found
+
+    @property
+    def upper_hours(self) -> float:
+        """The most the stage can use: the service stops each job at its max run time."""
+        return self.jobs * self.instances * self.accelerators * self.max_run_seconds / 3600
+
+    @property
+    def hours(self) -> float:
+        return self.upper_hours if self.flops_hours is None else min(self.flops_hours, self.upper_hours)
+
+    def line(self) -> str:
+        if self.backend == "local":
+            return f"{self.stage} on local: 0 (the worker's CPU)"
+        what = (f"{self.stage} on {self.backend}: {self.jobs} x " if self.jobs > 1 else
+                f"{self.stage} on {self.backend}: ") + \
+            f"{self.instances} x {self.instance_type or 'unknown type'} ({self.accelerators} {self.counted_as})"
+        bound = f"max run {self.max_run_seconds / 3600:g} h, at most {self.upper_hours:.4g}"
+        if self.flops_hours is None:
+            return f"{what}, {bound} = {self.hours:.4g}"
+        return f"{what}, training FLOPs + start-up {self.flops_hours:.4g} ({bound}) = {self.hours:.4g}"
+
+
+def accelerators_per_instance(instance_type: str, from_settings: int | None) -> tuple[int, str]:
+    """(count, how it was found): the backend's own count, else the ledger's price table, else 1."""
+    if from_settings:
+        return from_settings, "accelerators per node, from the backend settings"
+    try:
+        from llmops.ledger.events import instance_rate
+    except ImportError:  # the ledger's table is not installed
+        instance_rate = None
+    count = instance_rate(instance_type)[0] if instance_rate and instance_type else None
+    if count is None:
+        return 1, "accelerator per instance assumed: type not in the price table"
+    return count, "accelerators per instance"
+
+
+def _stage_flops(cfg: configs.LifecycleConfig, stage: str) -> tuple[float, int] | None:
+    """(training FLOPs, jobs) of a training stage; None for data prep and evaluation."""
+    seq = cfg.data.seq_len
+    if stage == "sweep":
+        estimate = sweep_estimate(cfg, "local")
+        return estimate.flops, estimate.jobs
+    if stage == "pretrain":
+        t = cfg.pretrain
+        return _training_flops(t.model, t.max_steps, t.batch_size, seq,
+                               math.ceil(t.max_steps / t.eval_interval), t.eval_batches), 1
+    if stage == "finetune":
+        t = cfg.finetune
+        return _training_flops(cfg.pretrain.model, t.max_steps, t.batch_size, seq,
+                               math.ceil(t.max_steps / t.eval_interval), t.eval_batches), 1
+    if stage == "distill":
+        t = cfg.distill
+        # the student trains; the teacher (the pretraining model) runs forward on the same tokens
+        student = _training_flops(t.student, t.max_steps, t.batch_size, seq,
+                                  math.ceil(t.max_steps / t.eval_interval), t.eval_batches)
+        return student + 2 * cfg.pretrain.model.approx_params * t.max_steps * t.batch_size * seq, 1
+    return None
+
+
+def run_estimate(cfg: configs.LifecycleConfig, backends: dict[str, str],
+                 params: dict[str, Any] | None = None) -> list[StageEstimate]:
+    """An accelerator-hour estimate for every stage of the run, on its backend."""
+    out = []
+    for stage, backend in backends.items():
+        res = stage_resources(backend, stage, params)
+        accelerators, how = (0, "") if backend == "local" else \
+            accelerators_per_instance(res["instance_type"], res["accelerators"])
+        found = _stage_flops(cfg, stage)
+        jobs, flops_hours = 1, None
+        if found is not None:
+            flops, jobs = found
+            _, speed = accelerator(res["instance_type"] or "unknown")
+            flops_hours = (flops / speed + jobs * res["instance_count"] * accelerators
+                           * JOB_OVERHEAD_SECONDS["remote"]) / 3600
+        out.append(StageEstimate(stage, backend, res["instance_type"], res["instance_count"], jobs,
+                                 accelerators, res["max_run_seconds"], flops_hours, how))
+    return out
+
+
+def check_team(team: "Team | None", estimates: list[StageEstimate]) -> float:
+    """Refuse a run whose estimate exceeds what its team has left this month (0 = no budget).
+    Returns the run's estimate in accelerator-hours."""
+    from llmops import teams
+
+    total = sum(e.hours for e in estimates)
+    if team is None or not team.accelerator_hours_budget:
+        return total
+    spent, remaining = teams.remaining_hours(team)
+    if total <= remaining:
+        return total
+    since = teams.period_start()
+    next_month = (since + dt.timedelta(days=32)).replace(day=1)
+    biggest = max(estimates, key=lambda e: e.hours)
+    raise BudgetError(
+        f"Team {team.name}'s runs have {team.accelerator_hours_budget:g} accelerator-hours a month "
+        f"({teams.VARIABLE}.teams.{team.name}.accelerator_hours_budget); the job ledger records "
+        f"{spent:.4g} spent since {since:%Y-%m-%d}, so {max(remaining, 0):.4g} remain, and this run "
+        f"is estimated at {total:.4g}: " + "; ".join(e.line() for e in estimates) + ". "
+        f"Lower stage_resources.{biggest.stage}.instance_count or max_run_seconds (the largest "
+        f"stage), run stages on 'local', wait for the budget to renew on {next_month:%Y-%m-%d}, or "
+        "ask the platform team to raise the budget. Nothing was started.")

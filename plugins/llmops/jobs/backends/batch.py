@@ -70,10 +70,11 @@ def batch_tags(tags: dict[str, str]) -> dict[str, str]:
     return dict(list(out.items())[:50])
 
 
-def scheduling(spec: JobSpec) -> dict[str, Any]:
-    """shareIdentifier and schedulingPriorityOverride from the run's team and priority."""
+def scheduling(spec: JobSpec, share_identifier: str = "") -> dict[str, Any]:
+    """shareIdentifier (the team's, from llmops_teams, else the team's name) and
+    schedulingPriorityOverride from the run's team and priority."""
     out: dict[str, Any] = {}
-    team = spec.tags.get("team", "")
+    team = share_identifier or spec.tags.get("team", "")
     if team:
         if not SHARE_IDENTIFIER.match(team):
             raise JobSpecError(f"Team {team!r} is not a valid Batch fair-share identifier "
@@ -149,7 +150,7 @@ def submit_request(spec: JobSpec, settings: BatchSettings, staged: remote.Staged
         "timeout": {"attemptDurationSeconds": max(60, spec.max_run_seconds)},
         "propagateTags": settings.propagate_tags,
         "tags": batch_tags(res["tags"]),
-        **scheduling(spec),
+        **scheduling(spec, settings.share_identifier),
     }
     if settings.retry_attempts > 1:
         # Retry when the host went away (spot reclaim, hardware), not when the job itself failed.
@@ -222,7 +223,7 @@ class BatchBackend(Backend):
         """
         if not spec.name:
             raise JobSpecError("JobSpec.name is required to submit: it makes retries reattach.")
-        settings = load("batch", BatchSettings, self._settings).for_stage(spec.stage)
+        settings = load("batch", BatchSettings, self._settings).for_job(spec)
         settings.require("job_queue", "staging_uri", backend="batch")
         remote.check_environment(spec.env)
         remote.warn_if_unreachable(spec.env, log)
@@ -345,7 +346,7 @@ class BatchBackend(Backend):
 
     def fingerprint(self, spec: JobSpec) -> str:
         """A short hash of the stage's resolved batch settings block; no network I/O."""
-        return remote.settings_fingerprint(load("batch", BatchSettings, self._settings).for_stage(spec.stage))
+        return remote.settings_fingerprint(load("batch", BatchSettings, self._settings).for_job(spec))
 
     def _describe(self, hook: Any, job_id: str) -> dict[str, Any] | None:
         """The job's description, or None. Throttling is retried by the client; a job that is not

@@ -340,7 +340,7 @@ class HyperPodBackend(Backend):
         self._settings = settings
 
     def _settings_for(self, spec: JobSpec) -> HyperPodSettings:
-        return load("hyperpod", HyperPodSettings, self._settings).for_stage(spec.stage)
+        return load("hyperpod", HyperPodSettings, self._settings).for_job(spec)
 
     def fingerprint(self, spec: JobSpec) -> str:
         """The deployment's settings for the stage: a change to them is a different job."""

@@ -405,7 +405,7 @@ class _SageMakerBackend(Backend):
     def submit(self, spec: JobSpec) -> dict[str, Any]:
         if not spec.name:
             raise JobSpecError("JobSpec.name is required to submit: it makes retries reattach.")
-        settings = load(self.settings_key, self.settings_cls, self._settings).for_stage(spec.stage)
+        settings = load(self.settings_key, self.settings_cls, self._settings).for_job(spec)
         settings.require("role_arn", "staging_uri", backend=self.settings_key)
         remote.check_environment(spec.env)
         remote.warn_if_unreachable(spec.env, log)
@@ -461,7 +461,7 @@ class _SageMakerBackend(Backend):
 
     def fingerprint(self, spec: JobSpec) -> str:
         """A short hash of the stage's resolved settings block; no network I/O."""
-        settings = load(self.settings_key, self.settings_cls, self._settings).for_stage(spec.stage)
+        settings = load(self.settings_key, self.settings_cls, self._settings).for_job(spec)
         return remote.settings_fingerprint(settings)
 
     # -- observe -----------------------------------------------------------------------------
@@ -560,7 +560,7 @@ class SageMakerProcessingBackend(_SageMakerBackend):
 
     def submit(self, spec: JobSpec) -> dict[str, Any]:
         handle = super().submit(spec)
-        settings = load(self.settings_key, self.settings_cls, self._settings).for_stage(spec.stage)
+        settings = load(self.settings_key, self.settings_cls, self._settings).for_job(spec)
         if not self._two_phase(spec, settings):
             return handle
         staged = remote.plan(spec, handle["job_name"], settings.staging_uri)

@@ -31,6 +31,7 @@ How a remote job is watched, per block (or stage):
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
@@ -82,6 +83,15 @@ class RemoteSettings:
             return from_dict(type(self), data, where=f"{type(self).__name__}.stages.{stage}")
         except ConfigError as exc:
             raise BackendSettingsError(str(exc)) from None
+
+    def for_job(self: S, spec: Any) -> S:
+        """for_stage, then the job's team's role, fair share, namespace and queue from the
+        `llmops_teams` Variable (plugins/llmops/teams.py): no stage override replaces them."""
+        from llmops import teams
+
+        block = self.for_stage(spec.stage)
+        overrides = teams.backend_overrides(type(self).__name__, spec.tags.get("team", ""))
+        return dataclasses.replace(block, **overrides) if overrides else block
 
     def require(self, *names: str, backend: str) -> None:
         missing = [n for n in names if not getattr(self, n)]
@@ -149,6 +159,7 @@ class ProcessingSettings(RemoteSettings):
 @dataclass(kw_only=True)
 class BatchSettings(RemoteSettings):
     job_queue: str = ""
+    share_identifier: str = ""          # fair share; "" = the run's team (its llmops_teams share)
     job_role_arn: str = ""              # the role the containers run with (S3, MLflow access)
     execution_role_arn: str = ""        # pulls the image, writes logs (Fargate/ECR)
     vcpus: int = 8
@@ -192,6 +203,12 @@ class RaySettings(RemoteSettings):
     runtime_env: dict = field(default_factory=dict)  # extra Ray runtime_env (working_dir, pip, ...)
     entrypoint_num_cpus: float = 0.0
     entrypoint_num_gpus: float = 0.0
+
+
+def settings_class(backend: str) -> type[RemoteSettings]:
+    """The settings block class of a remote backend (its key in the Variable)."""
+    return {"sagemaker": SageMakerSettings, "sagemaker_processing": ProcessingSettings,
+            "batch": BatchSettings, "hyperpod": HyperPodSettings, "ray": RaySettings}[backend]
 
 
 def load(backend: str, cls: type[S], settings: dict[str, Any] | None = None) -> S:
