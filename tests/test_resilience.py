@@ -300,10 +300,14 @@ def test_kill_corrupt_checkpoint_hang_spike_and_nan_in_one_supervised_run(tiny_d
     # the corrupt step-15 checkpoint was skipped by the restart after the hang
     assert "skipping checkpoint step 15" in out
     assert all(e["step"] != 15 for e in kinds(events, "resume") if e["t0"] > kinds(events, "hang")[0]["t"])
-    # spike: rolled back before step 27 and its batch skipped; NaN: rolled back and replayed
+    # spike: its update never applied, so rolled back in place (no checkpoint read, nothing
+    # recomputed) and its batch skipped; NaN: rolled back to a checkpoint and replayed
     spike = kinds(events, "anomaly", anomaly="loss_spike")[0]
     assert spike["step"] == 27
     assert kinds(events, "skip")[0]["batches"] == [spike["batch"]]
+    assert kinds(events, "rollback", anomaly="loss_spike")[0]["in_place"] is True
+    assert not kinds(events, "resume", reason="loss_spike")
+    assert kinds(events, "resume", reason="nan")
     nan = kinds(events, "anomaly", anomaly="nan")[0]
     assert nan["step"] == 33 and len(kinds(events, "rollback")) == 2
     skipped = json.loads((tm.run_dir(cfg.output_dir) / "skipped_batches.json").read_text())

@@ -27,6 +27,7 @@ import random
 import sys
 import time
 from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -193,6 +194,8 @@ class _Trainer:
         self.first_resume = True
         self.compiling = False  # the next step runs a model torch.compile has not compiled yet
         self.progress = tm.Progress(cfg.max_steps)  # restarted with each _train
+        self._reader: ThreadPoolExecutor | None = None  # reads the next batch (_prefetch)
+        self._pending: tuple[int, Future] | None = None
 
     # -- the outer loop: (re)join, resume, train -------------------------------------------
     def run(self) -> LoopResult:
@@ -216,6 +219,10 @@ class _Trainer:
                                           f"{self.opts.max_rejoins} rejoins: {exc}") from exc
             self._finish()
         finally:
+            self._drop_pending()
+            if self._reader is not None:
+                self._reader.shutdown(wait=True)
+                self._reader = None
             if self.hb is not None:  # a save still in flight gets the upload budget, not a kill
                 self.hb.beat(phase=tm.UPLOAD)
             try:
@@ -423,8 +430,12 @@ class _Trainer:
                 self.hb.beat(step, tm.COMPILE if self.compiling else tm.STEP)
             t0 = time.time()
             batch_index = self._next_batch_index()
-            batch = self.get_batch(batch_index).to(device)
+            batch = self._batch(batch_index).to(device)
             t_data = time.time()
+            self._prefetch(self._index_after(batch_index))
+            # the generators as this step starts: a spike skipped in place (_on_anomaly) puts them
+            # back, so the step redone on the next batch draws the dropout masks it would have
+            rng_before = rng_state() if self.opts.spike_sigma > 0 else None
             lr = lr_at(step, cfg.optim, cfg.max_steps) * self.guard.lr_scale(step)
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
@@ -447,7 +458,7 @@ class _Trainer:
             anomaly = self.guard.check(done, loss_value, norm_value)
             if anomaly is not None:
                 self.optimizer.zero_grad(set_to_none=True)
-                self._on_anomaly(anomaly, batch_index, t0)
+                self._on_anomaly(anomaly, batch_index, t0, rng_before)
                 interval_loss.zero_()
                 interval_steps, interval_tokens = 0, 0
                 interval_start, paused = time.perf_counter(), 0.0
@@ -533,6 +544,39 @@ class _Trainer:
             self.cursor += 1
         return self.cursor
 
+    def _index_after(self, batch_index: int) -> int:
+        index = batch_index + 1
+        while index in self.skipped:
+            index += 1
+        return index
+
+    # Batch b is a pure function of b (tasks/train/data.py), so the next one is read on a thread
+    # while this step computes (torch releases the GIL in its kernels): the step no longer waits
+    # for the gather from the memory-mapped shards, the tokenization of SFT examples or the
+    # teacher cache. At most one read is in flight; a batch sources are never read concurrently.
+    def _prefetch(self, batch_index: int) -> None:
+        if self._pending is not None and self._pending[0] == batch_index:
+            return
+        self._drop_pending()
+        if self._reader is None:
+            self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batch-prefetch")
+        self._pending = (batch_index, self._reader.submit(self.get_batch, batch_index))
+
+    def _batch(self, batch_index: int) -> Batch:
+        if self._pending is not None and self._pending[0] == batch_index:
+            future, self._pending = self._pending[1], None
+            return future.result()
+        self._drop_pending()  # a rollback or a skip changed what comes next
+        return self.get_batch(batch_index)
+
+    def _drop_pending(self) -> None:
+        if self._pending is not None:
+            pending, self._pending = self._pending[1], None
+            try:
+                pending.result()  # never two reads at once: batch sources are not thread-safe
+            except Exception:  # noqa: BLE001 - a batch nobody will use; the next read raises anew
+                pass
+
     def _evaluate(self, done: int) -> None:
         if self.hb is not None:
             self.hb.beat(done, tm.EVAL)
@@ -550,13 +594,21 @@ class _Trainer:
         if self.on_eval is not None:
             self.on_eval(done, dict(self.val))
 
-    def _on_anomaly(self, anomaly: Anomaly, batch_index: int, t0: float) -> None:
-        """Do not apply the update; roll back to the last good checkpoint. For a spike, the
-        batches of the last spike_skip_batches steps are skipped from now on; a NaN is first
-        replayed (a transient fault, such as a flipped bit, does not recur) and its batch is
-        skipped only if it fails again. The guard counts the rollback against the job's budget
-        and lowers the lr when skipping did not help (tasks/train/guard.py); when it gives up,
-        the job fails with UnrecoverableAnomaly."""
+    def _on_anomaly(self, anomaly: Anomaly, batch_index: int, t0: float,
+                    rng_before: dict[str, Any] | None = None) -> None:
+        """Do not apply the update; roll back. For a spike, the batches of the last
+        spike_skip_batches steps are skipped from now on; a NaN is first replayed (a transient
+        fault, such as a flipped bit, does not recur) and its batch is skipped only if it fails
+        again. The guard counts the rollback against the job's budget and lowers the lr when
+        skipping did not help (tasks/train/guard.py); when it gives up, the job fails with
+        UnrecoverableAnomaly.
+
+        Where the rollback goes: a spike whose batch is the only one to skip never touched the
+        weights (the guard runs before the optimizer step), so it is rolled back in place: the
+        step's random state is put back and the step is redone on the next batch, with no
+        checkpoint read and no steps recomputed (bitwise the run that skipped the batch up
+        front). Otherwise (earlier batches to skip, a NaN, an lr reduction that retrains from
+        the checkpoint) the job goes back to the newest checkpoint that never saw a bad batch."""
         opts = self.opts
         self._event("anomaly", step=anomaly.step, anomaly=anomaly.kind, value=anomaly.value,
                     threshold=anomaly.threshold, batch=batch_index, t0=t0)
@@ -581,6 +633,12 @@ class _Trainer:
             self._event("lr_reduced", step=anomaly.step, lr_scale=self.guard.lr_scale_value,
                         until_step=self.guard.lr_scale_until)
         from_step = self.step
+        if (anomaly.kind != "nan" and bad == [batch_index] and not self.guard.escalation
+                and rng_before is not None):
+            set_rng_state(rng_before)
+            self._event("rollback", from_step=from_step, to_step=self.step, anomaly=anomaly.kind,
+                        path=None, in_place=True)
+            return
         self._resume(reason=anomaly.kind, max_step=anomaly.step - 1)
         self.guard.forget_after(self.step)
         self._event("rollback", from_step=from_step, to_step=self.step, anomaly=anomaly.kind,

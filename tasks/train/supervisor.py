@@ -27,8 +27,9 @@ The supervisor
     moving I/O is never killed, and the final upload is not killed half-way. RENDEZVOUS and
     FINISHING (after the final checkpoint is durable) are left to their own timeouts;
   - stops after max_restarts restarts (the task then fails, and Airflow's retry takes over), and
-    never restarts a worker that failed while setting up (exit code 3: bad config or data,
-    which a restart would only repeat);
+    never restarts a worker that exits with FATAL_EXIT (3): bad config or data found while
+    setting up, or a NaN/spike the spike guard gave up on (tasks/train/guard.py): a restart
+    would only repeat either;
   - records every event (job_start, spawn, restart, hang, worker_exit, budget_exhausted) in
     events.jsonl and the task log; the worker logs them to the MLflow run.
 """
@@ -53,7 +54,7 @@ log = logging.getLogger(__name__)
 ROLE_ENV = "LLMOPS_TRAIN_ROLE"  # "worker" or "spare" in a child; unset in the supervisor
 ATTEMPT_ENV = "LLMOPS_TRAIN_ATTEMPT"
 RUN_DIR_ENV = "LLMOPS_TRAIN_RUN_DIR"
-FATAL_EXIT = 3  # a worker that failed before training: do not restart
+FATAL_EXIT = 3  # a failure a restart would repeat (bad config or data, the guard gave up)
 STOP_GRACE_S = 10.0
 
 
@@ -200,8 +201,8 @@ class Supervisor:
                     return 0
                 if code == FATAL_EXIT:
                     self.events.emit("fatal", attempt=worker.attempt,
-                                     reason="the worker failed while setting up; a restart "
-                                            "would fail the same way")
+                                     reason="the worker stopped on an error a restart would "
+                                            "repeat (its log says which)")
                     return code
                 if self.restarts >= self.max_restarts:
                     self.events.emit("budget_exhausted", restarts=self.restarts)
