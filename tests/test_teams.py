@@ -20,7 +20,7 @@ from llmops.jobs.backends import settings as backend_settings
 from llmops.jobs.spec import JobSpec
 from llmops.sweep import budget
 from tests.aws_fixtures import IMAGE, ROLE, sagemaker_settings
-from tests.test_start_run_validation import DAG_ID, refused  # noqa: F401 (a fixture)
+from tests.test_start_run_validation import DAG_ID, mlflow_runs, refused  # noqa: F401 (a fixture)
 
 NLP_ROLE = "arn:aws:iam::123456789012:role/llmops-nlp"
 NLP_IMAGES = "123456789012.dkr.ecr.us-east-1.amazonaws.com/nlp/"
@@ -313,3 +313,19 @@ def test_every_stage_on_every_backend_has_an_estimate(team_setup, monkeypatch):
     assert by_stage["evaluate"].hours == 8 * 2       # 1 x p4d (8 GPUs, Batch `gpus`) x 2 h
     assert by_stage["pretrain"].upper_hours == 4 * 8 * 24
     assert by_stage["sweep"].jobs > 1 and by_stage["sweep"].hours > by_stage["finetune"].hours > 0
+
+
+def test_the_scaling_ladder_runs_in_the_default_teams_lane(team_setup):
+    """start_ladder shares the checks (lifecycle.check_lane): the ladder DAG has no team Param, so
+    its runs are the default team's, and its storage root must be under nlp's prefixes."""
+    from llmops.sweep import ladder
+
+    runs = len(mlflow_runs())
+    with pytest.raises(teams.TeamError, match=r"Param 'storage_root' '.*/vision-out' is not under "
+                                              r"team nlp's storage_prefixes"):
+        ladder.start_ladder({"recipe": "tiny", "storage_root": str(team_setup / "vision-out")},
+                            dag_id=DAG_ID, run_id="manual__ladder_vision")
+    with pytest.raises(lifecycle.LifecycleParamError, match=r"outside the allowed storage roots"):
+        ladder.start_ladder({"recipe": "tiny", "storage_root": "/etc"}, dag_id=DAG_ID,
+                            run_id="manual__ladder_etc")
+    assert len(mlflow_runs()) == runs, "a refused ladder opened an MLflow run"

@@ -340,9 +340,7 @@ def start_run(params: dict[str, Any], *, dag_id: str, run_id: str,
     backends = {stage: params.get(f"backend_{stage}") or "local" for stage in lifecycle_params.STAGES}
     sweep_budget.check_sweep(cfg, backends["sweep"], params)  # refuse before any job starts
     check_backends(backends, params, storage_root, network=False)  # the settings, naming the Param
-    team = teams.check_run(params, cfg, backends, storage_root)   # the team's lane (llmops_teams)
-    hours = sweep_budget.check_team(team, sweep_budget.run_estimate(cfg, backends, params))
-    log.info("Estimate: %.4g accelerator-hours for team %s", hours, team.name if team else "-")
+    team = check_lane(params, cfg, backends, storage_root)
     check_backends(backends, params, storage_root)
     root = os.path.join(storage_root, dag_id, re.sub(r"[^A-Za-z0-9_.-]+", "_", run_id))
     config = configs.to_dict(cfg)
@@ -364,6 +362,17 @@ def start_run(params: dict[str, Any], *, dag_id: str, run_id: str,
             "team": team.name if team else params.get("team") or "",
             "priority": params.get("priority"),
             "model_name": model_name}
+
+
+def check_lane(params: dict[str, Any], cfg: configs.LifecycleConfig, backends: dict[str, str],
+               storage_root: str) -> teams.Team | None:
+    """The run's team (the `llmops_teams` Variable, plugins/llmops/teams.py): refuse what is
+    outside its allowlists, then an estimate of every stage over what is left of its budget.
+    The first task of every DAG calls it before any job; None when no teams are configured."""
+    team = teams.check_run(params, cfg, backends, storage_root)
+    hours = sweep_budget.check_team(team, sweep_budget.run_estimate(cfg, backends, params))
+    log.info("Estimate: %.4g accelerator-hours for team %s", hours, team.name if team else "-")
+    return team
 
 
 def fail_parent_run(parent_run_id: str, reason: str) -> None:

@@ -250,7 +250,11 @@ def lifecycle_params() -> dict[str, Any]:
     params["team"] = optional_text("The team the run belongs to (a lowercase letter, then up to 30 "
                                    "lowercase letters and digits): AWS Batch fair-share "
                                    "identifier, HyperPod namespace and queue, a tag on every job. "
-                                   "Empty = none.", WHERE, pattern=TEAM_PATTERN)
+                                   "Where the Airflow Variable llmops_teams is set it must be one "
+                                   "of its teams, and the run stays within that team's images, "
+                                   "buckets, data, priorities and accelerator-hour budget. Empty = "
+                                   "its default_team (none without the Variable).", WHERE,
+                                   pattern=TEAM_PATTERN)
     params["force_rerun"] = Param(False, type="boolean", section=WHERE,
                                   description="Run every stage's job afresh, even one that already "
                                               "succeeded in this DAG run (a cleared task normally "

@@ -25,7 +25,7 @@ import os
 import re
 from typing import Any
 
-from llmops import settings, tracking
+from llmops import tracking
 from llmops.params import RETRAIN_KNOBS, set_path
 from tasks import configs
 
@@ -273,11 +273,12 @@ def start_retrain(params: dict[str, Any], *, dag_id: str, run_id: str,
         cfg = configs.from_dict(configs.LifecycleConfig, configs.to_dict(cfg))
     except configs.ConfigError as exc:
         raise lifecycle.LifecycleParamError(f"Invalid retraining parameters: {exc}") from None
-    root = os.path.join(params.get("storage_root") or settings.storage_root(), dag_id,
-                        re.sub(r"[^A-Za-z0-9_.-]+", "_", run_id))
+    storage_root = lifecycle.check_storage_root(params.get("storage_root"))
+    root = os.path.join(storage_root, dag_id, re.sub(r"[^A-Za-z0-9_.-]+", "_", run_id))
     config = configs.to_dict(cfg)
     backend = params.get("backend") or "local"
     backends = {stage: backend for stage in ("finetune", "evaluate")}
+    lifecycle.check_lane(params, cfg, backends, storage_root)  # the default team's lane and budget
     parent = tracking.start_parent_run(
         experiment=dag_id, dag_id=dag_id, run_id=run_id,
         config={**config, "champion": champion["uri"], "data": data, "root": root})

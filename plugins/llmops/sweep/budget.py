@@ -9,8 +9,8 @@ not depend on how many accelerators a job uses: more of them finish sooner at th
 
 Every stage on every backend (`run_estimate`): its upper bound is instances x accelerators per
 instance x max run time (stage_resources, else the backend settings, else JobSpec's 24 h): the
-service stops the job there. Where a training-FLOPs estimate applies (sweep, pretrain, finetune,
-distill) the stage is charged that estimate plus every instance's start-up, capped at the upper
+service stops the job there. Where a training-FLOPs estimate applies (sweep, ladder, pretrain,
+finetune, distill) the stage is charged that estimate plus every instance's start-up, capped at the upper
 bound; data prep and evaluation are charged the upper bound. Accelerators per instance come from
 the job ledger's price table (plugins/llmops/ledger/prices.json; Batch `gpus`, HyperPod
 `gpus_per_node` when set); a CPU instance has 0, a type in neither counts as 1 per instance (no
@@ -214,8 +214,8 @@ def accelerators_per_instance(instance_type: str, from_settings: int | None) -> 
 def _stage_flops(cfg: configs.LifecycleConfig, stage: str) -> tuple[float, int] | None:
     """(training FLOPs, jobs) of a training stage; None for data prep and evaluation."""
     seq = cfg.data.seq_len
-    if stage == "sweep":
-        estimate = sweep_estimate(cfg, "local")
+    if stage in ("sweep", "ladder"):
+        estimate = (sweep_estimate if stage == "sweep" else ladder_estimate)(cfg, "local")
         return estimate.flops, estimate.jobs
     if stage == "pretrain":
         t = cfg.pretrain

@@ -19,7 +19,7 @@ import re
 import tempfile
 from typing import Any
 
-from llmops import lifecycle, settings, tracking
+from llmops import lifecycle, tracking
 from llmops import params as knobs
 from llmops.jobs.spec import JobSpec
 from llmops.sweep import budget
@@ -58,8 +58,9 @@ def start_ladder(params: dict[str, Any], *, dag_id: str, run_id: str) -> dict[st
     estimate = budget.check_ladder(cfg, backends["ladder"], params)
     log.info("Ladder estimate: %.3g accelerator-hours (%s), budget %s", estimate.hours,
              estimate.detail, cfg.ladder.budget_hours or "unlimited")
-    root = os.path.join(params.get("storage_root") or settings.storage_root(), dag_id,
-                        re.sub(r"[^A-Za-z0-9_.-]+", "_", run_id))
+    storage_root = lifecycle.check_storage_root(params.get("storage_root"))
+    lifecycle.check_lane(params, cfg, backends, storage_root)  # the default team's lane and budget
+    root = os.path.join(storage_root, dag_id, re.sub(r"[^A-Za-z0-9_.-]+", "_", run_id))
     config = configs.to_dict(cfg)
     parent = _parent_run(dag_id, run_id, {"data": config["data"], "ladder": config["ladder"],
                                           "pretrain": config["pretrain"], "backends": backends,

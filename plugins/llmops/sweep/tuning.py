@@ -149,7 +149,7 @@ def render(run: dict[str, Any], data: dict[str, Any], *, settings: dict[str, Any
     name = tuning_job_name(ref["name"])
     spec = spec.replace(name=name, env={k: v for k, v in spec.env.items()
                                         if not k.startswith("LLMOPS_STUDY")})
-    sm = load("sagemaker", SageMakerSettings, settings).for_stage("sweep")
+    sm = load("sagemaker", SageMakerSettings, settings).for_job(spec)  # the team's role
     sm.require("role_arn", "staging_uri", backend="sagemaker")
     staged = remote.plan(spec, name, sm.staging_uri)
     training, _ = training_request(spec, sm, staged, name, region)
