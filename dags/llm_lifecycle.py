@@ -38,7 +38,8 @@ def llm_lifecycle():
         ctx = get_current_context()
         try:
             return lifecycle.start_run(ctx["params"], dag_id=ctx["dag"].dag_id, run_id=ctx["run_id"],
-                                       conf=ctx["dag_run"].conf)
+                                       conf=ctx["dag_run"].conf,
+                                       user=getattr(ctx["dag_run"], "triggering_user_name", None))
         except lifecycle.validation_errors() as exc:
             raise AirflowFailException(str(exc)) from None
 

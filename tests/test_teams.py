@@ -20,7 +20,7 @@ from llmops.jobs.backends import settings as backend_settings
 from llmops.jobs.spec import JobSpec
 from llmops.sweep import budget
 from tests.aws_fixtures import IMAGE, ROLE, sagemaker_settings
-from tests.test_start_run_validation import DAG_ID, mlflow_runs, refused  # noqa: F401 (a fixture)
+from tests.test_start_run_validation import DAG_ID, mlflow_runs, refused, snapshot  # noqa: F401 (a fixture)
 
 NLP_ROLE = "arn:aws:iam::123456789012:role/llmops-nlp"
 NLP_IMAGES = "123456789012.dkr.ecr.us-east-1.amazonaws.com/nlp/"
@@ -37,7 +37,7 @@ def config(tmp_path, **nlp) -> dict:
                 "local_data_roots": [str(tmp_path / "nlp-data")],
                 "batch_share_identifier": "nlpshare", "hyperpod_namespace": "hyperpod-ns-nlp",
                 "hyperpod_queue": "hyperpod-ns-nlp-localqueue", "priority": {"min": 0, "max": 500},
-                **nlp},
+                "members": ["alice"], **nlp},
         "vision": {"role_arn": "arn:aws:iam::123456789012:role/llmops-vision",
                    "image_prefixes": ["123456789012.dkr.ecr.us-east-1.amazonaws.com/vision/"],
                    "storage_prefixes": [str(tmp_path / "vision-out")],
@@ -74,6 +74,19 @@ def test_a_team_that_is_not_configured_is_refused(team_refused, team_setup):
     team_refused(nlp_run(team_setup, team="cv"),
             r"Param 'team' = 'cv' is not a team configured in the Airflow Variable 'llmops_teams' "
             r"\(teams: nlp, vision\)", r"leave it empty for the default team 'nlp'")
+
+
+def test_a_user_who_is_not_a_member_of_the_team_is_refused(team_setup):
+    jobs, runs = snapshot(), len(mlflow_runs())
+    with pytest.raises(teams.TeamError, match=r"Param 'team' = 'nlp': user 'mallory' is not one of "
+                                              r"team nlp's members \(llmops_teams\.teams\.nlp\."
+                                              r"members\)\. Run as your own team"):
+        lifecycle.start_run({"recipe": "tiny", **nlp_run(team_setup)}, dag_id=DAG_ID,
+                            run_id="manual__mallory", user="mallory")
+    assert (snapshot(), len(mlflow_runs())) == (jobs, runs), "a refused run left a job or an MLflow run"
+    run = lifecycle.start_run({"recipe": "tiny", **nlp_run(team_setup)}, dag_id=DAG_ID,
+                              run_id="manual__alice", user="alice")
+    assert run["team"] == "nlp"
 
 
 def test_a_priority_outside_the_teams_range_is_refused(team_refused, team_setup):

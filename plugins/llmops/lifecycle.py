@@ -330,17 +330,17 @@ def _check_aws(conn_id: str, buckets: list[str], storage_root: str) -> None:
 
 
 def start_run(params: dict[str, Any], *, dag_id: str, run_id: str,
-              conf: dict[str, Any] | None = None) -> dict[str, Any]:
+              conf: dict[str, Any] | None = None, user: str | None = None) -> dict[str, Any]:
     """Check every input (before any job, before the MLflow parent run), fix this run's storage
     paths, open the parent run, and pin the current champion (by version) for the run's
     evaluation. `conf` is the DAG run's conf as triggered: a key no Param declares is refused
-    (Airflow drops it from `params` silently)."""
+    (Airflow drops it from `params` silently); `user` its triggering user (a team's members)."""
     storage_root = check_params(params, conf)
     cfg = resolve(params)
     backends = {stage: params.get(f"backend_{stage}") or "local" for stage in lifecycle_params.STAGES}
     sweep_budget.check_sweep(cfg, backends["sweep"], params)  # refuse before any job starts
     check_backends(backends, params, storage_root, network=False)  # the settings, naming the Param
-    team = check_lane(params, cfg, backends, storage_root)
+    team = check_lane(params, cfg, backends, storage_root, user)
     check_backends(backends, params, storage_root)
     root = os.path.join(storage_root, dag_id, re.sub(r"[^A-Za-z0-9_.-]+", "_", run_id))
     config = configs.to_dict(cfg)
@@ -365,11 +365,11 @@ def start_run(params: dict[str, Any], *, dag_id: str, run_id: str,
 
 
 def check_lane(params: dict[str, Any], cfg: configs.LifecycleConfig, backends: dict[str, str],
-               storage_root: str) -> teams.Team | None:
+               storage_root: str, user: str | None = None) -> teams.Team | None:
     """The run's team (the `llmops_teams` Variable, plugins/llmops/teams.py): refuse what is
     outside its allowlists, then an estimate of every stage over what is left of its budget.
     The first task of every DAG calls it before any job; None when no teams are configured."""
-    team = teams.check_run(params, cfg, backends, storage_root)
+    team = teams.check_run(params, cfg, backends, storage_root, user)
     hours = sweep_budget.check_team(team, sweep_budget.run_estimate(cfg, backends, params))
     log.info("Estimate: %.4g accelerator-hours for team %s", hours, team.name if team else "-")
     return team

@@ -14,7 +14,7 @@ Airflow Variable `llmops_teams` (JSON; locally `AIRFLOW_VAR_LLMOPS_TEAMS`) keeps
                "hyperpod_namespace": "hyperpod-ns-nlp",
                "hyperpod_queue": "hyperpod-ns-nlp-localqueue",
                "priority": {"min": 0, "max": 500},
-               "accelerator_hours_budget": 2000},
+               "accelerator_hours_budget": 2000, "members": ["alice", "bob"]},
        "vision": {...}}}
 
 Every key of a team is optional. A list key that is absent leaves that dimension to the
@@ -36,6 +36,9 @@ the team's.
   share and HyperPod task-governance namespace and Kueue queue; they replace the run's team name
   (Batch) and the `namespace` / `queue_name` of the hyperpod settings. No two teams may share one.
 - `priority`: {"min", "max"}, within Batch's 0-9999: the run's `priority` Param must be in range.
+- `members`: the Airflow user names that may run as the team (the DAG run's triggering user;
+  runs no person triggered, by a schedule or an asset event, pass); absent = anyone who may
+  trigger the DAG.
 - `accelerator_hours_budget`: accelerator-hours per calendar month (UTC), 0 or absent = no limit.
   Spent = the accelerator-hours the job ledger (plugins/llmops/ledger/) recorded for the team's
   job attempts that ended this month (`spend_hours`); a run is refused when its estimate
@@ -66,7 +69,7 @@ ROLE_ARN = re.compile(r"^arn:aws(-[a-z]+)*:iam::\d{12}:role/[\w+=,.@/-]{1,512}$"
 S3_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 SHARE_IDENTIFIER = re.compile(r"^[A-Za-z0-9]{1,255}\*?$")   # AWS Batch's rule
 K8S_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
-LISTS = ("image_prefixes", "storage_prefixes", "data_prefixes", "local_data_roots")
+LISTS = ("image_prefixes", "storage_prefixes", "data_prefixes", "local_data_roots", "members")
 # A backend settings field -> the team key that replaces it (plugins/llmops/jobs/backends/settings.py).
 BACKEND_FIELDS: dict[str, dict[str, str]] = {
     "SageMakerSettings": {"role_arn": "role_arn"},
@@ -94,6 +97,7 @@ class Team:
     hyperpod_queue: str = ""
     priority: dict = field(default_factory=dict)   # {"min": int, "max": int}
     accelerator_hours_budget: float = 0.0          # per calendar month (UTC); 0 = no limit
+    members: list | None = None                    # Airflow user names; None = whoever can trigger
 
     def __post_init__(self) -> None:
         where = f"{VARIABLE}.teams.{self.name}"
@@ -141,6 +145,8 @@ class Team:
 
 
 def _check_entry(where: str, key: str, entry: str) -> None:
+    if key == "members":
+        return
     if key == "image_prefixes":
         if entry[-1] not in "/:@" or "/" not in entry or any(c.isspace() for c in entry):
             raise TeamError(f"{where}.image_prefixes entry {entry!r} must name a registry and a "
@@ -266,11 +272,12 @@ def _refuse(field_name: str, value: Any, team: Team, rule: str, allowed: Any, fi
                     f"({VARIABLE}.teams.{team.name}.{rule}). {fix} Nothing was started.")
 
 
-def check_run(params: dict[str, Any], cfg: Any, backends: dict[str, str],
-              storage_root: str) -> Team | None:
-    """Refuse what the run's team may not use: an unknown team, a priority out of range, a storage
-    root, data input or remote stage's image outside the team's allowlists. Returns the team
-    (None: no teams configured)."""
+def check_run(params: dict[str, Any], cfg: Any, backends: dict[str, str], storage_root: str,
+              user: str | None = None) -> Team | None:
+    """Refuse what the run's team may not use: an unknown team, a user who is not one of its
+    members (`user`: the DAG run's triggering user; None = no person, a schedule or an asset
+    event), a priority out of range, a storage root, data input or remote stage's image outside
+    the team's allowlists. Returns the team (None: no teams configured)."""
     from llmops import lifecycle
     from llmops.sweep.budget import stage_resources
 
@@ -278,6 +285,10 @@ def check_run(params: dict[str, Any], cfg: Any, backends: dict[str, str],
     if team is None:
         return None
     ask = f"ask the platform team to add it to {VARIABLE}.teams.{team.name}"
+    if user and team.members is not None and user not in team.members:
+        raise TeamError(f"Param 'team' = {team.name!r}: user {user!r} is not one of team "
+                        f"{team.name}'s members ({VARIABLE}.teams.{team.name}.members). Run as your "
+                        f"own team, or {ask.replace('add it', 'add you')}. Nothing was started.")
     priority, (lo, hi) = params.get("priority"), team.priority_range
     if priority is not None and not lo <= priority <= hi:
         raise TeamError(f"Param 'priority' = {priority} is outside team {team.name}'s priority range "
