@@ -290,7 +290,7 @@ def check_run(params: dict[str, Any], cfg: Any, backends: dict[str, str], storag
                         f"{team.name}'s members ({VARIABLE}.teams.{team.name}.members). Run as your "
                         f"own team, or {ask.replace('add it', 'add you')}. Nothing was started.")
     priority, (lo, hi) = params.get("priority"), team.priority_range
-    if priority is not None and not lo <= priority <= hi:
+    if priority is not None and not (isinstance(priority, int) and lo <= priority <= hi):
         raise TeamError(f"Param 'priority' = {priority} is outside team {team.name}'s priority range "
                         f"{lo}-{hi} ({VARIABLE}.teams.{team.name}.priority). Give a priority from "
                         f"{lo} to {hi}, or leave it empty for the queue's default. Nothing was started.")

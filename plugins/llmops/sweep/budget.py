@@ -188,7 +188,7 @@ class StageEstimate:
     def line(self) -> str:
         if self.backend == "local":
             return f"{self.stage} on local: 0 (the worker's CPU)"
-        what = (f"{self.stage} on {self.backend}: {self.jobs} x " if self.jobs > 1 else
+        what = (f"{self.stage} on {self.backend}: {self.jobs} jobs x " if self.jobs > 1 else
                 f"{self.stage} on {self.backend}: ") + \
             f"{self.instances} x {self.instance_type or 'unknown type'} ({self.accelerators} {self.counted_as})"
         bound = f"max run {self.max_run_seconds / 3600:g} h, at most {self.upper_hours:.4g}"
