@@ -83,6 +83,20 @@ class JobSpec:
         return dataclasses.replace(self, **changes)
 
 
+# The cost-allocation tags every backend puts on every job (SageMaker and Batch tags, HyperPod
+# labels, Ray job metadata): activate them in AWS Billing to split the bill by pipeline and run.
+# The operator sets dag_id and run_id in spec.tags from the task instance; team defaults like
+# HyperPod's namespace does.
+COST_TAGS = ("dag_id", "run_id", "team", "stage")
+DEFAULT_TEAM = "default"
+
+
+def cost_allocation_tags(spec: JobSpec) -> dict[str, str]:
+    """{dag_id, run_id, team, stage} of the job ("" for dag_id / run_id outside a DAG run)."""
+    return {"dag_id": str(spec.tags.get("dag_id", "")), "run_id": str(spec.tags.get("run_id", "")),
+            "team": str(spec.tags.get("team") or DEFAULT_TEAM), "stage": spec.stage}
+
+
 def job_name(*parts: str, prefix: str = "") -> str:
     """A valid, deterministic job name: readable prefix + hash of the identifying parts.
 

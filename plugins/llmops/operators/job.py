@@ -12,11 +12,11 @@ from typing import Any, Callable
 from airflow.sdk import BaseOperator, conf
 from airflow.sdk.exceptions import AirflowException, AirflowFailException, AirflowTaskTimeout
 
-from llmops import tracking
+from llmops import ledger, tracking
 from llmops.jobs import env_secrets
 from llmops.jobs.backends import Backend, JobState, JobStatus, get_backend
 from llmops.jobs.errors import Backoff
-from llmops.jobs.spec import JobSpec, JobSpecError, job_name
+from llmops.jobs.spec import JobSpec, JobSpecError, cost_allocation_tags, job_name
 from llmops.jobs.watch import JobWatch, Step, call_with_retries
 from llmops.operators import links
 
@@ -117,6 +117,8 @@ class JobOperator(BaseOperator):
         self._parent_run_id = ""
         self._job_stopped = False
         self._forced = False   # force_rerun resolved for this try (set by _prepare)
+        self._ledger_job: dict[str, Any] = {}   # the job's fields in the ledger (llmops.ledger)
+        self._started_at: float | None = None
 
     # -- execute -----------------------------------------------------------------------------
     def execute(self, context: Any) -> dict[str, Any]:
@@ -131,6 +133,7 @@ class JobOperator(BaseOperator):
         self._parent_run_id = spec.mlflow_parent_run_id
         try:
             record = self._submit_or_reattach(backend, spec, store)
+            self._record_start(backend, spec, record)
             self._push_links(run_id)
             watch_kwargs = {"poll_interval": self._poll_interval(backend),
                             "max_run_seconds": spec.max_run_seconds,
@@ -146,7 +149,8 @@ class JobOperator(BaseOperator):
                 self.defer(trigger=JobTrigger(handle=self._handle, task_deadline=task_deadline,
                                               stop_on_clear=self._forced,
                                               context={"stage": spec.stage, "mlflow_run_id": run_id,
-                                                       "parent_run_id": spec.mlflow_parent_run_id},
+                                                       "parent_run_id": spec.mlflow_parent_run_id,
+                                                       "ledger": self._ledger_job},
                                               **watch_kwargs),
                            method_name="execute_complete")
             status = self._wait(JobWatch(backend, self._handle, **watch_kwargs), store)
@@ -163,6 +167,8 @@ class JobOperator(BaseOperator):
         self._handle = handle = event["handle"]
         self._run_id = event.get("mlflow_run_id", "")
         self._parent_run_id = event.get("parent_run_id", "")
+        self._ledger_job = event.get("ledger") or {}
+        self._started_at = event.get("started_at")
         state = event.get("state")
         store = context.get("task_state_store")
         if state == "progress":
@@ -178,6 +184,7 @@ class JobOperator(BaseOperator):
             raise AirflowException(event["message"])
         if state == "task_timeout":  # the trigger stopped the job at the task's execution_timeout
             self._job_stopped = True
+            self._record_end(JobStatus(JobState.STOPPED, event["message"]))
             self._end_run(self._run_id, "KILLED")
             raise AirflowTaskTimeout(event["message"])
         if state == "timeout":
@@ -223,6 +230,8 @@ class JobOperator(BaseOperator):
         ti = context["ti"]
         identity = {"dag_id": ti.dag_id, "run_id": ti.run_id, "task_id": ti.task_id,
                     "map_index": str(ti.map_index)}
+        # Cost allocation: every backend tags the job with these (llmops.jobs.spec.COST_TAGS).
+        spec = spec.replace(tags={**spec.tags, "dag_id": ti.dag_id, "run_id": ti.run_id})
         salt = self._rerun_salt(context)
         if not spec.name:
             prefix = ti.task_id if ti.map_index < 0 else f"{ti.task_id}-{ti.map_index}"
@@ -279,12 +288,43 @@ class JobOperator(BaseOperator):
                         self.log.info("Its log continues where the earlier try left off; the "
                                       "lines before are in that try's log.")
                     return record
+        submitted_at = time.time()
         self._handle = backend.submit(spec)
         verb = "Reattached to" if self._handle.get("reattached") else "Submitted"
         self.log.info("%s %s job %s on backend %s", verb, spec.stage, spec.name, spec.backend)
         record = {"name": spec.name, "handle": self._handle, "try_number": self._ti.try_number}
+        if not self._handle.get("reattached"):
+            record["submitted_at"] = submitted_at
         self._save(store, record)
         return record
+
+    # -- the job ledger: best effort (llmops.ledger never raises) ----------------------------
+    def _record_start(self, backend: Backend, spec: JobSpec, record: dict[str, Any]) -> None:
+        handle, ti = self._handle or {}, self._ti
+        self._ledger_job = {
+            "job_name": spec.name, "attempt": int(handle.get("attempt") or 1),
+            "spec_hash": job_identity(spec, backend.fingerprint(spec)), "stage": spec.stage,
+            "backend": spec.backend, "service_job_name": str(handle.get("job_name") or spec.name),
+            "image": str(handle.get("image") or spec.image),
+            "team": cost_allocation_tags(spec)["team"], "dag_id": ti.dag_id, "run_id": ti.run_id,
+            "task_id": ti.task_id, "map_index": int(ti.map_index), "try_number": int(ti.try_number),
+            "instance_type": str(handle.get("instance_type") or spec.instance_type),
+            "instance_count": int(handle.get("instance_count") or spec.instance_count),
+            "submitted_at": record.get("submitted_at"), "mlflow_run_id": self._run_id}
+        from llmops.ledger.events import image_digest
+
+        self._ledger_job["image_digest"] = image_digest(self._ledger_job["image"])
+        if handle.get("reattached"):
+            event = "reattached"
+        else:
+            event = "retried" if int(ti.try_number) > 1 else "submitted"
+        ledger.record_job(event, self._ledger_job, state="pending",
+                          started_at=record.get("started_at"))
+
+    def _record_end(self, status: JobStatus) -> None:
+        if self._ledger_job:
+            ledger.record_job("ended", {**self._ledger_job, "try_number": int(self._ti.try_number)},
+                              **ledger.end_fields(status, self._started_at))
 
     def _push_links(self, mlflow_run_id: str) -> None:
         """The task's extra links, as soon as the job's handle is known (links.py); the MLflow
@@ -362,6 +402,7 @@ class JobOperator(BaseOperator):
                 raise AirflowException(step.error)
             if step.done:
                 self._job_stopped = step.stopped
+                self._started_at = watch.started_at
                 return step.status
             time.sleep(step.delay)
 
@@ -388,6 +429,7 @@ class JobOperator(BaseOperator):
             return
         self._job_stopped = True
         self._end_run(self._run_id, "KILLED")
+        self._record_end(JobStatus(JobState.STOPPED, f"stopped: {reason}"))
 
     def _task_state_now(self) -> tuple[bool, str | None]:
         """(True, the task instance's state in Airflow's DB now) or (False, None) if unknown.
@@ -437,6 +479,7 @@ class JobOperator(BaseOperator):
 
     def _finish(self, context: Any, status: JobStatus, stage: str, mlflow_run_id: str) -> dict[str, Any]:
         name = self._handle["name"]
+        self._record_end(status)
         if status.state is JobState.SUCCEEDED:
             result = dict(status.result or {})
             result.update(job_name=name, backend=self._handle["backend"], mlflow_run_id=mlflow_run_id)

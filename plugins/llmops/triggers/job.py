@@ -165,6 +165,16 @@ class JobTrigger(BaseTrigger):
         self.log.info("The task was ended by a user (now %s): stopping job %s",
                       state or "unknown", self.handle["name"])
         await self._stop()
+        # No task resumes to record the end: the trigger does (llmops.ledger never raises).
+        job = self.context.get("ledger")
+        if job:
+            from llmops import ledger
+            from llmops.jobs.backends import JobState, JobStatus
+
+            status = JobStatus(JobState.STOPPED, f"stopped: the task was set to {state or 'unknown'}")
+            await asyncio.get_running_loop().run_in_executor(
+                _ON_KILL_THREADS, lambda: ledger.record_job("ended", job,
+                                                            **ledger.end_fields(status, self.started_at)))
 
     async def _task_state(self) -> tuple[bool, str | None]:
         """(True, the task instance's state in Airflow now), or (False, None) if it cannot be asked."""

@@ -342,7 +342,7 @@ class BatchBackend(Backend):
                 "region_name": settings.region_name, "result_uri": staged.result_uri,
                 "staging_prefix": staged.prefix, "copy_back": staged.copy_back,
                 "output_uri": staged.output_uri, "reattached": reattached,
-                **remote.watch_fields(settings)}
+                **remote.resource_fields(spec, settings), **remote.watch_fields(settings)}
 
     def fingerprint(self, spec: JobSpec) -> str:
         """A short hash of the stage's resolved batch settings block; no network I/O."""
@@ -374,6 +374,8 @@ class BatchBackend(Backend):
         starts = [t for t in starts if t]
         if starts and state not in PENDING:
             details["started_at"] = max(starts)
+        if job.get("stoppedAt") and state in ("SUCCEEDED", "FAILED"):
+            details["ended_at"] = remote.epoch(job["stoppedAt"])
         if state in PENDING:
             return JobStatus(JobState.PENDING, f"{state} {reason}".strip(), details=details)
         if state == "RUNNING":

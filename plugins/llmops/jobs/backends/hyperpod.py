@@ -55,7 +55,7 @@ from llmops.jobs.backends.base import Backend, JobState, JobStatus
 from llmops.jobs.backends.crds import group_version_plural, validate_manifest
 from llmops.jobs.backends.sagemaker import fabric_env
 from llmops.jobs.backends.settings import HyperPodSettings, load
-from llmops.jobs.spec import JobSpec, JobSpecError
+from llmops.jobs.spec import JobSpec, JobSpecError, cost_allocation_tags
 
 log = logging.getLogger(__name__)
 
@@ -146,15 +146,21 @@ def manifest(spec: JobSpec, settings: HyperPodSettings, staged: remote.Staged, n
             "preferredDuringSchedulingIgnoredDuringExecution": [
                 {"weight": 100, "preference": {"matchExpressions": [
                     {"key": DEEP_HEALTH, "operator": "In", "values": ["Passed"]}]}}]}}
-    labels = {"app.kubernetes.io/managed-by": "llmops", "llmops/stage": label_value(spec.stage),
-              "llmops/team": label_value(team)}
+    cost = cost_allocation_tags(spec)
+    # Cost allocation (dag_id, run_id, team, stage): label values are at most 63 of
+    # [A-Za-z0-9_.-] (run ids have ':' and '+'), so the exact values are annotations too.
+    labels = {"app.kubernetes.io/managed-by": "llmops",
+              **{f"llmops/{key.replace('_', '-')}": label_value(value)
+                 for key, value in cost.items() if value}}
     if settings.queue_name:
         labels["kueue.x-k8s.io/queue-name"] = settings.queue_name.format(team=team)
     klass = priority_class(spec.tags.get("priority", ""), settings.priority_classes)
     if klass:
         labels["kueue.x-k8s.io/priority-class"] = klass
     metadata = {"name": name, "namespace": settings.namespace.format(team=team), "labels": labels,
-                "annotations": {"llmops/job-name": spec.name, "llmops/result-uri": staged.result_uri}}
+                "annotations": {"llmops/job-name": spec.name, "llmops/result-uri": staged.result_uri,
+                                **{f"llmops/{key.replace('_', '-')}": value
+                                   for key, value in cost.items() if value}}}
     template = {"metadata": {"labels": {**labels, JOB_LABEL: name}}, "spec": pod_spec}
     group, version, _ = group_version_plural(settings.kind)
     if hyperpod:
@@ -405,7 +411,7 @@ class HyperPodBackend(Backend):
                 "kubernetes_conn_id": settings.kubernetes_conn_id,
                 "result_uri": staged.result_uri, "staging_prefix": staged.prefix,
                 "copy_back": staged.copy_back, "reattached": reattached,
-                **remote.watch_fields(settings)}
+                **remote.resource_fields(spec, settings), **remote.watch_fields(settings)}
 
     def _get(self, kube: KubeClient, handle: dict[str, Any]) -> dict[str, Any] | None:
         group, version, plural = group_version_plural(handle["kind"])
@@ -435,6 +441,9 @@ class HyperPodBackend(Backend):
         begun = started_at(resource)
         if begun is not None:
             details["started_at"] = begun
+        ended = _epoch((resource.get("status") or {}).get("completionTime"))
+        if ended is not None:
+            details["ended_at"] = ended
         if state in ("Succeeded", "Completed"):
             result, why = remote.fetch_result(handle, self._s3(handle), log)
             if result is None:

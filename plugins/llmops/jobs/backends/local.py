@@ -131,21 +131,26 @@ class LocalBackend(Backend):
         if (job_dir / "stopped").exists():
             return JobStatus(JobState.STOPPED, (job_dir / "stopped").read_text())
         exit_file = job_dir / "exit_code"
+        runner = job_dir / "runner.json"
+        # This attempt's start and end, for the job ledger (the runner writes exit_code last).
+        times = {"started_at": json.loads(runner.read_text())["started"]} if runner.exists() else {}
         if exit_file.exists():
             code = int(exit_file.read_text())
+            times["ended_at"] = exit_file.stat().st_mtime
             result_file = job_dir / "result.json"
             if code == 0 and result_file.exists():
-                return JobStatus(JobState.SUCCEEDED, result=json.loads(result_file.read_text()))
+                return JobStatus(JobState.SUCCEEDED, result=json.loads(result_file.read_text()),
+                                 details=times)
             if code == 0:
-                return JobStatus(JobState.FAILED, "the job exited 0 but wrote no result.json")
+                return JobStatus(JobState.FAILED, "the job exited 0 but wrote no result.json",
+                                 details=times)
             return JobStatus(JobState.FAILED, f"the job exited with code {code}",
-                             details={"exit_code": code})
-        runner = job_dir / "runner.json"
+                             details={"exit_code": code, **times})
         if not runner.exists():
             return JobStatus(JobState.PENDING, "not started")
         pid = json.loads(runner.read_text())["pid"]
         if _alive(pid, job_dir):
-            return JobStatus(JobState.RUNNING, f"runner pid {pid}")
+            return JobStatus(JobState.RUNNING, f"runner pid {pid}", details=times)
         if exit_file.exists():  # it finished between the two checks
             return self.status(handle)
         return JobStatus(JobState.FAILED, "the job's runner died without recording an exit code")

@@ -24,7 +24,7 @@ from llmops.aws import s3
 from llmops.jobs.backends import remote
 from llmops.jobs.backends.base import Backend, JobState, JobStatus
 from llmops.jobs.backends.settings import RaySettings, load
-from llmops.jobs.spec import JobSpec, JobSpecError
+from llmops.jobs.spec import JobSpec, JobSpecError, cost_allocation_tags
 
 log = logging.getLogger(__name__)
 STATES = {"PENDING": JobState.PENDING, "RUNNING": JobState.RUNNING, "SUCCEEDED": JobState.SUCCEEDED,
@@ -89,7 +89,8 @@ class RayBackend(Backend):
 
         try:
             hook.submit_job(entrypoint, job_name, runtime_env=runtime_env,
-                            metadata={"llmops_job": spec.name, "stage": spec.stage},
+                            # with the cost-allocation tags: dag_id, run_id, team, stage
+                            metadata={"llmops_job": spec.name, **cost_allocation_tags(spec)},
                             entrypoint_num_cpus=settings.entrypoint_num_cpus,
                             entrypoint_num_gpus=settings.entrypoint_num_gpus)
         except RayJobExists:  # another try of this task submitted it a moment ago

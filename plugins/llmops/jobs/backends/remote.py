@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 from llmops.aws import s3
 from llmops.jobs import env_secrets
-from llmops.jobs.spec import JobSpec, JobSpecError
+from llmops.jobs.spec import JobSpec, JobSpecError, cost_allocation_tags
 from tasks.configs import to_dict
 
 MAX_ATTEMPTS = 99
@@ -346,7 +346,14 @@ def merged(spec: JobSpec, settings: Any) -> dict[str, Any]:
         "nproc_per_node": spec.nproc_per_node if spec.nproc_per_node != 1
         else (settings.nproc_per_node or 1),
         "env": {**settings.env, **spec.env},
-        "tags": {k: str(v) for k, v in {**settings.tags, **spec.tags,
+        "tags": {k: str(v) for k, v in {**settings.tags, **spec.tags, **cost_allocation_tags(spec),
                                         "llmops:stage": spec.stage, "llmops:job": spec.name}.items()
                  if str(v)},
     }
+
+
+def resource_fields(spec: JobSpec, settings: Any) -> dict[str, Any]:
+    """The resolved image and instances, kept in the handle for the job ledger (llmops.ledger)."""
+    res = merged(spec, settings)
+    return {"image": res["image"], "instance_type": res["instance_type"],
+            "instance_count": res["instance_count"]}

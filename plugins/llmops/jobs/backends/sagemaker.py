@@ -453,7 +453,8 @@ class _SageMakerBackend(Backend):
                 "result_uri": staged.result_uri, "staging_prefix": staged.prefix,
                 "copy_back": staged.copy_back,
                 "output_uri": staged.output_uri, "checkpoint_uri": staged.checkpoint_uri,
-                "reattached": reattached, **remote.watch_fields(settings, self._slack(spec, settings))}
+                "reattached": reattached, **remote.resource_fields(spec, settings),
+                **remote.watch_fields(settings, self._slack(spec, settings))}
 
     def _slack(self, spec: JobSpec, settings: Any) -> int:
         """Wall-clock time the service itself allows beyond the max run time (none here)."""
@@ -476,6 +477,9 @@ class _SageMakerBackend(Backend):
         start = started_at(self.kind, description)
         if start is not None:
             details["started_at"] = start
+        end = remote.epoch(description.get("TrainingEndTime") or description.get("ProcessingEndTime"))
+        if end is not None:
+            details["ended_at"] = end  # billing stops here (the job ledger's accelerator-hours)
         if state in ("InProgress", "Stopping"):
             secondary = description.get("SecondaryStatus", state)
             running = (secondary not in NOT_RUNNING if self.kind == "training"
