@@ -302,3 +302,16 @@ def test_only_one_try_can_claim_an_attempt(aws):
                                                     Key="staging/claim-test/job/batch-job.json")["Body"].read())
     assert record["token"] == first
     assert backend._claim(hook, prefix, "job", if_match='"stale-etag"') == ""
+
+
+def test_every_job_carries_the_cost_allocation_tags_and_propagates_them():
+    run_id = "scheduled__2026-11-30T01:00:00+00:00"
+    spec = pretrain(job_name("b", prefix="pretrain"),
+                    tags={"team": "research", "dag_id": "llm_lifecycle", "run_id": run_id})
+    cfg = BatchSettings(**{k: v for k, v in settings()["batch"].items()})
+    request = submit_request(spec, cfg, remote.plan(spec, spec.name, cfg.staging_uri), spec.name,
+                             "arn:aws:batch:us-east-1:1:job-definition/x:1")
+    validate_request("batch", "SubmitJob", request)
+    assert {k: request["tags"][k] for k in ("dag_id", "run_id", "team", "stage")} == {
+        "dag_id": "llm_lifecycle", "run_id": run_id, "team": "research", "stage": "pretrain"}
+    assert request["propagateTags"] is True   # onto the ECS tasks, where the cost is billed

@@ -344,3 +344,22 @@ def test_fingerprint_follows_the_deployment_settings_and_the_handle_says_how_to_
     assert HyperPodBackend.poll_interval == 30
     handle = HyperPodBackend(settings=hp_settings()).submit(job)
     assert handle["poll_interval"] == 30.0 and "deadline_grace_seconds" in handle
+
+
+def test_every_job_carries_the_cost_allocation_labels_sanitized():
+    """dag_id, run_id, team, stage as labels (Kubernetes label values: at most 63 of
+    [A-Za-z0-9_.-], alphanumeric at both ends) on the job and its pods; exact values as annotations."""
+    import re
+
+    run_id = "manual__2026-11-30T01:00:00.123456+00:00" + "x" * 40
+    body = render(job=spec(tags={"team": "research", "dag_id": "llm_lifecycle", "run_id": run_id}))
+    validate_manifest(body)
+    labels = body["metadata"]["labels"]
+    value_rule = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
+    for key in ("llmops/dag-id", "llmops/run-id", "llmops/team", "llmops/stage"):
+        assert value_rule.match(labels[key]) and len(labels[key]) <= 63, (key, labels[key])
+        assert body["spec"]["replicaSpecs"][0]["template"]["metadata"]["labels"][key] == labels[key]
+    assert labels["llmops/run-id"].startswith("manual__2026-11-30T01_00_00.123456_00_00")
+    assert (labels["llmops/dag-id"], labels["llmops/team"], labels["llmops/stage"]) == (
+        "llm_lifecycle", "research", "pretrain")
+    assert body["metadata"]["annotations"]["llmops/run-id"] == run_id

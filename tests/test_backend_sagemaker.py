@@ -309,3 +309,28 @@ def test_backends_poll_every_30_seconds_by_default():
     assert BatchBackend.poll_interval == 30.0
     assert remote.watch_fields(SageMakerSettings()) == {"poll_interval": 30.0,
                                                         "deadline_grace_seconds": 1800}
+
+
+# -- cost allocation ------------------------------------------------------------------------
+
+RUN_ID = "scheduled__2026-11-30T01:00:00+00:00"
+
+
+@pytest.mark.parametrize("kind", ["training", "processing"])
+def test_every_job_carries_the_cost_allocation_tags(kind):
+    """dag_id, run_id, team, stage as Tags (the operator puts dag_id and run_id in spec.tags),
+    within the service model's patterns and lengths."""
+    spec = pretrain_spec(tags={"team": "research", "dag_id": "llm_lifecycle", "run_id": RUN_ID})
+    if kind == "training":
+        request, _ = render(spec)
+        validate_request("sagemaker", "CreateTrainingJob", request)
+    else:
+        spec = spec.replace(instance_type="ml.m5.4xlarge")
+        cfg = ProcessingSettings(role_arn=ROLE, staging_uri=STAGING, image=IMAGE)
+        request, _ = processing_request(spec, cfg, remote.plan(spec, spec.name, STAGING), spec.name)
+        validate_request("sagemaker", "CreateProcessingJob", request)
+    tags = {t["Key"]: t["Value"] for t in request["Tags"]}
+    assert {k: tags[k] for k in ("dag_id", "run_id", "team", "stage")} == {
+        "dag_id": "llm_lifecycle", "run_id": RUN_ID, "team": "research", "stage": "pretrain"}
+    untagged = pretrain_spec(tags={})   # no team: the default team, still tagged
+    assert {"Key": "team", "Value": "default"} in render(untagged)[0]["Tags"]
