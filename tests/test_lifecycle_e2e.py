@@ -121,3 +121,22 @@ def test_no_planted_secret_reaches_disk_logs_or_mlflow(lifecycle_run):
         assert not any(v.encode() in data for v in values), path
     assert scanned > 50 and (home / "jobs").is_dir()
     assert not any(v in lifecycle_run["output"] for v in values)
+
+
+def test_the_job_ledger_holds_every_job_of_the_run_with_its_times_and_state(lifecycle_run):
+    """Issue 14: every job the run started is in the ledger (SQLite under LLMOPS_HOME), ended
+    and succeeded, with submit <= start <= end, the run's dag_id / run_id, and local cost 0."""
+    from llmops import ledger
+
+    run_id = lifecycle_run["parent"].data.tags["run_id"]
+    rows = [r for r in ledger.read_events(0, source="sqlite") if r["run_id"] == run_id]
+    ends = {r["job_name"]: r for r in rows if r["event"] == "ended"}
+    jobs = {run.data.tags["job_name"]: run for run in lifecycle_run["children"]}
+    assert set(ends) == set(jobs), "one ended attempt per job of the run"
+    for name, end in ends.items():
+        assert end["state"] == "succeeded" and end["dag_id"] == "llm_lifecycle", (name, end["state"])
+        assert end["stage"] == jobs[name].data.tags["stage"] and end["backend"] == "local"
+        assert end["submitted_at"] <= end["started_at"] < end["ended_at"], name
+        assert end["queue_seconds"] >= 0 and end["estimated_cost_usd"] == 0.0
+        assert end["mlflow_run_id"] == jobs[name].info.run_id
+    assert {r["job_name"] for r in rows if r["event"] == "submitted"} == set(jobs)
