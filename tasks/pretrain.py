@@ -256,7 +256,7 @@ def _report(run_dir: Path, result: Any) -> dict[str, Any]:
     from tasks.common.tracking import log_figure, log_json_artifact
     from tasks.train import goodput
 
-    report = goodput.compute(run_dir)
+    report = goodput.compute(run_dir, until=result.trained_at)
     write_json(run_dir / "goodput.json", report)
     _log_new_events(run_dir)
     events = tm.read_events(run_dir)

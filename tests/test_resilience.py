@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tasks.common.io import read_json
 from tasks.configs import TrainConfig, from_dict, tiny, to_dict
 from tasks.model import GPT
 from tasks.train import checkpoint as ckpt
@@ -308,6 +309,9 @@ def test_kill_corrupt_checkpoint_hang_spike_and_nan_in_one_supervised_run(tiny_d
     assert kinds(events, "rollback", anomaly="loss_spike")[0]["in_place"] is True
     assert not kinds(events, "resume", reason="loss_spike")
     assert kinds(events, "resume", reason="nan")
+    recovered = {f["fault"]: f for f in read_json(tm.run_dir(cfg.output_dir) / "goodput.json")["faults"]}
+    assert recovered["spike@27:0"]["recovered"] and recovered["spike@27:0"]["lost_s"] == 0.0
+    assert recovered["kill@12:0"]["recovered"] and recovered["kill@12:0"]["lost_s"] >= 0
     nan = kinds(events, "anomaly", anomaly="nan")[0]
     assert nan["step"] == 33 and len(kinds(events, "rollback")) == 2
     skipped = json.loads((tm.run_dir(cfg.output_dir) / "skipped_batches.json").read_text())

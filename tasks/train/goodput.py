@@ -3,8 +3,10 @@
 As ml-goodput-measurement defines it: productive time is the time of the steps whose progress
 survived; everything else is badput, split into buckets. Computed from rank 0's step timestamps
 and the job's events (tasks/train/telemetry.py), over the whole job: from the first job_start
-to now, across in-job restarts and across Airflow retries (the time between a failed try and the
-next is recovery too).
+to the end of training (`until`: the job passes the moment its final checkpoint was committed,
+which is what a fault can delay), across in-job restarts and across Airflow retries (the time
+between a failed try and the next is recovery too). What follows training (the loss-curve plot,
+this report, the model export) is the same with or without faults and is not counted.
 
     productive          compute of steps that survived (forward, backward, optimizer)
     data_loading        waiting for the batch of a step that survived
@@ -172,6 +174,16 @@ def _faults(events: list[dict], resumes: list[dict], steps: list[dict]) -> list[
             continue
         # a hang's clock starts at the kill: the wait before it is the configured detection time
         t_from = failure["t"] if failure["kind"] == "hang" else t_fault
+        in_place = next((r for r in events if r["kind"] == "rollback" and r.get("in_place")
+                         and r["t"] >= failure["t"] - 1e-6), None)
+        if failure["kind"] == "anomaly" and in_place is not None:
+            # undone in place (the update was never applied): nothing to reload or recompute
+            back = next((s for s in steps if s["t0"] >= in_place["t"]), None)
+            out.append({"fault": e["fault"], "step": e["step"], "recovered": True,
+                        "detected_by": "anomaly", "detect_s": round(failure["t"] - t_fault, 3),
+                        "recovery_s": round((back["t0"] if back else in_place["t"]) - t_fault, 3),
+                        "resumed_at_step": e["step"] - 1, "lost_s": 0.0, "in_place": True})
+            continue
         resume = next((r for r in resumes if r["t0"] >= failure["t"] - 1e-6), None)
         if resume is None:
             out.append({"fault": e["fault"], "step": e["step"], "recovered": False})

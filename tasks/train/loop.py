@@ -118,6 +118,7 @@ class LoopResult:
     skipped_batches: list[int] = field(default_factory=list)
     rollbacks: int = 0  # the job's, across worker restarts (skipped_batches.json)
     rejoins: int = 0
+    trained_at: float = 0.0  # wall time when the final checkpoint was committed (the end of training)
 
 
 def build_optimizer(model: nn.Module, optim: OptimConfig, device: torch.device) -> torch.optim.AdamW:
@@ -192,6 +193,7 @@ class _Trainer:
         self.val: dict[str, float] = {}
         self.total_tokens, self.total_time = 0, 0.0
         self.first_resume = True
+        self.trained_at = 0.0
         self.compiling = False  # the next step runs a model torch.compile has not compiled yet
         self.progress = tm.Progress(cfg.max_steps)  # restarted with each _train
         self._reader: ThreadPoolExecutor | None = None  # reads the next batch (_prefetch)
@@ -246,7 +248,7 @@ class _Trainer:
                           if self.total_time else 0.0, checkpoint=str(final),
                           resumed_from=self.resumed_from, history=self.history,
                           skipped_batches=sorted(self.skipped), rollbacks=self.guard.rollbacks,
-                          rejoins=self.rejoins)
+                          rejoins=self.rejoins, trained_at=self.trained_at or time.time())
 
     def _connect(self) -> None:
         """Join a process group (several processes), wrap the model, build the optimizer."""
@@ -654,8 +656,9 @@ class _Trainer:
         if self.hb is not None:  # the upload budget, with the writer's bytes as progress
             self.hb.beat(phase=tm.UPLOAD)
         self.checkpointer.wait()  # the final checkpoint must be committed before we report it
-        self._event("save", step=self.step, t0=t0, t1=time.time(), blocked_s=round(time.time() - t0, 4),
-                    echo=False)
+        self.trained_at = time.time()
+        self._event("save", step=self.step, t0=t0, t1=self.trained_at,
+                    blocked_s=round(self.trained_at - t0, 4), echo=False)
         if self.tracking:
             import mlflow
 
