@@ -23,6 +23,7 @@ import logging
 import os
 import re
 import shutil
+import queue
 import threading
 import time
 from pathlib import Path
@@ -238,6 +239,38 @@ def snapshot(state: Any, buffers: _SnapshotBuffers | None = None, _key: tuple = 
     return state
 
 
+class _Writer:
+    """One long-lived thread that runs the background part of each save, one at a time.
+
+    Not a thread per save: Thread.start() waits for the new thread to signal that it runs, and
+    that thread, busy pickling the state, then holds the GIL for up to the interpreter's switch
+    interval (5 ms) before training gets it back (measured: 2.6-4.5 ms blocked per save, most of
+    it this). Handing the job to a waiting thread costs training nothing: the writer runs when
+    the training thread next releases the GIL, inside torch's kernels."""
+
+    def __init__(self, name: str) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._idle = threading.Event()
+        self._idle.set()
+        threading.Thread(target=self._serve, name=name, daemon=True).start()
+
+    def submit(self, fn: Callable[..., None], *args: Any) -> None:
+        self._idle.wait()  # at most one save in flight
+        self._idle.clear()
+        self._jobs.put((fn, args))
+
+    def wait(self) -> None:
+        self._idle.wait()
+
+    def _serve(self) -> None:
+        while True:
+            fn, args = self._jobs.get()
+            try:
+                fn(*args)  # records its own failure for the training thread (Checkpointer._error)
+            finally:
+                self._idle.set()
+
+
 class Checkpointer:
     """Checkpoints under `root`, optionally mirrored to S3, written in the background.
 
@@ -259,7 +292,7 @@ class Checkpointer:
         self.on_progress, self.before_write = on_progress, before_write
         self.asynchronous, self.mirror, self.on_commit = asynchronous, mirror, on_commit
         self.last: Path | None = None  # newest checkpoint committed by this object
-        self._thread: threading.Thread | None = None
+        self._writer: _Writer | None = None  # the background thread, started at the first save
         self._error: BaseException | None = None
         self._buffers = _SnapshotBuffers(pinned=torch.cuda.is_available())
         # sharded (FSDP): every rank saves its shards, through this group (see shard_with)
@@ -283,9 +316,7 @@ class Checkpointer:
         if self._buffers.pinned:
             torch.cuda.synchronize()  # the pinned copies were queued non-blocking
         if self.asynchronous:
-            self._thread = threading.Thread(target=self._write, args=(step, snap),
-                                            name=f"checkpoint-{step}", daemon=True)
-            self._thread.start()
+            self._background(self._write, step, snap)
         else:
             self._write(step, snap)
             self._raise()
@@ -324,10 +355,7 @@ class Checkpointer:
         writer = dcp.FileSystemWriter(tmp)
         if self.asynchronous:
             future = dcp.async_save(shards, storage_writer=writer, process_group=self.group)
-            self._thread = threading.Thread(target=self._commit_sharded,
-                                            args=(step, tmp, trainer, future.result),
-                                            name=f"checkpoint-{step}", daemon=True)
-            self._thread.start()
+            self._background(self._commit_sharded, step, tmp, trainer, future.result)
         else:
             dcp.save(shards, storage_writer=writer, process_group=self.group)
             self._commit_sharded(step, tmp, trainer, lambda: None)
@@ -380,11 +408,15 @@ class Checkpointer:
             error, self._error = self._error, None
             raise RuntimeError(f"saving a checkpoint under {self.root} failed: {error}") from error
 
+    def _background(self, fn: Callable[..., None], *args: Any) -> None:
+        if self._writer is None:
+            self._writer = _Writer(f"checkpoint-writer-{self.root.name}")
+        self._writer.submit(fn, *args)
+
     def wait(self) -> Path | None:
         """Block until the save in flight (if any) is committed; returns the newest checkpoint."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        if self._writer is not None:
+            self._writer.wait()
         self._raise()
         return self.last
 

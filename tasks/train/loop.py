@@ -412,12 +412,13 @@ class _Trainer:
     def _train(self) -> None:
         cfg, opts, device = self.cfg, self.opts, self.device
         assert self.optimizer is not None
-        # Running sums as tensors: reading a loss with .item() every step would stall a GPU
-        # queue. Throughput is wall time per log interval (synchronized once, at the log), minus
+        # The loss is summed on the host: the guard already reads it every step (stats.tolist(),
+        # the one host sync per step), so a device-side sum would only add kernel launches.
+        # Throughput is wall time per log interval (synchronized once, at the log), minus
         # the time spent evaluating and checkpointing, so it measures training alone. The first
         # step of every (re)start is not timed: it compiles the model (torch.compile on GPU, up to
         # minutes) and warms the allocator and caches, which says nothing about the steady rate.
-        interval_loss = torch.zeros((), device=device)
+        interval_loss = 0.0
         interval_steps, interval_tokens = 0, 0
         interval_start, paused = time.perf_counter(), 0.0
         warmed_up = False
@@ -461,7 +462,7 @@ class _Trainer:
             if anomaly is not None:
                 self.optimizer.zero_grad(set_to_none=True)
                 self._on_anomaly(anomaly, batch_index, t0, rng_before)
-                interval_loss.zero_()
+                interval_loss = 0.0
                 interval_steps, interval_tokens = 0, 0
                 interval_start, paused = time.perf_counter(), 0.0
                 continue
@@ -473,7 +474,7 @@ class _Trainer:
             self.recent.append((done, batch_index))
             if self.steps is not None:
                 self.steps.record(done, batch_index, t0, t_data, time.time())
-            interval_loss += stats[0]  # the loss of the global batch (averaged over ranks)
+            interval_loss += loss_value  # the global batch's (averaged over ranks)
             interval_steps += 1
             if warmed_up:
                 interval_tokens += batch.tokens * self.world
@@ -488,7 +489,7 @@ class _Trainer:
                 if device.type == "cuda":
                     torch.cuda.synchronize()  # honest timing: wait for the queued kernels
                 elapsed = max(time.perf_counter() - interval_start - paused, 1e-9)
-                self.train_loss = float(interval_loss) / interval_steps
+                self.train_loss = interval_loss / interval_steps
                 metrics = {"loss": self.train_loss, "lr": lr, "grad_norm": float(grad_norm)}
                 if interval_tokens:  # not at a first step, which is untimed
                     self.total_tokens += interval_tokens
@@ -507,7 +508,7 @@ class _Trainer:
                          f" | {metrics['tokens_per_s']:.0f} tok/s" if "tokens_per_s" in metrics
                          else "", f" | mfu {metrics['mfu']:.2%}" if "mfu" in metrics else "",
                          self.progress.line(done))
-                interval_loss.zero_()
+                interval_loss = 0.0
                 interval_steps, interval_tokens = 0, 0
                 interval_start, paused = time.perf_counter(), 0.0
 
