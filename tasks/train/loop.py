@@ -438,7 +438,7 @@ class _Trainer:
             self._prefetch(self._index_after(batch_index))
             # the generators as this step starts: a spike skipped in place (_on_anomaly) puts them
             # back, so the step redone on the next batch draws the dropout masks it would have
-            rng_before = rng_state() if self.opts.spike_sigma > 0 else None
+            rng_before = _step_rng() if self.opts.spike_sigma > 0 else None
             lr = lr_at(step, cfg.optim, cfg.max_steps) * self.guard.lr_scale(step)
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
@@ -598,7 +598,7 @@ class _Trainer:
             self.on_eval(done, dict(self.val))
 
     def _on_anomaly(self, anomaly: Anomaly, batch_index: int, t0: float,
-                    rng_before: dict[str, Any] | None = None) -> None:
+                    rng_before: tuple[torch.Tensor, Any] | None = None) -> None:
         """Do not apply the update; roll back. For a spike, the batches of the last
         spike_skip_batches steps are skipped from now on; a NaN is first replayed (a transient
         fault, such as a flipped bit, does not recur) and its batch is skipped only if it fails
@@ -638,7 +638,7 @@ class _Trainer:
         from_step = self.step
         if (anomaly.kind != "nan" and bad == [batch_index] and not self.guard.escalation
                 and rng_before is not None):
-            set_rng_state(rng_before)
+            _set_step_rng(rng_before)
             self._event("rollback", from_step=from_step, to_step=self.step, anomaly=anomaly.kind,
                         path=None, in_place=True)
             return
@@ -699,6 +699,19 @@ def _reseed(saved_rng: dict[str, Any], rank: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
+
+
+def _step_rng() -> tuple[torch.Tensor, Any]:
+    """The generators a training step draws from (dropout: torch's, per device), cheaply: python's
+    and numpy's are not used inside a step (batches come from their own seeded generators)."""
+    return torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+
+
+def _set_step_rng(state: tuple[torch.Tensor, Any]) -> None:
+    cpu, cuda = state
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state_all(cuda)
 
 
 def _log_loss_curve(history: list[dict[str, float]]) -> None:
