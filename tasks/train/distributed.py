@@ -264,8 +264,9 @@ class DistContext:
             from torch.distributed.fsdp import fully_shard
 
             on_meta = any(p.is_meta for p in model.parameters())
-            blocks = getattr(getattr(model, "transformer", None), "h", [])
-            for block in blocks:
+            from tasks.causal_lm import decoder_layers
+
+            for block in decoder_layers(model):  # GPT blocks, LlamaDecoderLayer ...
                 fully_shard(block)
             fully_shard(model)
             if on_meta:
