@@ -210,8 +210,10 @@ def gpt_to_hf(model: GPT):
 def _gpt_shape(config: Any) -> ModelConfig | None:
     """The ModelConfig of a GPT-2 config that is exactly our GPT, else None."""
     c = config
+    if c.model_type != "gpt2":
+        return None
     same_dropout = c.attn_pdrop == c.resid_pdrop == c.embd_pdrop
-    if not (c.model_type == "gpt2" and c.activation_function == "gelu"
+    if not (c.activation_function == "gelu"
             and c.n_inner in (None, 4 * c.n_embd) and c.layer_norm_epsilon == LAYER_NORM_EPS
             and c.tie_word_embeddings and c.scale_attn_weights and same_dropout
             and not c.scale_attn_by_inverse_layer_idx and not c.reorder_and_upcast_attn):

@@ -86,6 +86,7 @@ def _from_s3(uri: str, work_dir: Path) -> Path:
     from tasks.common.io import publish_dir
     from tasks.data.readers import s3_client, split_s3
 
+    uri = uri.rstrip("/")  # one prefix, however it is written
     target = work_dir / f"s3-{hashlib.sha256(uri.encode()).hexdigest()[:16]}"
     if (target / CONFIG).is_file():
         log.info("%s: using the copy already downloaded to %s", uri, target)
