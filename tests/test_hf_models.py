@@ -1,8 +1,9 @@
 """Hugging Face-native models (issue 13), in-process and in seconds: our GPT is saved as exactly
-the GPT-2 transformers loads; a transformers Llama keeps what the built-in path guarantees
-(packed rows give each example its own logits, LoRA resumes exactly, adapters in peft's format
-load onto the base); a model on S3 is fetched once; start_run refuses a model no job could load,
-naming the Param, before any job or MLflow run. The DAG runs are in test_lifecycle_hf.py."""
+the GPT-2 transformers loads; a transformers Llama keeps what the built-in path guarantees (packed
+rows give each example its own logits; its LoRA adapter, saved in peft's format, merges onto the
+base to what the stage merged; exact LoRA resume is test_post_training's, for both kinds); a model
+on S3 is fetched once; start_run refuses a model no job could load, naming the Param, before any
+job or MLflow run. The DAG run is in test_lifecycle_hf.py."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tasks.configs import FinetuneConfig, ModelConfig, to_dict
+from tasks.configs import ModelConfig
 from tasks.model import GPT, IGNORE_INDEX
 from tasks.train.data import DataDir, collate_sft, load_sft, load_tokenizer
 
@@ -76,41 +77,15 @@ def test_a_transformers_llama_packs_examples_like_the_builtin_gpt(tiny_llama_dir
     torch.testing.assert_close(logits[keep], reference[kept], atol=1e-5, rtol=1e-5)
 
 
-def test_llama_lora_resumes_exactly_and_its_peft_adapter_loads_onto_the_base(
+def test_a_llama_lora_adapter_in_peft_format_merges_onto_the_base_as_the_stage_merged_it(
         tiny_llama_dir, tiny_data_dir, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from tasks.posttrain.batches import SFTSteps
-    from tasks.posttrain.lora import add_lora
-    from tasks.posttrain.objectives import next_token_loss, with_replay
     from tasks.train.export import load_model
-    from tasks.train.loop import train
+    from tests.test_post_training import lora_steps
 
-    data = DataDir(tiny_data_dir)
-    examples = load_sft(data.sft_path("train"), load_tokenizer(data.tokenizer_path), data.eos_id)
-
-    def run(output_dir: Path, steps: int):
-        torch.manual_seed(0)
-        model, _ = load_model(tiny_llama_dir)
-        adapters = add_lora(model, rank=4, alpha=8.0, dropout=0.0)  # every linear layer
-        cfg = FinetuneConfig(base_model="-", data_dir="-", output_dir=str(output_dir),
-                             max_steps=steps, batch_size=8, checkpoint_interval=3,
-                             eval_interval=100, log_interval=100, packing=True)
-        cfg.optim.lr = 1e-2
-        train(model=model, cfg=cfg, loss_fn=with_replay(next_token_loss, 0.25),
-              get_batch=SFTSteps(examples, batch_size=8, seed=1, block_size=32,
-                                 pad_id=data.eos_id, packing=True,
-                                 replay_rows=data.split("train"), replay_fraction=0.25),
-              evaluate=lambda m: {}, device=torch.device("cpu"), resolved_config=to_dict(cfg),
-              tracking=False)
-        return model, adapters
-
-    whole, adapters = run(tmp_path / "whole", 8)
-    run(tmp_path / "split", 6)  # the first try, stopped after its step-6 checkpoint
-    resumed, _ = run(tmp_path / "split", 8)
-    for (name, a), b in zip(whole.state_dict().items(), resumed.state_dict().values()):
-        assert torch.equal(a, b), name
+    _, adapters = lora_steps(lambda: load_model(tiny_llama_dir)[0], tiny_data_dir, tmp_path, 8)
     adapter_dir = adapters.save(tmp_path / "adapter", str(tiny_llama_dir))
     assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in adapter_dir.iterdir()}
     merged = adapters.merge()

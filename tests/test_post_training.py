@@ -331,9 +331,9 @@ def test_int8_student_reports_size_speed_and_quality_against_float(distilled):
     assert meta["comparison"]["size_ratio"] == m["int8.size_ratio"]
 
 
-def test_lora_fine_tuning_resumes_exactly_from_its_checkpoint(tiny_data_dir, tmp_path):
-    """A retried LoRA job continues from the adapters it saved, as a pretraining job does."""
-    pytest.importorskip("peft")
+def lora_steps(make_model, data_dir: Path, output_dir: Path, steps: int, targets=None):
+    """Seeded LoRA fine-tuning of make_model() for `steps` packed steps with replay, through the
+    shared loop (checkpoint every 3 steps): a rerun into the same output_dir resumes."""
     from tasks.posttrain.batches import SFTSteps
     from tasks.posttrain.lora import add_lora
     from tasks.posttrain.objectives import next_token_loss, with_replay
@@ -341,27 +341,42 @@ def test_lora_fine_tuning_resumes_exactly_from_its_checkpoint(tiny_data_dir, tmp
     from tasks.train.runtime import pick_device
 
     pick_device()
-    data = DataDir(tiny_data_dir)
+    data = DataDir(data_dir)
     examples = load_sft(data.sft_path("train"), load_tokenizer(data.tokenizer_path), data.eos_id)
+    torch.manual_seed(0)
+    model = make_model()
+    adapters = add_lora(model, rank=4, alpha=8.0, dropout=0.0, targets=targets)
+    cfg = FinetuneConfig(base_model="-", data_dir="-", output_dir=str(output_dir),
+                         max_steps=steps, batch_size=8, checkpoint_interval=3,
+                         eval_interval=100, log_interval=100, packing=True)
+    cfg.optim.lr = 1e-2
+    train(model=model, cfg=cfg, loss_fn=with_replay(next_token_loss, 0.25),
+          get_batch=SFTSteps(examples, batch_size=8, seed=1, block_size=32,
+                             pad_id=data.eos_id, packing=True,
+                             replay_rows=data.split("train"), replay_fraction=0.25),
+          evaluate=lambda m: {}, device=torch.device("cpu"), resolved_config=to_dict(cfg),
+          tracking=False)
+    return model, adapters
 
-    def run(output_dir: Path, steps: int) -> GPT:
-        torch.manual_seed(0)
-        model = GPT(ModelConfig(vocab_size=300, block_size=32, n_layer=1, n_head=2, n_embd=32))
-        add_lora(model, rank=4, alpha=8.0, dropout=0.0, targets=["c_attn", "c_fc"])
-        cfg = FinetuneConfig(base_model="-", data_dir="-", output_dir=str(output_dir),
-                             max_steps=steps, batch_size=8, checkpoint_interval=3,
-                             eval_interval=100, log_interval=100, packing=True)
-        train(model=model, cfg=cfg, loss_fn=with_replay(next_token_loss, 0.25),
-              get_batch=SFTSteps(examples, batch_size=8, seed=1, block_size=32,
-                                 pad_id=data.eos_id, packing=True,
-                                 replay_rows=data.split("train"), replay_fraction=0.25),
-              evaluate=lambda m: {}, device=torch.device("cpu"), resolved_config=to_dict(cfg),
-              tracking=False)
-        return model
 
-    whole = run(tmp_path / "whole", 8)
-    run(tmp_path / "split", 6)  # the first try, stopped after its step-6 checkpoint
-    resumed = run(tmp_path / "split", 8)
+@pytest.mark.parametrize("arch", ["gpt", "llama"])
+def test_lora_fine_tuning_resumes_exactly_from_its_checkpoint(tiny_data_dir, tmp_path, arch,
+                                                              request):
+    """A retried LoRA job continues from the adapters it saved, as a pretraining job does: for
+    our GPT (two named layers) and a transformers Llama (every linear layer, the default)."""
+    pytest.importorskip("peft")
+    if arch == "gpt":
+        targets = ["c_attn", "c_fc"]
+        make = lambda: GPT(ModelConfig(vocab_size=300, block_size=32, n_layer=1, n_head=2,  # noqa: E731
+                                       n_embd=32))
+    else:
+        from tasks.train.export import load_model
+
+        llama, targets = request.getfixturevalue("tiny_llama_dir"), None
+        make = lambda: load_model(llama)[0]  # noqa: E731
+    whole, _ = lora_steps(make, tiny_data_dir, tmp_path / "whole", 8, targets)
+    lora_steps(make, tiny_data_dir, tmp_path / "split", 6, targets)  # stopped after step 6
+    resumed, _ = lora_steps(make, tiny_data_dir, tmp_path / "split", 8, targets)
     for (name, a), b in zip(whole.state_dict().items(), resumed.state_dict().values()):
         assert torch.equal(a, b), name
 
