@@ -103,6 +103,7 @@ def run_harness(model, model_dir: str | Path, eos_id: int, suite_paths: list[Pat
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
 
     from tasks.causal_lm import to_transformers
 
@@ -117,10 +118,19 @@ def run_harness(model, model_dir: str | Path, eos_id: int, suite_paths: list[Pat
             fitting, left_out = fit_to_context(path, tokenizer, model.config.block_size,
                                                Path(scratch), limit)
             if fitting is not None:
-                configs.append(task_config(fitting))
+                config = task_config(fitting)
+                # the json builder's cache goes with the scratch files, not ~/.cache/huggingface
+                config["dataset_kwargs"]["cache_dir"] = str(Path(scratch) / "datasets")
+                if "generation_kwargs" in config:  # an answer must leave room for its prompt
+                    config["generation_kwargs"]["max_gen_toks"] = min(
+                        32, max(1, model.config.block_size // 4))
+                configs.append(config)
             scores[f"harness.{Path(path).stem}.left_out"] = float(left_out)
+        # only our task configs: indexing the harness's thousands of built-in tasks takes ~7 s
         results = simple_evaluate(model=lm, tasks=configs, limit=limit, log_samples=False,
-                                  bootstrap_iters=0, verbosity="WARNING") if configs else {}
+                                  bootstrap_iters=0, verbosity="WARNING",
+                                  task_manager=TaskManager(include_defaults=False)
+                                  ) if configs else {}
     for name, metrics in (results or {}).get("results", {}).items():
         suite = name.removeprefix("llmops_")
         for key, value in metrics.items():

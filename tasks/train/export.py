@@ -39,8 +39,9 @@ META_KEY = "llmops"  # the MLmodel metadata key holding meta.json
 # what a Hugging Face tokenizer directory may hold; copied as they are from a parent model
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "added_tokens.json", "chat_template.jinja", "chat_template.json")
-# served generations: greedy, and short unless the caller asks for more (params at predict time)
-SERVING_CONFIG = {"max_new_tokens": 64, "do_sample": False}
+# served generations: the completion without the prompt; greedy and short unless predict's params
+# ask otherwise (the signature declares them)
+SERVING_PARAMS = {"max_new_tokens": 64, "do_sample": False, "temperature": 1.0}
 
 
 def write_tokenizer(tokenizer_path: str | Path, out_dir: Path, eos_id: int, block_size: int) -> None:
@@ -170,14 +171,22 @@ def log_mlflow_model(model_dir: str | Path, lineage: dict[str, Any], params: dic
     from huggingface_hub import ModelCard
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from mlflow.models import infer_signature
+
+    from tasks.causal_lm import context_length
+
     model_dir = Path(model_dir)
     hf = AutoModelForCausalLM.from_pretrained(str(model_dir), trust_remote_code=False)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=False)
     tags = {k: str(v) for k, v in lineage.items() if v not in (None, "")}
+    # a small model's context can be shorter than the default answer: keep prompt room
+    defaults = {**SERVING_PARAMS, "max_new_tokens": min(SERVING_PARAMS["max_new_tokens"],
+                                                        max(1, context_length(hf.config) // 4))}
     info = mlflow.transformers.log_model(
         {"model": hf, "tokenizer": tokenizer}, name=MODEL_DIR, task="text-generation",
         model_card=ModelCard((model_dir / "README.md").read_text()),
-        model_config=dict(SERVING_CONFIG),
+        model_config={**defaults, "return_full_text": False},
+        signature=infer_signature(["a prompt"], ["its completion"], params=defaults),
         metadata={META_KEY: json.loads((model_dir / "meta.json").read_text())},
         pip_requirements=[f"torch=={torch.__version__.split('+')[0]}",
                           f"transformers=={transformers.__version__}",
