@@ -28,6 +28,11 @@ def lifecycle_run(airflow_db):
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0 and "state=success" in output, output[-6000:]
 
+    return {**latest_lifecycle_run(), "output": output, "planted": planted}
+
+
+def latest_lifecycle_run() -> dict:
+    """The newest lifecycle DAG run's MLflow parent run and its stages' child runs."""
     from llmops import tracking
 
     client = tracking.client()
@@ -36,8 +41,7 @@ def lifecycle_run(airflow_db):
                                 order_by=["attributes.start_time DESC"], max_results=1)[0]
     children = client.search_runs(
         [exp.experiment_id], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'", max_results=100)
-    return {"client": client, "parent": parent, "children": children, "output": output,
-            "planted": planted}
+    return {"client": client, "parent": parent, "children": children}
 
 
 def test_every_stage_has_a_finished_child_run_with_the_tracking_tags(lifecycle_run):

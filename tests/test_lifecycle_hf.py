@@ -46,16 +46,10 @@ def hf_run(airflow_db, tiny_llama_dir):
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0 and "state=success" in output, output[-6000:]
 
-    from llmops import tracking
+    from tests.test_lifecycle_e2e import latest_lifecycle_run
 
-    client = tracking.client()
-    exp = client.get_experiment_by_name("llm_lifecycle")
-    parent = client.search_runs([exp.experiment_id], "tags.kind = 'lifecycle'",
-                                order_by=["attributes.start_time DESC"], max_results=1)[0]
-    children = client.search_runs(
-        [exp.experiment_id], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'", max_results=100)
-    return {"client": client, "parent": parent, "output": output,
-            "by_stage": {r.data.tags["stage"]: r for r in children}}
+    run = latest_lifecycle_run()
+    return {**run, "output": output, "by_stage": {r.data.tags["stage"]: r for r in run["children"]}}
 
 
 def test_a_llama_base_model_is_fine_tuned_distilled_into_a_gpt_evaluated_and_promoted(
