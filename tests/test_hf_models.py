@@ -213,3 +213,29 @@ def test_a_base_model_replaces_sweep_and_pretraining_and_sets_the_datas_tokenize
     spec = lifecycle.evaluate_spec(run, data, None, model, model)
     assert spec["config"]["models"]["pretrained"] == str(tiny_llama_dir)
     assert lifecycle.distill_spec(run, data, model)["config"]["student"]["arch"] == "llama"
+
+
+def test_data_prep_ends_documents_with_the_eos_a_models_tokenizer_config_declares(
+        tiny_data_dir, tmp_path):
+    """A Llama-style tokenizer has no <|endoftext|>: its tokenizer_config.json names the EOS."""
+    from tasks.configs import tiny
+    from tasks.data.prep import prepare
+
+    spec = json.loads((tiny_data_dir / "tokenizer.json").read_text())
+    spec["model"]["vocab"]["</s>"] = spec["model"]["vocab"].pop("<|endoftext|>")
+    for token in spec["added_tokens"]:
+        token["content"] = "</s>" if token["content"] == "<|endoftext|>" else token["content"]
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    (model_dir / "tokenizer.json").write_text(json.dumps(spec))
+    cfg = tiny().data
+    cfg.output_dir, cfg.engine = str(tmp_path / "without"), "local"
+    cfg.tokenizer_path = str(model_dir / "tokenizer.json")
+    with pytest.raises(ValueError, match=r"has no '<\|endoftext\|>' token and no "
+                                         r"tokenizer_config.json beside it declaring"):
+        prepare(cfg)
+    (model_dir / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    cfg.output_dir = str(tmp_path / "with")
+    prepare(cfg)
+    manifest = json.loads((tmp_path / "with" / "manifest.json").read_text())
+    assert manifest["eos_id"] == spec["model"]["vocab"]["</s>"]

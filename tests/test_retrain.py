@@ -116,20 +116,28 @@ def _approve_when_asked(proc: subprocess.Popen, timeout: float) -> dict:
 
 
 @pytest.fixture(scope="module")
-def retrain_run(airflow_db, tiny_data_dir, champion) -> dict:
+def retrain_run(airflow_db, tiny_data_dir, champion, tmp_path_factory) -> dict:
     conf = {"recipe": "tiny", "registered_model_name": NAME, "data_dir": str(tiny_data_dir),
             "require_approval": True}
     bin_dir = Path(sys.executable).parent
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
-    proc = subprocess.Popen([str(bin_dir / "airflow"), "dags", "test", "llm_retrain", "-c",
-                             json.dumps(conf)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env=env)
-    try:
-        asked = _approve_when_asked(proc, timeout=600)
-        output, _ = proc.communicate(timeout=600)
-    finally:
-        if proc.poll() is None:
+    # the run's output goes to a file: a pipe nobody reads while the test polls for the
+    # approval fills up (64 KiB) and blocks the run mid-task
+    log = tmp_path_factory.mktemp("retrain_run") / "output.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([str(bin_dir / "airflow"), "dags", "test", "llm_retrain", "-c",
+                                 json.dumps(conf)], stdout=out, stderr=subprocess.STDOUT,
+                                text=True, env=env)
+        try:
+            asked = _approve_when_asked(proc, timeout=600)
+            proc.wait(timeout=600)
+        except BaseException as exc:  # show what the run printed, not only that it never asked
             proc.kill()
+            raise AssertionError(f"{exc}\n{log.read_text()[-8000:]}") from exc
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    output = log.read_text()
     assert proc.returncode == 0 and "state=success" in output, output[-6000:]
     return {"asked": asked, "output": output}
 

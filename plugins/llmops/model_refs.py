@@ -76,10 +76,23 @@ def _checked(name: str, value: str, names: set[str], read: Any, tokenizer_uri: s
         raise _error(name, value, f"is not a causal language model: {problem}")
     tokenizer = read(hf_dir.TOKENIZER)
     try:
-        json.loads(tokenizer)
+        spec = json.loads(tokenizer)
+        declared = (hf_dir.eos_token(json.loads(read(hf_dir.TOKENIZER_CONFIG)))
+                    if hf_dir.TOKENIZER_CONFIG in names else None)
     except ValueError as exc:
-        raise _error(name, value, f"has a tokenizer.json that is not JSON ({exc})") from None
+        raise _error(name, value, f"has a tokenizer file that is not JSON ({exc})") from None
+    check_end_of_text(name, value, spec, declared)
     return ModelFiles(value, config, tokenizer, tokenizer_uri)
+
+
+def check_end_of_text(name: str, value: str, spec: dict[str, Any], declared: str | None) -> None:
+    """Data prep separates documents (and ends completions) with <|endoftext|>, or with the
+    eos_token tokenizer_config.json declares: the tokenizer must have one of them."""
+    tokens = set((spec.get("model") or {}).get("vocab") or {})
+    tokens |= {t.get("content") for t in spec.get("added_tokens") or []}
+    if "<|endoftext|>" not in tokens and declared not in tokens:
+        raise _error(name, value, "has a tokenizer with no end-of-text token (neither "
+                                  "<|endoftext|> nor the eos_token of a tokenizer_config.json)")
 
 
 def _local(name: str, value: str) -> ModelFiles:
