@@ -423,6 +423,18 @@ def test_lora_finetune_from_a_registered_version_merges_into_a_plain_model(lora_
     assert 0 < logged["trainable_params"] < logged["params"] / 5
     model, _ = load_model(result["outputs"]["model_dir"])  # merged: a plain GPT again
     assert not any(".lora_" in k for k in model.state_dict())
+    # the adapters alone, in peft's format, apply to the base model transformers loads (the GPT-2
+    # our GPT is): merged, they give the fine-tuned model's logits
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    adapter_dir = Path(result["outputs"]["adapter_dir"])
+    base = json.loads((adapter_dir / "adapter_config.json").read_text())["base_model_name_or_path"]
+    served = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base),
+                                       adapter_dir).merge_and_unload()
+    ids = torch.randint(0, model.config.vocab_size, (2, 10))
+    with torch.no_grad():
+        torch.testing.assert_close(served(ids).logits, model.eval()(ids)[0], atol=1e-5, rtol=1e-4)
     # the final checkpoint (adapters unmerged) resolves to the same weights as the model dir
     from_ckpt, _ = load_model(resolve_model_dir(result["outputs"]["checkpoint"],
                                                 Path(result["outputs"]["model_dir"]).parent / "x"))
