@@ -110,24 +110,34 @@ def _approve_when_asked(proc: subprocess.Popen, timeout: float) -> dict:
             assert response.status_code == 200, response.text
             return waiting[0]
         time.sleep(2)
-    raise AssertionError("the run never asked for approval")
+    ended = "" if proc.poll() is None else f" (it ended with exit {proc.returncode})"
+    raise AssertionError(f"the run never asked for approval in {timeout:.0f} s{ended}")
 
 
 @pytest.fixture(scope="module")
-def retrain_run(airflow_db, tiny_data_dir, champion) -> dict:
+def retrain_run(airflow_db, tiny_data_dir, champion, tmp_path_factory) -> dict:
     conf = {"recipe": "tiny", "registered_model_name": NAME, "data_dir": str(tiny_data_dir),
             "require_approval": True}
     bin_dir = Path(sys.executable).parent
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
-    proc = subprocess.Popen([str(bin_dir / "airflow"), "dags", "test", "llm_retrain", "-c",
-                             json.dumps(conf)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env=env)
-    try:
-        asked = _approve_when_asked(proc, timeout=600)
-        output, _ = proc.communicate(timeout=600)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    # The run's output goes to a file, not a pipe: nobody reads a pipe while the test waits for
+    # the approval request, and a run that logs more than the pipe holds (64 KiB) would block on
+    # its next log line and never ask.
+    log_path = Path(tmp_path_factory.mktemp("retrain")) / "dags-test.log"
+    with open(log_path, "w") as log_file:
+        proc = subprocess.Popen([str(bin_dir / "airflow"), "dags", "test", "llm_retrain", "-c",
+                                 json.dumps(conf)], stdout=log_file, stderr=subprocess.STDOUT,
+                                text=True, env=env)
+        try:
+            try:
+                asked = _approve_when_asked(proc, timeout=600)
+            except AssertionError as exc:
+                raise AssertionError(f"{exc}:\n{log_path.read_text()[-8000:]}") from None
+            proc.wait(timeout=600)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    output = log_path.read_text()
     assert proc.returncode == 0 and "state=success" in output, output[-6000:]
     return {"asked": asked, "output": output}
 
