@@ -260,6 +260,13 @@ def lifecycle_params() -> dict[str, Any]:
                                               "succeeded in this DAG run (a cleared task normally "
                                               "reattaches to its job). Retries still reattach to "
                                               "the job the forced try started.")
+    params["cache"] = Param(True, type="boolean", section=WHERE,
+                            description="Step cache: a stage whose identity (stage, resolved "
+                                        "config, input content hashes, code version, image) "
+                                        "matches a finished earlier job reuses its outputs "
+                                        "(verified) and submits nothing. Off: every stage runs; "
+                                        "its job is still recorded for later runs. force_rerun "
+                                        "also runs every stage.")
     params["priority"] = Param(None, type=["null", "integer"], allOf=[{"minimum": 0, "maximum": 9999}],
                                section=WHERE,
                                description="Scheduling priority, higher first: AWS Batch "
