@@ -18,7 +18,7 @@ from typing import Any, get_type_hints
 
 from llmops import params as lifecycle_params
 from llmops import promotion
-from llmops import settings, step_cache, teams, tracking
+from llmops import reuse, settings, step_cache, teams, tracking
 from llmops.jobs.spec import JobSpec
 from llmops.sweep import budget as sweep_budget
 from llmops.sweep import stage as sweep_stage
@@ -344,9 +344,11 @@ def start_run(params: dict[str, Any], *, dag_id: str, run_id: str,
     check_backends(backends, params, storage_root)
     root = os.path.join(storage_root, dag_id, re.sub(r"[^A-Za-z0-9_.-]+", "_", run_id))
     config = configs.to_dict(cfg)
+    earlier = reuse.check(params, config, dag_id)   # from_run + start_at: its outputs, checked
     parent = tracking.start_parent_run(experiment=dag_id, dag_id=dag_id, run_id=run_id,
                                        config={**config, "backends": backends, "root": root})
     try:
+        reuse.tag_parent(parent, earlier, conf)
         model_name = params.get("registered_model_name") or "llm-lifecycle"
         # Read once per DAG run: if evaluate read it at execute time, a champion crowned between
         # two tries would change its config, hence its job name, and the retry would start a
@@ -363,7 +365,8 @@ def start_run(params: dict[str, Any], *, dag_id: str, run_id: str,
             "priority": params.get("priority"),
             "model_name": model_name,
             # the step cache's index lives under it; `cache` says whether to look there
-            "storage_root": storage_root, "cache": params.get("cache", True) is not False}
+            "storage_root": storage_root, "cache": params.get("cache", True) is not False,
+            "from_run": earlier}
 
 
 def check_lane(params: dict[str, Any], cfg: configs.LifecycleConfig, backends: dict[str, str],
@@ -392,7 +395,7 @@ def validation_errors() -> tuple[type[Exception], ...]:
     from llmops.jobs.backends.settings import BackendSettingsError
 
     return (LifecycleParamError, sweep_budget.BudgetError, BackendSettingsError, configs.ConfigError,
-            teams.TeamError)
+            teams.TeamError, reuse.FromRunError)
 
 
 def _spec(run: dict[str, Any], stage: str, config: dict[str, Any], *,
@@ -432,7 +435,7 @@ def _out(run: dict[str, Any], *parts: str) -> str:
 def data_prep_spec(run: dict[str, Any]) -> dict[str, Any]:
     config = {**run["config"]["data"], "output_dir": _out(run, "data_prep")}
     raw = step_cache.raw_inputs_hash(config["inputs"] + config["sft_inputs"]) \
-        if run.get("storage_root") else ""
+        if run.get("storage_root") and not reuse.taken(run, "data_prep") else ""
     return _spec(run, "data_prep", config, inputs={"raw": ("", raw)})
 
 

@@ -401,12 +401,11 @@ def for_spec(run: dict[str, Any], stage: str, inputs: dict[str, tuple[str, str]]
     storage_root = run.get("storage_root")
     if not storage_root:
         return {}
+    taken = ((run.get("from_run") or {}).get("stages") or {}).get(stage)
+    if taken:
+        return {"index": index_root(storage_root), "taken": taken}
     inputs = inputs or {}
     if any(not h for _, h in inputs.values()):
         return {}
-    cache = {"index": index_root(storage_root), "lookup": bool(run.get("cache", True)),
-             "inputs": {n: {"uri": p or "", "hash": h} for n, (p, h) in inputs.items()}}
-    taken = ((run.get("from_run") or {}).get("stages") or {}).get(stage)
-    if taken:
-        cache["taken"] = taken
-    return cache
+    return {"index": index_root(storage_root), "lookup": bool(run.get("cache", True)),
+            "inputs": {n: {"uri": p or "", "hash": h} for n, (p, h) in inputs.items()}}

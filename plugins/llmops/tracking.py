@@ -218,3 +218,18 @@ def mark_reused(run_id: str, source: dict[str, str], record: dict[str, Any]) -> 
 
     log_json(run_id, record, RECORD_ARTIFACT)
     end_run(run_id, "FINISHED")
+
+
+def read_json_artifact(run_id: str, path: str) -> Any | None:
+    """A JSON artifact of a run (e.g. `lifecycle_config.json`), or None when it has none."""
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            local = client().download_artifacts(run_id, path, tmp)
+            with open(local) as fh:
+                return json.load(fh)
+    except (OSError, ValueError):
+        return None
+    except Exception as exc:  # noqa: BLE001 - MLflow's "not found" is an MlflowException
+        if "RESOURCE_DOES_NOT_EXIST" in str(getattr(exc, "error_code", "")) or "No such file" in str(exc):
+            return None
+        raise

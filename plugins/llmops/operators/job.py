@@ -143,7 +143,7 @@ class JobOperator(BaseOperator):
         store = context.get("task_state_store")
         self._run_id = run_id = spec.env.get("MLFLOW_RUN_ID", "")
         self._parent_run_id = spec.mlflow_parent_run_id
-        reused = self._reuse(backend, spec)
+        reused = self._reuse(backend, spec, started=self._recall(store).get("name") == spec.name)
         if reused is not None:
             return reused
         try:
@@ -316,9 +316,11 @@ class JobOperator(BaseOperator):
         return record
 
     # -- the step cache: a finished job with the same identity is reused (llmops.step_cache) ---
-    def _reuse(self, backend: Backend, spec: JobSpec) -> dict[str, Any] | None:
+    def _reuse(self, backend: Backend, spec: JobSpec, started: bool = False) -> dict[str, Any] | None:
         """The result of an earlier job this task reuses instead of running one, or None (then
-        `self._cache_ctx` says where the job's record goes once it succeeds)."""
+        `self._cache_ctx` says where the job's record goes once it succeeds). A task that
+        already started its job (`started`: an earlier try's, in the task state store) keeps
+        it: it reattaches rather than leave that job running unwatched."""
         cache = spec.cache or {}
         if not cache.get("index"):
             return None
@@ -330,6 +332,10 @@ class JobOperator(BaseOperator):
         if self._forced:
             self.log.info("Step cache: force_rerun is set, so %s runs its job afresh (identity %s).",
                           spec.stage, key[:12])
+            return None
+        if started:
+            self.log.info("Step cache: an earlier try of this task started job %s; reattaching to "
+                          "it (identity %s).", spec.name, key[:12])
             return None
         if not cache.get("lookup", True):
             self.log.info("Step cache: off for this run (Param cache), so %s runs its job (identity "
