@@ -4,7 +4,11 @@ in the step cache under the session's storage root).
 
 - the same recipe again: no stage submits a job, each reuses the recorded one, in a fraction of
   its time; evaluate too unless the champion it compares with is another one;
-- one fine-tuning knob changed: fine-tune and everything after it run, nothing before.
+- one fine-tuning knob changed: fine-tune and everything after it run, nothing before;
+- a run that starts at fine-tune from the first run's outputs (from_run + start_at), checked
+  before any job, with lineage tags naming the first run's MLflow runs;
+- a replay of the first run from its MLflow record (python -m llmops.replay): pretraining's loss
+  curves and weights bitwise equal; a tampered data manifest or another code version refused.
 
 The runs here register their models as `llm-reuse`, so the `llm-lifecycle` champion that
 test_lifecycle_e2e checks never moves; the model name is no part of any stage's identity.
@@ -12,9 +16,15 @@ test_lifecycle_e2e checks never moves; the model name is no part of any stage's 
 
 from __future__ import annotations
 
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
-from tests.lifecycle_run import run_lifecycle
+from tests.lifecycle_run import mlflow_runs, run_lifecycle
 
 CONF = {"recipe": "tiny", "registered_model_name": "llm-reuse"}
 BEFORE_FINETUNE = ("data_prep", "sweep", "pretrain")
@@ -115,3 +125,146 @@ def test_a_changed_finetuning_knob_reruns_finetune_and_what_follows_only(first, 
     assert "cached_from" not in finetune.data.tags and finetune.data.params["optim.lr"] == "0.003"
     # fine-tuned from the first run's pretrained model (the reused outputs)
     assert finetune.data.tags["base_run_id"] == earlier[("pretrain", "-1")].info.run_id
+
+
+# -- start from another run ------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def from_first(first, new_lr):
+    """Starts at fine-tune from the first run, with new_lr's fine-tuning knob: that fine-tuning
+    job (of the first run's pretrained model) already ran in new_lr, so the step cache reuses it,
+    and this run costs seconds; the taking itself is from_run's."""
+    return run_lifecycle({**CONF, "from_run": first["run_id"], "start_at": "finetune",
+                          "finetune_lr": 3e-3})
+
+
+def test_a_run_started_at_finetune_takes_the_earlier_outputs_with_lineage(first, new_lr, from_first):
+    from llmops import reuse
+
+    parent = from_first["parent"].data.tags
+    assert (parent["from_run"], parent["from_parent_run_id"], parent["start_at"]) == \
+        (first["run_id"], first["parent"].info.run_id, "finetune")
+    earlier, now = by_task(first), by_task(from_first)
+    assert {stage for stage, _ in now} == {"data_prep", "pretrain", "finetune", "distill", "evaluate"}, \
+        "the sweep's trial task is skipped: its outcome is the earlier run's"
+    assert "from_run: the sweep is run" in from_first["output"]
+    for stage in ("data_prep", "pretrain"):
+        tags = now[(stage, "-1")].data.tags
+        assert tags["cached_from"] == earlier[(stage, "-1")].info.run_id and tags["reuse"] == "from_run"
+        assert tags["cached_from_run"] == first["run_id"]
+        assert f"from_run: taking {stage}: reusing the outputs of job" in from_first["output"]
+    events = ledger_events(from_first)
+    assert {s for s, _ in events["cached"]} >= {"data_prep", "pretrain", "finetune", "distill"}
+    assert {s for s, _ in events.get("submitted", set())} <= {"evaluate"}
+    # fine-tuning of the first run's pretrained model, on its data (the job new_lr ran)
+    finetune = now[("finetune", "-1")].data.tags
+    assert finetune["base_run_id"] == earlier[("pretrain", "-1")].info.run_id
+    assert finetune["data_hash"] == earlier[("data_prep", "-1")].data.tags["data_hash"]
+    assert finetune["cached_from"] == by_task(new_lr)[("finetune", "-1")].info.run_id
+    assert now[("pretrain", "-1")].data.tags["sweep_best_run_id"] == \
+        earlier[("pretrain", "-1")].data.tags["sweep_best_run_id"]
+    pretrained = reuse.stage_record(first["parent"], "pretrain")["outputs"]["model_dir"]["uri"]
+    assert by_task(new_lr)[("finetune", "-1")].data.params["base_model"] == pretrained
+
+
+def _start(params: dict, run_id: str) -> dict:
+    from llmops import lifecycle
+
+    return lifecycle.start_run({"registered_model_name": "llm-reuse", **params},
+                               dag_id="llm_lifecycle", run_id=run_id)
+
+
+def test_from_run_is_checked_before_any_job_and_refused_naming_the_param(first):
+    """Every refusal comes from start_run before the parent run exists: no MLflow run, no job."""
+    from llmops import reuse
+
+    cases = [({"recipe": "tiny", "from_run": first["run_id"]}, "'from_run' and 'start_at' go together"),
+             ({"recipe": "tiny", "from_run": "manual__1999", "start_at": "finetune"},
+              "MLflow has no llm_lifecycle run 'manual__1999'"),
+             ({"recipe": "tiny", "from_run": first["run_id"], "start_at": "finetune", "pretrain_steps": 30},
+              "pretrain.max_steps (Param 'pretrain_steps', 20 there, 30 here)")]
+    for i, (params, message) in enumerate(cases):
+        with pytest.raises(reuse.FromRunError, match=re.escape(message)):
+            _start(params, f"refused__{i}")
+    model = Path(reuse.stage_record(first["parent"], "finetune")["outputs"]["model_dir"]["uri"])
+    aside = model.with_name("model.aside")
+    model.rename(aside)
+    try:
+        with pytest.raises(reuse.FromRunError, match=r"the finetune outputs of run .* cannot be used: "
+                                                     r"output 'model_dir' \(.*\) is gone"):
+            _start({"recipe": "tiny", "from_run": first["run_id"], "start_at": "distill"}, "refused__3")
+    finally:
+        aside.rename(model)
+    from llmops import tracking
+    from llmops.run_summary import find_parent
+
+    assert all(find_parent(tracking.client(), "llm_lifecycle", f"refused__{i}") is None for i in range(4))
+
+
+# -- replay ----------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def replayed(first):
+    """`python -m llmops.replay` of the first run (from pretrain on: the recorded sweep outcome
+    is kept, to spare the suite two trials; the default also recomputes the sweep)."""
+    proc = subprocess.run([sys.executable, "-m", "llmops.replay", first["parent"].info.run_id,
+                           "--start-at", "pretrain"], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    from llmops import reuse
+
+    run_id = reuse.find_parent(report["replay"], "llm_lifecycle").data.tags["run_id"]
+    return {"report": report, "stdout": proc.stdout, **mlflow_runs(run_id), "run_id": run_id}
+
+
+def test_a_replay_reproduces_pretraining_bitwise_on_cpu(first, replayed):
+    report = replayed["report"]
+    assert report["original"] == first["parent"].info.run_id and report["identical"], replayed["stdout"]
+    pretrain = report["stages"]["pretrain"]
+    assert pretrain["loss/train"]["identical"] and pretrain["loss/train"]["points"] >= 4
+    assert pretrain["loss/val"]["identical"] and pretrain["loss/val"]["points"] >= 2
+    assert pretrain["weights"]["identical"] and pretrain["weights"]["original"].startswith("sha256:")
+    assert "pretrain: loss/train" in replayed["stdout"] and "weights bitwise equal" in replayed["stdout"]
+    # recomputed, not reused: a job ran for pretraining, from the first run's data
+    events = ledger_events(replayed)
+    assert {s for s, _ in events["submitted"]} >= {"pretrain", "finetune", "distill", "evaluate"}
+    assert {s for s, _ in events["cached"]} == {"data_prep"}
+    tags = replayed["parent"].data.tags
+    assert tags["replay_of"] == first["parent"].info.run_id and tags["replay_identical"] == "true"
+    assert tags["from_run"] == first["run_id"]
+    assert tags["code_version"] == first["parent"].data.tags["code_version"]
+
+
+def test_a_replay_is_refused_when_the_data_or_the_code_cannot_be_matched(first, monkeypatch):
+    from llmops import provenance, replay, reuse
+
+    record = reuse.stage_record(first["parent"], "data_prep")
+    manifest = Path(record["outputs"]["data_dir"]["uri"]) / "manifest.json"
+    original = manifest.read_bytes()
+    tampered = json.loads(original)
+    tampered["counts"]["kept_documents"] += 1
+    manifest.write_text(json.dumps(tampered))
+    try:
+        proc = subprocess.run([sys.executable, "-m", "llmops.replay", first["parent"].info.run_id],
+                              capture_output=True, text=True, timeout=300)
+    finally:
+        manifest.write_bytes(original)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Replay refused: The recorded data hash" in proc.stderr and "cannot be matched" in proc.stderr
+    assert f"{manifest} changed since the job finished" in proc.stderr
+    assert replay.plan(first["parent"].info.run_id)["conf"]["from_run"] == first["run_id"]
+
+    monkeypatch.setattr(provenance, "code_version", lambda: "0" * 40)
+    with pytest.raises(replay.ReplayRefused, match="The code commit cannot be matched: run .* ran code "
+                                                   "version .*, this checkout is 0{40}"):
+        replay.plan(first["parent"].info.run_id)
+
+
+def test_the_replay_dag_checks_triggers_the_lifecycle_and_compares():
+    from airflow.dag_processing.dagbag import DagBag
+
+    dag = DagBag(dag_folder=str(Path(__file__).parents[1] / "dags")).dags["llm_replay"]
+    trigger = dag.get_task("replay")
+    assert trigger.trigger_dag_id == "llm_lifecycle" and trigger.wait_for_completion
+    assert dag.get_task("check").downstream_task_ids == {"replay", "compare"}
+    assert dag.get_task("replay").downstream_task_ids == {"compare"}
