@@ -93,11 +93,16 @@ def test_the_same_recipe_again_submits_no_job_and_takes_a_fraction_of_the_time(f
 
     cached = {k: c for k, c in now.items() if k[0] != "evaluate" or not reran_evaluate}
     for (stage, index), child in cached.items():
-        tags, was = child.data.tags, earlier[(stage, index)]
-        assert tags["cached_from"] == was.info.run_id and tags["reuse"] == "cache", (stage, index)
-        assert tags["cached_from_job"] == tags["job_name"] == was.data.tags["job_name"]
-        assert tags["cached_from_run"] == first["run_id"] and child.info.status == "FINISHED"
-        assert child.data.metrics == was.data.metrics, "the reused job's metrics, as they were"
+        tags = child.data.tags
+        # the first run's identity; its job, or an earlier test's of the same identity (the
+        # index keeps the newest record of a key)
+        assert tags["cache_key"] == earlier[(stage, index)].data.tags["cache_key"], (stage, index)
+        producer = first["client"].get_run(tags["cached_from"])
+        assert producer.data.tags["cache_key"] == tags["cache_key"] and tags["reuse"] == "cache"
+        assert tags["cached_from_job"] == tags["job_name"] == producer.data.tags["job_name"]
+        assert tags["cached_from_run"] == producer.data.tags["run_id"] != again["run_id"]
+        assert child.info.status == producer.info.status == "FINISHED"
+        assert child.data.metrics == producer.data.metrics, "the reused job's metrics, as they were"
         assert (stage, tags["job_name"]) in events["cached"]
     assert {s for s, _ in events["cached"]} >= set(BEFORE_FINETUNE) | {"finetune", "distill"}
     for stage in BEFORE_FINETUNE + ("finetune", "distill"):
@@ -120,11 +125,11 @@ def test_a_changed_finetuning_knob_reruns_finetune_and_what_follows_only(first, 
     assert "differs in config.optim.lr" in new_lr["output"]
     earlier, now = by_task(first), by_task(new_lr)
     pretrain = now[("pretrain", "-1")]
-    assert pretrain.data.tags["cached_from"] == earlier[("pretrain", "-1")].info.run_id
+    assert pretrain.data.tags["cache_key"] == earlier[("pretrain", "-1")].data.tags["cache_key"]
     finetune = now[("finetune", "-1")]
     assert "cached_from" not in finetune.data.tags and finetune.data.params["optim.lr"] == "0.003"
-    # fine-tuned from the first run's pretrained model (the reused outputs)
-    assert finetune.data.tags["base_run_id"] == earlier[("pretrain", "-1")].info.run_id
+    # fine-tuned from the reused pretrained model: lineage names the run that trained it
+    assert finetune.data.tags["base_run_id"] == pretrain.data.tags["cached_from"]
 
 
 # -- start from another run ------------------------------------------------------------------------
@@ -252,7 +257,8 @@ def test_a_replay_is_refused_when_the_data_or_the_code_cannot_be_matched(first, 
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "Replay refused: The recorded data hash" in proc.stderr and "cannot be matched" in proc.stderr
     assert f"{manifest} changed since the job finished" in proc.stderr
-    assert replay.plan(first["parent"].info.run_id)["conf"]["from_run"] == first["run_id"]
+    planned = replay.plan(first["parent"].info.run_id)["conf"]
+    assert (planned["from_run"], planned["start_at"], planned["cache"]) == (first["run_id"], "sweep", False)
 
     monkeypatch.setattr(provenance, "code_version", lambda: "0" * 40)
     with pytest.raises(replay.ReplayRefused, match="The code commit cannot be matched: run .* ran code "

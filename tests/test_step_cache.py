@@ -94,11 +94,11 @@ def _lifecycle_run(root: str, run_id: str) -> dict:
             "resources": {}, "model_name": "llm-lifecycle"}
 
 
-def _lifecycle_keys(root: str, run_id: str) -> dict[str, str]:
+def _lifecycle_keys(root: str, run_id: str, champion: dict | None = None) -> dict[str, str]:
     from llmops import lifecycle
     from llmops.sweep import study as studies
 
-    run = _lifecycle_run(root, run_id)
+    run = {**_lifecycle_run(root, run_id), "champion": champion}
     data = {"outputs": {"data_dir": f"{root}/data_prep"}, "data_hash": "d" * 64,
             "mlflow_run_id": f"data-{run_id}"}
 
@@ -124,6 +124,14 @@ def test_the_lifecycle_specs_of_two_dag_runs_key_alike():
     first = _lifecycle_keys(RUN1, "manual__1")
     assert first == _lifecycle_keys(RUN2, "manual__2")
     assert len(set(first.values())) == len(first), "each stage its own key"
+
+
+def test_the_champion_an_evaluation_compares_with_is_part_of_its_identity():
+    champion = {"version": "3", "uri": "models:/llm-lifecycle/3", "run_id": "r3"}
+    without, against = _lifecycle_keys(RUN1, "manual__1"), _lifecycle_keys(RUN1, "manual__1", champion)
+    assert without["evaluate"] != against["evaluate"]
+    assert {k: v for k, v in without.items() if k != "evaluate"} == \
+        {k: v for k, v in against.items() if k != "evaluate"}
 
 
 # -- the index -------------------------------------------------------------------------------------

@@ -525,9 +525,11 @@ def evaluate_models_spec(run: dict[str, Any], data: dict[str, Any],
     config = {**run["config"]["evaluate"], "models": refs,
               "data_dir": data["outputs"]["data_dir"], "output_dir": _out(run, "evaluate")}
     lineage = {f"{name}_run_id": run_id or "" for name, run_id in runs.items()}
-    # the champion is a registry version (immutable): its URI in the config identifies it
+    inputs = {"data": _data_input(data), **{n: _model_input(r) for n, r in models.items()}}
+    if promotion.CHAMPION in runs:  # a registry version: its URI is in the config, its run here
+        inputs[promotion.CHAMPION] = ("", runs[promotion.CHAMPION] or refs[promotion.CHAMPION])
     return _spec(run, "evaluate", config, data_hash=data["data_hash"], lineage=lineage,
-                 inputs={"data": _data_input(data), **{n: _model_input(r) for n, r in models.items()}})
+                 inputs=inputs)
 
 
 # -- the gate (plugins/llmops/promotion.py) -------------------------------------------------

@@ -117,11 +117,12 @@ def _weights(run: Any) -> str | None:
 
 
 def compare(original: str, replayed: str) -> dict[str, Any]:
-    """Per training stage, the replay's loss curves and final weights against the original's."""
+    """Per training stage the replay computed again, its loss curves and final weights against
+    the original's (a stage both take from the same earlier run is no comparison)."""
     stages: dict[str, Any] = {}
     for stage in TRAINING_STAGES:
         a, b = _stage_run(original, stage), _stage_run(replayed, stage)
-        if a is None or b is None:
+        if a is None or b is None or b.data.tags.get("cached_from"):
             continue
         out: dict[str, Any] = {}
         for key in CURVES:

@@ -374,6 +374,7 @@ class JobOperator(BaseOperator):
             else "its outputs checked by start_run",
             f" (the job took {saved:.0f} s)" if isinstance(saved, (int, float)) else "")
         result = {**record["result"], "cached_from": source}
+        self._push_links(self._run_id)   # the task's MLflow link: the child run that says cached_from
         if self._run_id:
             try:
                 tracking.mark_reused(self._run_id, source, record)
