@@ -60,3 +60,5 @@ def airflow_cli(*args: str, timeout: int = 600, dags_folder: Path | None = None
 
 # AWS emulation (moto server) and a local Ray cluster, for the remote backends' tests.
 from tests.aws_fixtures import moto_server, ray_cluster  # noqa: E402,F401
+# The session's one tiny lifecycle run, shared by the modules that check or build on it.
+from tests.lifecycle_run import tiny_lifecycle_run  # noqa: E402,F401

@@ -208,7 +208,11 @@ def test_a_base_model_replaces_sweep_and_pretraining_and_sets_the_datas_tokenize
     assert run["config"]["data"]["tokenizer_path"] == str(tiny_llama_dir / "tokenizer.json")
     data = {"outputs": {"data_dir": "/out/data"}, "data_hash": "abc"}
     assert lifecycle.sweep_trials(run, data) == []
-    assert lifecycle.finetune_spec(run, data, None)["config"]["base_model"] == str(tiny_llama_dir)
+    spec = lifecycle.finetune_spec(run, data, None)
+    assert spec["config"]["base_model"] == str(tiny_llama_dir)
+    # the step cache knows the base model by its content, not its path
+    assert len(run["base_model_hash"]) == 64
+    assert lifecycle.given_base(run)["content_hashes"]["model_dir"] == run["base_model_hash"]
     model = {"outputs": {"model_dir": "/out/m"}, "mlflow_run_id": "r"}
     spec = lifecycle.evaluate_spec(run, data, None, model, model)
     assert spec["config"]["models"]["pretrained"] == str(tiny_llama_dir)

@@ -3,45 +3,21 @@ run in MLflow under one parent run, and a model is registered with the alias `ch
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 import pytest
 
-from tests.isolated_env import SESSION_DIR, airflow_cli
-from tests.test_secrets import planted_secrets
+from tests.isolated_env import SESSION_DIR
 
 STAGES = ("data_prep", "sweep", "pretrain", "finetune", "distill", "evaluate")
 
 
 @pytest.fixture(scope="module")
-def lifecycle_run(airflow_db):
-    # The worker runs with credentials in its environment, as a real one would: an AWS secret
-    # key and a database password (plain and in an Airflow connection). None may leak (issue 14).
-    planted = planted_secrets()
-    with pytest.MonkeyPatch.context() as env:
-        for name, value in planted.items():
-            env.setenv(name, value)
-        proc = airflow_cli("dags", "test", "llm_lifecycle", "-c", json.dumps({"recipe": "tiny"}),
-                           timeout=900)
-    output = proc.stdout + proc.stderr
-    assert proc.returncode == 0 and "state=success" in output, output[-6000:]
-
-    return {**latest_lifecycle_run(), "output": output, "planted": planted}
-
-
-def latest_lifecycle_run() -> dict:
-    """The newest lifecycle DAG run's MLflow parent run and its stages' child runs."""
-    from llmops import tracking
-
-    client = tracking.client()
-    exp = client.get_experiment_by_name("llm_lifecycle")
-    parent = client.search_runs([exp.experiment_id], "tags.kind = 'lifecycle'",
-                                order_by=["attributes.start_time DESC"], max_results=1)[0]
-    children = client.search_runs(
-        [exp.experiment_id], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'", max_results=100)
-    return {"client": client, "parent": parent, "children": children}
+def lifecycle_run(tiny_lifecycle_run):
+    """The session's tiny lifecycle run (tests/lifecycle_run.py): cache off, so every stage ran
+    its job; planted secrets in the worker's environment."""
+    return tiny_lifecycle_run
 
 
 def test_every_stage_has_a_finished_child_run_with_the_tracking_tags(lifecycle_run):

@@ -7,12 +7,9 @@ generates, and through mlflow.pyfunc predicts text."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
-
-from tests.isolated_env import airflow_cli
 
 NAME = "lifecycle-hf-test"
 PROMPT = "Q: What number comes after 41?\nA:"
@@ -41,15 +38,11 @@ def assert_champion_serves(name: str) -> dict:
 
 @pytest.fixture(scope="module")
 def hf_run(airflow_db, tiny_llama_dir):
-    conf = {"recipe": "tiny", "base_model": str(tiny_llama_dir), "registered_model_name": NAME}
-    proc = airflow_cli("dags", "test", "llm_lifecycle", "-c", json.dumps(conf), timeout=900)
-    output = proc.stdout + proc.stderr
-    assert proc.returncode == 0 and "state=success" in output, output[-6000:]
+    from tests.lifecycle_run import run_lifecycle
 
-    from tests.test_lifecycle_e2e import latest_lifecycle_run
-
-    run = latest_lifecycle_run()
-    return {**run, "output": output, "by_stage": {r.data.tags["stage"]: r for r in run["children"]}}
+    run = run_lifecycle({"recipe": "tiny", "cache": False, "base_model": str(tiny_llama_dir),
+                         "registered_model_name": NAME})
+    return {**run, "by_stage": {r.data.tags["stage"]: r for r in run["children"]}}
 
 
 def test_a_llama_base_model_is_fine_tuned_distilled_into_a_gpt_evaluated_and_promoted(

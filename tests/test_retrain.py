@@ -112,7 +112,8 @@ def _approve_when_asked(proc: subprocess.Popen, timeout: float) -> dict:
             assert response.status_code == 200, response.text
             return waiting[0]
         time.sleep(2)
-    raise AssertionError("the run never asked for approval")
+    ended = "" if proc.poll() is None else f" (it ended with exit {proc.returncode})"
+    raise AssertionError(f"the run never asked for approval in {timeout:.0f} s{ended}")
 
 
 @pytest.fixture(scope="module")
@@ -121,23 +122,24 @@ def retrain_run(airflow_db, tiny_data_dir, champion, tmp_path_factory) -> dict:
             "require_approval": True}
     bin_dir = Path(sys.executable).parent
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
-    # the run's output goes to a file: a pipe nobody reads while the test polls for the
-    # approval fills up (64 KiB) and blocks the run mid-task
-    log = tmp_path_factory.mktemp("retrain_run") / "output.log"
-    with open(log, "w") as out:
+    # The run's output goes to a file, not a pipe: nobody reads a pipe while the test waits for
+    # the approval request, and a run that logs more than the pipe holds (64 KiB) would block on
+    # its next log line and never ask.
+    log_path = Path(tmp_path_factory.mktemp("retrain")) / "dags-test.log"
+    with open(log_path, "w") as log_file:
         proc = subprocess.Popen([str(bin_dir / "airflow"), "dags", "test", "llm_retrain", "-c",
-                                 json.dumps(conf)], stdout=out, stderr=subprocess.STDOUT,
+                                 json.dumps(conf)], stdout=log_file, stderr=subprocess.STDOUT,
                                 text=True, env=env)
         try:
-            asked = _approve_when_asked(proc, timeout=600)
+            try:
+                asked = _approve_when_asked(proc, timeout=600)
+            except AssertionError as exc:
+                raise AssertionError(f"{exc}:\n{log_path.read_text()[-8000:]}") from None
             proc.wait(timeout=600)
-        except BaseException as exc:  # show what the run printed, not only that it never asked
-            proc.kill()
-            raise AssertionError(f"{exc}\n{log.read_text()[-8000:]}") from exc
         finally:
             if proc.poll() is None:
                 proc.kill()
-    output = log.read_text()
+    output = log_path.read_text()
     assert proc.returncode == 0 and "state=success" in output, output[-6000:]
     return {"asked": asked, "output": output}
 

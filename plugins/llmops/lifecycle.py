@@ -18,7 +18,7 @@ from typing import Any, get_type_hints
 
 from llmops import params as lifecycle_params
 from llmops import model_refs, promotion
-from llmops import settings, teams, tracking
+from llmops import reuse, settings, step_cache, teams, tracking
 from llmops.jobs.spec import JobSpec
 from llmops.sweep import budget as sweep_budget
 from llmops.sweep import stage as sweep_stage
@@ -345,9 +345,11 @@ def start_run(params: dict[str, Any], *, dag_id: str, run_id: str,
     check_backends(backends, params, storage_root)
     root = os.path.join(storage_root, dag_id, re.sub(r"[^A-Za-z0-9_.-]+", "_", run_id))
     config = configs.to_dict(cfg)
+    earlier = reuse.check(params, config, dag_id)   # from_run + start_at: its outputs, checked
     parent = tracking.start_parent_run(experiment=dag_id, dag_id=dag_id, run_id=run_id,
                                        config={**config, "backends": backends, "root": root})
     try:
+        reuse.tag_parent(parent, earlier, conf)
         model_name = params.get("registered_model_name") or "llm-lifecycle"
         # Read once per DAG run: if evaluate read it at execute time, a champion crowned between
         # two tries would change its config, hence its job name, and the retry would start a
@@ -362,7 +364,11 @@ def start_run(params: dict[str, Any], *, dag_id: str, run_id: str,
             "resources": params.get("stage_resources") or {},
             "team": team.name if team else params.get("team") or "",
             "priority": params.get("priority"),
-            "model_name": model_name, "base_model": base_model}
+            "model_name": model_name, "base_model": base_model,
+            "base_model_hash": model_refs.content_hash(base_model) if base_model else "",
+            # the step cache's index lives under it; `cache` says whether to look there
+            "storage_root": storage_root, "cache": params.get("cache", True) is not False,
+            "from_run": earlier}
 
 
 def check_lane(params: dict[str, Any], cfg: configs.LifecycleConfig, backends: dict[str, str],
@@ -391,11 +397,14 @@ def validation_errors() -> tuple[type[Exception], ...]:
     from llmops.jobs.backends.settings import BackendSettingsError
 
     return (LifecycleParamError, sweep_budget.BudgetError, BackendSettingsError, configs.ConfigError,
-            teams.TeamError)
+            teams.TeamError, reuse.FromRunError)
 
 
 def _spec(run: dict[str, Any], stage: str, config: dict[str, Any], *,
-          data_hash: str = "", lineage: dict[str, str] | None = None) -> dict[str, Any]:
+          data_hash: str = "", lineage: dict[str, str] | None = None,
+          inputs: dict[str, tuple[str, str]] | None = None) -> dict[str, Any]:
+    """The stage's JobSpec as a dict; `inputs` (name -> (path, content hash)) is what the step
+    cache keys on besides the config (llmops.step_cache)."""
     # Team and priority travel as tags: cost allocation everywhere, and the fair-share identifier
     # and scheduling priority where the backend schedules (Batch, HyperPod).
     scheduling = {"team": run.get("team") or ""}
@@ -406,8 +415,19 @@ def _spec(run: dict[str, Any], stage: str, config: dict[str, Any], *,
         output_uri=config.get("output_dir", ""), mlflow_experiment=run["experiment"],
         mlflow_parent_run_id=run["parent_run_id"],
         tags={"data_hash": data_hash, **(lineage or {}), **{k: v for k, v in scheduling.items() if v}},
+        cache=step_cache.for_spec(run, stage, inputs),
         **(run.get("resources") or {}).get(stage, {}),
     ).to_dict()
+
+
+def _data_input(data: dict[str, Any]) -> tuple[str, str]:
+    """A data prep result as a step-cache input: its directory and its manifest's hash."""
+    return data["outputs"]["data_dir"], data.get("data_hash", "")
+
+
+def _model_input(result: dict[str, Any]) -> tuple[str, str]:
+    """A training stage's result as a step-cache input: its model directory and content hash."""
+    return result["outputs"]["model_dir"], (result.get("content_hashes") or {}).get("model_dir", "")
 
 
 def _out(run: dict[str, Any], *parts: str) -> str:
@@ -416,7 +436,9 @@ def _out(run: dict[str, Any], *parts: str) -> str:
 
 def data_prep_spec(run: dict[str, Any]) -> dict[str, Any]:
     config = {**run["config"]["data"], "output_dir": _out(run, "data_prep")}
-    return _spec(run, "data_prep", config)
+    raw = step_cache.raw_inputs_hash(config["inputs"] + config["sft_inputs"]) \
+        if run.get("storage_root") and not reuse.taken(run, "data_prep") else ""
+    return _spec(run, "data_prep", config, inputs={"raw": ("", raw)})
 
 
 def sweep_trials(run: dict[str, Any], data: dict[str, Any]) -> list[dict[str, Any]]:
@@ -442,7 +464,8 @@ def trial_spec(run: dict[str, Any], data: dict[str, Any], study: dict[str, Any],
     config["optim"]["warmup_steps"] = min(config["optim"]["warmup_steps"], steps // 5)
     sweep_stage.apply_best(config, {"params": trial["params"]})
     spec = _spec(run, "sweep", config, data_hash=data["data_hash"],
-                 lineage={"trial": str(trial["number"]), "slot": str(slot), "study": study["name"]})
+                 lineage={"trial": str(trial["number"]), "slot": str(slot), "study": study["name"]},
+                 inputs={"data": _data_input(data)})
     spec["env"] = {**spec["env"], **studies.job_env(study, trial["number"], spec["backend"])}
     return spec
 
@@ -452,7 +475,8 @@ def pretrain_spec(run: dict[str, Any], data: dict[str, Any], best: dict[str, Any
     config.update(data_dir=data["outputs"]["data_dir"], output_dir=_out(run, "pretrain"))
     sweep_stage.apply_best(config, best)  # the best trial's hyperparameters (and ladder size)
     return _spec(run, "pretrain", config, data_hash=data["data_hash"],
-                 lineage={"sweep_best_run_id": best.get("mlflow_run_id", "")})
+                 lineage={"sweep_best_run_id": best.get("mlflow_run_id", "")},
+                 inputs={"data": _data_input(data)})
 
 
 def finetune_spec(run: dict[str, Any], data: dict[str, Any], base: dict[str, Any] | None
@@ -462,7 +486,8 @@ def finetune_spec(run: dict[str, Any], data: dict[str, Any], base: dict[str, Any
     config = {**run["config"]["finetune"], "base_model": base["outputs"]["model_dir"],
               "data_dir": data["outputs"]["data_dir"], "output_dir": _out(run, "finetune")}
     return _spec(run, "finetune", config, data_hash=data["data_hash"],
-                 lineage={"base_run_id": base.get("mlflow_run_id", "")})
+                 lineage={"base_run_id": base.get("mlflow_run_id", "")},
+                 inputs={"data": _data_input(data), "base": _model_input(base)})
 
 
 def distill_spec(run: dict[str, Any], data: dict[str, Any], teacher: dict[str, Any],
@@ -474,7 +499,8 @@ def distill_spec(run: dict[str, Any], data: dict[str, Any], teacher: dict[str, A
     if cache:
         config["teacher_cache"] = cache["outputs"]["teacher_cache"]
     return _spec(run, "distill", config, data_hash=data["data_hash"],
-                 lineage={"teacher_run_id": teacher.get("mlflow_run_id", "")})
+                 lineage={"teacher_run_id": teacher.get("mlflow_run_id", "")},
+                 inputs={"data": _data_input(data), "teacher": _model_input(teacher)})
 
 
 def teacher_cache_spec(run: dict[str, Any], data: dict[str, Any], teacher: dict[str, Any]
@@ -490,7 +516,8 @@ def given_base(run: dict[str, Any]) -> dict[str, Any]:
     """The run's base_model Param, shaped like the pretraining stage's result."""
     if not run.get("base_model"):
         raise ValueError("pretraining produced no model and the run names no base_model.")
-    return {"outputs": {"model_dir": run["base_model"]}, "mlflow_run_id": ""}
+    return {"outputs": {"model_dir": run["base_model"]}, "mlflow_run_id": "",
+            "content_hashes": {"model_dir": run.get("base_model_hash", "")}}
 
 
 def evaluate_spec(run: dict[str, Any], data: dict[str, Any], pretrained: dict[str, Any] | None,
@@ -515,7 +542,11 @@ def evaluate_models_spec(run: dict[str, Any], data: dict[str, Any],
     config = {**run["config"]["evaluate"], "models": refs,
               "data_dir": data["outputs"]["data_dir"], "output_dir": _out(run, "evaluate")}
     lineage = {f"{name}_run_id": run_id or "" for name, run_id in runs.items()}
-    return _spec(run, "evaluate", config, data_hash=data["data_hash"], lineage=lineage)
+    inputs = {"data": _data_input(data), **{n: _model_input(r) for n, r in models.items()}}
+    if promotion.CHAMPION in runs:  # a registry version: its URI is in the config, its run here
+        inputs[promotion.CHAMPION] = ("", runs[promotion.CHAMPION] or refs[promotion.CHAMPION])
+    return _spec(run, "evaluate", config, data_hash=data["data_hash"], lineage=lineage,
+                 inputs=inputs)
 
 
 # -- the gate (plugins/llmops/promotion.py) -------------------------------------------------

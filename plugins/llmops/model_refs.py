@@ -33,6 +33,7 @@ class ModelFiles:
     config: dict[str, Any]
     tokenizer: bytes
     tokenizer_uri: str | None
+    pinned: str = ""  # a registered model by version number (an alias moves; a version does not)
 
     @property
     def vocab_size(self) -> int:
@@ -166,7 +167,8 @@ def _registered(name: str, value: str) -> ModelFiles:
     # data prep reads a tokenizer from a local path or S3, not through MLflow
     where = f"{root}/{tokenizer_path}".removeprefix("file://")
     readable = where.startswith("s3://") or os.path.isabs(where)
-    return ModelFiles(value, parsed, tokenizer, where if readable else None)
+    return ModelFiles(value, parsed, tokenizer, where if readable else None,
+                      pinned=f"models:/{version.name}/{version.version}")
 
 
 def check_same_tokenizer(a_name: str, a: ModelFiles, b_name: str, b: ModelFiles) -> None:
@@ -184,12 +186,15 @@ def check_run_models(params: dict[str, Any], cfg: Any) -> str | None:
     """A lifecycle run's `base_model` (fine-tuning starts from it; no sweep, no pretraining) and
     `student_model` (distillation starts the student from it): each checked, their tokenizers
     compared, and the run's data prepared with that tokenizer (so replayed rows and SFT examples
-    are in the model's ids). Returns the base model reference, or None."""
+    are in the model's ids). A registered model is pinned by version, as the champion is, so
+    every try of the run's jobs gets the same one. Returns the base model reference, or None."""
     from llmops.lifecycle import LifecycleParamError
 
     base = check_model("base_model", params["base_model"]) if params.get("base_model") else None
     student = (check_model("student_model", cfg.distill.student_model)
                if cfg.distill.student_model else None)
+    if student is not None and student.pinned:
+        cfg.distill.student_model = student.pinned
     if base is not None and student is not None:
         check_same_tokenizer("base_model", base, "student_model", student)
     source = base or student
@@ -205,4 +210,18 @@ def check_run_models(params: dict[str, Any], cfg: Any) -> str | None:
     # the vocabulary is the model's: data prep trains no tokenizer, models built here match it
     for model in (cfg.pretrain.model, cfg.distill.student):
         model.vocab_size = max(source.vocab_size, int(source.config.get("vocab_size") or 0))
-    return base.ref if base is not None else None
+    if base is None:
+        return None
+    return base.pinned or base.ref
+
+
+def content_hash(ref: str) -> str:
+    """What the step cache knows a model reference's content by: a pinned registered version is
+    immutable (its URI), a directory or S3 prefix is hashed file by file (ETags on S3)."""
+    import hashlib
+
+    if ref.startswith("models:/"):
+        return hashlib.sha256(ref.encode()).hexdigest()
+    from llmops import step_cache
+
+    return step_cache.raw_inputs_hash([ref])

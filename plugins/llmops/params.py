@@ -270,6 +270,25 @@ def lifecycle_params() -> dict[str, Any]:
                                               "succeeded in this DAG run (a cleared task normally "
                                               "reattaches to its job). Retries still reattach to "
                                               "the job the forced try started.")
+    params["cache"] = Param(True, type="boolean", section=WHERE,
+                            description="Step cache: a stage whose identity (stage, resolved "
+                                        "config, input content hashes, code version, image) "
+                                        "matches a finished earlier job reuses its outputs "
+                                        "(verified) and submits nothing. Off: every stage runs; "
+                                        "its job is still recorded for later runs. force_rerun "
+                                        "also runs every stage.")
+    params["from_run"] = optional_text(
+        "Start from an earlier llm_lifecycle run: its DAG run id (e.g. manual__2026-01-01T00:00:00"
+        "+00:00) or its MLflow parent run id. With start_at, the stages before start_at take that "
+        "run's outputs instead of running; checked before any job (the run exists, its outputs are "
+        "complete and match their hashes and manifests, the same config for those stages). "
+        "Lineage tags point at it.", WHERE, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.:+-]{0,249}$")
+    params["start_at"] = Param(None, type=["null", "string"],
+                               enum=[None, "sweep", "pretrain", "finetune", "distill", "evaluate"],
+                               values_display={"null": "(from the start: data_prep)"}, section=WHERE,
+                               description="The first stage that runs when from_run is set, e.g. "
+                                           "finetune: data prep, the sweep and pretraining are "
+                                           "from_run's.")
     params["priority"] = Param(None, type=["null", "integer"], allOf=[{"minimum": 0, "maximum": 9999}],
                                section=WHERE,
                                description="Scheduling priority, higher first: AWS Batch "

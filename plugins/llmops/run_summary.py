@@ -104,7 +104,9 @@ def _history(client: Any, run: Any, name: str) -> list[list[float]]:
     key = metric_key(run.data.metrics, name)
     if key is None:
         return []
-    points = {m.step: m.value for m in client.get_metric_history(run.info.run_id, key)}
+    # A reused stage (step cache, from_run) has the curve of the job that computed its outputs.
+    source = run.data.tags.get("cached_from") or run.info.run_id
+    points = {m.step: m.value for m in client.get_metric_history(source, key)}
     return [[float(step), float(value)] for step, value in sorted(points.items())]
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import time
 from typing import Any
 
 from llmops import settings
@@ -181,3 +182,54 @@ def log_json(run_id: str, data: Any, name: str) -> None:
         with open(path, "w") as fh:
             json.dump(data, fh, indent=2, sort_keys=True, default=str)
         client().log_artifact(run_id, path)
+
+
+def mark_reused(run_id: str, source: dict[str, str], record: dict[str, Any]) -> None:
+    """A stage's child run whose job was not run because an earlier one's outputs were reused
+    (the step cache, or `from_run`): tagged with where they come from (`cached_from`: the earlier
+    MLflow run, `cached_from_job`, `cached_from_run`: its DAG run), given the earlier run's params
+    and latest metrics so it reads like the run it stands for, its step record as an artifact,
+    and ended FINISHED."""
+    from mlflow.entities import Metric, Param, RunTag
+
+    c = client()
+    tags = {"cached_from": source.get("mlflow_run_id", ""), "cached_from_job": source["job_name"],
+            "cached_from_run": source.get("run_id", ""), "reuse": source.get("how", "cache"),
+            "job_name": source["job_name"]}
+    if source.get("key"):
+        tags["cache_key"] = source["key"]
+    c.log_batch(run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
+    earlier = None
+    if source.get("mlflow_run_id"):
+        try:
+            earlier = c.get_run(source["mlflow_run_id"])
+        except Exception:  # noqa: BLE001 - deleted, or another tracking server
+            earlier = None
+    if earlier is not None:
+        have = c.get_run(run_id).data.params
+        params = [Param(k, v) for k, v in earlier.data.params.items() if k not in have]
+        now = int(time.time() * 1000)
+        metrics = [Metric(k, v, now, 0) for k, v in earlier.data.metrics.items()]
+        for i in range(0, len(params), 100):   # MLflow's limits per log_batch call
+            c.log_batch(run_id, params=params[i:i + 100])
+        for i in range(0, len(metrics), 1000):
+            c.log_batch(run_id, metrics=metrics[i:i + 1000])
+    from llmops.step_cache import RECORD_ARTIFACT
+
+    log_json(run_id, record, RECORD_ARTIFACT)
+    end_run(run_id, "FINISHED")
+
+
+def read_json_artifact(run_id: str, path: str) -> Any | None:
+    """A JSON artifact of a run (e.g. `lifecycle_config.json`), or None when it has none."""
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            local = client().download_artifacts(run_id, path, tmp)
+            with open(local) as fh:
+                return json.load(fh)
+    except (OSError, ValueError):
+        return None
+    except Exception as exc:  # noqa: BLE001 - MLflow's "not found" is an MlflowException
+        if "RESOURCE_DOES_NOT_EXIST" in str(getattr(exc, "error_code", "")) or "No such file" in str(exc):
+            return None
+        raise

@@ -44,6 +44,9 @@ class JobSpec:
     tags: dict = field(default_factory=dict)
     mlflow_experiment: str = ""
     mlflow_parent_run_id: str = ""
+    # The step cache (llmops.step_cache.for_spec): the index's root, each input's path and content
+    # hash, whether to look up, and a record taken from an earlier run. {}: never cached.
+    cache: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.stage:

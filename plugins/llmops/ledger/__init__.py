@@ -3,7 +3,7 @@
 The JobOperator records an event (llmops.ledger.events.JobEvent, schema version 1) when a try
 submits a job (`submitted`), submits a new attempt of it (`retried`), finds one an earlier try
 started (`reattached`), and when an attempt ends (`ended`: succeeded / failed / stopped, with the
-reason). Each row carries the job (name, spec hash, stage, backend, image and digest, team, the
+reason); a task that reuses a finished job's outputs records `cached` (charged nothing). Each row carries the job (name, spec hash, stage, backend, image and digest, team, the
 Airflow dag_id / run_id / task_id / map_index / try_number, instance type and count), its times
 (submitted, started, ended: epoch seconds in SQLite, UTC timestamps in Parquet), queue seconds,
 state and failure reason, and on `ended` rows the attempt's instance-hours, accelerator-hours and
@@ -67,7 +67,7 @@ def record(event: JobEvent) -> bool:
     ok = True
     try:
         event = with_usage(event)
-        if event.submitted_at is None and event.event != "submitted":
+        if event.submitted_at is None and event.event not in ("submitted", "cached"):
             event.submitted_at = store.first_submitted_at(event.job_name, event.attempt)
             event = with_usage(event)
         store.write_sqlite(event)

@@ -7,6 +7,9 @@ A job's life in the ledger is a few events, one row each (see llmops.ledger for 
                  was stopped; the backend resumes it from its checkpoints)
     reattached   a try found the job an earlier try started, running or finished, and watches it
     ended        the attempt reached succeeded / failed / stopped, with the reason
+    cached       a task reused the outputs of the finished job `job_name` instead of running one
+                 (the step cache, or `from_run`); `run_id` / `task_id` are the reusing task's.
+                 Nothing ran: no hours, no cost (only `ended` rows are charged)
 
 `event_id` is a hash of (job name, attempt, event, try): recording the same event twice (a task
 that defers again, a triggerer restart) replaces the row instead of counting it twice, and an
@@ -25,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 SCHEMA_VERSION = 1
-EVENTS = ("submitted", "retried", "reattached", "ended")
+EVENTS = ("submitted", "retried", "reattached", "ended", "cached")
 PRICES_FILE = Path(__file__).with_name("prices.json")
 
 
@@ -74,6 +77,8 @@ class JobEvent:
         self.recorded_at = self.recorded_at or time.time()
         if not self.event_id:
             again = self.try_number if self.event in ("retried", "reattached") else 0
+            if self.event == "cached":  # one job reused by many tasks: one row per reusing task
+                again = f"{self.dag_id}/{self.run_id}/{self.task_id}/{self.map_index}"
             key = "\x1f".join((self.job_name, str(self.attempt), self.event, str(again)))
             self.event_id = hashlib.sha256(key.encode()).hexdigest()[:32]
 
@@ -145,6 +150,9 @@ def with_usage(event: JobEvent) -> JobEvent:
         event.accelerators_per_instance = accelerators
     if event.submitted_at is not None and event.started_at is not None:
         event.queue_seconds = max(0.0, event.started_at - event.submitted_at)
+    if event.event == "cached":  # nothing ran: explicitly free, not "unknown"
+        event.instance_hours, event.accelerator_hours, event.estimated_cost_usd = 0.0, 0.0, 0.0
+        return event
     if event.event != "ended":
         return event
     hours = 0.0

@@ -12,7 +12,7 @@ from typing import Any, Callable
 from airflow.sdk import BaseOperator, conf
 from airflow.sdk.exceptions import AirflowException, AirflowFailException, AirflowTaskTimeout
 
-from llmops import ledger, tracking
+from llmops import ledger, step_cache, tracking
 from llmops.jobs import env_secrets
 from llmops.jobs.backends import Backend, JobState, JobStatus, get_backend
 from llmops.jobs.errors import Backoff
@@ -84,6 +84,17 @@ class JobOperator(BaseOperator):
     backend class's. `deadline_grace_seconds=None` uses the handle's (the backend's settings), else
     30 minutes (0 for local jobs, which have no other limit).
 
+    **Step cache** (llmops.step_cache, when the spec's `cache` names an index): before
+    submitting, the task looks up the job's identity (stage, config, input content hashes, code,
+    image; no run ids) in the index under the storage root. A verified hit returns the earlier
+    job's result without submitting anything: the task log says so, the MLflow child run is tagged
+    `cached_from` (the earlier MLflow run) and `cached_from_job`, and the ledger gets a `cached`
+    event, charged nothing. force_rerun, or the spec's `cache.lookup` false (the `cache` Param),
+    skips the lookup. Every job that succeeds is recorded (with its outputs' hashes) so later runs
+    can reuse it; its result gains `content_hashes` (output name -> hash), which downstream specs
+    key on. A spec whose `cache.taken` holds an earlier run's record (`from_run`, checked by
+    start_run) returns that record's result the same way.
+
     With the spec's MLflow parent run set, the operator opens (or on retry re-opens) the task's
     child run, tags it, and hands its id to the job, which logs into it. The run is ended when the
     job ends or is stopped; it stays RUNNING while the job runs unwatched between tries.
@@ -119,6 +130,7 @@ class JobOperator(BaseOperator):
         self._forced = False   # force_rerun resolved for this try (set by _prepare)
         self._ledger_job: dict[str, Any] = {}   # the job's fields in the ledger (llmops.ledger)
         self._started_at: float | None = None
+        self._cache_ctx: dict[str, Any] = {}    # index, key, identity of this job (step cache)
 
     # -- execute -----------------------------------------------------------------------------
     def execute(self, context: Any) -> dict[str, Any]:
@@ -131,6 +143,9 @@ class JobOperator(BaseOperator):
         store = context.get("task_state_store")
         self._run_id = run_id = spec.env.get("MLFLOW_RUN_ID", "")
         self._parent_run_id = spec.mlflow_parent_run_id
+        reused = self._reuse(backend, spec, started=self._recall(store).get("name") == spec.name)
+        if reused is not None:
+            return reused
         try:
             record = self._submit_or_reattach(backend, spec, store)
             self._record_start(backend, spec, record)
@@ -150,7 +165,8 @@ class JobOperator(BaseOperator):
                                               stop_on_clear=self._forced,
                                               context={"stage": spec.stage, "mlflow_run_id": run_id,
                                                        "parent_run_id": spec.mlflow_parent_run_id,
-                                                       "ledger": self._ledger_job},
+                                                       "ledger": self._ledger_job,
+                                                       "cache": self._cache_ctx},
                                               **watch_kwargs),
                            method_name="execute_complete")
             status = self._wait(JobWatch(backend, self._handle, **watch_kwargs), store)
@@ -168,6 +184,7 @@ class JobOperator(BaseOperator):
         self._run_id = event.get("mlflow_run_id", "")
         self._parent_run_id = event.get("parent_run_id", "")
         self._ledger_job = event.get("ledger") or {}
+        self._cache_ctx = event.get("cache") or {}
         self._started_at = event.get("started_at")
         state = event.get("state")
         store = context.get("task_state_store")
@@ -297,6 +314,117 @@ class JobOperator(BaseOperator):
             record["submitted_at"] = submitted_at
         self._save(store, record)
         return record
+
+    # -- the step cache: a finished job with the same identity is reused (llmops.step_cache) ---
+    def _reuse(self, backend: Backend, spec: JobSpec, started: bool = False) -> dict[str, Any] | None:
+        """The result of an earlier job this task reuses instead of running one, or None (then
+        `self._cache_ctx` says where the job's record goes once it succeeds). A task that
+        already started its job (`started`: an earlier try's, in the task state store) keeps
+        it: it reattaches rather than leave that job running unwatched."""
+        cache = spec.cache or {}
+        if not cache.get("index"):
+            return None
+        if cache.get("taken"):  # from_run: the earlier run's stage, checked by start_run
+            return self._reused(spec, cache["taken"], "from_run")
+        parts = step_cache.identity(spec, backend.fingerprint(spec))
+        key = step_cache.key_of(parts)
+        self._cache_ctx = {"index": cache["index"], "key": key, "identity": parts}
+        if self._forced:
+            self.log.info("Step cache: force_rerun is set, so %s runs its job afresh (identity %s).",
+                          spec.stage, key[:12])
+            return None
+        if started:
+            self.log.info("Step cache: an earlier try of this task started job %s; reattaching to "
+                          "it (identity %s).", spec.name, key[:12])
+            return None
+        if not cache.get("lookup", True):
+            self.log.info("Step cache: off for this run (Param cache), so %s runs its job (identity "
+                          "%s); it is recorded for later runs.", spec.stage, key[:12])
+            return None
+        index = step_cache.Index(cache["index"])
+        record, why = step_cache.lookup(index, spec.stage, key)
+        if record is None:
+            self.log.info("Step cache miss for %s (identity %s): %s%s. Running the job.", spec.stage,
+                          key[:12], why, self._what_changed(index, spec.stage, parts))
+            return None
+        return self._reused(spec, record, "cache")
+
+    def _what_changed(self, index: step_cache.Index, stage: str, parts: dict[str, Any]) -> str:
+        try:
+            latest = index.latest(stage)
+        except Exception:  # noqa: BLE001 - only an explanation
+            return ""
+        if not latest or not latest.get("identity"):
+            return ""
+        changed = step_cache.differences(latest["identity"], parts)
+        return (f"; the newest recorded {stage} job ({latest.get('job_name')}, run "
+                f"{latest.get('run_id')}) differs in {', '.join(changed[:8])}") if changed else ""
+
+    def _reused(self, spec: JobSpec, record: dict[str, Any], how: str) -> dict[str, Any]:
+        """Hand back `record`'s result as this task's: tag the child run, ledger it, log it."""
+        source = {"mlflow_run_id": record.get("mlflow_run_id", ""), "job_name": record["job_name"],
+                  "dag_id": record.get("dag_id", ""), "run_id": record.get("run_id", ""),
+                  "key": record.get("key", ""), "how": how}
+        saved = record.get("job_seconds")
+        self.log.info(
+            "%s %s: reusing the outputs of job %s (DAG run %s, MLflow run %s), %s; no job submitted%s.",
+            "Step cache hit for" if how == "cache" else "from_run: taking", spec.stage,
+            source["job_name"], source["run_id"], source["mlflow_run_id"],
+            f"identity {source['key'][:12]}, outputs verified" if how == "cache"
+            else "its outputs checked by start_run",
+            f" (the job took {saved:.0f} s)" if isinstance(saved, (int, float)) else "")
+        result = {**record["result"], "cached_from": source}
+        self._push_links(self._run_id)   # the task's MLflow link: the child run that says cached_from
+        if self._run_id:
+            try:
+                tracking.mark_reused(self._run_id, source, record)
+            except Exception as exc:  # noqa: BLE001 - bookkeeping never decides the task
+                self.log.warning("Could not tag MLflow run %s as reused: %s", self._run_id, exc)
+        ledger.record_job("cached", {
+            "job_name": source["job_name"], "spec_hash": source["key"], "stage": spec.stage,
+            "backend": spec.backend, "image": spec.image, "team": cost_allocation_tags(spec)["team"],
+            "dag_id": self._ti.dag_id, "run_id": self._ti.run_id, "task_id": self._ti.task_id,
+            "map_index": int(self._ti.map_index), "try_number": int(self._ti.try_number),
+            "instance_type": spec.instance_type, "instance_count": spec.instance_count,
+            "mlflow_run_id": self._run_id}, state="succeeded")
+        return result
+
+    def cache_entry(self, result: dict[str, Any]) -> dict[str, Any] | None:
+        """What of a succeeded job's result the step cache keeps; None: not reusable. Subclasses
+        narrow it (a pruned trial's outcome depended on the other trials)."""
+        return result
+
+    def _record_in_cache(self, result: dict[str, Any], ended: dict[str, Any]) -> dict[str, Any]:
+        """Record the job that just succeeded (after its result and outputs are complete) and
+        return its result with the outputs' content hashes. Never fails the task."""
+        ctx = self._cache_ctx
+        if not ctx:
+            return result
+        entry = self.cache_entry(result)
+        started, finished = ended.get("started_at"), ended.get("ended_at")
+        ti = self._ti
+        try:
+            if entry is None:
+                outputs = step_cache.output_fingerprints(result.get("outputs") or {})
+                return {**result, "content_hashes": {n: o["hash"] for n, o in outputs.items()}}
+            record = step_cache.make_record(key=ctx["key"], parts=ctx["identity"], result=entry, where={
+                "job_name": result["job_name"], "mlflow_run_id": result.get("mlflow_run_id", ""),
+                "dag_id": ti.dag_id, "run_id": ti.run_id, "task_id": ti.task_id,
+                "map_index": int(ti.map_index),
+                "job_seconds": (finished - started) if started and finished else None})
+            uri = step_cache.Index(ctx["index"]).put(record)
+        except Exception as exc:  # noqa: BLE001
+            self.log.warning("Step cache: could not record job %s (%s: %s); later runs will run it "
+                             "again.", result.get("job_name"), type(exc).__name__, exc)
+            return result
+        self.log.info("Step cache: recorded job %s as %s.", result["job_name"], uri)
+        if self._run_id:
+            try:
+                tracking.log_json(self._run_id, record, step_cache.RECORD_ARTIFACT)
+                tracking.client().set_tag(self._run_id, "cache_key", ctx["key"])
+            except Exception as exc:  # noqa: BLE001
+                self.log.warning("Could not log the step record to MLflow run %s: %s", self._run_id, exc)
+        return {**result, "content_hashes": record["result"]["content_hashes"]}
 
     # -- the job ledger: best effort (llmops.ledger never raises) ----------------------------
     def _record_start(self, backend: Backend, spec: JobSpec, record: dict[str, Any]) -> None:
@@ -483,6 +611,7 @@ class JobOperator(BaseOperator):
         if status.state is JobState.SUCCEEDED:
             result = dict(status.result or {})
             result.update(job_name=name, backend=self._handle["backend"], mlflow_run_id=mlflow_run_id)
+            result = self._record_in_cache(result, ledger.end_fields(status, self._started_at))
             self._end_run(mlflow_run_id, "FINISHED")
             metrics = result.get("metrics", {})
             self.log.info("%s job %s succeeded: %s", stage, name,
@@ -506,6 +635,9 @@ def job_identity(spec: JobSpec, fingerprint: str = "") -> str:
     # The MLFLOW_* variables are added per try (run id, tracking URI); the child run they name is
     # found by the task's identity, which is in the name already.
     data["env"] = {k: v for k, v in spec.env.items() if not k.startswith("MLFLOW_")}
+    # The inputs' content (the paths are in the config): where the index is, or whether to
+    # look in it, changes nothing the job computes.
+    data["cache"] = {n: i.get("hash") for n, i in (spec.cache.get("inputs") or {}).items()}
     data["backend_settings"] = fingerprint
     return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()
 

@@ -32,7 +32,14 @@ def study_for(run: dict[str, Any]) -> dict[str, Any]:
 
 
 def plan_trials(run: dict[str, Any], data: dict[str, Any]) -> list[dict[str, Any]]:
-    """Create (or reopen) the study; one op_kwargs per slot for the mapped TrialOperator."""
+    """Create (or reopen) the study; one op_kwargs per slot for the mapped TrialOperator. None
+    when the run takes the sweep from an earlier run (from_run): the trial task is skipped."""
+    from llmops import reuse
+
+    if reuse.taken(run, "sweep"):
+        log.info("from_run: the sweep is run %s's (its best trial goes to pretraining); no trial "
+                 "runs here.", run["from_run"]["run_id"])
+        return []
     ref = study_for(run)
     study = studies.open_study(ref, create=True)
     kept = [t for t in studies.summary(study) if t["state"] in ("complete", "pruned")]
@@ -50,6 +57,14 @@ def pick_best(run: dict[str, Any], recommendation: dict[str, Any] | None = None)
     """The best complete trial of the run's study, after every slot's task is done (failed and
     pruned trials are reported, never chosen). With `size_from_ladder`, also the pretraining size
     from the scaling ladder's `recommendation`."""
+    from llmops import reuse
+
+    if reuse.taken(run, "sweep"):
+        best = run["from_run"]["sweep_best"]
+        log.info("from_run: the best trial of run %s: trial %s, val_loss %.4f, %s", run["from_run"]["run_id"],
+                 best.get("trial"), best.get("val_loss", float("nan")), best.get("params"))
+        tracking.client().set_tag(run["parent_run_id"], "sweep.best_run_id", best.get("mlflow_run_id", ""))
+        return best
     sweep = configs.from_dict(configs.SweepConfig, run["config"]["sweep"])
     size = _size_from(recommendation, run) if sweep.size_from_ladder else None
     ref = study_for(run)

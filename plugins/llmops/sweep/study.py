@@ -236,6 +236,19 @@ def record(study: Any, number: int, result: dict[str, Any]) -> str:
     return state
 
 
+def intermediate_values(study: Any, number: int) -> dict[str, float]:
+    """The validation losses the trial reported, by step (JSON keys are strings)."""
+    trial = study._storage.get_trial(_trial_id(study, number))
+    return {str(step): value for step, value in sorted(trial.intermediate_values.items())}
+
+
+def report_intermediate(study: Any, number: int, values: dict[str, float]) -> None:
+    """Report a reused trial's validation losses into this study's trial, as its job would have."""
+    trial_id = _trial_id(study, number)
+    for step, value in sorted(values.items(), key=lambda kv: int(kv[0])):
+        study._storage.set_trial_intermediate_value(trial_id, int(step), float(value))
+
+
 def fail(study: Any, number: int, why: str) -> None:
     from optuna.trial import TrialState
 

@@ -26,6 +26,11 @@ class TrialOperator(JobOperator):
     trial's MLflow run with `trial_state`. A job that fails is retried like any task (same trial,
     same job name: the backend resumes it); on the last try the trial is marked failed in the
     study and the task fails, which the sweep's `pick_best` (trigger rule all_done) survives.
+
+    Step cache: a trial is a stage like the others. A slot whose trial has the same config as a
+    finished earlier trial (same sampled point, data, code) reuses its outcome: the study is told
+    its validation losses along the way and its final one, as if it had run. Only complete
+    trials are recorded: where a pruned one stopped depended on the other trials of its study.
     """
 
     def execute(self, context: Any) -> dict[str, Any]:
@@ -70,9 +75,18 @@ class TrialOperator(JobOperator):
             tracking.rename_run(self._mlflow_run_id, trial_run_name(trial))
         return spec
 
+    def cache_entry(self, result: dict[str, Any]) -> dict[str, Any] | None:
+        if result.get("state", "complete") != "complete":
+            return None
+        study, trial = self._trial()
+        return {**result, "intermediate": studies.intermediate_values(study, trial.number)}
+
     def _record(self, study: Any, trial: Any, result: dict[str, Any]) -> dict[str, Any]:
+        if result.get("cached_from"):   # its validation losses, as the pruner would have seen them
+            studies.report_intermediate(study, trial.number, result.get("intermediate") or {})
         state = studies.record(study, trial.number, result)
-        self._tag(result.get("mlflow_run_id") or getattr(self, "_mlflow_run_id", ""), state,
+        # The task's own child run (a reused trial's result names the earlier trial's run).
+        self._tag(getattr(self, "_mlflow_run_id", "") or result.get("mlflow_run_id", ""), state,
                   study.study_name, trial.number)
         self.log.info("Trial %d %s: val_loss %.4f after %s of %s steps", trial.number, state,
                       result["metrics"]["val_loss"], result["metrics"].get("step"),

@@ -1,0 +1,276 @@
+"""Reuse and replay through Airflow on the tiny recipe (issue 15), building on the session's
+tiny lifecycle run (tests/lifecycle_run.py, cache off: every stage ran its job and was recorded
+in the step cache under the session's storage root).
+
+- the same recipe again: no stage submits a job, each reuses the recorded one, in a fraction of
+  its time; evaluate too unless the champion it compares with is another one;
+- one fine-tuning knob changed: fine-tune and everything after it run, nothing before;
+- a run that starts at fine-tune from the first run's outputs (from_run + start_at), checked
+  before any job, with lineage tags naming the first run's MLflow runs;
+- a replay of the first run from its MLflow record (python -m llmops.replay): pretraining's loss
+  curves and weights bitwise equal; a tampered data manifest or another code version refused.
+
+The runs here register their models as `llm-reuse`, so the `llm-lifecycle` champion that
+test_lifecycle_e2e checks never moves; the model name is no part of any stage's identity.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.lifecycle_run import mlflow_runs, run_lifecycle
+
+CONF = {"recipe": "tiny", "registered_model_name": "llm-reuse"}
+BEFORE_FINETUNE = ("data_prep", "sweep", "pretrain")
+JOB_STAGES = ("data_prep", "sweep", "pretrain", "finetune", "distill", "evaluate")
+
+
+def by_task(run: dict) -> dict[tuple[str, str], object]:
+    """The run's child runs by (stage, map_index)."""
+    return {(c.data.tags["stage"], c.data.tags["map_index"]): c for c in run["children"]}
+
+
+def ledger_events(run: dict) -> dict[str, set[tuple[str, str]]]:
+    """event -> {(stage, job_name)} of the DAG run's tasks in the job ledger."""
+    from llmops import ledger
+
+    out: dict[str, set] = {}
+    for row in ledger.read_events(0, source="sqlite"):
+        if row["run_id"] == run["run_id"]:
+            out.setdefault(row["event"], set()).add((row["stage"], row["job_name"]))
+    return out
+
+
+def task_seconds(run: dict) -> dict[tuple[str, str], float]:
+    """(task_id, map_index) -> seconds the task took, from `airflow dags test`'s log."""
+    import datetime as dt
+    import re
+
+    starts, took = {}, {}
+    for when, what, task, index in re.findall(
+            r"^(\S+)Z \[info\s*\] \[DAG TEST\] (starting|end task) task_id=(\w+) map_index=(-?\d+)",
+            run["output"], re.M):
+        t = dt.datetime.fromisoformat(when).timestamp()
+        if what == "starting":
+            starts[(task, index)] = t
+        else:
+            took[(task, index)] = t - starts[(task, index)]
+    return took
+
+
+@pytest.fixture(scope="module")
+def first(tiny_lifecycle_run):
+    return tiny_lifecycle_run
+
+
+@pytest.fixture(scope="module")
+def again(first):
+    return run_lifecycle(CONF)
+
+
+@pytest.fixture(scope="module")
+def new_lr(again):
+    return run_lifecycle({**CONF, "finetune_lr": 3e-3})
+
+
+def test_the_same_recipe_again_submits_no_job_and_takes_a_fraction_of_the_time(first, again):
+    earlier, now = by_task(first), by_task(again)
+    assert set(now) == set(earlier)
+    evaluate = now[("evaluate", "-1")]
+    reran_evaluate = "cached_from" not in evaluate.data.tags
+    events = ledger_events(again)
+    submitted = {stage for stage, _ in events.get("submitted", set())}
+    assert submitted == ({"evaluate"} if reran_evaluate else set()), events
+    if reran_evaluate:  # the champion of the first run's start is not the one of this run's
+        assert "Step cache miss for evaluate" in again["output"]
+        assert "differs in config.models.champion" in again["output"], again["output"][-4000:]
+
+    cached = {k: c for k, c in now.items() if k[0] != "evaluate" or not reran_evaluate}
+    for (stage, index), child in cached.items():
+        tags = child.data.tags
+        # the first run's identity; its job, or an earlier test's of the same identity (the
+        # index keeps the newest record of a key)
+        assert tags["cache_key"] == earlier[(stage, index)].data.tags["cache_key"], (stage, index)
+        producer = first["client"].get_run(tags["cached_from"])
+        assert producer.data.tags["cache_key"] == tags["cache_key"] and tags["reuse"] == "cache"
+        assert tags["cached_from_job"] == tags["job_name"] == producer.data.tags["job_name"]
+        assert tags["cached_from_run"] == producer.data.tags["run_id"] != again["run_id"]
+        assert child.info.status == producer.info.status == "FINISHED"
+        assert child.data.metrics == producer.data.metrics, "the reused job's metrics, as they were"
+        assert (stage, tags["job_name"]) in events["cached"]
+    assert {s for s, _ in events["cached"]} >= set(BEFORE_FINETUNE) | {"finetune", "distill"}
+    for stage in BEFORE_FINETUNE + ("finetune", "distill"):
+        assert f"Step cache hit for {stage}: reusing the outputs of job" in again["output"]
+
+    # The tasks of the reused stages, start to end, against the same tasks computing them.
+    tasks = {(c.data.tags["task_id"], index) for (stage, index), c in cached.items()}
+    spent = sum(task_seconds(again)[t] for t in tasks)
+    computed = sum(task_seconds(first)[t] for t in tasks)
+    print(f"\n{len(tasks)} reused stage tasks: {spent:.1f} s vs {computed:.1f} s computing them; "
+          f"whole run {again['seconds']:.0f} s vs {first['seconds']:.0f} s (CLI included)")
+    assert spent < 0.15 * computed, (spent, computed)
+    assert again["seconds"] < 0.6 * first["seconds"]
+
+
+def test_a_changed_finetuning_knob_reruns_finetune_and_what_follows_only(first, new_lr):
+    events = ledger_events(new_lr)
+    assert {stage for stage, _ in events["submitted"]} == {"finetune", "distill", "evaluate"}, events
+    assert {stage for stage, _ in events["cached"]} == set(BEFORE_FINETUNE)
+    assert "differs in config.optim.lr" in new_lr["output"]
+    earlier, now = by_task(first), by_task(new_lr)
+    pretrain = now[("pretrain", "-1")]
+    assert pretrain.data.tags["cache_key"] == earlier[("pretrain", "-1")].data.tags["cache_key"]
+    finetune = now[("finetune", "-1")]
+    assert "cached_from" not in finetune.data.tags and finetune.data.params["optim.lr"] == "0.003"
+    # fine-tuned from the reused pretrained model: lineage names the run that trained it
+    assert finetune.data.tags["base_run_id"] == pretrain.data.tags["cached_from"]
+
+
+# -- start from another run ------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def from_first(first, new_lr):
+    """Starts at fine-tune from the first run, with new_lr's fine-tuning knob: that fine-tuning
+    job (of the first run's pretrained model) already ran in new_lr, so the step cache reuses it,
+    and this run costs seconds; the taking itself is from_run's."""
+    return run_lifecycle({**CONF, "from_run": first["run_id"], "start_at": "finetune",
+                          "finetune_lr": 3e-3})
+
+
+def test_a_run_started_at_finetune_takes_the_earlier_outputs_with_lineage(first, new_lr, from_first):
+    from llmops import reuse
+
+    parent = from_first["parent"].data.tags
+    assert (parent["from_run"], parent["from_parent_run_id"], parent["start_at"]) == \
+        (first["run_id"], first["parent"].info.run_id, "finetune")
+    earlier, now = by_task(first), by_task(from_first)
+    assert {stage for stage, _ in now} == {"data_prep", "pretrain", "finetune", "distill", "evaluate"}, \
+        "the sweep's trial task is skipped: its outcome is the earlier run's"
+    assert "from_run: the sweep is run" in from_first["output"]
+    for stage in ("data_prep", "pretrain"):
+        tags = now[(stage, "-1")].data.tags
+        assert tags["cached_from"] == earlier[(stage, "-1")].info.run_id and tags["reuse"] == "from_run"
+        assert tags["cached_from_run"] == first["run_id"]
+        assert f"from_run: taking {stage}: reusing the outputs of job" in from_first["output"]
+    events = ledger_events(from_first)
+    assert {s for s, _ in events["cached"]} >= {"data_prep", "pretrain", "finetune", "distill"}
+    assert {s for s, _ in events.get("submitted", set())} <= {"evaluate"}
+    # fine-tuning of the first run's pretrained model, on its data (the job new_lr ran)
+    finetune = now[("finetune", "-1")].data.tags
+    assert finetune["base_run_id"] == earlier[("pretrain", "-1")].info.run_id
+    assert finetune["data_hash"] == earlier[("data_prep", "-1")].data.tags["data_hash"]
+    assert finetune["cached_from"] == by_task(new_lr)[("finetune", "-1")].info.run_id
+    assert now[("pretrain", "-1")].data.tags["sweep_best_run_id"] == \
+        earlier[("pretrain", "-1")].data.tags["sweep_best_run_id"]
+    pretrained = reuse.stage_record(first["parent"], "pretrain")["outputs"]["model_dir"]["uri"]
+    assert by_task(new_lr)[("finetune", "-1")].data.params["base_model"] == pretrained
+
+
+def _start(params: dict, run_id: str) -> dict:
+    from llmops import lifecycle
+
+    return lifecycle.start_run({"registered_model_name": "llm-reuse", **params},
+                               dag_id="llm_lifecycle", run_id=run_id)
+
+
+def test_from_run_is_checked_before_any_job_and_refused_naming_the_param(first):
+    """Every refusal comes from start_run before the parent run exists: no MLflow run, no job."""
+    from llmops import reuse
+
+    cases = [({"recipe": "tiny", "from_run": first["run_id"]}, "'from_run' and 'start_at' go together"),
+             ({"recipe": "tiny", "from_run": "manual__1999", "start_at": "finetune"},
+              "MLflow has no llm_lifecycle run 'manual__1999'"),
+             ({"recipe": "tiny", "from_run": first["run_id"], "start_at": "finetune", "pretrain_steps": 30},
+              "pretrain.max_steps (Param 'pretrain_steps', 20 there, 30 here)")]
+    for i, (params, message) in enumerate(cases):
+        with pytest.raises(reuse.FromRunError, match=re.escape(message)):
+            _start(params, f"refused__{i}")
+    model = Path(reuse.stage_record(first["parent"], "finetune")["outputs"]["model_dir"]["uri"])
+    aside = model.with_name("model.aside")
+    model.rename(aside)
+    try:
+        with pytest.raises(reuse.FromRunError, match=r"the finetune outputs of run .* cannot be used: "
+                                                     r"output 'model_dir' \(.*\) is gone"):
+            _start({"recipe": "tiny", "from_run": first["run_id"], "start_at": "distill"}, "refused__3")
+    finally:
+        aside.rename(model)
+    from llmops import tracking
+    from llmops.run_summary import find_parent
+
+    assert all(find_parent(tracking.client(), "llm_lifecycle", f"refused__{i}") is None for i in range(4))
+
+
+# -- replay ----------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def replayed(first):
+    """`python -m llmops.replay` of the first run (from pretrain on: the recorded sweep outcome
+    is kept, to spare the suite two trials; the default also recomputes the sweep)."""
+    proc = subprocess.run([sys.executable, "-m", "llmops.replay", first["parent"].info.run_id,
+                           "--start-at", "pretrain"], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    from llmops import reuse
+
+    run_id = reuse.find_parent(report["replay"], "llm_lifecycle").data.tags["run_id"]
+    return {"report": report, "stdout": proc.stdout, **mlflow_runs(run_id), "run_id": run_id}
+
+
+def test_a_replay_reproduces_pretraining_bitwise_on_cpu(first, replayed):
+    report = replayed["report"]
+    assert report["original"] == first["parent"].info.run_id and report["identical"], replayed["stdout"]
+    pretrain = report["stages"]["pretrain"]
+    assert pretrain["loss/train"]["identical"] and pretrain["loss/train"]["points"] >= 4
+    assert pretrain["loss/val"]["identical"] and pretrain["loss/val"]["points"] >= 2
+    assert pretrain["weights"]["identical"] and pretrain["weights"]["original"].startswith("sha256:")
+    assert "pretrain: loss/train" in replayed["stdout"] and "weights bitwise equal" in replayed["stdout"]
+    # recomputed, not reused: a job ran for pretraining, from the first run's data
+    events = ledger_events(replayed)
+    assert {s for s, _ in events["submitted"]} >= {"pretrain", "finetune", "distill", "evaluate"}
+    assert {s for s, _ in events["cached"]} == {"data_prep"}
+    tags = replayed["parent"].data.tags
+    assert tags["replay_of"] == first["parent"].info.run_id and tags["replay_identical"] == "true"
+    assert tags["from_run"] == first["run_id"]
+    assert tags["code_version"] == first["parent"].data.tags["code_version"]
+
+
+def test_a_replay_is_refused_when_the_data_or_the_code_cannot_be_matched(first, monkeypatch):
+    from llmops import provenance, replay, reuse
+
+    record = reuse.stage_record(first["parent"], "data_prep")
+    manifest = Path(record["outputs"]["data_dir"]["uri"]) / "manifest.json"
+    original = manifest.read_bytes()
+    tampered = json.loads(original)
+    tampered["counts"]["kept_documents"] += 1
+    manifest.write_text(json.dumps(tampered))
+    try:
+        proc = subprocess.run([sys.executable, "-m", "llmops.replay", first["parent"].info.run_id],
+                              capture_output=True, text=True, timeout=300)
+    finally:
+        manifest.write_bytes(original)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Replay refused: The recorded data hash" in proc.stderr and "cannot be matched" in proc.stderr
+    assert f"{manifest} changed since the job finished" in proc.stderr
+    planned = replay.plan(first["parent"].info.run_id)["conf"]
+    assert (planned["from_run"], planned["start_at"], planned["cache"]) == (first["run_id"], "sweep", False)
+
+    monkeypatch.setattr(provenance, "code_version", lambda: "0" * 40)
+    with pytest.raises(replay.ReplayRefused, match="The code commit cannot be matched: run .* ran code "
+                                                   "version .*, this checkout is 0{40}"):
+        replay.plan(first["parent"].info.run_id)
+
+
+def test_the_replay_dag_checks_triggers_the_lifecycle_and_compares():
+    from airflow.dag_processing.dagbag import DagBag
+
+    dag = DagBag(dag_folder=str(Path(__file__).parents[1] / "dags")).dags["llm_replay"]
+    trigger = dag.get_task("replay")
+    assert trigger.trigger_dag_id == "llm_lifecycle" and trigger.wait_for_completion
+    assert dag.get_task("check").downstream_task_ids == {"replay", "compare"}
+    assert dag.get_task("replay").downstream_task_ids == {"compare"}
