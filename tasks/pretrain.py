@@ -97,7 +97,10 @@ def _setup(cfg: TrainConfig, env: WorkerEnv, *, warm: bool = False) -> _Setup:
         if env.rank == 0:
             mlflow.MlflowClient().search_experiments(max_results=1)  # opens the store
     seed_everything(cfg.seed)  # the initial weights are part of what the seed reproduces
-    if cfg.parallelism == "fsdp" and env.world_size > 1:
+    # A transformers Llama keeps RoPE's inverse frequencies in a non-persistent buffer, which no
+    # state dict carries: built on the meta device it would come back as garbage. It is built
+    # whole on every rank (same seed, same weights) and sharded from there.
+    if cfg.parallelism == "fsdp" and env.world_size > 1 and cfg.model.arch == "gpt":
         # shapes only: each rank allocates its own shards (tasks/train/distributed.py wrap)
         with torch.device("meta"):
             model = build_model(cfg.model)

@@ -243,3 +243,21 @@ def test_data_prep_ends_documents_with_the_eos_a_models_tokenizer_config_declare
     prepare(cfg)
     manifest = json.loads((tmp_path / "with" / "manifest.json").read_text())
     assert manifest["eos_id"] == spec["model"]["vocab"]["</s>"]
+
+
+def test_a_student_model_with_another_tokenizer_than_the_teacher_is_refused_naming_both(
+        tiny_llama_dir, tmp_path):
+    """The job's own check (start_run makes the same one before any job)."""
+    from tasks.configs import ConfigError, DistillConfig
+    from tasks.distill import build_student
+
+    cfg = DistillConfig(teacher_model=str(tiny_llama_dir), data_dir="-", output_dir=str(tmp_path),
+                        student_model=str(tiny_llama_dir))
+    student = build_student(cfg, tiny_llama_dir, torch.device("cpu"))  # same tokenizer: loads
+    assert type(student.hf).__name__ == "LlamaForCausalLM"
+    other = _other_tokenizer(tiny_llama_dir, tmp_path / "other")
+    cfg.student_model = other
+    with pytest.raises(ConfigError, match=rf"DistillConfig.student_model {re.escape(other)} has "
+                                          rf"another tokenizer than teacher_model "
+                                          rf"{re.escape(str(tiny_llama_dir))}"):
+        build_student(cfg, tiny_llama_dir, torch.device("cpu"))

@@ -151,10 +151,13 @@ def test_each_step_replays_pretraining_rows_deterministically(tiny_data_dir):
     assert combined.item() == pytest.approx(parts.item(), rel=1e-6)
 
 
+@pytest.mark.parametrize("teacher_kind", ["gpt", "llama"])
 def test_cached_topk_lands_on_the_loss_positions_of_padded_and_packed_steps(tiny_data_dir,
-                                                                             tmp_path):
+                                                                             tmp_path, teacher_kind,
+                                                                             request):
     """The cache stores the teacher per example; a student step (padded or packed) must read
-    back, at each loss position, exactly the teacher's top-k logits for that position."""
+    back, at each loss position, exactly the teacher's top-k logits for that position: for our
+    GPT and for a transformers Llama as the teacher."""
     from tasks.posttrain.batches import SFTSteps
     from tasks.posttrain.objectives import logits_of
     from tasks.posttrain.teacher_cache import TeacherCache, build_cache, replayed_rows
@@ -163,7 +166,13 @@ def test_cached_topk_lands_on_the_loss_positions_of_padded_and_packed_steps(tiny
     examples = load_sft(data.sft_path("train"), load_tokenizer(data.tokenizer_path), data.eos_id,
                         limit=20)
     torch.manual_seed(0)
-    teacher = GPT(ModelConfig(vocab_size=300, block_size=32, n_layer=1, n_head=2, n_embd=16)).eval()
+    if teacher_kind == "gpt":
+        teacher = GPT(ModelConfig(vocab_size=300, block_size=32, n_layer=1, n_head=2, n_embd=16))
+    else:
+        from tasks.train.export import load_model
+
+        teacher = load_model(request.getfixturevalue("tiny_llama_dir"))[0]
+    teacher.eval()
     rows = data.split("train")
     kwargs = dict(batch_size=6, seed=4, block_size=32, pad_id=data.eos_id, replay_rows=rows,
                   replay_fraction=0.34)

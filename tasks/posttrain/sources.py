@@ -204,10 +204,9 @@ def _download_logged(uri: str, model_id: str, root: str, tmp: Path) -> tuple[Pat
                 f"{uri} (logged model {model_id}) holds no weights ({binary}/): it was logged "
                 "with save_pretrained=False, a reference to the Hugging Face Hub, which jobs "
                 "cannot download. Log it with save_pretrained=True.") from exc
-        for component in flavor.get("components", []):
-            if component in ("tokenizer",):
-                for f in download(f"components/{component}").iterdir():
-                    shutil.copyfile(f, local / f.name)
+        if "tokenizer" in flavor.get("components", []):
+            for f in download("components/tokenizer").iterdir():
+                shutil.copyfile(f, local / f.name)
         return local, dict((mlmodel.metadata or {}).get(META_KEY) or {"stage": "external"})
     try:
         local = download("extra_files")

@@ -266,7 +266,10 @@ class DistContext:
             on_meta = any(p.is_meta for p in model.parameters())
             from tasks.causal_lm import decoder_layers
 
-            for block in decoder_layers(model):  # GPT blocks, LlamaDecoderLayer ...
+            units = decoder_layers(model)  # GPT blocks, LlamaDecoderLayer ...
+            log.info("FSDP units: %d %s, then the rest of the model", len(units),
+                     ", ".join(sorted({type(b).__name__ for b in units})) or "-")
+            for block in units:
                 fully_shard(block)
             fully_shard(model)
             if on_meta:
