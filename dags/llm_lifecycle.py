@@ -49,6 +49,9 @@ def llm_lifecycle():
         Skipped when start_run refused the run (all_done runs it anyway)."""
         if run is None:
             raise AirflowSkipException("start_run did not finish (see its log): no sweep to pick from.")
+        if run.get("base_model"):
+            raise AirflowSkipException(f"base_model {run['base_model']} is fine-tuned: no sweep, "
+                                       "no pretraining.")
         ctx = get_current_context()
         best = sweep.pick_best(run, sweep.latest_extra(ctx["inlet_events"][LADDER_RECOMMENDATION]))
         ctx["outlet_events"][SWEEP_BEST].extra = {k: v for k, v in best.items() if k != "trials"}
@@ -80,13 +83,16 @@ def llm_lifecycle():
     trials >> best
     pretrain = JobOperator(task_id="pretrain", build_spec=lifecycle.pretrain_spec,
                            op_kwargs={"run": run, "data": data.output, "best": best})
+    # none_failed: with a base_model Param pretraining is skipped and these start from it
     finetune = JobOperator(task_id="finetune", build_spec=lifecycle.finetune_spec,
-                           op_kwargs={"run": run, "data": data.output, "base": pretrain.output})
+                           op_kwargs={"run": run, "data": data.output, "base": pretrain.output},
+                           trigger_rule="none_failed")
     distill = JobOperator(task_id="distill", build_spec=lifecycle.distill_spec,
                           op_kwargs={"run": run, "data": data.output, "teacher": finetune.output})
     evaluate = JobOperator(task_id="evaluate", build_spec=lifecycle.evaluate_spec,
                            op_kwargs={"run": run, "data": data.output, "pretrained": pretrain.output,
-                                      "teacher": finetune.output, "student": distill.output})
+                                      "teacher": finetune.output, "student": distill.output},
+                           trigger_rule="none_failed")
     promote(run, evaluate.output, data.output)
 
 

@@ -118,9 +118,16 @@ def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 # Building blocks
 
 
+MODEL_ARCHS = ("gpt", "llama")
+
+
 @dataclass(kw_only=True)
 class ModelConfig:
-    """A GPT-style decoder. Parameters ~ 12 * n_layer * n_embd^2 + vocab_size * n_embd."""
+    """A decoder built from scratch. Parameters ~ 12 * n_layer * n_embd^2 + vocab_size * n_embd.
+
+    arch "gpt": the project's GPT (tasks/model.py; learned positions, LayerNorm, GELU MLP),
+    saved as a Hugging Face GPT-2. "llama": transformers' LlamaForCausalLM (RoPE, RMSNorm,
+    SwiGLU MLP, grouped-query attention with n_kv_head key/value heads)."""
 
     vocab_size: int = bounded(1024, minimum=64, maximum=1 << 20, help="Tokenizer vocabulary size.")
     block_size: int = bounded(128, minimum=8, maximum=1 << 16, help="Context length in tokens.")
@@ -128,11 +135,19 @@ class ModelConfig:
     n_head: int = bounded(4, minimum=1, maximum=256, help="Attention heads per block.")
     n_embd: int = bounded(128, minimum=8, maximum=65536, help="Hidden size; a multiple of n_head.")
     dropout: float = bounded(0.0, minimum=0.0, maximum=0.9, help="Dropout probability.")
+    arch: str = bounded("gpt", choices=MODEL_ARCHS,
+                        help="gpt (the built-in GPT, fastest on CPU) or llama (transformers' "
+                             "Llama: RoPE, RMSNorm, SwiGLU, grouped-query attention).")
+    n_kv_head: int = bounded(0, minimum=0, maximum=256,
+                             help="llama: key/value heads (grouped-query attention); 0 = n_head.")
 
     def __post_init__(self) -> None:
         _check_bounds(self)
         _check(self.n_embd % self.n_head == 0,
                f"ModelConfig.n_embd ({self.n_embd}) must be a multiple of n_head ({self.n_head}).")
+        _check(self.n_kv_head == 0 or (self.arch == "llama" and self.n_head % self.n_kv_head == 0),
+               f"ModelConfig.n_kv_head ({self.n_kv_head}) must divide n_head ({self.n_head}) and "
+               "applies to arch 'llama' only; 0 = as many as n_head.")
 
     @property
     def approx_params(self) -> int:
@@ -333,8 +348,10 @@ class TrainConfig:
 class FinetuneConfig:
     """Supervised fine-tuning on prompt/completion JSONL, loss on completion tokens only."""
 
-    base_model: str = bounded("", help="What to fine-tune: a model directory, a checkpoint directory, "
-                                       "or an MLflow model (models:/<name>@<alias>, "
+    base_model: str = bounded("", help="What to fine-tune: a Hugging Face causal-LM directory (any "
+                                       "model transformers loads: Llama, Qwen2, Mistral, GPT-2...), "
+                                       "an s3:// prefix holding one, a checkpoint directory, or an "
+                                       "MLflow model (models:/<name>@<alias>, "
                                        "models:/<name>/<version>).")
     data_dir: str = bounded("", help="Data prep output (holds sft/train.jsonl and sft/eval.jsonl).")
     output_dir: str = ""
@@ -357,8 +374,9 @@ class FinetuneConfig:
                              help="LoRA adapter rank; 0 = full fine-tuning.")
     lora_alpha: float = bounded(16.0, minimum=0.0, maximum=1e6, help="LoRA scaling numerator.")
     lora_dropout: float = bounded(0.0, minimum=0.0, maximum=0.9)
-    lora_targets: list = bounded(["c_attn", "c_proj", "c_fc"],
-                                 help="Linear layers that get adapters (name suffixes).")
+    lora_targets: list = bounded([], help="Linear layers that get adapters (leaf names, e.g. "
+                                          "c_attn or q_proj); empty = every linear layer of the "
+                                          "decoder blocks.")
     eval_batches: int = bounded(8, minimum=1, maximum=100_000,
                                 help="Held-out pretraining batches scored for prose loss.")
     eval_interval: int = bounded(50, minimum=1, maximum=10_000_000)
@@ -376,18 +394,23 @@ class FinetuneConfig:
         _check(self.replay_fraction == 0 or self.batch_size >= 2,
                "FinetuneConfig.batch_size must be >= 2 to mix replayed rows into each step "
                "(or set replay_fraction to 0).")
-        _check(self.lora_rank == 0 or bool(self.lora_targets),
-               "FinetuneConfig.lora_targets must name at least one layer when lora_rank > 0.")
+        _check(all(isinstance(t, str) and t for t in self.lora_targets),
+               "FinetuneConfig.lora_targets must be layer names (strings), or empty for all.")
 
 
 @dataclass(kw_only=True)
 class DistillConfig:
     """A smaller student learns from the teacher's logits: alpha*T^2*KL(t/T || s/T) + (1-alpha)*CE."""
 
-    teacher_model: str = bounded("", help="Model directory of the fine-tuned teacher.")
+    teacher_model: str = bounded("", help="The teacher: a Hugging Face causal-LM directory, an "
+                                          "s3:// prefix holding one, a checkpoint or an MLflow "
+                                          "model URI (models:/<name>@<alias>).")
     data_dir: str = ""
     output_dir: str = ""
     student: ModelConfig = field(default_factory=lambda: ModelConfig(n_layer=1, n_head=2, n_embd=64))
+    student_model: str = bounded("", help="Start the student from this model instead of building "
+                                          "`student` from scratch (same forms as teacher_model; "
+                                          "any architecture, with the teacher's tokenizer).")
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=3e-3, warmup_steps=10))
     temperature: float = bounded(2.0, minimum=0.05, maximum=100.0, help="Softening temperature T.")
     alpha: float = bounded(0.7, minimum=0.0, maximum=1.0, help="Weight of the KL term.")
@@ -427,11 +450,12 @@ class DistillConfig:
 
 @dataclass(kw_only=True)
 class EvalConfig:
-    """Held-out perplexity and bits per byte, task exact-match and local task suites (optionally
-    through lm-evaluation-harness too) for each named model."""
+    """Held-out perplexity and bits per byte, task exact-match and local task suites (through
+    lm-evaluation-harness too, unless lm_eval is off) for each named model."""
 
-    models: dict = bounded({}, help="Name -> model directory, checkpoint or MLflow model URI, "
-                                    "e.g. {'teacher': ..., 'champion': 'models:/llm-lifecycle/3'}.")
+    models: dict = bounded({}, help="Name -> Hugging Face model directory, s3:// prefix, "
+                                    "checkpoint or MLflow model URI, e.g. {'teacher': ..., "
+                                    "'champion': 'models:/llm-lifecycle/3'}.")
     data_dir: str = ""
     output_dir: str = ""
     eval_batches: int = bounded(20, minimum=1, maximum=1_000_000, help="Val batches for perplexity.")
@@ -444,8 +468,9 @@ class EvalConfig:
     demo_suites: bool = bounded(True, help="Also build suites from the data dir's held-out "
                                            "material: SFT multiple choice and a prose cloze.")
     suite_examples: int = bounded(100, minimum=1, maximum=1_000_000, help="Items per suite.")
-    lm_eval: bool = bounded(False, help="Also run the suites through EleutherAI's "
-                                        "lm-evaluation-harness (needs docker/requirements-lm-eval.txt).")
+    lm_eval: bool = bounded(True, help="Also run the suites through EleutherAI's "
+                                       "lm-evaluation-harness (its Hugging Face model type, on the "
+                                       "local suite files).")
 
     def __post_init__(self) -> None:
         _check_bounds(self)

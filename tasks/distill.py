@@ -8,9 +8,12 @@ pretraining rows under the same loss on every token, so the student learns prose
 teacher's logits as well as the task; a student that only sees the task cannot model text.
 
 The teacher runs in this job, or (teacher_cache set) its top-k logits are read from the cache
-`python -m tasks.distill_cache` wrote with the same config. The student shares the teacher's
-tokenizer, so its vocab_size and block_size are taken from the teacher whatever cfg.student says.
-With quantize_int8 the trained student is also quantized and measured against its float self.
+`python -m tasks.distill_cache` wrote with the same config. Teacher and student may be of any
+architectures (a transformers Llama teacher and our GPT student, say) as long as they share the
+tokenizer: a student built from cfg.student takes the teacher's vocab_size and context whatever
+cfg.student says; one given as cfg.student_model must have the teacher's tokenizer (refused
+otherwise, naming both). With quantize_int8 the trained student is also quantized and measured
+against its float self.
 """
 
 from __future__ import annotations
@@ -35,24 +38,75 @@ FINAL_NAMES = {"val_loss": "loss/val", "prose_perplexity": "prose/perplexity",
                "teacher_task_accuracy": "teacher/task_accuracy"}
 
 
-def student_config(cfg: DistillConfig, teacher_dir: Path):
+def vocab_and_context(model_dir: Path) -> tuple[int, int]:
+    """(vocab_size, context length) of a model directory, from its config alone."""
     from tasks.common.io import read_json
 
-    teacher = read_json(teacher_dir / "model_config.json")
-    return dataclasses.replace(cfg.student, vocab_size=teacher["vocab_size"],
-                               block_size=teacher["block_size"])
+    model_dir = Path(model_dir)
+    if (model_dir / "config.json").is_file():
+        from types import SimpleNamespace
+
+        from tasks.causal_lm import context_length
+
+        config = read_json(model_dir / "config.json")
+        return config["vocab_size"], context_length(SimpleNamespace(**config))
+    config = read_json(model_dir / "model_config.json")  # the format before HF directories
+    return config["vocab_size"], config["block_size"]
+
+
+def student_config(student, teacher_dir: Path):
+    """cfg.student with the teacher's vocabulary and context (capped at what ModelConfig allows:
+    a long-context RoPE teacher does not need a GPT student with 128k learned positions)."""
+    vocab, block = vocab_and_context(teacher_dir)
+    return dataclasses.replace(student, vocab_size=vocab, block_size=min(block, 1 << 16))
+
+
+def student_block_size(cfg: DistillConfig, teacher_dir: Path) -> int:
+    """The context the student trains with (what the teacher cache is computed for)."""
+    if cfg.student_model:
+        from tasks.posttrain.sources import resolve_model_dir
+
+        return vocab_and_context(resolve_model_dir(cfg.student_model,
+                                                   Path(cfg.output_dir) / "sources"))[1]
+    return student_config(cfg.student, teacher_dir).block_size
+
+
+def check_student_tokenizer(student_dir: Path, teacher_dir: Path, student_ref: str,
+                            teacher_ref: str) -> None:
+    """Distillation matches logits token by token: both models must share one tokenizer."""
+    from tasks.common.hf_dir import same_tokenizer
+    from tasks.configs import ConfigError
+
+    ours, theirs = student_dir / "tokenizer.json", teacher_dir / "tokenizer.json"
+    if not same_tokenizer(ours.read_bytes(), theirs.read_bytes()):
+        raise ConfigError(f"DistillConfig.student_model {student_ref} has another tokenizer than "
+                          f"teacher_model {teacher_ref} ({ours} vs {theirs}): distillation matches "
+                          "their token distributions id by id. Pick a student with the teacher's "
+                          "tokenizer, or leave student_model empty to build one from `student`.")
+
+
+def build_student(cfg: DistillConfig, teacher_dir: Path, device):
+    """The student: cfg.student_model (tokenizer checked against the teacher's), else a fresh
+    model of cfg.student with the teacher's vocabulary and context."""
+    from tasks.causal_lm import build_model
+    from tasks.posttrain.sources import resolve_model_dir
+    from tasks.train.export import load_model
+
+    if cfg.student_model:
+        student_dir = resolve_model_dir(cfg.student_model, Path(cfg.output_dir) / "sources")
+        check_student_tokenizer(student_dir, teacher_dir, cfg.student_model, cfg.teacher_model)
+        return load_model(student_dir, device)[0]
+    return build_model(student_config(cfg.student, teacher_dir)).to(device)
 
 
 def main(cfg: DistillConfig) -> dict[str, Any]:
     import mlflow
 
-    from tasks.model import GPT
     from tasks.posttrain.batches import SFTSteps
     from tasks.posttrain.datasets import load_sft_data
     from tasks.posttrain.objectives import cached_kd, online_kd, with_replay
     from tasks.posttrain.sources import resolve_model_dir
     from tasks.posttrain.teacher_cache import TeacherCache, cache_key, replayed_rows
-    from tasks.train.data import prompt_example
     from tasks.train.export import load_model, publish_model, read_meta
     from tasks.train.loop import train
     from tasks.train.runtime import pick_device, seed_everything
@@ -62,13 +116,13 @@ def main(cfg: DistillConfig) -> dict[str, Any]:
         device = pick_device()
         teacher_dir = resolve_model_dir(cfg.teacher_model, Path(cfg.output_dir) / "sources")
         teacher_meta = read_meta(teacher_dir)
-        student_cfg = student_config(cfg, teacher_dir)
         seed_everything(cfg.seed)
-        student = GPT(student_cfg).to(device)
-        sft = load_sft_data(cfg.data_dir, teacher_dir, student_cfg.block_size, cfg.eval_examples)
+        student = build_student(cfg, teacher_dir, device)
+        block_size = student.config.block_size
+        sft = load_sft_data(cfg.data_dir, teacher_dir, block_size, cfg.eval_examples)
         val_rows = sft.val_rows()
         steps_kwargs = dict(batch_size=cfg.batch_size, seed=cfg.seed,
-                            block_size=student_cfg.block_size, pad_id=sft.eos_id,
+                            block_size=block_size, pad_id=sft.eos_id,
                             packing=cfg.packing,
                             replay_rows=sft.replay_rows() if cfg.replay_fraction else None,
                             replay_fraction=cfg.replay_fraction)
@@ -77,7 +131,7 @@ def main(cfg: DistillConfig) -> dict[str, Any]:
         if cfg.teacher_cache:
             key = cache_key(teacher_dir=teacher_dir, data_hash=sft.data.content_hash,
                             sft_sha256=sft.sha256, top_k=cfg.cache_top_k,
-                            block_size=student_cfg.block_size,
+                            block_size=block_size,
                             replay_rows=replayed_rows(SFTSteps(sft.train, **steps_kwargs),
                                                       cfg.max_steps))
             cache = TeacherCache(cfg.teacher_cache, expected_key=key)
@@ -132,9 +186,9 @@ def main(cfg: DistillConfig) -> dict[str, Any]:
             student, cfg.output_dir, stage="distill", step=result.step,
             data_hash=sft.data.content_hash, tokenizer_path=teacher_dir / "tokenizer.json",
             source_checkpoint=result.checkpoint, parent_model_dir=cfg.teacher_model,
-            parent=teacher_meta, example=prompt_example(sft.eval),
-            extra_lineage={"sft_sha256": sft.sha256,
-                           "teacher_cache": cfg.teacher_cache or None})
+            parent=teacher_meta, eos_id=sft.eos_id,
+            extra_lineage={"sft_sha256": sft.sha256, "teacher_cache": cfg.teacher_cache or None,
+                           "student_model": cfg.student_model or None})
         out = {
             "metrics": {**metrics, "train_loss": result.train_loss,
                         "tokens_per_s": result.tokens_per_s, "params": student.num_params(),

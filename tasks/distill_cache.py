@@ -25,7 +25,7 @@ log = logging.getLogger("tasks.distill_cache")
 def main(cfg: DistillConfig) -> dict[str, Any]:
     import mlflow
 
-    from tasks.distill import student_config, teacher_scores
+    from tasks.distill import student_block_size, teacher_scores
     from tasks.posttrain.batches import SFTSteps
     from tasks.posttrain.datasets import load_sft_data
     from tasks.posttrain.sources import resolve_model_dir
@@ -40,7 +40,7 @@ def main(cfg: DistillConfig) -> dict[str, Any]:
         teacher_dir = resolve_model_dir(cfg.teacher_model, Path(cfg.output_dir) / "sources")
         teacher, _ = load_model(teacher_dir, device)
         teacher.eval().requires_grad_(False)
-        block_size = student_config(cfg, teacher_dir).block_size
+        block_size = student_block_size(cfg, teacher_dir)
         sft = load_sft_data(cfg.data_dir, teacher_dir, block_size, cfg.eval_examples)
         replay = sft.replay_rows() if cfg.replay_fraction else None
         steps = SFTSteps(sft.train, batch_size=cfg.batch_size, seed=cfg.seed, block_size=block_size,

@@ -2,12 +2,13 @@
 
     python -m tasks.evaluate --config CONFIG.json --result RESULT.json   (an EvalConfig)
 
-Per model (a directory, an int8 directory from distill, a checkpoint or an MLflow model URI;
-each scored with its own tokenizer):
+Per model (a Hugging Face directory of any causal LM, an s3:// prefix holding one, an int8
+directory from distill, a checkpoint or an MLflow model URI; each scored with its own tokenizer):
 held-out perplexity and bits per byte on the val shards (tasks/eval/language.py), exact-match
 accuracy of greedy answers on up to max_task_examples of sft/eval.jsonl (overall and per skill),
 every task suite (tasks/eval/suites.py: multiple choice by log-likelihood, generation by exact
-match) and, with lm_eval, the same suites through lm-evaluation-harness (tasks/eval/harness.py).
+match) and, with lm_eval (the default), the same suites through lm-evaluation-harness's own
+Hugging Face model type (tasks/eval/harness.py).
 Writes output_dir/report.json and report.md; logs "<name>.<metric>" metrics, the table as an
 MLflow table, and plots.
 """
@@ -67,9 +68,9 @@ def evaluate_model(name: str, ref: str, cfg: EvalConfig, suites: list, device) -
     for suite in suites:
         for key, value in score_suite(model, tokenizer, eos_id, suite, device).items():
             metrics[f"suite.{suite.name}.{key}"] = value
-    if cfg.lm_eval:
-        metrics.update(run_harness(model, tokenizer, eos_id, [s.path for s in suites], device,
-                                   limit=cfg.suite_examples))
+    if cfg.lm_eval and suites and not (model_dir / "model_int8.pt").is_file():
+        metrics.update(run_harness(model, model_dir, eos_id, [s.path for s in suites], device,
+                                   limit=cfg.suite_examples, batch_size=cfg.batch_size))
     log.info("%s: perplexity %.2f, %.3f bits/byte, task accuracy %.3f (%d examples), %d "
              "parameters%s", name, metrics["perplexity"], metrics["bits_per_byte"],
              task["accuracy"], task["n"], model.num_params(),

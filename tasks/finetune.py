@@ -2,8 +2,8 @@
 
     python -m tasks.finetune --config CONFIG.json --result RESULT.json   (a FinetuneConfig)
 
-Starts from a model directory, a checkpoint or a registered MLflow model (tasks/posttrain/
-sources.py). Trains on data_dir/sft/train.jsonl (or cfg.train_files) with loss on completion
+Starts from a Hugging Face causal-LM directory (ours or any transformers model), an s3:// prefix
+holding one, a checkpoint or a registered MLflow model (tasks/posttrain/sources.py). Trains on data_dir/sft/train.jsonl (or cfg.train_files) with loss on completion
 tokens only (the prompt is context, not something to imitate), full or LoRA, examples padded or
 packed. A share of every step replays pretraining rows with plain LM loss, so the model keeps its
 prose (without it the demo model's held-out perplexity goes from ~56 to millions). Before and
@@ -31,10 +31,9 @@ def main(cfg: FinetuneConfig) -> dict[str, Any]:
 
     from tasks.posttrain.batches import SFTSteps
     from tasks.posttrain.datasets import load_sft_data
-    from tasks.posttrain.lora import add_lora, merge_lora, trainable_parameters
+    from tasks.posttrain.lora import ADAPTER_DIR, add_lora, trainable_parameters
     from tasks.posttrain.objectives import next_token_loss, with_replay
     from tasks.posttrain.sources import resolve_model_dir
-    from tasks.train.data import prompt_example
     from tasks.train.export import load_model, publish_model
     from tasks.train.loop import train
     from tasks.train.runtime import pick_device, seed_everything
@@ -87,8 +86,12 @@ def main(cfg: FinetuneConfig) -> dict[str, Any]:
                                replay_fraction=cfg.replay_fraction),
             loss_fn=with_replay(next_token_loss, cfg.replay_fraction),
             evaluate=held_out)
+        adapter_dir = None
         if adapters is not None:
-            model = merge_lora(adapters)  # a plain GPT again: what every later stage loads
+            # peft's own format, for serving the base with adapters (vLLM, TGI, PeftModel)
+            adapter_dir = adapters.save(Path(cfg.output_dir) / ADAPTER_DIR, str(base_dir))
+            mlflow.log_artifacts(str(adapter_dir), artifact_path=ADAPTER_DIR)
+            model = adapters.merge()  # a plain model again: what every later stage loads
 
         after = score(model)
         log.info("after fine-tuning: completion loss %.4f, task accuracy %.3f, prose perplexity "
@@ -105,7 +108,7 @@ def main(cfg: FinetuneConfig) -> dict[str, Any]:
             model, cfg.output_dir, stage="finetune", step=result.step,
             data_hash=sft.data.content_hash, tokenizer_path=base_dir / "tokenizer.json",
             source_checkpoint=result.checkpoint, parent_model_dir=cfg.base_model,
-            parent=base_meta, example=prompt_example(sft.eval),
+            parent=base_meta, eos_id=sft.eos_id,
             extra_lineage={"sft_sha256": sft.sha256, "lora_rank": cfg.lora_rank,
                            "parent_registered_version": _registered(base_meta)})
         return {
@@ -116,7 +119,8 @@ def main(cfg: FinetuneConfig) -> dict[str, Any]:
                         "task_accuracy_after": after["task"]["accuracy"],
                         "train_loss": result.train_loss, "tokens_per_s": result.tokens_per_s,
                         "params": model.num_params(), "step": result.step},
-            "outputs": {"model_dir": str(model_dir), "checkpoint": result.checkpoint},
+            "outputs": {"model_dir": str(model_dir), "checkpoint": result.checkpoint,
+                        **({"adapter_dir": str(adapter_dir)} if adapter_dir else {})},
             "model_uri": model_uri,
             "resumed_from": result.resumed_from,
             "mlflow_run_id": run.info.run_id,

@@ -1,8 +1,8 @@
 """A GPT-style decoder (after nanoGPT): token + learned position embeddings, pre-LN blocks of
 causal self-attention and an MLP, a final LayerNorm and an lm head tied to the token embedding.
 
-Every stage builds its model from a `ModelConfig`, so pretraining, fine-tuning, distillation and
-evaluation all load the same class from `model_config.json` + `model.pt`.
+Exactly a Hugging Face GPT-2 with exact GELU: every stage saves it as a GPT2LMHeadModel and loads
+such a directory back as this class, which trains faster on CPU (tasks/causal_lm.py).
 """
 
 from __future__ import annotations
@@ -61,10 +61,20 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         # pre-LN: the residual stream is never normalized, which keeps deep stacks trainable
-        x = x + self.attn(self.ln_1(x))
+        x = x + self.attn(self.ln_1(x), attn_mask=attn_mask)
         return x + self.mlp(self.ln_2(x))
+
+
+def segment_mask(segments: torch.Tensor) -> torch.Tensor:
+    """(B, T) segment ids of packed rows -> (B, 1, T, T) boolean mask: query t may attend key s
+    when s <= t and both belong to the same segment. Every token sees itself, so no row of the
+    mask is empty."""
+    T = segments.size(1)
+    causal = torch.ones(T, T, dtype=torch.bool, device=segments.device).tril()
+    same = segments[:, :, None] == segments[:, None, :]
+    return (same & causal)[:, None]
 
 
 class GPT(nn.Module):
@@ -106,18 +116,23 @@ class GPT(nn.Module):
             n -= self.transformer.wpe.weight.numel()
         return n
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *,
+                positions: torch.Tensor | None = None, segments: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """idx (B, T) token ids -> logits (B, T, vocab); with targets (B, T), also the mean
-        next-token cross-entropy over targets that are not IGNORE_INDEX."""
+        next-token cross-entropy over targets that are not IGNORE_INDEX. Packed rows pass
+        positions (B, T: each token's position inside its own example) and segments (B, T: its
+        example), so no example attends to another (tasks/posttrain/packing.py)."""
         B, T = idx.shape
-        if T > self.config.block_size:
+        if positions is None and T > self.config.block_size:  # a packed row's examples are shorter
             raise ValueError(f"Sequence of length {T} is longer than block_size "
                              f"{self.config.block_size}; crop the input or raise block_size.")
-        pos = torch.arange(T, dtype=torch.long, device=idx.device)
+        pos = positions if positions is not None else torch.arange(T, dtype=torch.long,
+                                                                   device=idx.device)
+        mask = segment_mask(segments) if segments is not None else None
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
         for block in self.transformer.h:
-            x = block(x)
+            x = block(x, attn_mask=mask)
         logits = self.lm_head(self.transformer.ln_f(x))
         loss = None
         if targets is not None:

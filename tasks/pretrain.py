@@ -77,7 +77,7 @@ def _setup(cfg: TrainConfig, env: WorkerEnv, *, warm: bool = False) -> _Setup:
     second."""
     import torch
 
-    from tasks.model import GPT
+    from tasks.causal_lm import build_model
     from tasks.train.data import DataDir
     from tasks.train.runtime import peak_flops, pick_device, seed_everything
 
@@ -97,12 +97,15 @@ def _setup(cfg: TrainConfig, env: WorkerEnv, *, warm: bool = False) -> _Setup:
         if env.rank == 0:
             mlflow.MlflowClient().search_experiments(max_results=1)  # opens the store
     seed_everything(cfg.seed)  # the initial weights are part of what the seed reproduces
-    if cfg.parallelism == "fsdp" and env.world_size > 1:
+    # A transformers Llama keeps RoPE's inverse frequencies in a non-persistent buffer, which no
+    # state dict carries: built on the meta device it would come back as garbage. It is built
+    # whole on every rank (same seed, same weights) and sharded from there.
+    if cfg.parallelism == "fsdp" and env.world_size > 1 and cfg.model.arch == "gpt":
         # shapes only: each rank allocates its own shards (tasks/train/distributed.py wrap)
         with torch.device("meta"):
-            model = GPT(cfg.model)
+            model = build_model(cfg.model)
     else:
-        model = GPT(cfg.model)
+        model = build_model(cfg.model)
     if env.world_size > 1:
         # DDP starts every rank from rank 0's weights; dropout should differ per rank
         torch.manual_seed(cfg.seed + env.rank)
@@ -110,15 +113,16 @@ def _setup(cfg: TrainConfig, env: WorkerEnv, *, warm: bool = False) -> _Setup:
 
 
 def _initial_weights(cfg: TrainConfig) -> dict[str, Any]:
-    """The weights a single-process run starts from (GPT(cfg.model) after seeding with cfg.seed),
-    built on the CPU without disturbing this process's generators: FSDP's rank 0 shards them."""
+    """The weights a single-process run starts from (build_model(cfg.model) after seeding with
+    cfg.seed), built on the CPU without disturbing this process's generators: FSDP's rank 0
+    shards them."""
     import torch
 
-    from tasks.model import GPT
+    from tasks.causal_lm import build_model
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
-        return GPT(cfg.model).state_dict()
+        return build_model(cfg.model).state_dict()
 
 
 def pretrain(cfg: TrainConfig, stage: str = "pretrain", publish: bool = True, *,
@@ -137,6 +141,7 @@ def _train(cfg: TrainConfig, setup: _Setup, env: WorkerEnv, *, stage: str, publi
     from tasks.train.faults import FaultInjector
     from tasks.train.losses import cross_entropy
     from tasks.train.loop import LoopOptions, train
+    from tasks.causal_lm import position_params
     from tasks.train.runtime import gpt_flops_per_token
     from tasks.train.scoring import shard_loss
 
@@ -167,7 +172,7 @@ def _train(cfg: TrainConfig, setup: _Setup, env: WorkerEnv, *, stage: str, publi
         heartbeat=tm.Heartbeat(env.heartbeat_path) if supervised and env.heartbeat_path else None,
         skipped_file=run_dir / "skipped_batches.json",
         flops_per_token=gpt_flops_per_token(model.num_params(), cfg.model.n_layer, cfg.model.n_embd,
-                                            data.seq_len, model.transformer.wpe.weight.numel()),
+                                            data.seq_len, position_params(model)),
         peak_flops=setup.peak_flops, compile=cfg.compile, accumulation=setup.accumulation,
         global_batch=cfg.batch_size * world * setup.accumulation,
         init_weights=lambda: _initial_weights(cfg))
@@ -216,17 +221,17 @@ def _train(cfg: TrainConfig, setup: _Setup, env: WorkerEnv, *, stage: str, publi
             model_dir, model_uri = publish_model(
                 model, cfg.output_dir, stage=stage, step=result.step, data_hash=data.content_hash,
                 tokenizer_path=data.tokenizer_path, source_checkpoint=result.checkpoint,
-                example=val_rows.take(val_rows.in_order(2, 1)[0]).inputs[:, :16])
+                eos_id=data.eos_id)
             out["outputs"]["model_dir"] = str(model_dir)
             out["model_uri"] = model_uri
         return out
 
 
 def _from_checkpoint(cfg: TrainConfig, path: str) -> Any:
-    from tasks.model import GPT
+    from tasks.causal_lm import build_model
     from tasks.train.checkpoint import load_model_weights
 
-    return load_model_weights(path, GPT(cfg.model))
+    return load_model_weights(path, build_model(cfg.model))
 
 
 def _log_new_events(run_dir: Path) -> None:

@@ -80,3 +80,23 @@ def moto_s3(monkeypatch: pytest.MonkeyPatch):
         from tasks.data.readers import s3_client
 
         s3_client.cache_clear()
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tiny_data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A user's model as transformers saves one: a tiny random-initialised LlamaForCausalLM
+    (RoPE, RMSNorm, SwiGLU, 4 query heads sharing 2 key/value heads; built from its config, no
+    download) and the tiny data's BPE as a PreTrainedTokenizerFast, via save_pretrained."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    out = tmp_path_factory.mktemp("tiny_llama")
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=88, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                         tie_word_embeddings=True, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    LlamaForCausalLM(config).save_pretrained(out)
+    eos = "<|endoftext|>"
+    PreTrainedTokenizerFast(tokenizer_file=str(tiny_data_dir / "tokenizer.json"), eos_token=eos,
+                            bos_token=eos, pad_token=eos).save_pretrained(out)
+    return out

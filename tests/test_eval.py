@@ -1,6 +1,6 @@
 """Evaluation pieces: suite files (multiple choice by log-likelihood, generation by exact match),
-bits per byte across tokenizers, the report table, and lm-evaluation-harness through our LM
-wrapper on the same local files (skipped when lm_eval is not installed)."""
+bits per byte across tokenizers, the report table, and lm-evaluation-harness's own Hugging Face
+model type on the same local files, agreeing with our scorer."""
 
 from __future__ import annotations
 
@@ -173,22 +173,28 @@ def test_report_table_has_a_row_per_model_and_a_column_per_metric(tmp_path):
 
 def test_lm_evaluation_harness_scores_our_local_suites_like_our_own_scorer(
         model_and_tokenizer, tiny_data_dir, tmp_path, monkeypatch):
-    pytest.importorskip("lm_eval", reason="optional: pip install -r docker/requirements-lm-eval.txt")
-    from tasks.eval.harness import run_harness, task_config
+    from tasks.eval.harness import fit_to_context, hf_tokenizer, run_harness, task_config
+    from tasks.train.export import export_model
 
     # no network, and no cache outside the test's directory
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
-    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf" / "datasets"))
     model, tokenizer, eos_id = model_and_tokenizer
+    model_dir = export_model(model, tmp_path, DataDir(tiny_data_dir).tokenizer_path, {},
+                             eos_id=eos_id)
     paths = suite_lib.write_demo_suites(tiny_data_dir, tmp_path / "suites", n_items=12)
     gen = tmp_path / "suites" / "echo.jsonl"
     gen.write_text("".join(json.dumps({"prompt": p, "answer": " 4"}) + "\n"
                            for p in ("Q: What number comes after 3?\nA:", "Two plus two is")))
     assert task_config(paths[0])["output_type"] == "multiple_choice"
     assert task_config(gen)["output_type"] == "generate_until"
-    scores = run_harness(model, tokenizer, eos_id, [*paths, gen], CPU)
+    # the harness scores the model transformers loads from model_dir: the GPT-2 our GPT is
+    scores = run_harness(model, model_dir, eos_id, [*paths, gen], CPU)
+    fast = hf_tokenizer(model_dir, eos_id)
     for path in paths:
-        ours = suite_lib.score_suite(model, tokenizer, eos_id, suite_lib.load_suite(path), CPU)
+        # items whose answer alone outgrows the 32-token context are left out, and counted
+        fitting, left_out = fit_to_context(path, fast, 32, tmp_path, None)
+        assert scores[f"harness.{path.stem}.left_out"] == left_out < 12
+        ours = suite_lib.score_suite(model, tokenizer, eos_id, suite_lib.load_suite(fitting), CPU)
         assert scores[f"harness.{path.stem}.acc"] == pytest.approx(ours["choice_accuracy"])
     ours = suite_lib.score_suite(model, tokenizer, eos_id, suite_lib.load_suite(gen), CPU)
     assert scores["harness.echo.exact_match"] == pytest.approx(ours["exact_match"])

@@ -120,3 +120,11 @@ def test_the_job_ledger_holds_every_job_of_the_run_with_its_times_and_state(life
         assert end["queue_seconds"] >= 0 and end["estimated_cost_usd"] == 0.0
         assert end["mlflow_run_id"] == jobs[name].info.run_id
     assert {r["job_name"] for r in rows if r["event"] == "submitted"} == set(jobs)
+
+
+def test_the_champion_is_a_transformers_model_that_mlflow_serves(lifecycle_run):
+    """Issue 13: what the registry holds is a Hugging Face model (our GPT as GPT-2) that
+    transformers generates with and mlflow.pyfunc serves as text."""
+    from tests.test_lifecycle_hf import assert_champion_serves
+
+    assert assert_champion_serves("llm-lifecycle")["architecture"] == "GPT2LMHeadModel"

@@ -151,10 +151,13 @@ def test_each_step_replays_pretraining_rows_deterministically(tiny_data_dir):
     assert combined.item() == pytest.approx(parts.item(), rel=1e-6)
 
 
+@pytest.mark.parametrize("teacher_kind", ["gpt", "llama"])
 def test_cached_topk_lands_on_the_loss_positions_of_padded_and_packed_steps(tiny_data_dir,
-                                                                             tmp_path):
+                                                                             tmp_path, teacher_kind,
+                                                                             request):
     """The cache stores the teacher per example; a student step (padded or packed) must read
-    back, at each loss position, exactly the teacher's top-k logits for that position."""
+    back, at each loss position, exactly the teacher's top-k logits for that position: for our
+    GPT and for a transformers Llama as the teacher."""
     from tasks.posttrain.batches import SFTSteps
     from tasks.posttrain.objectives import logits_of
     from tasks.posttrain.teacher_cache import TeacherCache, build_cache, replayed_rows
@@ -163,7 +166,13 @@ def test_cached_topk_lands_on_the_loss_positions_of_padded_and_packed_steps(tiny
     examples = load_sft(data.sft_path("train"), load_tokenizer(data.tokenizer_path), data.eos_id,
                         limit=20)
     torch.manual_seed(0)
-    teacher = GPT(ModelConfig(vocab_size=300, block_size=32, n_layer=1, n_head=2, n_embd=16)).eval()
+    if teacher_kind == "gpt":
+        teacher = GPT(ModelConfig(vocab_size=300, block_size=32, n_layer=1, n_head=2, n_embd=16))
+    else:
+        from tasks.train.export import load_model
+
+        teacher = load_model(request.getfixturevalue("tiny_llama_dir"))[0]
+    teacher.eval()
     rows = data.split("train")
     kwargs = dict(batch_size=6, seed=4, block_size=32, pad_id=data.eos_id, replay_rows=rows,
                   replay_fraction=0.34)
@@ -331,9 +340,9 @@ def test_int8_student_reports_size_speed_and_quality_against_float(distilled):
     assert meta["comparison"]["size_ratio"] == m["int8.size_ratio"]
 
 
-def test_lora_fine_tuning_resumes_exactly_from_its_checkpoint(tiny_data_dir, tmp_path):
-    """A retried LoRA job continues from the adapters it saved, as a pretraining job does."""
-    pytest.importorskip("peft")
+def lora_steps(make_model, data_dir: Path, output_dir: Path, steps: int, targets=None):
+    """Seeded LoRA fine-tuning of make_model() for `steps` packed steps with replay, through the
+    shared loop (checkpoint every 3 steps): a rerun into the same output_dir resumes."""
     from tasks.posttrain.batches import SFTSteps
     from tasks.posttrain.lora import add_lora
     from tasks.posttrain.objectives import next_token_loss, with_replay
@@ -341,27 +350,42 @@ def test_lora_fine_tuning_resumes_exactly_from_its_checkpoint(tiny_data_dir, tmp
     from tasks.train.runtime import pick_device
 
     pick_device()
-    data = DataDir(tiny_data_dir)
+    data = DataDir(data_dir)
     examples = load_sft(data.sft_path("train"), load_tokenizer(data.tokenizer_path), data.eos_id)
+    torch.manual_seed(0)
+    model = make_model()
+    adapters = add_lora(model, rank=4, alpha=8.0, dropout=0.0, targets=targets)
+    cfg = FinetuneConfig(base_model="-", data_dir="-", output_dir=str(output_dir),
+                         max_steps=steps, batch_size=8, checkpoint_interval=3,
+                         eval_interval=100, log_interval=100, packing=True)
+    cfg.optim.lr = 1e-2
+    train(model=model, cfg=cfg, loss_fn=with_replay(next_token_loss, 0.25),
+          get_batch=SFTSteps(examples, batch_size=8, seed=1, block_size=32,
+                             pad_id=data.eos_id, packing=True,
+                             replay_rows=data.split("train"), replay_fraction=0.25),
+          evaluate=lambda m: {}, device=torch.device("cpu"), resolved_config=to_dict(cfg),
+          tracking=False)
+    return model, adapters
 
-    def run(output_dir: Path, steps: int) -> GPT:
-        torch.manual_seed(0)
-        model = GPT(ModelConfig(vocab_size=300, block_size=32, n_layer=1, n_head=2, n_embd=32))
-        add_lora(model, rank=4, alpha=8.0, dropout=0.0, targets=["c_attn", "c_fc"])
-        cfg = FinetuneConfig(base_model="-", data_dir="-", output_dir=str(output_dir),
-                             max_steps=steps, batch_size=8, checkpoint_interval=3,
-                             eval_interval=100, log_interval=100, packing=True)
-        train(model=model, cfg=cfg, loss_fn=with_replay(next_token_loss, 0.25),
-              get_batch=SFTSteps(examples, batch_size=8, seed=1, block_size=32,
-                                 pad_id=data.eos_id, packing=True,
-                                 replay_rows=data.split("train"), replay_fraction=0.25),
-              evaluate=lambda m: {}, device=torch.device("cpu"), resolved_config=to_dict(cfg),
-              tracking=False)
-        return model
 
-    whole = run(tmp_path / "whole", 8)
-    run(tmp_path / "split", 6)  # the first try, stopped after its step-6 checkpoint
-    resumed = run(tmp_path / "split", 8)
+@pytest.mark.parametrize("arch", ["gpt", "llama"])
+def test_lora_fine_tuning_resumes_exactly_from_its_checkpoint(tiny_data_dir, tmp_path, arch,
+                                                              request):
+    """A retried LoRA job continues from the adapters it saved, as a pretraining job does: for
+    our GPT (two named layers) and a transformers Llama (every linear layer, the default)."""
+    pytest.importorskip("peft")
+    if arch == "gpt":
+        targets = ["c_attn", "c_fc"]
+        make = lambda: GPT(ModelConfig(vocab_size=300, block_size=32, n_layer=1, n_head=2,  # noqa: E731
+                                       n_embd=32))
+    else:
+        from tasks.train.export import load_model
+
+        llama, targets = request.getfixturevalue("tiny_llama_dir"), None
+        make = lambda: load_model(llama)[0]  # noqa: E731
+    whole, _ = lora_steps(make, tiny_data_dir, tmp_path / "whole", 8, targets)
+    lora_steps(make, tiny_data_dir, tmp_path / "split", 6, targets)  # stopped after step 6
+    resumed, _ = lora_steps(make, tiny_data_dir, tmp_path / "split", 8, targets)
     for (name, a), b in zip(whole.state_dict().items(), resumed.state_dict().values()):
         assert torch.equal(a, b), name
 
@@ -408,6 +432,18 @@ def test_lora_finetune_from_a_registered_version_merges_into_a_plain_model(lora_
     assert 0 < logged["trainable_params"] < logged["params"] / 5
     model, _ = load_model(result["outputs"]["model_dir"])  # merged: a plain GPT again
     assert not any(".lora_" in k for k in model.state_dict())
+    # the adapters alone, in peft's format, apply to the base model transformers loads (the GPT-2
+    # our GPT is): merged, they give the fine-tuned model's logits
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    adapter_dir = Path(result["outputs"]["adapter_dir"])
+    base = json.loads((adapter_dir / "adapter_config.json").read_text())["base_model_name_or_path"]
+    served = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base),
+                                       adapter_dir).merge_and_unload()
+    ids = torch.randint(0, model.config.vocab_size, (2, 10))
+    with torch.no_grad():
+        torch.testing.assert_close(served(ids).logits, model.eval()(ids)[0], atol=1e-5, rtol=1e-4)
     # the final checkpoint (adapters unmerged) resolves to the same weights as the model dir
     from_ckpt, _ = load_model(resolve_model_dir(result["outputs"]["checkpoint"],
                                                 Path(result["outputs"]["model_dir"]).parent / "x"))

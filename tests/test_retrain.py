@@ -62,13 +62,14 @@ def test_new_data_comes_from_the_param_else_the_newest_asset_event():
 
 @pytest.fixture(scope="module")
 def champion(tiny_data_dir) -> str:
-    """Version 1 of NAME holds `champion`: a tiny GPT with the tiny data's tokenizer, logged
-    the way every training stage logs its model (with its model directory)."""
+    """Version 1 of NAME holds `champion`: a tiny random transformers Llama (built from its
+    config, no download) with the tiny data's tokenizer, logged the way every training stage
+    logs its model (transformers flavor), so the retraining fine-tunes a Llama fetched by alias."""
     import mlflow
     import torch
 
+    from tasks.causal_lm import build_model
     from tasks.configs import ModelConfig
-    from tasks.model import GPT
     from tasks.train.data import DataDir
     from tasks.train.export import publish_model
 
@@ -76,10 +77,11 @@ def champion(tiny_data_dir) -> str:
     mlflow.set_experiment("retrain-test-seed")
     with mlflow.start_run() as run, __import__("tempfile").TemporaryDirectory() as out:
         torch.manual_seed(0)
-        model = GPT(ModelConfig(vocab_size=300, block_size=32, n_layer=1, n_head=2, n_embd=32))
+        model = build_model(ModelConfig(arch="llama", vocab_size=300, block_size=32, n_layer=1,
+                                        n_head=2, n_kv_head=1, n_embd=32))
         _, uri = publish_model(model, out, stage="pretrain", step=0, data_hash=data.content_hash,
                                tokenizer_path=data.tokenizer_path, source_checkpoint="-",
-                               example=torch.randint(0, 300, (1, 8)))
+                               eos_id=data.eos_id)
         mlflow.register_model(uri, NAME, tags={"training_run_id": run.info.run_id})
     mlflow.MlflowClient().set_registered_model_alias(NAME, "champion", "1")
     return uri
@@ -169,3 +171,17 @@ def test_the_champion_is_retrained_evaluated_gated_approved_and_promoted(retrain
     assert {"champion/task_accuracy", "challenger/task_accuracy", "champion/bits_per_byte",
             "challenger/bits_per_byte"} <= set(scored)
     assert tags["training_run_id"] == by_stage["finetune"].info.run_id
+    assert "challenger/harness.sft_choice.acc" in scored  # lm-evaluation-harness's HF model type
+
+    # the new champion is a Llama that transformers loads and generates with
+    import torch
+    from mlflow.artifacts import download_artifacts
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    local = Path(download_artifacts(f"models:/{NAME}@champion"))
+    model = AutoModelForCausalLM.from_pretrained(local / "model")
+    tokenizer = AutoTokenizer.from_pretrained(local / "components" / "tokenizer")
+    assert type(model).__name__ == "LlamaForCausalLM"
+    ids = tokenizer("Q: What number comes after 41?\nA:", return_tensors="pt").input_ids
+    out = model.generate(ids, max_new_tokens=4, do_sample=False)
+    assert out.shape[1] > ids.shape[1] and out.dtype == torch.long

@@ -179,20 +179,30 @@ def test_pretrain_entrypoint(tiny_data_dir, tmp_path):
     assert "step 20/20 | loss" in result["stdout"]  # progress lines reach the task log
 
     model_dir = Path(result["outputs"]["model_dir"])
+    # a Hugging Face directory, with the very tokenizer file the data was prepared with
     assert sorted(p.name for p in model_dir.iterdir()) == [
-        "meta.json", "model.pt", "model_config.json", "tokenizer.json"]
+        "README.md", "config.json", "generation_config.json", "meta.json", "model.safetensors",
+        "tokenizer.json", "tokenizer_config.json"]
+    assert (model_dir / "tokenizer.json").read_bytes() == DataDir(tiny_data_dir).tokenizer_path.read_bytes()
     meta = json.loads((model_dir / "meta.json").read_text())
     assert meta["data_content_hash"] == DataDir(tiny_data_dir).content_hash
     assert meta["source_checkpoint"] == result["outputs"]["checkpoint"]
     assert meta["model_uri"] == result["model_uri"]
 
-    # the MLflow model computes what the model directory computes
+    # transformers loads it as the GPT-2 our GPT is, and the MLflow model (transformers flavor)
+    # computes what the model directory computes
+    from transformers import AutoModelForCausalLM
+
     from tasks.train.export import load_model
 
     model, _ = load_model(model_dir)
-    logged = mlflow.pytorch.load_model(result["model_uri"])
+    assert isinstance(model, GPT)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir)
+    logged = mlflow.transformers.load_model(result["model_uri"], return_type="components")
+    assert type(hf).__name__ == type(logged["model"]).__name__ == "GPT2LMHeadModel"
     idx = torch.randint(0, model.config.vocab_size, (3, 11))
-    torch.testing.assert_close(logged(idx), model.eval()(idx)[0])
+    torch.testing.assert_close(hf(idx).logits, model.eval()(idx)[0])
+    torch.testing.assert_close(logged["model"](idx).logits, model(idx)[0])
 
     client = mlflow.MlflowClient()
     run = client.get_run(result["mlflow_run_id"])

@@ -22,8 +22,8 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from tasks.common.io import read_json
 from tasks.common.tracking import chart_name
+from tasks.causal_lm import build_model
 from tasks.configs import ConfigError, TrainConfig, from_dict, tiny, to_dict
-from tasks.model import GPT
 from tasks.train import checkpoint as ckpt
 from tasks.train import telemetry as tm
 from tasks.train.data import DataDir, PretrainBatches
@@ -54,13 +54,14 @@ def run_job(cfg: TrainConfig, workdir: Path, *, nproc: int, faults: str = ""
     return proc, json.loads(result.read_text()) if result.exists() else {}
 
 
-def train_here(cfg: TrainConfig, data_dir: Path, accumulation: int) -> tuple[GPT, list[dict]]:
+def train_here(cfg: TrainConfig, data_dir: Path, accumulation: int
+               ) -> tuple[torch.nn.Module, list[dict]]:
     """One process in this process, without MLflow: the loop as pretraining drives it."""
     data = DataDir(data_dir)
     threads = torch.get_num_threads()
     pick_device()  # the worker's thread count
     seed_everything(cfg.seed)
-    model = GPT(cfg.model)
+    model = build_model(cfg.model)
     val = data.split("val")
     try:
         result = train(
@@ -160,6 +161,31 @@ def test_fsdp_checkpoint_resumed_on_one_process_reads_the_same_samples(tiny_data
     final = ckpt.load_checkpoint(step_dir(cfg, 10))["model"]
     for name, value in ckpt.load_checkpoint(step_dir(ref_cfg, 10))["model"].items():
         torch.testing.assert_close(final[name], value, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_fsdp_shards_a_transformers_llama_by_decoder_layer_and_trains_as_one_process(
+        tiny_data_dir, tmp_path):
+    """Issue 13: a Llama built from its config (RoPE, RMSNorm, SwiGLU, 2 query heads sharing one
+    key/value head) on 2 FSDP ranks, each decoder layer its own unit, trains like the same model
+    in one process with 2 micro-steps, and is published as a Hugging Face Llama."""
+    model = {**to_dict(tiny().pretrain.model), "arch": "llama", "n_kv_head": 1}
+    cfg = scale_cfg(tiny_data_dir, tmp_path / "out", parallelism="fsdp", model=model)
+    proc, result = run_job(cfg, tmp_path, nproc=2)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-6000:]
+    assert "FSDP units: 1 LlamaDecoderLayer" in out
+    here, history = train_here(scale_cfg(tiny_data_dir, tmp_path / "here", parallelism="fsdp",
+                                         model=model), tiny_data_dir, accumulation=2)
+    got = losses(result["mlflow_run_id"])
+    want = {int(h["step"]): h["loss"] for h in history if "loss" in h}
+    assert sorted(got) == sorted(want) == list(range(1, 11))
+    for step in got:
+        assert got[step] == pytest.approx(want[step], rel=1e-4, abs=1e-5), step
+    final = ckpt.load_checkpoint(step_dir(cfg, 10))["model"]
+    for name, value in here.state_dict().items():
+        torch.testing.assert_close(final[name], value, rtol=1e-4, atol=1e-5, msg=name)
+    config = json.loads((Path(result["outputs"]["model_dir"]) / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["num_key_value_heads"] == 1
 
 
 def test_ddp_on_two_processes_continues_a_one_process_run_with_accumulation(tiny_data_dir,

@@ -17,7 +17,7 @@ import re
 from typing import Any, get_type_hints
 
 from llmops import params as lifecycle_params
-from llmops import promotion
+from llmops import model_refs, promotion
 from llmops import reuse, settings, step_cache, teams, tracking
 from llmops.jobs.spec import JobSpec
 from llmops.sweep import budget as sweep_budget
@@ -337,6 +337,7 @@ def start_run(params: dict[str, Any], *, dag_id: str, run_id: str,
     (Airflow drops it from `params` silently); `user` its triggering user (a team's members)."""
     storage_root = check_params(params, conf)
     cfg = resolve(params)
+    base_model = model_refs.check_run_models(params, cfg)  # the models a run names, and their tokenizer
     backends = {stage: params.get(f"backend_{stage}") or "local" for stage in lifecycle_params.STAGES}
     sweep_budget.check_sweep(cfg, backends["sweep"], params)  # refuse before any job starts
     check_backends(backends, params, storage_root, network=False)  # the settings, naming the Param
@@ -363,7 +364,8 @@ def start_run(params: dict[str, Any], *, dag_id: str, run_id: str,
             "resources": params.get("stage_resources") or {},
             "team": team.name if team else params.get("team") or "",
             "priority": params.get("priority"),
-            "model_name": model_name,
+            "model_name": model_name, "base_model": base_model,
+            "base_model_hash": model_refs.content_hash(base_model) if base_model else "",
             # the step cache's index lives under it; `cache` says whether to look there
             "storage_root": storage_root, "cache": params.get("cache", True) is not False,
             "from_run": earlier}
@@ -441,7 +443,10 @@ def data_prep_spec(run: dict[str, Any]) -> dict[str, Any]:
 
 def sweep_trials(run: dict[str, Any], data: dict[str, Any]) -> list[dict[str, Any]]:
     """Open the run's Optuna study; one op_kwargs dict per slot, for
-    `TrialOperator.partial(...).expand(op_kwargs=...)` (plugins/llmops/sweep)."""
+    `TrialOperator.partial(...).expand(op_kwargs=...)` (plugins/llmops/sweep). None with a
+    base_model: nothing is pretrained."""
+    if run.get("base_model"):
+        return []
     return sweep_stage.plan_trials(run, data)
 
 
@@ -474,7 +479,10 @@ def pretrain_spec(run: dict[str, Any], data: dict[str, Any], best: dict[str, Any
                  inputs={"data": _data_input(data)})
 
 
-def finetune_spec(run: dict[str, Any], data: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
+def finetune_spec(run: dict[str, Any], data: dict[str, Any], base: dict[str, Any] | None
+                  ) -> dict[str, Any]:
+    """Fine-tune the pretrained model, or the run's base_model (pretraining skipped: base None)."""
+    base = base or given_base(run)
     config = {**run["config"]["finetune"], "base_model": base["outputs"]["model_dir"],
               "data_dir": data["outputs"]["data_dir"], "output_dir": _out(run, "finetune")}
     return _spec(run, "finetune", config, data_hash=data["data_hash"],
@@ -504,10 +512,19 @@ def teacher_cache_spec(run: dict[str, Any], data: dict[str, Any], teacher: dict[
     return {**spec, "stage": "distill_cache", "entrypoint": ENTRYPOINTS["distill_cache"]}
 
 
-def evaluate_spec(run: dict[str, Any], data: dict[str, Any], pretrained: dict[str, Any],
+def given_base(run: dict[str, Any]) -> dict[str, Any]:
+    """The run's base_model Param, shaped like the pretraining stage's result."""
+    if not run.get("base_model"):
+        raise ValueError("pretraining produced no model and the run names no base_model.")
+    return {"outputs": {"model_dir": run["base_model"]}, "mlflow_run_id": "",
+            "content_hashes": {"model_dir": run.get("base_model_hash", "")}}
+
+
+def evaluate_spec(run: dict[str, Any], data: dict[str, Any], pretrained: dict[str, Any] | None,
                   teacher: dict[str, Any], student: dict[str, Any]) -> dict[str, Any]:
-    return evaluate_models_spec(run, data, {"pretrained": pretrained, "teacher": teacher,
-                                            "student": student})
+    """Score the pretrained model (or the run's base_model), the teacher and the student."""
+    return evaluate_models_spec(run, data, {"pretrained": pretrained or given_base(run),
+                                            "teacher": teacher, "student": student})
 
 
 def evaluate_models_spec(run: dict[str, Any], data: dict[str, Any],

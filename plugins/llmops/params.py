@@ -33,6 +33,8 @@ KNOBS: dict[str, str] = {
     "n_layer": "pretrain.model.n_layer",
     "n_head": "pretrain.model.n_head",
     "n_embd": "pretrain.model.n_embd",
+    "arch": "pretrain.model.arch",
+    "n_kv_head": "pretrain.model.n_kv_head",
     "batch_size": "pretrain.batch_size",
     "pretrain_steps": "pretrain.max_steps",
     "sweep_trials": "sweep.trials",
@@ -53,6 +55,8 @@ KNOBS: dict[str, str] = {
     "sft_packing": "finetune.packing",
     "student_n_layer": "distill.student.n_layer",
     "student_n_embd": "distill.student.n_embd",
+    "student_arch": "distill.student.arch",
+    "student_model": "distill.student_model",
     "distill_steps": "distill.max_steps",
     "distill_temperature": "distill.temperature",
     "distill_alpha": "distill.alpha",
@@ -228,6 +232,12 @@ def lifecycle_params() -> dict[str, Any]:
     for name, path in KNOBS.items():
         schema = knob_schema(path)
         params[name] = Param(None, **schema)
+    params["base_model"] = optional_text(
+        "Fine-tune this model instead of pretraining one (no sweep, no pretraining; the data is "
+        "prepared with its tokenizer): a Hugging Face causal-LM directory (Llama, Qwen2, "
+        "Mistral, GPT-2...: config.json, *.safetensors, tokenizer.json) under the allowed data "
+        "roots, an s3:// prefix holding one, or a registered model (models:/<name>@<alias>). "
+        "Empty = pretrain from scratch.", POST_TRAINING, maxLength=1024)
     params["registered_model_name"] = Param(
         "llm-lifecycle", type="string", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$",
         section=GATE, description="MLflow Model Registry name for the champion: 1-128 letters, "

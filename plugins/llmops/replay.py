@@ -18,7 +18,7 @@ RUN is the original's MLflow parent run id (or its DAG run id). The replay:
    developer machine or CI); in a deployment, the `llm_replay` DAG does the same from the UI;
 4. compares the replay with the original, per training stage: the train and validation loss
    curves step by step (bitwise: MLflow keeps the float64 of every logged value) and the final
-   weights (model.pt's sha256: torch.save writes equal tensors as equal bytes). The report goes
+   weights (model.safetensors' sha256: equal tensors are written as equal bytes). The report goes
    to the task log or stdout and onto the replay's parent run (`replay_report.json`, tags
    `replay_of`, `replay_identical`). On CPU every comparison is identical; on GPUs the kernels
    are not bitwise deterministic, so expect curves that agree to a few decimals.
@@ -113,7 +113,8 @@ def _curve(run: Any, key: str) -> list[tuple[int, float]]:
 def _weights(run: Any) -> str | None:
     record = tracking.read_json_artifact(run.info.run_id, step_cache.RECORD_ARTIFACT) or {}
     files = ((record.get("outputs") or {}).get("model_dir") or {}).get("files") or {}
-    return files.get("model.pt")
+    # model directories before the Hugging Face format held model.pt
+    return files.get("model.safetensors") or files.get("model.pt")
 
 
 def compare(original: str, replayed: str) -> dict[str, Any]:
@@ -157,7 +158,7 @@ def describe(report: dict[str, Any]) -> list[str]:
             parts.append(f"{key} {c['points']} points " + (
                 "bitwise equal" if c["identical"] else f"differ (max |diff| {c['max_abs_diff']})"))
         w = out["weights"]
-        parts.append("weights bitwise equal (model.pt " + str(w["original"])[7:19] + ")" if w["identical"]
+        parts.append("weights bitwise equal (" + str(w["original"])[7:19] + ")" if w["identical"]
                      else f"weights differ ({w['original']} vs {w['replay']})")
         lines.append(f"  {stage}: " + "; ".join(parts))
     return lines

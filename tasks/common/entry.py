@@ -32,6 +32,13 @@ def run_stage(stage: str, config_cls: type[C], main: Callable[[C], dict[str, Any
     # MLflow draws a tqdm bar for every artifact download or upload ("Downloading artifacts",
     # 16 lines per job in the task log). Read at each use; the job's own processes inherit it.
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    # Likewise transformers, huggingface_hub, datasets and lm-evaluation-harness (a bar per model
+    # load and save, per harness task: thousands of lines, which also fill a pipe nobody drains);
+    # and nothing asks the Hub for anything: every model comes from a local directory.
+    for name, value in (("HF_HUB_DISABLE_PROGRESS_BARS", "1"), ("TQDM_DISABLE", "1"),
+                        ("HF_HUB_OFFLINE", "1"), ("HF_DATASETS_OFFLINE", "1"),
+                        ("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")):
+        os.environ.setdefault(name, value)
     logging.basicConfig(level=logging.INFO, stream=sys.stdout,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

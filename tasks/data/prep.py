@@ -90,6 +90,7 @@ from tasks.data.readers import InputFile, dropped_record, fingerprint, read_byte
 from tasks.data.steps import build_pipeline, merge_stats, normalize_text, run_steps
 from tasks.data.tokens import EOS, EOS_ID, check_tokenizer, encode_stream, pack_split, token_dtype, \
     train_tokenizer, write_index
+from tasks.data.tokens import declared_eos
 
 __all__ = ["EOS", "EOS_ID", "normalize_text", "prepare", "load_manifest", "open_token_rows",
            "split_score", "main", "Prepared"]
@@ -348,7 +349,8 @@ def tokenizer_and_split(out_dir: Path, n_shards: int, config: DataPrepConfig, sf
     if config.tokenizer_path:
         data = read_bytes(config.tokenizer_path)
         tokenizer = Tokenizer.from_str(data.decode("utf-8"))
-        eos_id = check_tokenizer(tokenizer, config.tokenizer_path)
+        eos_id = check_tokenizer(tokenizer, config.tokenizer_path,
+                                 declared_eos(config.tokenizer_path, read_bytes))
         atomic_write(path, lambda fh: fh.write(data))
     else:
         # A seeded sample by a second hash, so the sample is not just the validation neighbours.

@@ -44,14 +44,32 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, length: int | None = 
     return tokenizer
 
 
-def check_tokenizer(tokenizer: Any, where: str) -> int:
-    """The EOS id of a tokenizer we did not train; refuse one without the EOS token."""
+def check_tokenizer(tokenizer: Any, where: str, declared_eos: str | None = None) -> int:
+    """The EOS id of a tokenizer we did not train: its {EOS} token, else the EOS a Hugging Face
+    tokenizer_config.json beside it declares (a Llama's </s>, say); refuse one with neither."""
     eos_id = tokenizer.token_to_id(EOS)
+    if eos_id is None and declared_eos:
+        eos_id = tokenizer.token_to_id(declared_eos)
     if eos_id is None:
-        raise ValueError(f"{where} has no {EOS!r} token: documents could not be separated. "
-                         f"Add it as a special token, or leave DataPrepConfig.tokenizer_path empty "
-                         "to train a tokenizer on the data.")
+        raise ValueError(f"{where} has no {EOS!r} token and no tokenizer_config.json beside it "
+                         "declaring an eos_token it has: documents could not be separated. Add "
+                         "one, or leave DataPrepConfig.tokenizer_path empty to train a tokenizer "
+                         "on the data.")
     return eos_id
+
+
+def declared_eos(tokenizer_path: str, read: Any) -> str | None:
+    """The eos_token of the tokenizer_config.json beside a tokenizer.json (a Hugging Face model
+    directory), read with `read(path) -> bytes`; None when there is none."""
+    from tasks.common.hf_dir import TOKENIZER, TOKENIZER_CONFIG, eos_token
+
+    if not tokenizer_path.endswith(TOKENIZER):
+        return None
+    try:
+        config = json.loads(read(tokenizer_path[: -len(TOKENIZER)] + TOKENIZER_CONFIG))
+    except Exception:  # noqa: BLE001 - no config beside it (or unreadable): no declared EOS
+        return None
+    return eos_token(config) if isinstance(config, dict) else None
 
 
 def encode_stream(tokenizer: Any, texts: list[str], eos_id: int, dtype: str,

@@ -1,30 +1,30 @@
 """EleutherAI's lm-evaluation-harness on our models and our local suite files, with no hub.
 
-`HarnessLM` is the custom LM wrapper the harness asks for (loglikelihood, loglikelihood_rolling,
-generate_until) around a GPT and its tokenizer. Each suite file (tasks/eval/suites.py format)
-becomes a harness task config pointing the `json` dataset builder at the local file, so the
-harness reads nothing from the network (HF_DATASETS_OFFLINE / HF_HUB_OFFLINE are set too).
-
-lm_eval is optional (docker/requirements-lm-eval.txt): it pulls datasets, evaluate, nltk and
-sacrebleu, which the rest of the stack does not need. Without it, evaluation still scores the
-same suites with tasks/eval/suites.py, and `EvalConfig.lm_eval` fails with an install hint.
+Every model is scored through the harness's own Hugging Face model type (`HFLM`, what
+`lm_eval --model hf` runs), given the transformers model the stage saves (our GPT as the GPT-2 it
+is exactly, any other model as it is) and its tokenizer. Each suite file (tasks/eval/suites.py
+format) becomes a harness task config pointing the `json` dataset builder at the local file, so
+the harness reads nothing from the network (HF_DATASETS_OFFLINE / HF_HUB_OFFLINE are set too).
+An int8 model (torch's dynamic quantization) is not a transformers model: the harness skips it,
+the project's own suite scorer (tasks/eval/suites.py) scores it like every other.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from tasks.eval.suites import continuation_logprobs, load_suite
+from tasks.eval.suites import load_suite
 
 log = logging.getLogger(__name__)
 
-INSTALL_HINT = ("EvalConfig.lm_eval needs EleutherAI's harness: "
-                "pip install -r docker/requirements-lm-eval.txt (lm_eval==0.4.13).")
+INSTALL_HINT = ("EvalConfig.lm_eval needs EleutherAI's harness: pip install lm_eval==0.4.13 "
+                "(pinned in docker/requirements-job.txt), or set lm_eval to false.")
 
 
 def available() -> bool:
@@ -55,61 +55,46 @@ def task_config(suite_path: str | Path) -> dict[str, Any]:
                      "needs one kind per task. Split it into two files.")
 
 
-def _lm_class():
-    from lm_eval.api.model import LM
-    from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+def fit_to_context(path: str | Path, tokenizer, context: int, out_dir: Path,
+                   limit: int | None) -> tuple[Path | None, int]:
+    """The suite's first `limit` items whose every choice fits the model's context with a token
+    of context before it (the harness refuses a longer continuation; our own scorer keeps its
+    end), written to out_dir under the same name; and how many were left out."""
+    import json
 
-    class HarnessLM(LM):
-        """A GPT from this repo as an lm-evaluation-harness model (greedy, one device)."""
+    from tasks.train.data import read_jsonl
 
-        def __init__(self, model, tokenizer, eos_id: int, device: torch.device,
-                     batch_size: int = 32) -> None:
-            super().__init__()
-            self.model, self.tokenizer, self.eos_id = model.eval(), tokenizer, eos_id
-            self._device, self.batch_size = device, batch_size
-
-        def _encode(self, text: str) -> list[int]:
-            return self.tokenizer.encode(text, add_special_tokens=False).ids
-
-        def loglikelihood(self, requests) -> list[tuple[float, bool]]:
-            # an empty context is conditioned on EOS, the harness's convention
-            pairs = [(self._encode(ctx) or [self.eos_id], self._encode(cont))
-                     for ctx, cont in (r.args for r in requests)]
-            return continuation_logprobs(self.model, pairs, self._device, self.batch_size)
-
-        def loglikelihood_rolling(self, requests) -> list[float]:
-            out = []
-            block = self.model.config.block_size
-            for (text,) in (r.args for r in requests):
-                windows = [make_disjoint_window(w) for w in get_rolling_token_windows(
-                    self._encode(text), prefix_token=self.eos_id, max_seq_len=block,
-                    context_len=1)]
-                scores = continuation_logprobs(self.model, windows, self._device, self.batch_size)
-                out.append(sum(s for s, _ in scores))
-            return out
-
-        @torch.no_grad()
-        def generate_until(self, requests) -> list[str]:
-            out = []
-            for context, kwargs in (r.args for r in requests):
-                until = kwargs.get("until") or []
-                until = [until] if isinstance(until, str) else list(until)
-                ids = torch.tensor([self._encode(context) or [self.eos_id]], device=self._device)
-                gen = self.model.generate(ids, int(kwargs.get("max_gen_toks", 32)),
-                                          eos_id=self.eos_id)[0, ids.shape[1]:].tolist()
-                if self.eos_id in gen:
-                    gen = gen[: gen.index(self.eos_id)]
-                text = self.tokenizer.decode(gen)
-                for stop in until:
-                    text = text.split(stop)[0]
-                out.append(text)
-            return out
-
-    return HarnessLM
+    items = read_jsonl(path)[:limit]
+    fits = [item for item in items if "choices" not in item or all(
+        len(tokenizer.encode(c, add_special_tokens=False)) < context for c in item["choices"])]
+    if len(fits) < len(items):
+        log.warning("harness: %d of %d items of %s have a choice longer than the model's %d-token "
+                    "context; they are left out", len(items) - len(fits), len(items),
+                    Path(path).name, context)
+    if not fits:
+        return None, len(items)
+    out = out_dir / Path(path).name
+    out.write_text("".join(json.dumps(item, ensure_ascii=False) + "\n" for item in fits))
+    return out, len(items) - len(fits)
 
 
-def run_harness(model, tokenizer, eos_id: int, suite_paths: list[Path], device: torch.device,
-                limit: int | None = None) -> dict[str, float]:
+def hf_tokenizer(model_dir: str | Path, eos_id: int):
+    """The model directory's tokenizer as transformers loads it (a directory of the format
+    before Hugging Face directories has tokenizer.json alone: wrapped with its EOS)."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    model_dir = Path(model_dir)
+    if (model_dir / "tokenizer_config.json").is_file():
+        return AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=False)
+    fast = PreTrainedTokenizerFast(tokenizer_file=str(model_dir / "tokenizer.json"))
+    eos = fast.convert_ids_to_tokens(eos_id)
+    fast.eos_token = fast.bos_token = fast.pad_token = eos
+    return fast
+
+
+def run_harness(model, model_dir: str | Path, eos_id: int, suite_paths: list[Path],
+                device: torch.device, limit: int | None = None, batch_size: int = 32
+                ) -> dict[str, float]:
     """The harness's scores for each suite: {"harness.<suite>.<metric>": value}."""
     if not available():
         raise ImportError(INSTALL_HINT)
@@ -117,12 +102,35 @@ def run_harness(model, tokenizer, eos_id: int, suite_paths: list[Path], device: 
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from lm_eval import simple_evaluate
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
 
-    configs = [task_config(p) for p in suite_paths]
-    lm = _lm_class()(model, tokenizer, eos_id, device)
-    results = simple_evaluate(model=lm, tasks=configs, limit=limit, log_samples=False,
-                              bootstrap_iters=0, verbosity="WARNING")
+    from tasks.causal_lm import to_transformers
+
+    hf = to_transformers(model).to(device).eval()
+    tokenizer = hf_tokenizer(model_dir, eos_id)
+    lm = HFLM(pretrained=hf, tokenizer=tokenizer, backend="causal", batch_size=batch_size,
+              max_length=model.config.block_size)
     scores: dict[str, float] = {}
+    with tempfile.TemporaryDirectory(prefix="harness-suites-") as scratch:
+        configs = []
+        for path in suite_paths:
+            fitting, left_out = fit_to_context(path, tokenizer, model.config.block_size,
+                                               Path(scratch), limit)
+            if fitting is not None:
+                config = task_config(fitting)
+                # the json builder's cache goes with the scratch files, not ~/.cache/huggingface
+                config["dataset_kwargs"]["cache_dir"] = str(Path(scratch) / "datasets")
+                if "generation_kwargs" in config:  # an answer must leave room for its prompt
+                    config["generation_kwargs"]["max_gen_toks"] = min(
+                        32, max(1, model.config.block_size // 4))
+                configs.append(config)
+            scores[f"harness.{Path(path).stem}.left_out"] = float(left_out)
+        # only our task configs: indexing the harness's thousands of built-in tasks takes ~7 s
+        results = simple_evaluate(model=lm, tasks=configs, limit=limit, log_samples=False,
+                                  bootstrap_iters=0, verbosity="WARNING",
+                                  task_manager=TaskManager(include_defaults=False)
+                                  ) if configs else {}
     for name, metrics in (results or {}).get("results", {}).items():
         suite = name.removeprefix("llmops_")
         for key, value in metrics.items():

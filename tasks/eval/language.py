@@ -18,9 +18,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from tasks.common.io import sha256_file
 from tasks.model import IGNORE_INDEX
-from tasks.train.data import Batch, DataDir
+from tasks.train.data import Batch, DataDir, shares_tokenizer
 from tasks.train.runtime import autocast
 
 
@@ -40,10 +39,18 @@ def token_byte_lengths(tokenizer_path: str | Path, tokenizer) -> np.ndarray:
 
 
 def eos_id_of(tokenizer, data: DataDir, tokenizer_path: str | Path) -> int:
-    """The data dir's EOS when the model shares its tokenizer, else the model tokenizer's first
-    special token (how data prep defines EOS)."""
-    if sha256_file(tokenizer_path) == data.manifest["tokenizer_sha256"]:
+    """The data dir's EOS when the model shares its tokenizer, else the EOS its
+    tokenizer_config.json declares (a Hugging Face directory), else its first special token
+    (how data prep defines EOS)."""
+    from tasks.common.hf_dir import TOKENIZER_CONFIG, eos_token
+
+    if shares_tokenizer(data, tokenizer_path):
         return data.eos_id
+    config_path = Path(tokenizer_path).parent / TOKENIZER_CONFIG
+    if config_path.is_file():
+        declared = eos_token(json.loads(config_path.read_text()))
+        if declared is not None and tokenizer.token_to_id(declared) is not None:
+            return tokenizer.token_to_id(declared)
     specials = sorted(i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special)
     if not specials:
         raise ValueError(f"{tokenizer_path} has no special token to use as EOS.")
@@ -55,7 +62,7 @@ def held_out_batches(data: DataDir, tokenizer, eos_id: int, tokenizer_path: str 
     """The data dir's first val rows; re-tokenized with the model's tokenizer when it differs."""
     rows = data.split("val")
     batches = [rows.take(i) for i in rows.in_order(batch_size, max_batches)]
-    if sha256_file(tokenizer_path) == data.manifest["tokenizer_sha256"]:
+    if shares_tokenizer(data, tokenizer_path):
         return batches
     from tasks.train.data import load_tokenizer
 

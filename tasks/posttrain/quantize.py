@@ -9,7 +9,8 @@ assume (compare_int8).
 
     <output_dir>/model_int8/
         model_int8.pt       the quantized state dict (loads with weights_only=True)
-        model_config.json   the float architecture it was quantized from
+        model_config.json   the float architecture it was quantized from (our GPT; a
+                            transformers model has its config.json instead)
         tokenizer.json      as the float model's
         meta.json           lineage and the measured comparison; written last
 """
@@ -30,6 +31,7 @@ import torch
 import torch.nn as nn
 
 from tasks.common.io import publish_dir, read_json, write_json
+from tasks.causal_lm import HFCausalLM, decoder_layers
 from tasks.configs import ModelConfig, from_dict, to_dict
 from tasks.model import GPT
 
@@ -50,8 +52,9 @@ def quantize_int8(model: GPT) -> GPT:
         copied = copy.deepcopy(model).float().cpu().eval()
         # the blocks' Linear layers only: lm_head shares its matrix with the token embedding,
         # and an int8 copy of it would add a second embedding-sized tensor instead of saving one
+        in_blocks = {id(m) for block in decoder_layers(copied) for m in block.modules()}
         spec = {name: default_dynamic_qconfig for name, m in copied.named_modules()
-                if isinstance(m, nn.Linear) and name.startswith("transformer.h.")}
+                if isinstance(m, nn.Linear) and id(m) in in_blocks}
         return quantize_dynamic(copied, spec, dtype=torch.qint8)
 
 
@@ -114,7 +117,10 @@ def export_int8(quantized: GPT, output_dir: str | Path, tokenizer_path: str | Pa
             torch.save(quantized.state_dict(), fh)
             fh.flush()
             os.fsync(fh.fileno())
-        write_json(tmp / "model_config.json", to_dict(quantized.config))
+        if isinstance(quantized, GPT):
+            write_json(tmp / "model_config.json", to_dict(quantized.config))
+        else:  # a transformers model: its own config rebuilds the float architecture
+            quantized.hf.config.save_pretrained(str(tmp))
         shutil.copyfile(tokenizer_path, tmp / "tokenizer.json")
         write_json(tmp / "meta.json", {**meta, "quantization": "int8 dynamic (nn.Linear)"})
     except BaseException:
@@ -126,8 +132,14 @@ def export_int8(quantized: GPT, output_dir: str | Path, tokenizer_path: str | Pa
 def load_int8(model_dir: str | Path) -> tuple[GPT, dict[str, Any]]:
     """Rebuild an int8 model directory: the float architecture, quantized, then its weights."""
     model_dir = Path(model_dir)
-    config = from_dict(ModelConfig, read_json(model_dir / "model_config.json"))
-    model = quantize_int8(GPT(config))
+    if (model_dir / "model_config.json").is_file():
+        float_model = GPT(from_dict(ModelConfig, read_json(model_dir / "model_config.json")))
+    else:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        config = AutoConfig.from_pretrained(str(model_dir), trust_remote_code=False)
+        float_model = HFCausalLM(AutoModelForCausalLM.from_config(config))
+    model = quantize_int8(float_model)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         state = torch.load(model_dir / "model_int8.pt", map_location="cpu", weights_only=True)

@@ -10,6 +10,9 @@ job, on hardware that fits it, and the student trains without it.
     <cache>/manifest.json       key (teacher weights, data, SFT files, k, block size, replayed
                                 rows), shapes and the teacher's held-out metrics; written last
 
+Any teacher the stages load works (our GPT or a transformers model): the cache holds only token
+ids and logits, so the student may be of another architecture, with the same tokenizer.
+
 The directory is assembled beside its final place and renamed in. A student job checks the key
 against its own config and refuses a cache made for another teacher or other data.
 """
@@ -42,10 +45,23 @@ def cache_key(*, teacher_dir: str | Path, data_hash: str, sft_sha256: str, top_k
               block_size: int, replay_rows: np.ndarray) -> dict[str, Any]:
     """What a cache was computed from; a student may use it only if its own key is equal."""
     rows = np.asarray(replay_rows, dtype=np.int64)
-    return {"format": FORMAT, "teacher_sha256": sha256_file(Path(teacher_dir) / "model.pt"),
+    return {"format": FORMAT, "teacher_sha256": weights_sha256(teacher_dir),
             "data_content_hash": data_hash, "sft_sha256": sft_sha256, "top_k": int(top_k),
             "block_size": int(block_size),
             "replay_rows_sha256": hashlib.sha256(rows.tobytes()).hexdigest()}
+
+
+def weights_sha256(model_dir: str | Path) -> str:
+    """One digest of a model directory's weight files (every *.safetensors shard, by name; or the
+    model.pt of the format before Hugging Face directories)."""
+    model_dir = Path(model_dir)
+    files = sorted(model_dir.glob("*.safetensors")) or [model_dir / "model.pt"]
+    if len(files) == 1:
+        return sha256_file(files[0])
+    digest = hashlib.sha256()
+    for f in files:
+        digest.update(f"{f.name}:{sha256_file(f)}\n".encode())
+    return digest.hexdigest()
 
 
 @torch.no_grad()

@@ -323,10 +323,21 @@ def model_tokenizer(data: DataDir, model_dir: str | Path):
     """The tokenizer a model directory was trained with, after checking that the data was
     prepared with it too: otherwise the same token ids would stand for other text."""
     path = Path(model_dir) / "tokenizer.json"
-    if sha256_file(path) != data.manifest["tokenizer_sha256"]:
+    if not shares_tokenizer(data, path):
         raise ValueError(f"{path} differs from the tokenizer of {data.path}; use data prepared "
-                         "with the tokenizer the model was pretrained with.")
+                         "with the model's tokenizer (DataPrepConfig.tokenizer_path = "
+                         f"{path}).")
     return load_tokenizer(path)
+
+
+def shares_tokenizer(data: DataDir, tokenizer_path: str | Path) -> bool:
+    """Was the data prepared with this tokenizer.json (the same file, or the same vocabulary,
+    merges, special tokens and pre-/post-processing as transformers re-saves it)?"""
+    from tasks.common.hf_dir import same_tokenizer
+
+    if sha256_file(tokenizer_path) == data.manifest["tokenizer_sha256"]:
+        return True
+    return same_tokenizer(Path(tokenizer_path).read_bytes(), data.tokenizer_path.read_bytes())
 
 
 def load_sft_splits(data_dir: str | Path, model_dir: str | Path, block_size: int, eval_limit: int
@@ -341,9 +352,3 @@ def load_sft_splits(data_dir: str | Path, model_dir: str | Path, block_size: int
         log.warning("%d of %d SFT examples exceed block_size %d; their prompts are cut from the "
                     "left", too_long, len(train_examples), block_size)
     return data, tokenizer, train_examples, eval_examples
-
-
-def prompt_example(examples: list[SFTExample], n: int = 2) -> torch.Tensor:
-    """(n, T) real prompt tokens, cut to the shortest: an example input for tracing a model."""
-    shortest = min(16, *(len(e.prompt_ids) for e in examples[:n]))
-    return torch.tensor([e.prompt_ids[:shortest] for e in examples[:n]], dtype=torch.long)

@@ -264,8 +264,12 @@ class DistContext:
             from torch.distributed.fsdp import fully_shard
 
             on_meta = any(p.is_meta for p in model.parameters())
-            blocks = getattr(getattr(model, "transformer", None), "h", [])
-            for block in blocks:
+            from tasks.causal_lm import decoder_layers
+
+            units = decoder_layers(model)  # GPT blocks, LlamaDecoderLayer ...
+            log.info("FSDP units: %d %s, then the rest of the model", len(units),
+                     ", ".join(sorted({type(b).__name__ for b in units})) or "-")
+            for block in units:
                 fully_shard(block)
             fully_shard(model)
             if on_meta:

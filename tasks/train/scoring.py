@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tasks.model import GPT, IGNORE_INDEX
+from tasks.model import IGNORE_INDEX
 from tasks.train.data import Batch, SFTExample, TokenRows, collate_sft
 from tasks.train.runtime import autocast
 
@@ -41,7 +41,7 @@ def shard_loss(model: nn.Module, rows: TokenRows, batch_size: int, max_batches: 
     return _token_weighted_loss(model, batches, device)
 
 
-def completion_loss(model: GPT, examples: list[SFTExample], batch_size: int,
+def completion_loss(model: nn.Module, examples: list[SFTExample], batch_size: int,
                     device: torch.device) -> float:
     """Mean loss per completion token (prompts are context, not scored)."""
     # the pad id is irrelevant: padding sits after every real token (causal attention never
@@ -64,7 +64,7 @@ def newline_token_ids(tokenizer) -> frozenset[int]:
 
 
 @torch.no_grad()
-def exact_match(model: GPT, tokenizer, examples: list[SFTExample], eos_id: int,
+def exact_match(model: nn.Module, tokenizer, examples: list[SFTExample], eos_id: int,
                 max_new_tokens: int, device: torch.device, batch_size: int = 64,
                 keep_samples: int = 5) -> dict[str, Any]:
     """Greedy-decode each prompt until EOS or a newline and compare the stripped answer with the
