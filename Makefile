@@ -60,7 +60,8 @@ browser:
 # matrix (~17 min) as its own target.
 TEST_WORKERS ?= 2
 test: install browser
-	$(PY) -m pytest tests --ignore=tests/test_fault_matrix.py -n $(TEST_WORKERS) --dist loadgroup
+	$(PY) -m pytest tests --ignore=tests/test_fault_matrix.py -n $(TEST_WORKERS) --dist loadgroup \
+	  --no-loadscope-reorder
 	$(MAKE) --no-print-directory test-matrix
 
 # tests/test_fault_matrix.py alone: the fault matrix as a test (asserts every fault cell is zero).

@@ -86,18 +86,18 @@ def moto_s3(monkeypatch: pytest.MonkeyPatch):
 # Many tests wait on a subprocess (an Airflow DAG run, a job, a browser) with one core idle, so
 # `make test` runs two workers. Each test module is one unit of work (its module-scoped fixtures
 # are built once), except that modules sharing a session-scoped DAG run share a worker (the run is
-# made once). The slowest modules are handed out first, so that no worker is left with a long one
-# at the end while the other idles.
+# made once). The slowest modules are handed out first (make test passes --no-loadscope-reorder,
+# so xdist keeps this order), so that no worker is left with a long one while the other idles.
 SHARED_RUN_GROUPS = {
     "test_lifecycle_e2e": "tiny_lifecycle_run",
     "test_lifecycle_reuse": "tiny_lifecycle_run",
 }
-SLOWEST_FIRST = [  # measured seconds on 2 cores, in order
-    "test_retrain", "test_browser", "test_lifecycle_e2e", "test_lifecycle_reuse",
-    "test_lifecycle_hf", "test_post_training", "test_resilience", "test_mwaa",
-    "test_backend_sagemaker_lifecycle", "test_training_scale", "test_sweep_dag",
+SLOWEST_FIRST = [  # by their seconds on 2 cores (--durations), the slowest first
+    "test_lifecycle_e2e", "test_lifecycle_reuse", "test_browser", "test_post_training",
+    "test_lifecycle_hf", "test_backend_sagemaker_lifecycle", "test_resilience", "test_mwaa",
+    "test_training_scale", "test_retrain", "test_training", "test_links", "test_sweep_dag",
     "test_processing_two_phase", "test_jobs", "test_secrets", "test_start_run_validation",
-    "test_training", "test_fake_aws", "test_data_prep",
+    "test_fake_aws", "test_data_prep", "test_hf_models", "test_eval",
 ]
 
 
