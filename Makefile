@@ -56,9 +56,12 @@ browser:
 	  SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
 	  $$SUDO apt-get update -qq && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
 
-# The suite (~17 min on 2 cores), then the slow fault matrix (~17 min) as its own target.
+# The suite on TEST_WORKERS processes (pytest-xdist; 0 runs it in this process), then the slow fault
+# matrix (~17 min) as its own target.
+TEST_WORKERS ?= 2
 test: install browser
-	$(PY) -m pytest tests --ignore=tests/test_fault_matrix.py
+	$(PY) -m pytest tests --ignore=tests/test_fault_matrix.py -n $(TEST_WORKERS) --dist loadgroup \
+	  --no-loadscope-reorder
 	$(MAKE) --no-print-directory test-matrix
 
 # tests/test_fault_matrix.py alone: the fault matrix as a test (asserts every fault cell is zero).
@@ -92,6 +95,6 @@ mwaa-bundle: install
 	$(PY) scripts/mwaa_bundle.py --tracking-uri "$(MWAA_TRACKING_URI)" --storage-root "$(STORAGE_ROOT)"
 
 # The bundle's DAGs import with only its requirements.txt (MWAA's constraints, no torch, no
-# ray): a venv of its own under .llmops/, ~1-2 min to create the first time, then cached.
+# ray): a venv of its own in ~/.cache/llmops/, ~1-2 min to create the first time, then cached.
 mwaa-check: install
 	$(PY) -m pytest tests/test_mwaa.py -q

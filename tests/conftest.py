@@ -100,3 +100,33 @@ def tiny_llama_dir(tiny_data_dir: Path, tmp_path_factory: pytest.TempPathFactory
     PreTrainedTokenizerFast(tokenizer_file=str(tiny_data_dir / "tokenizer.json"), eos_token=eos,
                             bos_token=eos, pad_token=eos).save_pretrained(out)
     return out
+
+
+# -- two test processes on two cores (pytest-xdist, `make test`) ------------------------------
+# Many tests wait on a subprocess (an Airflow DAG run, a job, a browser) with one core idle, so
+# `make test` runs two workers. Each test module is one unit of work (its module-scoped fixtures
+# are built once), except that modules sharing a session-scoped DAG run share a worker (the run is
+# made once). The slowest modules are handed out first (make test passes --no-loadscope-reorder,
+# so xdist keeps this order), so that no worker is left with a long one while the other idles.
+SHARED_RUN_GROUPS = {
+    "test_lifecycle_e2e": "tiny_lifecycle_run",
+    "test_lifecycle_reuse": "tiny_lifecycle_run",
+}
+SLOWEST_FIRST = [  # by their seconds on 2 cores (--durations), the slowest first
+    "test_lifecycle_e2e", "test_lifecycle_reuse", "test_browser", "test_post_training",
+    "test_lifecycle_hf", "test_backend_sagemaker_lifecycle", "test_resilience", "test_mwaa",
+    "test_training_scale", "test_retrain", "test_training", "test_links", "test_sweep_dag",
+    "test_processing_two_phase", "test_jobs", "test_secrets", "test_start_run_validation",
+    "test_fake_aws", "test_data_prep", "test_hf_models", "test_eval",
+]
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups into node ids
+def pytest_collection_modifyitems(config, items):
+    def module(item) -> str:
+        return item.path.stem
+
+    rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
+    items.sort(key=lambda item: rank.get(module(item), len(rank)))  # stable: file order kept
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(SHARED_RUN_GROUPS.get(module(item), module(item))))

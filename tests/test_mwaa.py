@@ -4,12 +4,14 @@ cncf-kubernetes 10.21.0; no torch, no ray), where every backend's request also r
 that botocore's service model and is submitted to moto through those provider versions.
 
 The venv takes 1-2 minutes to create (pip resolving Airflow 3.3.1 against the constraints, wheels
-from the pip cache or PyPI) and is cached under .llmops/mwaa-venv-<hash of its inputs>; later
-runs take ~15 s.
+from the pip cache or PyPI) and is cached beside pip's own cache, in
+$XDG_CACHE_HOME/llmops (~/.cache/llmops) as mwaa-venv-<hash of every input>, so a fresh clone on
+the same machine reuses it (LLMOPS_TEST_CACHE moves it); later runs take ~15 s.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -22,6 +24,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+TEST_CACHE = Path(os.environ.get("LLMOPS_TEST_CACHE") or Path(
+    os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "llmops")
 CONSTRAINTS = ROOT / "constraints" / "mwaa-3.3.1"
 sys.path.insert(0, str(ROOT / "scripts"))
 import mwaa_bundle  # noqa: E402
@@ -96,9 +100,18 @@ def mwaa_venv(bundle) -> Path:
     key = hashlib.sha256("\n".join([version, *requirements,
                                     (CONSTRAINTS / "airflow_constraints.txt").read_text(),
                                     (CONSTRAINTS / "mwaa_essential_constraints.txt").read_text()]).encode())
-    venv = ROOT / ".llmops" / f"mwaa-venv-{key.hexdigest()[:12]}"
-    if (venv / ".ready").exists():
-        return venv
+    venv = TEST_CACHE / f"mwaa-venv-{key.hexdigest()[:12]}"
+    TEST_CACHE.mkdir(parents=True, exist_ok=True)
+    # One builder at a time: another test session on this machine may be making the same venv.
+    with open(TEST_CACHE / f"{venv.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (venv / ".ready").exists():
+            _build_mwaa_venv(python, venv, requirements)
+            (venv / ".ready").write_text(version)
+    return venv
+
+
+def _build_mwaa_venv(python: str, venv: Path, requirements: list[str]) -> None:
     shutil.rmtree(venv, ignore_errors=True)
     subprocess.run([python, "-m", "venv", str(venv)], check=True)
     req_file = venv / "requirements.txt"
@@ -109,8 +122,6 @@ def mwaa_venv(bundle) -> Path:
                            "-c", str(CONSTRAINTS / "mwaa_essential_constraints.txt")],
                           capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    (venv / ".ready").write_text(version)
-    return venv
 
 
 CHECK = r"""
