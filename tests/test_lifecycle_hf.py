@@ -71,3 +71,37 @@ def test_the_registered_champion_loads_with_transformers_and_serves_through_pyfu
     expected = {"teacher": "LlamaForCausalLM", "student": "GPT2LMHeadModel"}
     mv = hf_run["client"].get_model_version_by_alias(NAME, "champion")
     assert served["architecture"] == expected[mv.tags["candidate"]]
+
+
+def test_mlflow_models_serve_answers_an_invocation_with_text(hf_run):
+    """The README's command, as a serving host would run it: `mlflow models serve` on the
+    registered champion (the venv's own packages: --env-manager local), then one POST to
+    /invocations over HTTP."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    import urllib.request
+
+    from tests.aws_fixtures import free_port, wait_http
+
+    port = free_port()
+    bin_dir = str(Path(sys.executable).parent)   # the server execs `uvicorn` from PATH
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
+    server = subprocess.Popen([os.path.join(bin_dir, "mlflow"), "models", "serve", "-m",
+                               f"models:/{NAME}@champion", "--env-manager", "local", "-p", str(port)],
+                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+                              start_new_session=True)
+    try:
+        wait_http(f"http://127.0.0.1:{port}/ping", timeout=120)
+        body = json.dumps({"inputs": [PROMPT, "The"], "params": {"max_new_tokens": 4}}).encode()
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/invocations", data=body,
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=120) as response:
+            predictions = json.loads(response.read())["predictions"]
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(timeout=30)
+    assert len(predictions) == 2 and all(isinstance(p, str) for p in predictions), predictions
+    assert not predictions[0].startswith(PROMPT)  # the completion, as pyfunc gives it
