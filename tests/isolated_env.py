@@ -4,6 +4,7 @@ home, MLflow store and job directories, so tests never touch `.llmops/` or each 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -31,6 +32,13 @@ def pytest_configure(config):
     }
     os.environ.update(env)
     os.environ.pop("LLMOPS_STORAGE_ROOT", None)
+
+
+def pytest_unconfigure(config):
+    # The session's Airflow DB, MLflow store, job dirs and models (~25 MB a run) would otherwise
+    # pile up in the temp dir run after run. LLMOPS_KEEP_TEST_STATE=1 keeps them to look at.
+    if os.environ.get("LLMOPS_KEEP_TEST_STATE") != "1":
+        shutil.rmtree(SESSION_DIR, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
