@@ -1,15 +1,24 @@
-"""Deduplication across all shards: exact (content hash) and near (MinHash LSH, union-find).
-
-The only step that needs every shard, staged explicitly:
+"""Deduplication across all shards: exact (content hash) and near (MinHash LSH), sharded by key.
 
 1. per shard (in parallel, with the filters): a 128-bit content hash and `bands` LSH keys per
    kept document. Shingles are word 5-grams of the simplified text (lowercase, digits folded,
    punctuation and accents dropped); the signature is `bands * rows` minima of random linear
    permutations of the shingle hashes; each band of `rows` minima is hashed to one 64-bit key.
-2. global (one process, reading only the hashes and keys, never the text): documents with equal
-   content hashes keep the first; the others are exact duplicates. Among the rest, two documents
-   sharing any band key are candidates; union-find joins candidates into clusters and the
-   earliest document (input order) of each cluster is kept.
+   The shard writes both sorted (`shard_index`): hashes by value, band keys by (band, key).
+2. per bucket (in parallel; datatrove's bucket design): bucket b of B owns the b-th range of the
+   content-hash space and of the (band, key) space. It reads only its slice of every shard's
+   sorted index (a binary search in a memory-mapped file) and emits pairs: (copy, first document
+   with that hash) and (first document with a band key, another with the same key). Memory per
+   bucket is about 1/B of all the keys, never all of them.
+3. one process, over the pairs only (`resolve_pairs`): a document with an earlier exact copy is an
+   exact duplicate of the first; among the others, connected components of the near pairs are
+   clusters whose earliest document (input order) is kept.
+
+The kept set is the same as `find_duplicates`, which does all of it in one process from every
+document's keys (what data prep did before; kept as the reference the tests and the benchmark
+compare against): the first document of a band-key group is never an exact copy (its first copy
+would come earlier, with the same keys), so dropping the pairs that touch an exact copy leaves
+exactly the pairs among the documents the one-process step compares.
 
 With the default 14 bands x 8 rows (FineWeb's), a pair with Jaccard similarity s becomes a
 candidate with probability 1 - (1 - s^8)^14: 0.92 at s = 0.8, 0.26 at s = 0.6, under 0.01 at 0.4.
@@ -163,3 +172,127 @@ def hashes_to_array(digests: list[bytes]) -> np.ndarray:
     """16-byte content hashes -> (n, 2) uint64, for vectorized grouping."""
     return np.frombuffer(b"".join(digests), dtype="<u8").reshape(-1, 2) if digests \
         else np.zeros((0, 2), dtype=np.uint64)
+
+
+# --------------------------------------------------------------------------------------------
+# Sharded by key range: per-shard sorted indexes, per-bucket pairs, components over the pairs.
+
+KEY_SPACE = 1 << 64
+
+
+def shard_index(hashes: np.ndarray, band_keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, list[int]]:
+    """A shard's documents (rows in input order) as the sorted indexes buckets slice.
+
+    Returns `exact`, (3, n) uint64: content hash (2 words) and row, sorted by hash then row;
+    `near`, (2, k) uint64: band key and row, sorted by band, key, row, without the documents too
+    short to have a signature; and `band_starts`: where each band's keys begin in `near` (bands + 1)."""
+    n = len(hashes)
+    order = np.lexsort((hashes[:, 1], hashes[:, 0])) if n else np.zeros(0, np.int64)  # stable: row order
+    exact = np.stack([hashes[order, 0], hashes[order, 1], order.astype(np.uint64)]) if n \
+        else np.zeros((3, 0), np.uint64)
+    keys, rows, starts = [], [], [0]
+    for band in range(band_keys.shape[1]):
+        column = band_keys[:, band]
+        signed = np.flatnonzero(column != NO_SIGNATURE)
+        by_key = signed[np.argsort(column[signed], kind="stable")]
+        keys.append(column[by_key])
+        rows.append(by_key.astype(np.uint64))
+        starts.append(starts[-1] + len(by_key))
+    near = np.stack([np.concatenate(keys), np.concatenate(rows)]) if keys else np.zeros((2, 0), np.uint64)
+    return exact, near, starts
+
+
+def bucket_range(bucket: int, buckets: int, span: int) -> tuple[int, int]:
+    """[lo, hi) of bucket `bucket` of `buckets` equal ranges over [0, span)."""
+    return bucket * span // buckets, (bucket + 1) * span // buckets
+
+
+def _slice(sorted_keys: np.ndarray, lo: int, hi: int) -> slice:
+    """Positions of the keys in [lo, hi) of an ascending uint64 array (memory-mapped: a binary
+    search reads a few pages, not the array)."""
+    if hi <= 0 or lo >= KEY_SPACE:
+        return slice(0, 0)
+    start = 0 if lo <= 0 else int(np.searchsorted(sorted_keys, np.uint64(lo)))
+    end = len(sorted_keys) if hi >= KEY_SPACE else int(np.searchsorted(sorted_keys, np.uint64(hi)))
+    return slice(start, end)
+
+
+def bucket_pairs(shards: list[tuple[int, np.ndarray, np.ndarray, list[int]]], bucket: int, buckets: int,
+                 bands: int) -> tuple[np.ndarray, np.ndarray]:
+    """The pairs bucket `bucket` of `buckets` owns. `shards`: per shard in input order, (index of
+    its first document among all shards, `exact`, `near`, `band_starts` from shard_index). Returns
+    exact pairs (copy, first copy) and near pairs (first with the key, other), as (k, 2) int64 of
+    global document indices."""
+    lo, hi = bucket_range(bucket, buckets, KEY_SPACE)
+    hashes, owners = [], []
+    for offset, exact, _, _ in shards:
+        part = exact[:, _slice(exact[0], lo, hi)]
+        hashes.append(part[:2].T)
+        owners.append(part[2].astype(np.int64) + offset)
+    exact_pairs = _pairs_within_groups(hashes, owners, first_second=False)
+
+    lo, hi = bucket_range(bucket, buckets, bands * KEY_SPACE)
+    keys, owners = [], []
+    for band in range(lo // KEY_SPACE, min(bands, -(-hi // KEY_SPACE))):
+        key_lo, key_hi = lo - band * KEY_SPACE, hi - band * KEY_SPACE
+        for offset, _, near, starts in shards:
+            segment = near[:, starts[band]:starts[band + 1]]
+            part = segment[:, _slice(segment[0], key_lo, key_hi)]
+            keys.append(np.stack([np.full(part.shape[1], band, np.uint64), part[0]], axis=1))
+            owners.append(part[1].astype(np.int64) + offset)
+    return exact_pairs, _pairs_within_groups(keys, owners, first_second=True)
+
+
+def _pairs_within_groups(keys: list[np.ndarray], owners: list[np.ndarray], first_second: bool) -> np.ndarray:
+    """For each run of equal key rows: pairs of its first document and each other one. Pieces
+    come in input order, and within a piece equal keys in row order, so a stable sort keeps the
+    earliest document first."""
+    if not keys or not sum(len(k) for k in keys):
+        return np.zeros((0, 2), np.int64)
+    rows, first = _first_of_equal_rows(np.concatenate(keys))
+    owner = np.concatenate(owners)
+    pair = (owner[first], owner[rows]) if first_second else (owner[rows], owner[first])
+    return np.stack(pair, axis=1)
+
+
+def components(a: np.ndarray, b: np.ndarray, n: int) -> np.ndarray:
+    """The smallest member of each node's connected component, for nodes 0..n-1 joined by the
+    edges (a[i], b[i]). Vectorized union-find: hook each edge's larger root under its smaller
+    one, then halve paths until every node points at a root; repeat until no edge spans two."""
+    parent = np.arange(n, dtype=np.int64)
+    while len(a):
+        ra, rb = parent[a], parent[b]
+        apart = ra != rb
+        if not apart.any():
+            break
+        a, b, ra, rb = a[apart], b[apart], ra[apart], rb[apart]
+        np.minimum.at(parent, np.maximum(ra, rb), np.minimum(ra, rb))
+        while True:
+            grand = parent[parent]
+            if np.array_equal(grand, parent):
+                break
+            parent = grand
+    return parent
+
+
+def resolve_pairs(n: int, exact_pairs: np.ndarray, near_pairs: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict[str, int]]:
+    """Every bucket's pairs -> (removed documents ascending, the kept document each duplicates,
+    kind EXACT / NEAR, stats as find_duplicates counts them). Holds the pairs, not the documents."""
+    stats = {"in": n, "exact_duplicates": 0, "near_duplicates": 0, "candidate_pairs": 0, "clusters": 0}
+    copies = exact_pairs[np.argsort(exact_pairs[:, 0], kind="stable")] if len(exact_pairs) else exact_pairs
+    stats["exact_duplicates"] = len(copies)
+    if len(near_pairs) and len(copies):
+        touches = np.isin(near_pairs, copies[:, 0]).any(axis=1)
+        near_pairs = near_pairs[~touches]
+    pairs = np.unique(near_pairs, axis=0) if len(near_pairs) else np.zeros((0, 2), np.int64)
+    stats["candidate_pairs"] = len(pairs)
+    nodes = np.unique(pairs)
+    root = nodes[components(np.searchsorted(nodes, pairs[:, 0]), np.searchsorted(nodes, pairs[:, 1]),
+                            len(nodes))]
+    near = nodes != root
+    stats["near_duplicates"], stats["clusters"] = int(near.sum()), len(np.unique(root))
+    removed = np.concatenate([copies[:, 0], nodes[near]]).astype(np.int64)
+    kept_of = np.concatenate([copies[:, 1], root[near]]).astype(np.int64)
+    kind = np.concatenate([np.full(len(copies), EXACT, np.int8), np.full(int(near.sum()), NEAR, np.int8)])
+    order = np.argsort(removed, kind="stable")
+    return removed[order], kept_of[order], kind[order], stats
