@@ -27,6 +27,7 @@ candidate with probability 1 - (1 - s^8)^14: 0.92 at s = 0.8, 0.26 at s = 0.6, u
 from __future__ import annotations
 
 import hashlib
+from itertools import chain
 
 import numpy as np
 
@@ -64,35 +65,49 @@ class MinHasher:
 
     def shingles(self, text: str) -> np.ndarray:
         """One 64-bit hash per word n-gram of the simplified text."""
-        words = simplify_for_shingles(text)
-        n = self.ngram
-        if len(words) < n:
-            return np.zeros(0, dtype=np.uint64)
-        h = TABLE.hash[TABLE.encode(words)]  # stable 64-bit word hashes, memoized per process
-        count = len(h) - n + 1
-        acc = np.zeros(count, dtype=np.uint64)
-        for k in range(n):
-            acc = _mix(acc ^ h[k:k + count])  # order-sensitive: "a b" and "b a" differ
-        return acc
+        return self._shingles([simplify_for_shingles(text)])[0]
 
-    def signature(self, text: str) -> np.ndarray | None:
-        """bands * rows minhash values, or None when the text has fewer words than a shingle."""
-        shingles = self.shingles(text)
-        if shingles.size == 0:
-            return None
-        sig = np.full(self.a.size, np.iinfo(np.uint64).max, dtype=np.uint64)
-        for start in range(0, shingles.size, self.CHUNK):
-            block = shingles[start:start + self.CHUNK, None]
-            np.minimum(sig, (block * self.a + self.b).min(axis=0), out=sig)
-        return sig
+    def _shingles(self, texts_words: list[list[str]]) -> tuple[np.ndarray, np.ndarray]:
+        """The shingle hashes of several texts' words, concatenated, and how many each has."""
+        n = self.ngram
+        counts = np.array([max(0, len(words) - n + 1) for words in texts_words], dtype=np.int64)
+        if not counts.any():
+            return np.zeros(0, dtype=np.uint64), counts
+        words = list(chain.from_iterable(texts_words))
+        h = TABLE.hash[TABLE.encode(words)]  # stable 64-bit word hashes, memoized per process
+        span = len(h) - n + 1
+        acc = np.zeros(span, dtype=np.uint64)
+        for k in range(n):
+            acc = _mix(acc ^ h[k:k + span])  # order-sensitive: "a b" and "b a" differ
+        # Keep the n-grams that start and end in one text: text d's k-th starts at its first word + k.
+        firsts = np.concatenate(([0], np.cumsum([len(w) for w in texts_words])))[:-1]
+        before = np.cumsum(counts) - counts
+        return acc[np.repeat(firsts - before, counts) + np.arange(counts.sum())], counts
 
     def band_keys(self, text: str) -> np.ndarray:
         """`bands` keys; all NO_SIGNATURE when the text is too short to compare."""
-        sig = self.signature(text)
-        if sig is None:
-            return np.zeros(self.bands, dtype=np.uint64)
-        keys = _mix((sig.reshape(self.bands, self.rows) * self.band_mult).sum(axis=1, dtype=np.uint64))
-        keys[keys == NO_SIGNATURE] = np.uint64(1)  # keep 0 free to mean "no signature"
+        return self.band_keys_batch([text])[0]
+
+    def band_keys_batch(self, texts: list[str]) -> np.ndarray:
+        """band_keys of each text, as a (len(texts), bands) array: the signatures of all texts
+        in CHUNK-row blocks of (shingles x permutations), each row block's minima per text."""
+        keys = np.zeros((len(texts), self.bands), dtype=np.uint64)
+        shingles, counts = self._shingles([simplify_for_shingles(t) for t in texts])
+        signed = np.flatnonzero(counts)
+        if not signed.size:
+            return keys
+        bounds = np.concatenate(([0], np.cumsum(counts[signed])))
+        sig = np.full((signed.size, self.a.size), np.iinfo(np.uint64).max, dtype=np.uint64)
+        for lo in range(0, shingles.size, self.CHUNK):
+            hi = min(lo + self.CHUNK, shingles.size)
+            first = int(np.searchsorted(bounds, lo, side="right")) - 1
+            last = int(np.searchsorted(bounds, hi - 1, side="right")) - 1
+            segments = np.maximum(bounds[first:last + 1], lo) - lo
+            block = shingles[lo:hi, None] * self.a + self.b
+            np.minimum(sig[first:last + 1], np.minimum.reduceat(block, segments, axis=0), out=sig[first:last + 1])
+        banded = _mix((sig.reshape(-1, self.bands, self.rows) * self.band_mult).sum(axis=2, dtype=np.uint64))
+        banded[banded == NO_SIGNATURE] = np.uint64(1)  # keep 0 free to mean "no signature"
+        keys[signed] = banded
         return keys
 
 

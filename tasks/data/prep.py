@@ -88,7 +88,7 @@ from tasks.common.io import atomic_write, read_json, sha256_file, write_json
 from tasks.configs import ConfigError, DataPrepConfig, from_dict, to_dict
 from tasks.data.readers import InputFile, default_id, dropped_record, fingerprint, plan_splits, read_bytes, \
     read_shard, resolve_inputs
-from tasks.data.steps import build_pipeline, merge_stats, normalize_text, run_steps
+from tasks.data.steps import build_pipeline, merge_stats, normalize_text, run_batch
 from tasks.data.tokens import EOS, EOS_ID, check_tokenizer, encode_stream, pack_split, token_dtype, \
     train_tokenizer, write_index
 
@@ -177,6 +177,9 @@ def shard_files(out_dir: Path, index: int) -> dict[str, Path]:
 # Stage 1 (per shard): parse, clean, filter, redact, hash.
 
 
+STEP_BATCH = 256  # documents the steps see at once: enough to spread numpy's per-call cost
+
+
 def process_shard(job: dict) -> dict:
     """Read one input file (or one split of it) and run every document through the steps; write
     the survivors, the sorted indexes of their content hashes and LSH keys (dedup.shard_index),
@@ -198,30 +201,47 @@ def process_shard(job: dict) -> dict:
     parse = Counter()
     n_documents = n_bytes = 0
     shard = read_shard(file, job["split"], config.text_field, config.id_field, job["fingerprint"]["size"])
+
+    def run(items: list) -> None:
+        """The steps over a batch of documents, then every item recorded in input order."""
+        docs = [item for item in items if not isinstance(item, dict)]
+        drops = iter(run_batch(steps, docs))
+        survivors = []
+        for item in items:
+            if isinstance(item, dict):
+                parse[f"dropped.{item['reason']}"] += 1
+                dropped.append(item)
+            elif (drop := next(drops)) is not None:
+                dropped.append(dropped_record(item.id, item.line, *drop))
+            else:
+                survivors.append(item)
+        for doc in survivors:
+            kept["id"].append(doc.id)
+            kept["text"].append(doc.text)
+            kept["line"].append(doc.line)
+            kept["metadata"].append(json.dumps(doc.metadata, ensure_ascii=False, default=str)
+                                    if doc.metadata else None)
+            hashes.append(content_hash(doc.text))
+        if hasher is not None and survivors:
+            keys.append(hasher.band_keys_batch([doc.text for doc in survivors]))
+
+    batch: list = []
+    in_batch = 0
     for item in shard.documents:
         n_documents += 1
-        if isinstance(item, dict):
-            parse[f"dropped.{item['reason']}"] += 1
-            dropped.append(item)
-            continue
-        n_bytes += len(item.text.encode("utf-8"))
-        drop = run_steps(steps, item)
-        if drop is not None:
-            dropped.append(dropped_record(item.id, item.line, *drop))
-            continue
-        kept["id"].append(item.id)
-        kept["text"].append(item.text)
-        kept["line"].append(item.line)
-        kept["metadata"].append(json.dumps(item.metadata, ensure_ascii=False, default=str)
-                                if item.metadata else None)
-        hashes.append(content_hash(item.text))
-        if hasher is not None:
-            keys.append(hasher.band_keys(item.text))
+        batch.append(item)
+        if not isinstance(item, dict):
+            n_bytes += len(item.text.encode("utf-8"))
+            in_batch += 1
+            if in_batch == STEP_BATCH:
+                run(batch)
+                batch, in_batch = [], 0
+    run(batch)
     parse["in"], parse["kept"] = n_documents, n_documents - sum(parse.values())
 
     schemas = _schemas()
     _write_table(paths["docs"], kept, schemas["staging"])
-    band_keys = np.stack(keys) if keys else \
+    band_keys = np.concatenate(keys) if keys else \
         np.zeros((len(kept["id"]), config.minhash_bands if hasher else 0), dtype=np.uint64)
     exact, near, band_starts = shard_index(hashes_to_array(hashes), band_keys)
     atomic_write(paths["exact"], lambda fh: np.save(fh, exact))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from itertools import chain
 import string
 import unicodedata
 from functools import lru_cache
@@ -161,59 +162,69 @@ def _merge_specials(tokens: list[str]) -> list[str]:
     return out
 
 
+_CHUNK_TOKENS: dict[str, tuple[str, ...]] = {}  # chunk -> its tokens, memoized per process
+MAX_MEMO_CHUNKS = 1 << 19  # ~70 MB; then start over
+
+
 def split_words(text: str) -> list[str]:
-    """Words and punctuation tokens, in order, as spaCy's English tokenizer splits them."""
-    out: list[str] = []
+    """Words and punctuation tokens, in order, as spaCy's English tokenizer splits them.
+
+    spaCy splits each whitespace-separated chunk on its own, so a chunk's tokens are memoized:
+    word frequencies are Zipfian, and after the first documents nearly every chunk is known and
+    splitting a text is a dictionary lookup per chunk."""
+    memo = _CHUNK_TOKENS
+    chunks = text.split()
+    try:
+        parts = list(map(memo.__getitem__, chunks))
+    except KeyError:
+        if len(memo) > MAX_MEMO_CHUNKS:
+            memo.clear()
+        for chunk in set(chunks).difference(memo):
+            memo[chunk] = tuple(_chunk_tokens(chunk))
+        parts = list(map(memo.__getitem__, chunks))
+    return list(chain.from_iterable(parts))
+
+
+def _chunk_tokens(chunk: str) -> list[str]:
+    """The tokens of one whitespace-separated chunk."""
     special = _SPECIAL
-    for chunk in text.split():
-        if chunk in special:
-            out.extend(special[chunk])
-            continue
-        if chunk.isalpha():  # most chunks: one plain word
-            out.append(chunk)
-            continue
-        if chunk.isdigit():  # a plain number: no mark applies to it
-            out.append(chunk)
-            continue
-        last = chunk[-1]
-        if last in _ALWAYS_SUFFIX:  # "word," "word)": the next most common shape
-            word = chunk[:-1]
-            if word.isalpha():
-                out.extend(special.get(word, (word,)))
-                out.append(last)
-                continue
-        # Next most common: a word inside marks that always split off ("(word", "word)," '"word".'),
-        # maybe hyphenated; settled here by the same rules, without the regular expressions.
-        i, j = 0, len(chunk)
-        while i < j and chunk[i] in _ALWAYS_PREFIX:
-            i += 1
-        while j > i:
-            last = chunk[j - 1]
-            if last in _ALWAYS_SUFFIX:
-                j -= 1
-            elif last == "." and j - 1 > i and (chunk[j - 2] in _ALWAYS_SUFFIX or chunk[j - 2].islower() or (
-                    j - 2 > i and chunk[j - 2].isupper() and chunk[j - 3].isupper())):
-                j -= 1
-            else:
-                break
-        core = chunk[i:j]
-        # (Unless a special case hides inside: "(Mr." keeps "Mr.", "(:)" is a smiley.)
-        if core and _MERGE_RE.search(chunk) is None and not (chunk[j:j + 1] == "." and core + "." in special):
-            if core.isalpha():
-                out.extend(chunk[:i])
-                out.extend(special.get(core, (core,)))
-                out.extend(chunk[j:])
-                continue
-            if "-" in core and core[0] != "-" and core[-1] != "-" and "--" not in core \
-                    and core.replace("-", "").isalpha():  # well-known: a hyphen between letters splits
-                out.extend(chunk[:i])
-                for k, part in enumerate(core.split("-")):
-                    out.extend(("-", part) if k else (part,))
-                out.extend(chunk[j:])
-                continue
-        tokens = _split_chunk(chunk)
-        out.extend(_merge_specials(tokens) if len(tokens) > 1 and _MERGE_RE.search(chunk) else tokens)
-    return out
+    if chunk in special:
+        return special[chunk]
+    if chunk.isalpha() or chunk.isdigit():  # most chunks: one plain word, or a plain number
+        return [chunk]
+    last = chunk[-1]
+    if last in _ALWAYS_SUFFIX:  # "word," "word)": the next most common shape
+        word = chunk[:-1]
+        if word.isalpha():
+            return [*special.get(word, (word,)), last]
+    # Next most common: a word inside marks that always split off ("(word", "word)," '"word".'),
+    # maybe hyphenated; settled here by the same rules, without the regular expressions.
+    i, j = 0, len(chunk)
+    while i < j and chunk[i] in _ALWAYS_PREFIX:
+        i += 1
+    while j > i:
+        last = chunk[j - 1]
+        if last in _ALWAYS_SUFFIX:
+            j -= 1
+        elif last == "." and j - 1 > i and (chunk[j - 2] in _ALWAYS_SUFFIX or chunk[j - 2].islower() or (
+                j - 2 > i and chunk[j - 2].isupper() and chunk[j - 3].isupper())):
+            j -= 1
+        else:
+            break
+    core = chunk[i:j]
+    # (Unless a special case hides inside: "(Mr." keeps "Mr.", "(:)" is a smiley.)
+    if core and _MERGE_RE.search(chunk) is None and not (chunk[j:j + 1] == "." and core + "." in special):
+        if core.isalpha():
+            return [*chunk[:i], *special.get(core, (core,)), *chunk[j:]]
+        if "-" in core and core[0] != "-" and core[-1] != "-" and "--" not in core \
+                and core.replace("-", "").isalpha():  # well-known: a hyphen between letters splits
+            out = list(chunk[:i])
+            for k, part in enumerate(core.split("-")):
+                out.extend(("-", part) if k else (part,))
+            out.extend(chunk[j:])
+            return out
+    tokens = _split_chunk(chunk)
+    return _merge_specials(tokens) if len(tokens) > 1 and _MERGE_RE.search(chunk) else tokens
 
 
 @lru_cache(maxsize=1)
@@ -289,6 +300,7 @@ class WordTable:
         self._reset()
 
     def _reset(self) -> None:
+        self.generation = getattr(self, "generation", -1) + 1  # ids of an older one mean nothing
         self.ids: dict[str, int] = {}
         self.kind = np.zeros(1 << 16, dtype=np.int8)
         self.length = np.zeros(1 << 16, dtype=np.int64)
