@@ -193,6 +193,7 @@ def hashes_to_array(digests: list[bytes]) -> np.ndarray:
 # Sharded by key range: per-shard sorted indexes, per-bucket pairs, components over the pairs.
 
 KEY_SPACE = 1 << 64
+_NONE = np.zeros(0, dtype=np.int64)
 
 
 def shard_index(hashes: np.ndarray, band_keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, list[int]]:
@@ -237,37 +238,41 @@ def bucket_pairs(shards: list[tuple[int, np.ndarray, np.ndarray, list[int]]], bu
     """The pairs bucket `bucket` of `buckets` owns. `shards`: per shard in input order, (index of
     its first document among all shards, `exact`, `near`, `band_starts` from shard_index). Returns
     exact pairs (copy, first copy) and near pairs (first with the key, other), as (k, 2) int64 of
-    global document indices."""
+    global document indices. One band at a time: a bucket holds its share of one band's keys."""
     lo, hi = bucket_range(bucket, buckets, KEY_SPACE)
     hashes, owners = [], []
     for offset, exact, _, _ in shards:
         part = exact[:, _slice(exact[0], lo, hi)]
         hashes.append(part[:2].T)
         owners.append(part[2].astype(np.int64) + offset)
-    exact_pairs = _pairs_within_groups(hashes, owners, first_second=False)
+    found = np.concatenate(hashes) if hashes else np.zeros((0, 2), np.uint64)
+    copies, first = _first_of_equal_rows(found) if len(found) else (_NONE, _NONE)
+    owner = np.concatenate(owners) if owners else _NONE
+    exact_pairs = np.stack([owner[copies], owner[first]], axis=1)
 
     lo, hi = bucket_range(bucket, buckets, bands * KEY_SPACE)
-    keys, owners = [], []
+    near_pairs = [np.zeros((0, 2), np.int64)]
     for band in range(lo // KEY_SPACE, min(bands, -(-hi // KEY_SPACE))):
         key_lo, key_hi = lo - band * KEY_SPACE, hi - band * KEY_SPACE
+        keys, owners = [], []
         for offset, _, near, starts in shards:
             segment = near[:, starts[band]:starts[band + 1]]
             part = segment[:, _slice(segment[0], key_lo, key_hi)]
-            keys.append(np.stack([np.full(part.shape[1], band, np.uint64), part[0]], axis=1))
+            keys.append(part[0])
             owners.append(part[1].astype(np.int64) + offset)
-    return exact_pairs, _pairs_within_groups(keys, owners, first_second=True)
-
-
-def _pairs_within_groups(keys: list[np.ndarray], owners: list[np.ndarray], first_second: bool) -> np.ndarray:
-    """For each run of equal key rows: pairs of its first document and each other one. Pieces
-    come in input order, and within a piece equal keys in row order, so a stable sort keeps the
-    earliest document first."""
-    if not keys or not sum(len(k) for k in keys):
-        return np.zeros((0, 2), np.int64)
-    rows, first = _first_of_equal_rows(np.concatenate(keys))
-    owner = np.concatenate(owners)
-    pair = (owner[first], owner[rows]) if first_second else (owner[rows], owner[first])
-    return np.stack(pair, axis=1)
+        # Shards come in input order and a shard's equal keys in row order: a stable sort puts
+        # the earliest document of every run of equal keys first.
+        key = np.concatenate(keys)
+        order = np.argsort(key, kind="stable")
+        ordered = key[order]
+        repeat = np.flatnonzero(ordered[1:] == ordered[:-1]) + 1
+        if not len(repeat):
+            continue
+        run_start = np.maximum.accumulate(np.where(np.concatenate(([True], ordered[1:] != ordered[:-1])),
+                                                   np.arange(len(ordered)), 0))
+        owner = np.concatenate(owners)[order]
+        near_pairs.append(np.stack([owner[run_start[repeat]], owner[repeat]], axis=1))
+    return exact_pairs, np.concatenate(near_pairs)
 
 
 def components(a: np.ndarray, b: np.ndarray, n: int) -> np.ndarray:

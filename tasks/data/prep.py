@@ -287,6 +287,17 @@ def dedup_buckets(config: DataPrepConfig, shards: list[dict]) -> int:
     return max(config.workers, -(-records // RECORDS_PER_BUCKET), 1)
 
 
+def write_dedup_plan(out_dir: Path, shards: list[dict], bands: int) -> np.ndarray:
+    """staging/dedup/plan.npy, what every bucket reads first: per shard, the index of its first
+    document among all shards and where each band starts in its sorted keys. Returns the
+    offsets (with the total last)."""
+    offsets = np.cumsum([0] + [s["kept"] for s in shards]).astype(np.int64)
+    plan = np.array([[offsets[i], *(s["band_starts"] if bands else [0])] for i, s in enumerate(shards)],
+                    dtype=np.int64).reshape(len(shards), -1)
+    atomic_write(out_dir / "staging" / "dedup" / "plan.npy", lambda fh: np.save(fh, plan))
+    return offsets
+
+
 def dedup_bucket(job: dict) -> dict:
     """One bucket of the sharded dedup: its slice of every shard's sorted indexes (memory-mapped),
     the duplicate pairs within it, written to staging/dedup/BBBBB.npz."""
@@ -322,12 +333,9 @@ def deduplicate(out_dir: Path, jobs: list[dict], shards: list[dict], config: Dat
     path = out_dir / "staging" / "dedup.parquet"
     if done := _finished(out_dir, "dedup", key):
         return done
-    offsets = np.cumsum([0] + [s["kept"] for s in shards]).astype(np.int64)
     bands = config.minhash_bands if config.near_dedup else 0
     buckets = dedup_buckets(config, shards) if (config.exact_dedup or bands) else 0
-    plan = np.array([[offsets[i], *(s["band_starts"] if bands else [0])] for i, s in enumerate(shards)],
-                    dtype=np.int64).reshape(len(shards), -1)
-    atomic_write(out_dir / "staging" / "dedup" / "plan.npy", lambda fh: np.save(fh, plan))
+    offsets = write_dedup_plan(out_dir, shards, bands)
     bucket_key = digest(key, buckets)
     bucket_jobs = [{"out_dir": str(out_dir), "bucket": b, "buckets": buckets, "bands": bands,
                     "exact": config.exact_dedup, "key": bucket_key} for b in range(buckets)]
