@@ -98,12 +98,15 @@ class MinHasher:
             return keys
         bounds = np.concatenate(([0], np.cumsum(counts[signed])))
         sig = np.full((signed.size, self.a.size), np.iinfo(np.uint64).max, dtype=np.uint64)
+        buffer = np.empty((min(self.CHUNK, shingles.size), self.a.size), dtype=np.uint64)
         for lo in range(0, shingles.size, self.CHUNK):
             hi = min(lo + self.CHUNK, shingles.size)
             first = int(np.searchsorted(bounds, lo, side="right")) - 1
             last = int(np.searchsorted(bounds, hi - 1, side="right")) - 1
             segments = np.maximum(bounds[first:last + 1], lo) - lo
-            block = shingles[lo:hi, None] * self.a + self.b
+            block = buffer[:hi - lo]
+            np.multiply(shingles[lo:hi, None], self.a, out=block)
+            np.add(block, self.b, out=block)
             np.minimum(sig[first:last + 1], np.minimum.reduceat(block, segments, axis=0), out=sig[first:last + 1])
         banded = _mix((sig.reshape(-1, self.bands, self.rows) * self.band_mult).sum(axis=2, dtype=np.uint64))
         banded[banded == NO_SIGNATURE] = np.uint64(1)  # keep 0 free to mean "no signature"

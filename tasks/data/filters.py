@@ -8,8 +8,9 @@ FineWeb (the reason strings are datatrove's, so a drop reads the same in both to
 - C4: Raffel et al. 2020, section 2.2, as implemented in TensorFlow Datasets' c4_utils.
 - FineWeb: Penedo et al. 2024, "The FineWeb Datasets", section 3.3 (custom filters).
 
-Each filter reads `doc.words` (split once per text version, see text.py). The n-gram statistics
-are computed on integer word ids with numpy instead of joined strings; they give the same numbers.
+Each filter reads `doc.word_ids` or `doc.words` (split once per text version, see text.py). The
+n-gram statistics are computed on integer word ids with numpy instead of joined strings; they give
+the same numbers.
 """
 
 from __future__ import annotations
@@ -275,9 +276,23 @@ class GopherQuality(Filter):
                 np.count_nonzero(kinds == TABLE.ALPHA) / n_words < p.max_non_alpha_words_ratio:
             return False, "gopher_below_alpha_threshold"
         # Case-sensitive, as published: "The" at the start of a sentence is not counted.
-        if p.min_stop_words and len(set(p.stop_words).intersection(doc.words)) < p.min_stop_words:
+        if p.min_stop_words and self._stop_words_in(doc) < p.min_stop_words:
             return False, "gopher_enough_stop_words"
         return True
+
+
+    _stop_ids: tuple[int, set[int]] = (-1, set())  # (word table generation, ids of the stop words)
+
+    def _stop_words_in(self, doc: Doc) -> int:
+        """How many of the stop words the document holds, by word id (the strings if the word
+        table started over in between, which would leave the two sets of ids apart)."""
+        ids = doc.word_ids
+        generation = TABLE.generation
+        if self._stop_ids[0] != generation:
+            self._stop_ids = (generation, set(TABLE.encode(self.params.stop_words).tolist()))
+        if TABLE.generation != generation:
+            return len(set(self.params.stop_words).intersection(doc.words))
+        return len(self._stop_ids[1].intersection(ids.tolist()))
 
 
 # --------------------------------------------------------------------------------------------
@@ -394,7 +409,7 @@ class FineWebQuality(Filter):
             return False, "short_line_ratio"
         if duplicates(lines)[1] / len(text.replace("\n", "")) > p.char_duplicates_ratio:
             return False, "char_dup_ratio"
-        if text.count("\n") / len(doc.words) > p.new_line_ratio:
+        if text.count("\n") / doc.n_words > p.new_line_ratio:
             return False, "list_ratio"
         return True
 

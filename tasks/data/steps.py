@@ -38,8 +38,10 @@ class Doc:
 
     def _split(self) -> None:
         if self._words_of is not self.text:
-            self._words, self._line_words = split_words(self.text), None
+            self._words = self._line_words = None
             self._ids, self._words_of = None, self.text
+        if self._words is None:
+            self._words = split_words(self.text)
 
     @property
     def words(self) -> list[str]:
@@ -56,6 +58,13 @@ class Doc:
             self._line_words = [split_words(line) for line in split_lines(self.text)]
         return self._line_words
 
+    @property
+    def n_words(self) -> int:
+        """len(words), from whichever of the words or their ids is at hand."""
+        if self._words_of is self.text and self._words is not None:
+            return len(self._words)
+        return len(self.word_ids)
+
     def rewrite(self, text: str, line_words: list[list[str]]) -> None:
         """Replace the text by one whose lines are known to split into `line_words`."""
         self.text = text
@@ -65,10 +74,13 @@ class Doc:
 
     @property
     def word_ids(self) -> Any:
-        """`words` as ids of the process's WordTable (numpy int64), for vectorized statistics."""
-        words = self.words
+        """`words` as ids of the process's WordTable (numpy int64), for vectorized statistics
+        (from the text directly: the list of words is made only when a step asks for it)."""
+        if self._words_of is not self.text:
+            self._words = self._line_words = None
+            self._ids, self._words_of = None, self.text
         if self._ids is None or self._ids_generation != TABLE.generation:  # the table started over
-            self._ids = TABLE.encode(words)
+            self._ids = TABLE.encode_text(self.text)
             self._ids_generation = TABLE.generation
         return self._ids
 

@@ -163,7 +163,7 @@ def _merge_specials(tokens: list[str]) -> list[str]:
 
 
 _CHUNK_TOKENS: dict[str, tuple[str, ...]] = {}  # chunk -> its tokens, memoized per process
-MAX_MEMO_CHUNKS = 1 << 19  # ~70 MB; then start over
+MAX_MEMO_CHUNKS = 1 << 18  # per memo, ~40 MB; then start over
 
 
 def split_words(text: str) -> list[str]:
@@ -302,6 +302,7 @@ class WordTable:
     def _reset(self) -> None:
         self.generation = getattr(self, "generation", -1) + 1  # ids of an older one mean nothing
         self.ids: dict[str, int] = {}
+        self.chunk_ids: dict[str, tuple[int, ...]] = {}  # whitespace chunk -> ids of its tokens
         self.kind = np.zeros(1 << 16, dtype=np.int8)
         self.length = np.zeros(1 << 16, dtype=np.int64)
         self.hash = np.zeros(1 << 16, dtype=np.uint64)
@@ -329,6 +330,30 @@ class WordTable:
         return np.fromiter(map(ids.__getitem__, words), dtype=np.int64, count=len(words))
 
 
+    def encode_text(self, text: str) -> np.ndarray:
+        """encode(split_words(text)), without the list of words: the ids of each whitespace
+        chunk's tokens are memoized, so a text costs a lookup per chunk."""
+        chunks = text.split()
+        while True:
+            generation, memo = self.generation, self.chunk_ids
+            try:
+                parts = list(map(memo.__getitem__, chunks))
+            except KeyError:
+                if len(memo) > MAX_MEMO_CHUNKS:
+                    memo.clear()
+                missing = list(set(chunks).difference(memo))
+                tokens = [_chunk_tokens(chunk) for chunk in missing]
+                ids = self.encode(list(chain.from_iterable(tokens))).tolist()
+                if self.generation != generation:  # the table started over: this text again
+                    continue
+                at = 0
+                for chunk, chunk_tokens in zip(missing, tokens):
+                    memo[chunk] = tuple(ids[at:at + len(chunk_tokens)])
+                    at += len(chunk_tokens)
+                parts = list(map(memo.__getitem__, chunks))
+            return np.fromiter(chain.from_iterable(parts), dtype=np.int64)
+
+
 TABLE = WordTable()  # one per process (each Ray worker has its own)
 
 
@@ -351,8 +376,16 @@ _NOT_WORD = re.compile(r"[^\w\s]|_")
 _COMBINING = re.compile("[\u0300-\u036f\u1ab0-\u1aff\u1dc0-\u1dff\u20d0-\u20ff\ufe20-\ufe2f]")
 
 
+# The same two rules for ASCII text as one byte translation: lowercase, and every character
+# _NOT_WORD matches (not a letter, digit or space; or "_") becomes a space.
+_ASCII_SIMPLE = bytes(ord(" ") if c == "_" or not (c.isalnum() or c.isspace()) else ord(c.lower())
+                      for c in map(chr, range(128))) + bytes(range(128, 256))
+
+
 def simplify_for_shingles(text: str) -> list[str]:
     """The words near-duplicate detection compares."""
+    if text.isascii():  # numbers first: "3.14" folds to "0" before its "." would split it
+        return _NUMBER.sub("0", text).encode("ascii").translate(_ASCII_SIMPLE).decode("ascii").split()
     text = _NOT_WORD.sub(" ", _NUMBER.sub("0", text.lower()))
     if not text.isascii():
         text = _COMBINING.sub("", unicodedata.normalize("NFD", text))
