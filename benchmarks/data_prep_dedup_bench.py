@@ -38,7 +38,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.data_prep_bench import fit, pinned, timed, versions  # noqa: E402
+from benchmarks.data_prep_bench import bench_env, fit, pinned, timed, versions  # noqa: E402
 
 
 def measured(fn, *args):
@@ -147,9 +147,7 @@ def dedup_section(corpus: Path, work: Path, buckets_list: list[int], split_mb: f
 def scaling_section(corpora: dict[float, tuple[Path, dict]], work: Path, rounds: int) -> dict:
     configs = (("ray-1worker", 1), ("ray-2workers", 2))
     runs: dict[str, dict[float, list[dict]]] = {name: {s: [] for s in corpora} for name, _ in configs}
-    env = {**os.environ, "PYTHONPATH": str(REPO), "RAY_AUTH_MODE": "disabled"}
-    for name in ("MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID", "RAY_ADDRESS"):
-        env.pop(name, None)
+    env = bench_env()
     for round_ in range(rounds):
         for size, (folder, _) in corpora.items():
             for name, workers in (configs if round_ % 2 == 0 else configs[::-1]):
