@@ -332,16 +332,16 @@ class WordTable:
 
     def encode_text(self, text: str) -> np.ndarray:
         """encode(split_words(text)), without the list of words: the ids of each whitespace
-        chunk's tokens are memoized, so a text costs a lookup per chunk."""
+        chunk's tokens are memoized, so a text costs a lookup per chunk (and the chunks never
+        seen before one split, all of a text's in one encode)."""
         chunks = text.split()
         while True:
             generation, memo = self.generation, self.chunk_ids
-            try:
-                parts = list(map(memo.__getitem__, chunks))
-            except KeyError:
-                if len(memo) > MAX_MEMO_CHUNKS:
+            missing = list(set(chunks).difference(memo))
+            if missing:
+                if len(memo) + len(missing) > MAX_MEMO_CHUNKS:  # start over, with this text's
                     memo.clear()
-                missing = list(set(chunks).difference(memo))
+                    missing = list(set(chunks))
                 tokens = [_chunk_tokens(chunk) for chunk in missing]
                 ids = self.encode(list(chain.from_iterable(tokens))).tolist()
                 if self.generation != generation:  # the table started over: this text again
@@ -350,8 +350,7 @@ class WordTable:
                 for chunk, chunk_tokens in zip(missing, tokens):
                     memo[chunk] = tuple(ids[at:at + len(chunk_tokens)])
                     at += len(chunk_tokens)
-                parts = list(map(memo.__getitem__, chunks))
-            return np.fromiter(chain.from_iterable(parts), dtype=np.int64)
+            return np.fromiter(chain.from_iterable(map(memo.__getitem__, chunks)), dtype=np.int64)
 
 
 TABLE = WordTable()  # one per process (each Ray worker has its own)
