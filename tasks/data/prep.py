@@ -4,15 +4,19 @@
     python -m tasks.data.prep --input PATH [PATH ...] --output DIR [--config FILE] [--workers N]
 
 Inputs (DataPrepConfig.inputs): JSONL, Parquet or text files, directories or globs, local or
-s3://; each entry is a *source* with an optional mix weight (input_weights). Each input file is a
-shard, the unit of parallelism and of restart.
+s3://; each entry is a *source* with an optional mix weight (input_weights). A shard, the unit of
+parallelism and of restart, is an input file, or one split of a file larger than split_bytes
+(readers.plan_splits: byte ranges of JSONL and text, row groups of Parquet).
 
-Stages (the order they run in; [shard] stages are shared-nothing, one task per input file):
+Stages (the order they run in; [shard] stages are shared-nothing, one task per shard):
 
   1 [shard]  parse -> binary-junk check -> normalize (NFC, whitespace, control characters) ->
              min length -> quality filters (Gopher repetition, Gopher quality, C4, FineWeb, at the
-             published thresholds) -> blocklist -> PII redaction -> content hash + MinHash LSH keys
-  2 global   exact and near-duplicate detection across all shards (reads hashes and keys only)
+             published thresholds) -> blocklist -> PII redaction -> content hash + MinHash LSH
+             keys, written sorted (dedup.shard_index)
+  2 [bucket] exact and near-duplicate pairs per key range, one task per bucket (dedup.bucket_pairs,
+             reading only its slice of every shard's keys); then one process joins the pairs
+             into clusters (dedup.resolve_pairs): no process holds every document's keys
   3 global   tokenizer: byte-level BPE trained on a seeded sample of training documents, or
              DataPrepConfig.tokenizer_path; the train/validation split (seeded hash of the id)
   4 [shard]  documents/ and dropped/ written; documents tokenized into per-shard token streams
@@ -45,8 +49,9 @@ written after its files. A rerun skips shards whose marker matches the input fil
 shards in flight. A rerun after the manifest exists is a no-op; one with a different config
 (engine and workers aside) is refused.
 
-Engines (DataPrepConfig.engine): `ray` (Ray Data, local with `workers` CPUs, or the cluster at
-RAY_ADDRESS) or `local` (in this process).
+Engines (DataPrepConfig.engine): `auto` (in this process below ray_above_bytes of input, Ray Data
+above it: choose_engine, which logs why), `ray` (Ray Data, local with `workers` CPUs, or the
+cluster at RAY_ADDRESS) or `local` (in this process). Shards and dedup buckets run on it.
 
 SageMaker Processing (one container per instance) -- the contract for a backend:
 
@@ -61,7 +66,8 @@ SageMaker Processing (one container per instance) -- the contract for a backend:
   * Job 2, 1 instance, runs the same command with `--stage finalize`, output_dir holding that S3
     prefix (a ProcessingInput downloaded to output_dir, and a ProcessingOutput uploading it back).
     It checks that every shard's marker is there (or fails naming the missing ones), then runs
-    stages 2-5 and writes manifest.json. Its result file is the one Airflow reads.
+    stages 2-5 (the dedup buckets and the per-shard stage 4 on its own engine's workers) and
+    writes manifest.json. Its result file is the one Airflow reads.
   * `--stage all` (the default) does both on one machine. The stage may also come from the
     DATA_PREP_STAGE environment variable.
 """
