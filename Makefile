@@ -87,7 +87,7 @@ $(BENCH_VENV)/.installed:
 	touch $@
 
 bench-data: install $(BENCH_VENV)/.installed
-	$(PY) benchmarks/data_prep_bench.py --datatrove-python $(BENCH_VENV)/bin/python
+	$(PY) benchmarks/data_prep_bench.py --datatrove-python $(BENCH_VENV)/bin/python --out benchmarks/results/data_prep_throughput.json
 
 # Amazon MWAA: what the environment takes, in dist/mwaa/. Optional: MWAA_TRACKING_URI=...
 # STORAGE_ROOT=s3://... are written into startup.sh.

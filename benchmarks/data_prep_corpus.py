@@ -1,17 +1,23 @@
-"""A benchmark corpus made offline: documents composed from the standard library's docstrings.
+"""Benchmark corpora made offline: documents composed from the docstrings of what is installed.
 
-Each document joins 3 to 12 prose paragraphs drawn at random (seeded) from every docstring and
-help topic of the installed Python, so no two documents read alike but the language is real.
+Each document joins 3 to 12 prose paragraphs drawn at random (seeded) from a pool, so no two
+documents read alike but the language is real. Two pools: `stdlib` (every docstring and help
+topic of the installed Python, the demo corpus's paragraphs) and `packages` (docstrings of
+installed third-party packages, read from their source with `ast`, nothing imported: numpy,
+pandas, SQLAlchemy, networkx, SymPy, MLflow, Airflow and others; different authors, styles and
+vocabulary).
 Planted on top, in known shares, is the work a web corpus gives a data pipeline: exact copies,
 near copies (a few words changed), junk that the quality filters exist for (navigation stubs,
 bullet lists, lorem ipsum, code, number tables, repeated lines) and contact details to redact.
 
-    python benchmarks/data_prep_corpus.py OUT_DIR [--mb 50] [--files 16] [--seed 0]
+    python benchmarks/data_prep_corpus.py OUT_DIR [--mb 50] [--files 16] [--seed 0] [--source stdlib]
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
+import importlib.util
 import json
 import random
 import sys
@@ -20,6 +26,39 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 SHARES = {"exact_copy": 0.04, "near_copy": 0.04, "junk": 0.05, "pii": 0.05}
+PACKAGES = ("numpy", "sqlalchemy", "werkzeug", "pydantic", "pygments", "setuptools", "pip", "networkx",
+            "sympy", "pandas", "mlflow", "airflow")
+
+
+def package_paragraphs(packages: tuple[str, ...] = PACKAGES) -> list[str]:
+    """Prose paragraphs of the module, class and function docstrings in the installed packages'
+    source files (tests left out), in a fixed order. Parsed, not imported: no side effects."""
+    from tasks.data.corpus import _prose_paragraphs
+
+    paragraphs = []
+    for package in packages:
+        spec = importlib.util.find_spec(package)
+        if spec is None or not spec.submodule_search_locations:
+            continue
+        for path in sorted(Path(next(iter(spec.submodule_search_locations))).rglob("*.py")):
+            if {"tests", "test", "testing"} & set(path.parts):
+                continue
+            try:
+                tree = ast.parse(path.read_text(encoding="utf-8"))
+            except (SyntaxError, UnicodeDecodeError, ValueError):
+                continue
+            for node in ast.walk(tree):
+                if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                    paragraphs += _prose_paragraphs(ast.get_docstring(node) or "")
+    return paragraphs
+
+
+def pool(source: str) -> list[str]:
+    if source == "packages":
+        return package_paragraphs()
+    from tasks.data.corpus import demo_paragraphs
+
+    return [p["text"] for p in demo_paragraphs()]
 
 
 def _junk(rng: random.Random, paragraphs: list[str]) -> str:
@@ -52,12 +91,12 @@ def _near_copy(rng: random.Random, text: str) -> str:
     return " ".join(words)
 
 
-def build_corpus(out_dir: Path, megabytes: float = 50, files: int = 16, seed: int = 0) -> dict:
-    """Write JSONL files {"id", "text"} totalling at least `megabytes` of text; return counts."""
-    from tasks.data.corpus import demo_paragraphs
-
+def build_corpus(out_dir: Path, megabytes: float = 50, files: int = 16, seed: int = 0,
+                 paragraphs: list[str] | None = None) -> dict:
+    """Write JSONL files {"id", "text"} totalling at least `megabytes` of text; return counts.
+    `paragraphs`: the pool documents are composed from (default: the stdlib's)."""
     rng = random.Random(seed)
-    paragraphs = [p["text"] for p in demo_paragraphs()]
+    paragraphs = paragraphs if paragraphs is not None else pool("stdlib")
     out_dir.mkdir(parents=True, exist_ok=True)
     handles = [open(out_dir / f"part-{k:05d}.jsonl", "w", encoding="utf-8") for k in range(files)]
     made: list[str] = []
@@ -97,5 +136,6 @@ if __name__ == "__main__":
     parser.add_argument("--mb", type=float, default=50)
     parser.add_argument("--files", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--source", choices=("stdlib", "packages"), default="stdlib")
     args = parser.parse_args()
-    print(json.dumps(build_corpus(args.out_dir, args.mb, args.files, args.seed)))
+    print(json.dumps(build_corpus(args.out_dir, args.mb, args.files, args.seed, pool(args.source))))

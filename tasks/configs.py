@@ -200,7 +200,17 @@ class DataPrepConfig:
     val_fraction: float = bounded(0.05, minimum=0.0, maximum=0.5, help="Share of documents held out.")
     min_chars: int = bounded(20, minimum=0, maximum=1_000_000, help="Shorter documents are dropped.")
     workers: int = bounded(2, minimum=1, maximum=4096, help="Parallel shard workers.")
-    engine: str = bounded("ray", choices=("ray", "local"), help="ray, or local (in-process).")
+    engine: str = bounded("auto", choices=("auto", "ray", "local"),
+                          help="auto (in-process below ray_above_bytes of input, Ray Data above), "
+                               "ray, or local (in-process).")
+    ray_above_bytes: int = bounded(64 << 20, minimum=0, maximum=1 << 60,
+                                   help="engine auto: Ray Data from this many input bytes on.")
+    split_bytes: int = bounded(64 << 20, minimum=1024, maximum=1 << 40,
+                               help="Input files larger than this are read as several shards (JSONL "
+                                    "and text by byte range, Parquet by row groups).")
+    dedup_buckets: int = bounded(0, minimum=0, maximum=1 << 20,
+                                 help="Key-range buckets the dedup is sharded into; 0 = enough for "
+                                      "~4M keys each, at least one per worker.")
     seed: int = bounded(1234, minimum=0, maximum=2**31 - 1)
     input_weights: list = bounded([], help="Mix weight per inputs entry, same order: a source's "
                                            "training documents are repeated (2.0) or sampled (0.5); "

@@ -439,12 +439,16 @@ def test_host_share_reads_sagemaker_resource_config(tmp_path, monkeypatch):
 
 
 def test_ray_engine_writes_the_same_data_as_local(tmp_path):
+    """Above ray_above_bytes the auto engine is Ray Data: shards (one file in byte-range splits)
+    and dedup buckets on two workers write what the in-process engine writes."""
     pytest.importorskip("ray")
     docs = [{"id": f"d{i}", "text": f"{i}: {PROSE[i % len(PROSE)]} {PROSE[(i * 7) % 6]}"} for i in range(60)]
     inputs = [write_jsonl(tmp_path / f"part{k}.jsonl", docs[k::3]) for k in range(3)]
-    local = prepare(small_config(tmp_path / "local", inputs, engine="local")).manifest
-    on_ray = prepare(small_config(tmp_path / "ray", inputs, engine="ray", workers=2)).manifest
-    assert on_ray["content_hash"] == local["content_hash"]
+    layout = dict(split_bytes=2048, dedup_buckets=4)
+    local = prepare(small_config(tmp_path / "local", inputs, engine="local", **layout)).manifest
+    on_ray = prepare(small_config(tmp_path / "ray", inputs, engine="auto", ray_above_bytes=0, workers=2, **layout))
+    assert on_ray.engine == "ray" and on_ray.manifest["content_hash"] == local["content_hash"]
+    assert len(local["documents"]["files"]) > len(inputs)  # the files were split
 
 
 def test_cli_writes_result_and_logs_to_mlflow(tmp_path):

@@ -14,7 +14,7 @@ import pytest
 from tasks.configs import ConfigError, DataPrepConfig
 from tasks.data.dedup import EXACT, NEAR, MinHasher, UnionFind, content_hash, find_duplicates, hashes_to_array
 from tasks.data.filters import (Blocklist, BlocklistParams, C4Quality, FineWebQuality, GopherQuality,
-                                GopherRepetition, _duplicated_ngram_chars, _ngram_keys, _top_ngram_chars)
+                                GopherRepetition, ngram_repetition)
 from tasks.data.pii import RedactPII
 from tasks.data.steps import Doc, build_pipeline, run_steps
 from tasks.data.text import count_sentences, split_words
@@ -125,18 +125,24 @@ def _reference_dup(words: list[str], n: int) -> int:
 
 
 def test_fast_ngram_statistics_equal_the_string_definitions():
+    """One batch of 200 documents (some shorter than an n-gram) at once: each document's numbers
+    are its own, as the string definitions give them."""
     rng = random.Random(0)
+    batch = []
     for _ in range(200):
         vocab = WORDS[: rng.randint(3, 50)]
-        words = [rng.choice(vocab) for _ in range(rng.randint(10, 120))]
-        lookup: dict[str, int] = {}
-        ids = np.array([lookup.setdefault(w, len(lookup)) for w in words])
-        lengths = np.array([len(w) for w in words])
-        prefix = np.concatenate([[0], np.cumsum(lengths)])
-        for n in (2, 3, 4):
-            assert _top_ngram_chars(_ngram_keys(ids, n), lengths, n) == _reference_top(words, n)
-        for n in (5, 6, 10):
-            assert _duplicated_ngram_chars(_ngram_keys(ids, n), prefix, n) == _reference_dup(words, n)
+        batch.append([rng.choice(vocab) for _ in range(rng.randint(1, 120))])
+    lookup: dict[str, int] = {}
+    ids = [np.array([lookup.setdefault(w, len(lookup)) for w in words]) for words in batch]
+    lengths = [np.array([len(w) for w in words]) for words in batch]
+    stats = ngram_repetition(ids, lengths, 10, {5, 6, 10})
+    for d, words in enumerate(batch):
+        for n, (top, dup) in stats.items():
+            if len(words) < n:
+                assert top[d] == dup[d] == -1
+                continue
+            assert top[d] == _reference_top(words, n), (d, n)
+            assert dup[d] == (_reference_dup(words, n) if n in (5, 6, 10) else 0), (d, n)
 
 
 # --------------------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ KNOBS: dict[str, str] = {
     "sft_inputs": "data.sft_inputs",
     "vocab_size": "data.vocab_size",
     "seq_len": "data.seq_len",
+    "data_engine": "data.engine",
     "n_layer": "pretrain.model.n_layer",
     "n_head": "pretrain.model.n_head",
     "n_embd": "pretrain.model.n_embd",

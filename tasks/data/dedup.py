@@ -1,15 +1,24 @@
-"""Deduplication across all shards: exact (content hash) and near (MinHash LSH, union-find).
-
-The only step that needs every shard, staged explicitly:
+"""Deduplication across all shards: exact (content hash) and near (MinHash LSH), sharded by key.
 
 1. per shard (in parallel, with the filters): a 128-bit content hash and `bands` LSH keys per
    kept document. Shingles are word 5-grams of the simplified text (lowercase, digits folded,
    punctuation and accents dropped); the signature is `bands * rows` minima of random linear
    permutations of the shingle hashes; each band of `rows` minima is hashed to one 64-bit key.
-2. global (one process, reading only the hashes and keys, never the text): documents with equal
-   content hashes keep the first; the others are exact duplicates. Among the rest, two documents
-   sharing any band key are candidates; union-find joins candidates into clusters and the
-   earliest document (input order) of each cluster is kept.
+   The shard writes both sorted (`shard_index`): hashes by value, band keys by (band, key).
+2. per bucket (in parallel; datatrove's bucket design): bucket b of B owns the b-th range of the
+   content-hash space and of the (band, key) space. It reads only its slice of every shard's
+   sorted index (a binary search in a memory-mapped file) and emits pairs: (copy, first document
+   with that hash) and (first document with a band key, another with the same key). Memory per
+   bucket is about 1/B of all the keys, never all of them.
+3. one process, over the pairs only (`resolve_pairs`): a document with an earlier exact copy is an
+   exact duplicate of the first; among the others, connected components of the near pairs are
+   clusters whose earliest document (input order) is kept.
+
+The kept set is the same as `find_duplicates`, which does all of it in one process from every
+document's keys (what data prep did before; kept as the reference the tests and the benchmark
+compare against): the first document of a band-key group is never an exact copy (its first copy
+would come earlier, with the same keys), so dropping the pairs that touch an exact copy leaves
+exactly the pairs among the documents the one-process step compares.
 
 With the default 14 bands x 8 rows (FineWeb's), a pair with Jaccard similarity s becomes a
 candidate with probability 1 - (1 - s^8)^14: 0.92 at s = 0.8, 0.26 at s = 0.6, under 0.01 at 0.4.
@@ -18,6 +27,7 @@ candidate with probability 1 - (1 - s^8)^14: 0.92 at s = 0.8, 0.26 at s = 0.6, u
 from __future__ import annotations
 
 import hashlib
+from itertools import chain
 
 import numpy as np
 
@@ -55,35 +65,52 @@ class MinHasher:
 
     def shingles(self, text: str) -> np.ndarray:
         """One 64-bit hash per word n-gram of the simplified text."""
-        words = simplify_for_shingles(text)
-        n = self.ngram
-        if len(words) < n:
-            return np.zeros(0, dtype=np.uint64)
-        h = TABLE.hash[TABLE.encode(words)]  # stable 64-bit word hashes, memoized per process
-        count = len(h) - n + 1
-        acc = np.zeros(count, dtype=np.uint64)
-        for k in range(n):
-            acc = _mix(acc ^ h[k:k + count])  # order-sensitive: "a b" and "b a" differ
-        return acc
+        return self._shingles([simplify_for_shingles(text)])[0]
 
-    def signature(self, text: str) -> np.ndarray | None:
-        """bands * rows minhash values, or None when the text has fewer words than a shingle."""
-        shingles = self.shingles(text)
-        if shingles.size == 0:
-            return None
-        sig = np.full(self.a.size, np.iinfo(np.uint64).max, dtype=np.uint64)
-        for start in range(0, shingles.size, self.CHUNK):
-            block = shingles[start:start + self.CHUNK, None]
-            np.minimum(sig, (block * self.a + self.b).min(axis=0), out=sig)
-        return sig
+    def _shingles(self, texts_words: list[list[str]]) -> tuple[np.ndarray, np.ndarray]:
+        """The shingle hashes of several texts' words, concatenated, and how many each has."""
+        n = self.ngram
+        counts = np.array([max(0, len(words) - n + 1) for words in texts_words], dtype=np.int64)
+        if not counts.any():
+            return np.zeros(0, dtype=np.uint64), counts
+        words = list(chain.from_iterable(texts_words))
+        h = TABLE.hash[TABLE.encode(words)]  # stable 64-bit word hashes, memoized per process
+        span = len(h) - n + 1
+        acc = np.zeros(span, dtype=np.uint64)
+        for k in range(n):
+            acc = _mix(acc ^ h[k:k + span])  # order-sensitive: "a b" and "b a" differ
+        # Keep the n-grams that start and end in one text: text d's k-th starts at its first word + k.
+        firsts = np.concatenate(([0], np.cumsum([len(w) for w in texts_words])))[:-1]
+        before = np.cumsum(counts) - counts
+        return acc[np.repeat(firsts - before, counts) + np.arange(counts.sum())], counts
 
     def band_keys(self, text: str) -> np.ndarray:
         """`bands` keys; all NO_SIGNATURE when the text is too short to compare."""
-        sig = self.signature(text)
-        if sig is None:
-            return np.zeros(self.bands, dtype=np.uint64)
-        keys = _mix((sig.reshape(self.bands, self.rows) * self.band_mult).sum(axis=1, dtype=np.uint64))
-        keys[keys == NO_SIGNATURE] = np.uint64(1)  # keep 0 free to mean "no signature"
+        return self.band_keys_batch([text])[0]
+
+    def band_keys_batch(self, texts: list[str]) -> np.ndarray:
+        """band_keys of each text, as a (len(texts), bands) array: the signatures of all texts
+        in CHUNK-row blocks of (shingles x permutations), each row block's minima per text."""
+        keys = np.zeros((len(texts), self.bands), dtype=np.uint64)
+        shingles, counts = self._shingles([simplify_for_shingles(t) for t in texts])
+        signed = np.flatnonzero(counts)
+        if not signed.size:
+            return keys
+        bounds = np.concatenate(([0], np.cumsum(counts[signed])))
+        sig = np.full((signed.size, self.a.size), np.iinfo(np.uint64).max, dtype=np.uint64)
+        buffer = np.empty((min(self.CHUNK, shingles.size), self.a.size), dtype=np.uint64)
+        for lo in range(0, shingles.size, self.CHUNK):
+            hi = min(lo + self.CHUNK, shingles.size)
+            first = int(np.searchsorted(bounds, lo, side="right")) - 1
+            last = int(np.searchsorted(bounds, hi - 1, side="right")) - 1
+            segments = np.maximum(bounds[first:last + 1], lo) - lo
+            block = buffer[:hi - lo]
+            np.multiply(shingles[lo:hi, None], self.a, out=block)
+            np.add(block, self.b, out=block)
+            np.minimum(sig[first:last + 1], np.minimum.reduceat(block, segments, axis=0), out=sig[first:last + 1])
+        banded = _mix((sig.reshape(-1, self.bands, self.rows) * self.band_mult).sum(axis=2, dtype=np.uint64))
+        banded[banded == NO_SIGNATURE] = np.uint64(1)  # keep 0 free to mean "no signature"
+        keys[signed] = banded
         return keys
 
 
@@ -163,3 +190,132 @@ def hashes_to_array(digests: list[bytes]) -> np.ndarray:
     """16-byte content hashes -> (n, 2) uint64, for vectorized grouping."""
     return np.frombuffer(b"".join(digests), dtype="<u8").reshape(-1, 2) if digests \
         else np.zeros((0, 2), dtype=np.uint64)
+
+
+# --------------------------------------------------------------------------------------------
+# Sharded by key range: per-shard sorted indexes, per-bucket pairs, components over the pairs.
+
+KEY_SPACE = 1 << 64
+_NONE = np.zeros(0, dtype=np.int64)
+
+
+def shard_index(hashes: np.ndarray, band_keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, list[int]]:
+    """A shard's documents (rows in input order) as the sorted indexes buckets slice.
+
+    Returns `exact`, (3, n) uint64: content hash (2 words) and row, sorted by hash then row;
+    `near`, (2, k) uint64: band key and row, sorted by band, key, row, without the documents too
+    short to have a signature; and `band_starts`: where each band's keys begin in `near` (bands + 1)."""
+    n = len(hashes)
+    order = np.lexsort((hashes[:, 1], hashes[:, 0])) if n else np.zeros(0, np.int64)  # stable: row order
+    exact = np.stack([hashes[order, 0], hashes[order, 1], order.astype(np.uint64)]) if n \
+        else np.zeros((3, 0), np.uint64)
+    keys, rows, starts = [], [], [0]
+    for band in range(band_keys.shape[1]):
+        column = band_keys[:, band]
+        signed = np.flatnonzero(column != NO_SIGNATURE)
+        by_key = signed[np.argsort(column[signed], kind="stable")]
+        keys.append(column[by_key])
+        rows.append(by_key.astype(np.uint64))
+        starts.append(starts[-1] + len(by_key))
+    near = np.stack([np.concatenate(keys), np.concatenate(rows)]) if keys else np.zeros((2, 0), np.uint64)
+    return exact, near, starts
+
+
+def bucket_range(bucket: int, buckets: int, span: int) -> tuple[int, int]:
+    """[lo, hi) of bucket `bucket` of `buckets` equal ranges over [0, span)."""
+    return bucket * span // buckets, (bucket + 1) * span // buckets
+
+
+def _slice(sorted_keys: np.ndarray, lo: int, hi: int) -> slice:
+    """Positions of the keys in [lo, hi) of an ascending uint64 array (memory-mapped: a binary
+    search reads a few pages, not the array)."""
+    if hi <= 0 or lo >= KEY_SPACE:
+        return slice(0, 0)
+    start = 0 if lo <= 0 else int(np.searchsorted(sorted_keys, np.uint64(lo)))
+    end = len(sorted_keys) if hi >= KEY_SPACE else int(np.searchsorted(sorted_keys, np.uint64(hi)))
+    return slice(start, end)
+
+
+def bucket_pairs(shards: list[tuple[int, np.ndarray, np.ndarray, list[int]]], bucket: int, buckets: int,
+                 bands: int) -> tuple[np.ndarray, np.ndarray]:
+    """The pairs bucket `bucket` of `buckets` owns. `shards`: per shard in input order, (index of
+    its first document among all shards, `exact`, `near`, `band_starts` from shard_index). Returns
+    exact pairs (copy, first copy) and near pairs (first with the key, other), as (k, 2) int64 of
+    global document indices. One band at a time: a bucket holds its share of one band's keys."""
+    lo, hi = bucket_range(bucket, buckets, KEY_SPACE)
+    hashes, owners = [], []
+    for offset, exact, _, _ in shards:
+        part = exact[:, _slice(exact[0], lo, hi)]
+        hashes.append(part[:2].T)
+        owners.append(part[2].astype(np.int64) + offset)
+    found = np.concatenate(hashes) if hashes else np.zeros((0, 2), np.uint64)
+    copies, first = _first_of_equal_rows(found) if len(found) else (_NONE, _NONE)
+    owner = np.concatenate(owners) if owners else _NONE
+    exact_pairs = np.stack([owner[copies], owner[first]], axis=1)
+
+    lo, hi = bucket_range(bucket, buckets, bands * KEY_SPACE)
+    near_pairs = [np.zeros((0, 2), np.int64)]
+    for band in range(lo // KEY_SPACE, min(bands, -(-hi // KEY_SPACE))):
+        key_lo, key_hi = lo - band * KEY_SPACE, hi - band * KEY_SPACE
+        keys, owners = [], []
+        for offset, _, near, starts in shards:
+            segment = near[:, starts[band]:starts[band + 1]]
+            part = segment[:, _slice(segment[0], key_lo, key_hi)]
+            keys.append(part[0])
+            owners.append(part[1].astype(np.int64) + offset)
+        # Shards come in input order and a shard's equal keys in row order: a stable sort puts
+        # the earliest document of every run of equal keys first.
+        key = np.concatenate(keys)
+        order = np.argsort(key, kind="stable")
+        ordered = key[order]
+        repeat = np.flatnonzero(ordered[1:] == ordered[:-1]) + 1
+        if not len(repeat):
+            continue
+        run_start = np.maximum.accumulate(np.where(np.concatenate(([True], ordered[1:] != ordered[:-1])),
+                                                   np.arange(len(ordered)), 0))
+        owner = np.concatenate(owners)[order]
+        near_pairs.append(np.stack([owner[run_start[repeat]], owner[repeat]], axis=1))
+    return exact_pairs, np.concatenate(near_pairs)
+
+
+def components(a: np.ndarray, b: np.ndarray, n: int) -> np.ndarray:
+    """The smallest member of each node's connected component, for nodes 0..n-1 joined by the
+    edges (a[i], b[i]). Vectorized union-find: hook each edge's larger root under its smaller
+    one, then halve paths until every node points at a root; repeat until no edge spans two."""
+    parent = np.arange(n, dtype=np.int64)
+    while len(a):
+        ra, rb = parent[a], parent[b]
+        apart = ra != rb
+        if not apart.any():
+            break
+        a, b, ra, rb = a[apart], b[apart], ra[apart], rb[apart]
+        np.minimum.at(parent, np.maximum(ra, rb), np.minimum(ra, rb))
+        while True:
+            grand = parent[parent]
+            if np.array_equal(grand, parent):
+                break
+            parent = grand
+    return parent
+
+
+def resolve_pairs(n: int, exact_pairs: np.ndarray, near_pairs: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict[str, int]]:
+    """Every bucket's pairs -> (removed documents ascending, the kept document each duplicates,
+    kind EXACT / NEAR, stats as find_duplicates counts them). Holds the pairs, not the documents."""
+    stats = {"in": n, "exact_duplicates": 0, "near_duplicates": 0, "candidate_pairs": 0, "clusters": 0}
+    copies = exact_pairs[np.argsort(exact_pairs[:, 0], kind="stable")] if len(exact_pairs) else exact_pairs
+    stats["exact_duplicates"] = len(copies)
+    if len(near_pairs) and len(copies):
+        touches = np.isin(near_pairs, copies[:, 0]).any(axis=1)
+        near_pairs = near_pairs[~touches]
+    pairs = np.unique(near_pairs, axis=0) if len(near_pairs) else np.zeros((0, 2), np.int64)
+    stats["candidate_pairs"] = len(pairs)
+    nodes = np.unique(pairs)
+    root = nodes[components(np.searchsorted(nodes, pairs[:, 0]), np.searchsorted(nodes, pairs[:, 1]),
+                            len(nodes))]
+    near = nodes != root
+    stats["near_duplicates"], stats["clusters"] = int(near.sum()), len(np.unique(root))
+    removed = np.concatenate([copies[:, 0], nodes[near]]).astype(np.int64)
+    kept_of = np.concatenate([copies[:, 1], root[near]]).astype(np.int64)
+    kind = np.concatenate([np.full(len(copies), EXACT, np.int8), np.full(int(near.sum()), NEAR, np.int8)])
+    order = np.argsort(removed, kind="stable")
+    return removed[order], kept_of[order], kind[order], stats

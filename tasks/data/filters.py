@@ -8,8 +8,9 @@ FineWeb (the reason strings are datatrove's, so a drop reads the same in both to
 - C4: Raffel et al. 2020, section 2.2, as implemented in TensorFlow Datasets' c4_utils.
 - FineWeb: Penedo et al. 2024, "The FineWeb Datasets", section 3.3 (custom filters).
 
-Each filter reads `doc.words` (split once per text version, see text.py). The n-gram statistics
-are computed on integer word ids with numpy instead of joined strings; they give the same numbers.
+Each filter reads `doc.word_ids` or `doc.words` (split once per text version, see text.py). The
+n-gram statistics are computed on integer word ids with numpy instead of joined strings; they give
+the same numbers.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ def duplicates(items: list[str]) -> tuple[int, int]:
 
 
 _PRIME = np.uint64(0x100000001B3)
+_NOTHING = np.zeros(0, dtype=np.int64)
 
 
 def _mixed(ids: np.ndarray) -> np.ndarray:
@@ -49,58 +51,93 @@ def _mixed(ids: np.ndarray) -> np.ndarray:
     return (ids.astype(np.uint64) + np.uint64(0x9E3779B97F4A7C15)) * np.uint64(0xBF58476D1CE4E5B9)
 
 
-def _ngram_keys(ids: np.ndarray, n: int) -> np.ndarray:
-    """One uint64 per n-gram of word ids (a polynomial hash of the mixed ids)."""
-    mixed = _mixed(ids)
-    keys = mixed[: len(ids) - n + 1].copy()
-    for k in range(1, n):
-        keys = keys * _PRIME + mixed[k:len(ids) - n + 1 + k]
-    return keys
+_SCORE_SHIFT = np.int64(1 << 32)
 
 
-def _runs(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(stable sort order, start of each run of equal keys in it, length of each run)."""
-    order = np.argsort(keys, kind="stable")
-    ordered = keys[order]
-    starts = np.flatnonzero(np.concatenate(([True], ordered[1:] != ordered[:-1])))
-    return order, starts, np.diff(np.append(starts, len(keys)))
+def ngram_repetition(ids: list[np.ndarray], lengths: list[np.ndarray], max_n: int,
+                     dup_ns: set[int]) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """Gopher's n-gram statistics of a batch of documents (each one's word ids and lengths), in
+    one pass per n for the whole batch: {n: (characters covered by each document's most frequent
+    n-gram, characters in its n-grams that repeat an earlier one (n in dup_ns, else 0))}, for
+    n = 2 .. max_n; a document with fewer than n words gets -1 for both.
+
+    The top n-gram's characters are its length (words joined by spaces) times its count, ties
+    going to the n-gram seen first, as with collections.Counter. An n-gram is a uint64 key, a
+    polynomial hash of its words' ids, sorted together with its document's index so that one
+    sort groups every document's n-grams. Only bigrams are all sorted: an n-gram can repeat only
+    if both (n-1)-grams in it repeat, so each longer n is counted over those positions alone,
+    which in prose are few and soon none (then a document's top n-gram is its first, seen once)."""
+    sizes = np.array([len(x) for x in ids], dtype=np.int64)
+    n_docs = len(ids)
+    offsets = np.concatenate(([0], np.cumsum(sizes)))
+    words = np.concatenate(ids) if n_docs else _NOTHING
+    doc_of = np.repeat(np.arange(n_docs, dtype=np.int64), sizes)
+    local = np.arange(len(words), dtype=np.int64) - offsets[doc_of]
+    mixed = _mixed(words)
+    prefix = np.concatenate(([0], np.cumsum(np.concatenate(lengths) if n_docs else _NOTHING)))
+    positions = np.flatnonzero(doc_of[:-1] == doc_of[1:])  # bigrams inside one document
+    keys = mixed[positions] * _PRIME + mixed[positions + 1]
+    stats = {}
+    for n in range(2, max_n + 1):
+        fits = sizes >= n
+        # Every document's first n-gram, seen once: what its top is when nothing repeats.
+        best = np.where(fits, _SCORE_SHIFT + _SCORE_SHIFT - 1, -1)
+        repeated = _NOTHING
+        if len(keys):
+            owner = doc_of[positions]
+            order = np.lexsort((keys, owner))  # by document, then key; stable: by position
+            ordered, owners = keys[order], owner[order]
+            starts = np.flatnonzero(np.concatenate(([True], (ordered[1:] != ordered[:-1])
+                                                    | (owners[1:] != owners[:-1]))))
+            counts = np.diff(np.append(starts, len(keys)))
+            first = positions[order[starts]]
+            # Sorted by document first: each document's runs are adjacent, its best is a reduceat.
+            run_owner = owners[starts]
+            per_doc = np.flatnonzero(np.concatenate(([True], run_owner[1:] != run_owner[:-1])))
+            scores = counts * _SCORE_SHIFT + (_SCORE_SHIFT - 1 - local[first])
+            docs = run_owner[per_doc]
+            best[docs] = np.maximum(best[docs], np.maximum.reduceat(scores, per_doc))
+            repeated = np.sort(order[np.repeat(counts > 1, counts)])
+        top_count = np.where(fits, best >> 32, 0)
+        start = offsets[:-1] + (_SCORE_SHIFT - 1 - (best & (_SCORE_SHIFT - 1)))
+        top = np.where(fits, (prefix[np.minimum(start + n, len(words))] - prefix[np.minimum(start, len(words))]
+                              + n - 1) * top_count, -1)
+        positions, keys = positions[repeated], keys[repeated]
+        dup = np.where(fits, 0, -1)
+        if n in dup_ns and len(positions):
+            _repeated_chars(positions, keys, doc_of, prefix, n, dup)
+        stats[n] = (top, dup)
+        if len(positions):  # (n+1)-grams whose two n-grams both repeat
+            repeats = np.zeros(len(words) + 1, dtype=bool)
+            repeats[positions] = True
+            follows = repeats[positions + 1] & (doc_of[np.minimum(positions + 1, len(words) - 1)] == doc_of[positions])
+            positions = positions[follows]
+            keys = keys[follows] * _PRIME + mixed[positions + n]
+    return stats
 
 
-def _top_ngram_chars(keys: np.ndarray, lengths: np.ndarray, n: int,
-                     runs: tuple | None = None) -> int:
-    """Characters covered by the most frequent n-gram: its length (words joined by spaces)
-    times its count. Ties go to the n-gram seen first, as with collections.Counter."""
-    order, starts, counts = runs if runs is not None else _runs(keys)
-    top = counts.max()
-    start = int(order[starts[counts == top]].min())  # stable sort: a run starts at its first index
-    return (int(lengths[start:start + n].sum()) + n - 1) * int(top)
+def _repeated_chars(positions: np.ndarray, keys: np.ndarray, doc_of: np.ndarray, prefix: np.ndarray,
+                    n: int, out: np.ndarray) -> None:
+    """Per document, characters in n-grams that repeat an earlier one, scanning left to right and
+    jumping past each repeat (so overlapping repeats are not counted twice). Word characters
+    only, no spaces. Added into `out`.
 
-
-def _duplicated_ngram_chars(keys: np.ndarray, prefix: np.ndarray, n: int,
-                            runs: tuple | None = None) -> int:
-    """Characters in n-grams that repeat an earlier one, scanning left to right and jumping past
-    each repeat (so overlapping repeats are not counted twice). Word characters only, no spaces.
-
-    Only n-grams that occur more than once can ever be a repeat, and an n-gram occurring once
-    only ever adds itself to the seen set, which nothing later looks up: so the scan visits just
-    the positions of repeated n-grams, in order, remembering how far the last jump reached."""
-    order, starts, counts = runs if runs is not None else _runs(keys)
-    repeated_runs = counts > 1
-    if not repeated_runs.any():
-        return 0
-    member = np.repeat(repeated_runs, counts)  # per position in sort order
-    positions = np.sort(order[member])
+    Only n-grams that occur more than once (`positions`, ascending, with their keys) can ever be a
+    repeat, and an n-gram occurring once only ever adds itself to the seen set, which nothing
+    later looks up: so the scan visits just those positions, remembering how far the last jump
+    reached."""
     seen: set[int] = set()
-    chars, resume_at = 0, 0
-    for i, key in zip(positions.tolist(), keys[positions].tolist()):
+    doc, resume_at = -1, 0
+    for i, key, owner in zip(positions.tolist(), keys.tolist(), doc_of[positions].tolist()):
+        if owner != doc:
+            seen, doc, resume_at = set(), owner, 0
         if i < resume_at:
             continue
         if key in seen:
-            chars += int(prefix[i + n] - prefix[i])
+            out[owner] += int(prefix[i + n] - prefix[i])
             resume_at = i + n
         else:
             seen.add(key)
-    return chars
 
 
 @dataclass(kw_only=True)
@@ -126,46 +163,57 @@ class GopherRepetition(Filter):
     Params = GopherRepetitionParams
 
     def filter(self, doc: Doc) -> bool | tuple[bool, str]:
+        return self.filter_batch([doc])[0]
+
+    def filter_batch(self, docs: list[Doc]) -> list[bool | tuple[bool, str]]:
+        p = self.params
+        results: list[bool | tuple[bool, str]] = [self._lines_and_paragraphs(doc) for doc in docs]
+        todo = [i for i, r in enumerate(results) if r is True]
+        top, dup = dict(p.top_n_grams), dict(p.dup_n_grams)
+        if not todo or not (top or dup):
+            return results
+        ids = [docs[i].word_ids for i in todo]
+        stats = ngram_repetition(ids, [TABLE.length[x] for x in ids], max([*top, *dup]), set(dup))
+        text_chars = np.array([len(docs[i].text) for i in todo])
+        # The checks in the order they are published; a document fails at the first one.
+        checks, reasons = [], []
+        for n, (top_chars, dup_chars) in stats.items():
+            if n in top:
+                checks.append(top_chars / text_chars > top[n])
+                reasons.append(f"top_{n}_gram")
+            if n in dup:
+                checks.append((dup_chars > 0) & (dup_chars / text_chars > dup[n]))
+                reasons.append(f"duplicated_{n}_n_grams")
+        if not checks:
+            return results
+        failed = np.stack(checks, axis=1)
+        first = failed.argmax(axis=1)
+        for k, i in enumerate(todo):
+            if failed[k, first[k]]:
+                results[i] = (False, reasons[first[k]])
+        return results
+
+    def _lines_and_paragraphs(self, doc: Doc) -> bool | tuple[bool, str]:
         p, text = self.params, doc.text
-        paragraphs = _PARAGRAPH_BREAK.split(text.strip())
+        stripped = text.strip()
+        # Normalized text has no run of three newlines: then str.split does what the pattern does.
+        paragraphs = stripped.split("\n\n") if "\n\n\n" not in stripped else _PARAGRAPH_BREAK.split(stripped)
         repeated, chars = duplicates(paragraphs)
         if p.dup_para_frac and repeated / len(paragraphs) > p.dup_para_frac:
             return False, "dup_para_frac"
         if p.dup_para_char_frac and chars / len(text) > p.dup_para_char_frac:
             return False, "dup_para_char_frac"
-        lines = _LINE_BREAK.split(text)
+        if "\n\n" not in text:
+            lines = text.split("\n")
+        elif text[:1] != "\n" and text[-1:] != "\n":  # no empty piece at either end to keep
+            lines = [line for line in text.split("\n") if line]
+        else:
+            lines = _LINE_BREAK.split(text)
         repeated, chars = duplicates(lines)
         if p.dup_line_frac and repeated / len(lines) > p.dup_line_frac:
             return False, "dup_line_frac"
         if p.dup_line_char_frac and chars / len(text) > p.dup_line_char_frac:
             return False, "dup_line_char_frac"
-
-        ids = doc.word_ids
-        n_words = len(ids)
-        lengths = TABLE.length[ids]
-        mixed = _mixed(ids)
-        keys = mixed
-        top = dict(p.top_n_grams)
-        dup = dict(p.dup_n_grams)
-        prefix, repeats_possible = None, True
-        for n in range(2, max([*top, *dup, 1]) + 1):
-            if n_words < n:
-                break
-            # n-gram keys from (n-1)-gram keys: one multiply-add per word, not n.
-            keys = keys[:-1] * _PRIME + mixed[n - 1:]
-            if n not in top and not (n in dup and repeats_possible):
-                continue
-            runs = _runs(keys)
-            if n in top and _top_ngram_chars(keys, lengths, n, runs) / len(text) > top[n]:
-                return False, f"top_{n}_gram"
-            if n in dup and repeats_possible:
-                if runs[2].max() == 1:  # no repeated n-gram, so no repeated longer one either
-                    repeats_possible = False
-                    continue
-                if prefix is None:
-                    prefix = np.concatenate(([0], np.cumsum(lengths)))
-                if _duplicated_ngram_chars(keys, prefix, n, runs) / len(text) > dup[n]:
-                    return False, f"duplicated_{n}_n_grams"
         return True
 
 
@@ -228,9 +276,23 @@ class GopherQuality(Filter):
                 np.count_nonzero(kinds == TABLE.ALPHA) / n_words < p.max_non_alpha_words_ratio:
             return False, "gopher_below_alpha_threshold"
         # Case-sensitive, as published: "The" at the start of a sentence is not counted.
-        if p.min_stop_words and len(set(p.stop_words).intersection(doc.words)) < p.min_stop_words:
+        if p.min_stop_words and self._stop_words_in(doc) < p.min_stop_words:
             return False, "gopher_enough_stop_words"
         return True
+
+
+    _stop_ids: tuple[int, set[int]] = (-1, set())  # (word table generation, ids of the stop words)
+
+    def _stop_words_in(self, doc: Doc) -> int:
+        """How many of the stop words the document holds, by word id (the strings if the word
+        table started over in between, which would leave the two sets of ids apart)."""
+        ids = doc.word_ids
+        generation = TABLE.generation
+        if self._stop_ids[0] != generation:
+            self._stop_ids = (generation, set(TABLE.encode(self.params.stop_words).tolist()))
+        if TABLE.generation != generation:
+            return len(set(self.params.stop_words).intersection(doc.words))
+        return len(self._stop_ids[1].intersection(ids.tolist()))
 
 
 # --------------------------------------------------------------------------------------------
@@ -347,7 +409,7 @@ class FineWebQuality(Filter):
             return False, "short_line_ratio"
         if duplicates(lines)[1] / len(text.replace("\n", "")) > p.char_duplicates_ratio:
             return False, "char_dup_ratio"
-        if text.count("\n") / len(doc.words) > p.new_line_ratio:
+        if text.count("\n") / doc.n_words > p.new_line_ratio:
             return False, "list_ratio"
         return True
 

@@ -4,15 +4,19 @@
     python -m tasks.data.prep --input PATH [PATH ...] --output DIR [--config FILE] [--workers N]
 
 Inputs (DataPrepConfig.inputs): JSONL, Parquet or text files, directories or globs, local or
-s3://; each entry is a *source* with an optional mix weight (input_weights). Each input file is a
-shard, the unit of parallelism and of restart.
+s3://; each entry is a *source* with an optional mix weight (input_weights). A shard, the unit of
+parallelism and of restart, is an input file, or one split of a file larger than split_bytes
+(readers.plan_splits: byte ranges of JSONL and text, row groups of Parquet).
 
-Stages (the order they run in; [shard] stages are shared-nothing, one task per input file):
+Stages (the order they run in; [shard] stages are shared-nothing, one task per shard):
 
   1 [shard]  parse -> binary-junk check -> normalize (NFC, whitespace, control characters) ->
              min length -> quality filters (Gopher repetition, Gopher quality, C4, FineWeb, at the
-             published thresholds) -> blocklist -> PII redaction -> content hash + MinHash LSH keys
-  2 global   exact and near-duplicate detection across all shards (reads hashes and keys only)
+             published thresholds) -> blocklist -> PII redaction -> content hash + MinHash LSH
+             keys, written sorted (dedup.shard_index)
+  2 [bucket] exact and near-duplicate pairs per key range, one task per bucket (dedup.bucket_pairs,
+             reading only its slice of every shard's keys); then one process joins the pairs
+             into clusters (dedup.resolve_pairs): no process holds every document's keys
   3 global   tokenizer: byte-level BPE trained on a seeded sample of training documents, or
              DataPrepConfig.tokenizer_path; the train/validation split (seeded hash of the id)
   4 [shard]  documents/ and dropped/ written; documents tokenized into per-shard token streams
@@ -45,8 +49,9 @@ written after its files. A rerun skips shards whose marker matches the input fil
 shards in flight. A rerun after the manifest exists is a no-op; one with a different config
 (engine and workers aside) is refused.
 
-Engines (DataPrepConfig.engine): `ray` (Ray Data, local with `workers` CPUs, or the cluster at
-RAY_ADDRESS) or `local` (in this process).
+Engines (DataPrepConfig.engine): `auto` (in this process below ray_above_bytes of input, Ray Data
+above it: choose_engine, which logs why), `ray` (Ray Data, local with `workers` CPUs, or the
+cluster at RAY_ADDRESS) or `local` (in this process). Shards and dedup buckets run on it.
 
 SageMaker Processing (one container per instance) -- the contract for a backend:
 
@@ -61,7 +66,8 @@ SageMaker Processing (one container per instance) -- the contract for a backend:
   * Job 2, 1 instance, runs the same command with `--stage finalize`, output_dir holding that S3
     prefix (a ProcessingInput downloaded to output_dir, and a ProcessingOutput uploading it back).
     It checks that every shard's marker is there (or fails naming the missing ones), then runs
-    stages 2-5 and writes manifest.json. Its result file is the one Airflow reads.
+    stages 2-5 (the dedup buckets and the per-shard stage 4 on its own engine's workers) and
+    writes manifest.json. Its result file is the one Airflow reads.
   * `--stage all` (the default) does both on one machine. The stage may also come from the
     DATA_PREP_STAGE environment variable.
 """
@@ -86,8 +92,9 @@ import numpy as np
 
 from tasks.common.io import atomic_write, read_json, sha256_file, write_json
 from tasks.configs import ConfigError, DataPrepConfig, from_dict, to_dict
-from tasks.data.readers import InputFile, dropped_record, fingerprint, read_bytes, read_documents, resolve_inputs
-from tasks.data.steps import build_pipeline, merge_stats, normalize_text, run_steps
+from tasks.data.readers import InputFile, default_id, dropped_record, fingerprint, plan_splits, read_bytes, \
+    read_shard, resolve_inputs
+from tasks.data.steps import build_pipeline, merge_stats, normalize_text, run_batch
 from tasks.data.tokens import EOS, EOS_ID, check_tokenizer, encode_stream, pack_split, token_dtype, \
     train_tokenizer, write_index
 from tasks.data.tokens import declared_eos
@@ -99,7 +106,7 @@ log = logging.getLogger(__name__)
 
 # Config fields that change where and how the work is spread, not what is written: a data set
 # may be moved, or finished by another engine, without redoing anything.
-LAYOUT_ONLY_FIELDS = ("engine", "workers", "output_dir")
+LAYOUT_ONLY_FIELDS = ("engine", "workers", "output_dir", "ray_above_bytes", "dedup_buckets")
 STAGES = ("all", "shards", "finalize")
 # The phases each stage reports progress by (prepare's `lap`).
 _ALL_PHASES = ("plan", "shards", "dedup", "tokenizer", "documents_and_tokens", "pack_and_manifest")
@@ -154,8 +161,7 @@ def _schemas() -> dict[str, Any]:
 
     string, integer = pa.string(), pa.int64()
     return {
-        "staging": pa.schema([("id", string), ("text", string), ("line", integer),
-                              ("metadata", string), ("hash", pa.binary(16))]),
+        "staging": pa.schema([("id", string), ("text", string), ("line", integer), ("metadata", string)]),
         "documents": pa.schema([("id", string), ("text", string), ("source", string),
                                 ("line", integer), ("split", string), ("metadata", string)]),
         "dropped": pa.schema([(name, integer if name == "line" else string) for name in DROPPED_COLUMNS]),
@@ -165,7 +171,8 @@ def _schemas() -> dict[str, Any]:
 def shard_files(out_dir: Path, index: int) -> dict[str, Path]:
     staging = out_dir / "staging"
     return {"docs": staging / f"{index:05d}.docs.parquet",
-            "minhash": staging / f"{index:05d}.minhash.npy",
+            "exact": staging / f"{index:05d}.exact.npy",
+            "near": staging / f"{index:05d}.near.npy",
             "dropped": staging / f"{index:05d}.dropped.parquet",
             "train": staging / f"{index:05d}.train.bin",
             "val": staging / f"{index:05d}.val.bin",
@@ -177,11 +184,15 @@ def shard_files(out_dir: Path, index: int) -> dict[str, Path]:
 # Stage 1 (per shard): parse, clean, filter, redact, hash.
 
 
+STEP_BATCH = 256  # documents the steps see at once: enough to spread numpy's per-call cost
+
+
 def process_shard(job: dict) -> dict:
-    """Read one input file and run every document through the steps; write the survivors with
-    their content hash and LSH keys, and the dropped records; then the shard's marker. Touches
-    only this shard's files, so it runs anywhere (Ray worker, SageMaker host, this process)."""
-    from tasks.data.dedup import MinHasher, content_hash
+    """Read one input file (or one split of it) and run every document through the steps; write
+    the survivors, the sorted indexes of their content hashes and LSH keys (dedup.shard_index),
+    and the dropped records; then the shard's marker. Touches only this shard's files, so it runs
+    anywhere (Ray worker, SageMaker host, this process)."""
+    from tasks.data.dedup import MinHasher, content_hash, hashes_to_array, shard_index
 
     started = time.perf_counter()
     config = from_dict(DataPrepConfig, job["config"])
@@ -190,45 +201,67 @@ def process_shard(job: dict) -> dict:
     steps = build_pipeline(config)
     hasher = MinHasher(config.minhash_ngram, config.minhash_bands, config.minhash_rows,
                        seed=config.seed) if config.near_dedup else None
-    kept: dict[str, list] = {"id": [], "text": [], "line": [], "metadata": [], "hash": []}
+    kept: dict[str, list] = {"id": [], "text": [], "line": [], "metadata": []}
+    hashes: list[bytes] = []
     keys: list[np.ndarray] = []
     dropped: list[dict] = []
     parse = Counter()
     n_documents = n_bytes = 0
-    for item in read_documents(file, config.text_field, config.id_field):
+    shard = read_shard(file, job["split"], config.text_field, config.id_field, job["fingerprint"]["size"])
+
+    def run(items: list) -> None:
+        """The steps over a batch of documents, then every item recorded in input order."""
+        docs = [item for item in items if not isinstance(item, dict)]
+        drops = iter(run_batch(steps, docs))
+        survivors = []
+        for item in items:
+            if isinstance(item, dict):
+                parse[f"dropped.{item['reason']}"] += 1
+                dropped.append(item)
+            elif (drop := next(drops)) is not None:
+                dropped.append(dropped_record(item.id, item.line, *drop))
+            else:
+                survivors.append(item)
+        for doc in survivors:
+            kept["id"].append(doc.id)
+            kept["text"].append(doc.text)
+            kept["line"].append(doc.line)
+            kept["metadata"].append(json.dumps(doc.metadata, ensure_ascii=False, default=str)
+                                    if doc.metadata else None)
+            hashes.append(content_hash(doc.text))
+        if hasher is not None and survivors:
+            keys.append(hasher.band_keys_batch([doc.text for doc in survivors]))
+
+    batch: list = []
+    in_batch = 0
+    for item in shard.documents:
         n_documents += 1
-        if isinstance(item, dict):
-            parse[f"dropped.{item['reason']}"] += 1
-            dropped.append(item)
-            continue
-        n_bytes += len(item.text.encode("utf-8"))
-        drop = run_steps(steps, item)
-        if drop is not None:
-            dropped.append(dropped_record(item.id, item.line, *drop))
-            continue
-        kept["id"].append(item.id)
-        kept["text"].append(item.text)
-        kept["line"].append(item.line)
-        kept["metadata"].append(json.dumps(item.metadata, ensure_ascii=False, default=str)
-                                if item.metadata else None)
-        kept["hash"].append(content_hash(item.text))
-        if hasher is not None:
-            keys.append(hasher.band_keys(item.text))
+        batch.append(item)
+        if not isinstance(item, dict):
+            n_bytes += len(item.text.encode("utf-8"))
+            in_batch += 1
+            if in_batch == STEP_BATCH:
+                run(batch)
+                batch, in_batch = [], 0
+    run(batch)
     parse["in"], parse["kept"] = n_documents, n_documents - sum(parse.values())
 
     schemas = _schemas()
     _write_table(paths["docs"], kept, schemas["staging"])
-    band_keys = np.stack(keys) if keys else \
+    band_keys = np.concatenate(keys) if keys else \
         np.zeros((len(kept["id"]), config.minhash_bands if hasher else 0), dtype=np.uint64)
-    atomic_write(paths["minhash"], lambda fh: np.save(fh, band_keys))
+    exact, near, band_starts = shard_index(hashes_to_array(hashes), band_keys)
+    atomic_write(paths["exact"], lambda fh: np.save(fh, exact))
+    atomic_write(paths["near"], lambda fh: np.save(fh, near))
     _write_table(paths["dropped"], _dropped_columns(dropped, file.path), schemas["dropped"])
     reasons = Counter(r["reason"] for r in dropped)
-    summary = {"input": job["fingerprint"], "documents": n_documents, "kept": len(kept["id"]),
+    summary = {"input": job["fingerprint"], "split": job["split"], "documents": n_documents,
+               "kept": len(kept["id"]), "lines": shard.lines, "band_starts": band_starts,
                "text_bytes": n_bytes, "dropped": dict(reasons),
                "steps": {"parse": dict(parse), **{s.name: dict(s.stats) for s in steps}},
                "seconds": round(time.perf_counter() - started, 3)}
     _mark_finished(out_dir, f"shard_{index:05d}", job["key"],
-                   [paths["docs"], paths["minhash"], paths["dropped"]], **summary)
+                   [paths["docs"], paths["exact"], paths["near"], paths["dropped"]], **summary)
     return summary
 
 
@@ -249,41 +282,113 @@ def _dropped_columns(records: list[dict], source: str) -> dict[str, list]:
 # Stage 2 (global): exact and near duplicates across all shards.
 
 
-def deduplicate(out_dir: Path, n_shards: int, config: DataPrepConfig, key: str) -> dict:
-    """Find duplicates among every shard's survivors; write staging/dedup.parquet with one row
-    per duplicate (shard, row, reason, duplicate_of id)."""
+RECORDS_PER_BUCKET = 1 << 22  # hashes + band keys a dedup bucket holds at most (auto): ~100 MB
+
+
+def dedup_buckets(config: DataPrepConfig, shards: list[dict]) -> int:
+    """DataPrepConfig.dedup_buckets, or enough buckets that none holds more than
+    RECORDS_PER_BUCKET keys, and at least one per worker."""
+    if config.dedup_buckets:
+        return config.dedup_buckets
+    records = sum(s["kept"] + s["band_starts"][-1] for s in shards)
+    return max(config.workers, -(-records // RECORDS_PER_BUCKET), 1)
+
+
+def write_dedup_plan(out_dir: Path, shards: list[dict], bands: int) -> np.ndarray:
+    """staging/dedup/plan.npy, what every bucket reads first: per shard, the index of its first
+    document among all shards and where each band starts in its sorted keys. Returns the
+    offsets (with the total last)."""
+    offsets = np.cumsum([0] + [s["kept"] for s in shards]).astype(np.int64)
+    plan = np.array([[offsets[i], *(s["band_starts"] if bands else [0])] for i, s in enumerate(shards)],
+                    dtype=np.int64).reshape(len(shards), -1)
+    atomic_write(out_dir / "staging" / "dedup" / "plan.npy", lambda fh: np.save(fh, plan))
+    return offsets
+
+
+def dedup_bucket(job: dict) -> dict:
+    """One bucket of the sharded dedup: its slice of every shard's sorted indexes (memory-mapped),
+    the duplicate pairs within it, written to staging/dedup/BBBBB.npz."""
+    from tasks.data.dedup import bucket_pairs
+
+    started = time.perf_counter()
+    out_dir, bucket = Path(job["out_dir"]), job["bucket"]
+    plan = np.load(out_dir / "staging" / "dedup" / "plan.npy")
+    empty = np.zeros((3, 0), np.uint64)
+    shards = []
+    for index, row in enumerate(plan):
+        paths = shard_files(out_dir, index)
+        shards.append((int(row[0]), np.load(paths["exact"], mmap_mode="r") if job["exact"] else empty,
+                       np.load(paths["near"], mmap_mode="r") if job["bands"] else empty, row[1:].tolist()))
+    exact, near = bucket_pairs(shards, bucket, job["buckets"], job["bands"])
+    path = out_dir / "staging" / "dedup" / f"{bucket:05d}.npz"
+    atomic_write(path, lambda fh: np.savez(fh, exact=exact, near=near))
+    summary = {"exact_pairs": len(exact), "near_pairs": len(near), "seconds": round(time.perf_counter() - started, 3)}
+    _mark_finished(out_dir, f"dedup_{bucket:05d}", job["key"], [path], **summary)
+    return summary
+
+
+def deduplicate(out_dir: Path, jobs: list[dict], shards: list[dict], config: DataPrepConfig, key: str,
+                engine: Any) -> dict:
+    """Find duplicates among every shard's survivors, sharded by key range over the engine's
+    workers (tasks/data/dedup.py); write staging/dedup.parquet with one row per duplicate (shard,
+    row, reason, duplicate_of id). No process reads every document's keys."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from tasks.data.dedup import EXACT, find_duplicates, hashes_to_array
+    from tasks.data.dedup import EXACT, resolve_pairs
 
     path = out_dir / "staging" / "dedup.parquet"
     if done := _finished(out_dir, "dedup", key):
         return done
-    ids, hashes, keys, shard_of, row_of = [], [], [], [], []
-    for index in range(n_shards):
-        paths = shard_files(out_dir, index)
-        table = pq.read_table(paths["docs"], columns=["id", "hash"])
-        ids += table.column("id").to_pylist()
-        hashes += table.column("hash").to_pylist()
-        keys.append(np.load(paths["minhash"]))
-        shard_of.append(np.full(table.num_rows, index, dtype=np.int32))
-        row_of.append(np.arange(table.num_rows, dtype=np.int64))
-    band_keys = np.concatenate(keys) if keys else np.zeros((0, 0), dtype=np.uint64)
-    duplicate_of, kind, stats = find_duplicates(hashes_to_array(hashes), band_keys,
-                                                exact=config.exact_dedup, near=config.near_dedup)
-    removed = np.flatnonzero(kind)
-    shards, rows = np.concatenate(shard_of or [np.zeros(0, np.int32)]), np.concatenate(row_of or [np.zeros(0, np.int64)])
+    bands = config.minhash_bands if config.near_dedup else 0
+    buckets = dedup_buckets(config, shards) if (config.exact_dedup or bands) else 0
+    offsets = write_dedup_plan(out_dir, shards, bands)
+    bucket_key = digest(key, buckets)
+    bucket_jobs = [{"out_dir": str(out_dir), "bucket": b, "buckets": buckets, "bands": bands,
+                    "exact": config.exact_dedup, "key": bucket_key} for b in range(buckets)]
+    todo = [j for j in bucket_jobs if not _finished(out_dir, f"dedup_{j['bucket']:05d}", bucket_key)]
+    log.info("dedup: %d documents, %d buckets (%d to do) over engine=%s", offsets[-1], buckets, len(todo),
+             engine.name)
+    engine.map(dedup_bucket, todo)
+    exact_pairs, near_pairs = [np.zeros((0, 2), np.int64)], [np.zeros((0, 2), np.int64)]
+    for b in range(buckets):
+        with np.load(out_dir / "staging" / "dedup" / f"{b:05d}.npz") as pairs:
+            exact_pairs.append(pairs["exact"])
+            near_pairs.append(pairs["near"])
+    removed, kept_of, kind, stats = resolve_pairs(int(offsets[-1]), np.concatenate(exact_pairs),
+                                                  np.concatenate(near_pairs))
+    shard_of = np.searchsorted(offsets, removed, side="right") - 1
     table = pa.table({
-        "shard": pa.array(shards[removed], type=pa.int32()),
-        "row": pa.array(rows[removed], type=pa.int64()),
-        "reason": pa.array(["exact_duplicate" if kind[i] == EXACT else "near_duplicate" for i in removed],
-                           type=pa.string()),
-        "duplicate_of": pa.array([ids[duplicate_of[i]] for i in removed], type=pa.string()),
+        "shard": pa.array(shard_of, type=pa.int32()),
+        "row": pa.array(removed - offsets[shard_of], type=pa.int64()),
+        "reason": pa.array(np.where(kind == EXACT, "exact_duplicate", "near_duplicate"), type=pa.string()),
+        "duplicate_of": pa.array(_ids_at(out_dir, jobs, offsets, kept_of), type=pa.string()),
     })
     atomic_write(path, lambda fh: pq.write_table(table, fh))
     stats["kept"] = stats["in"] - int(removed.size)
     return _mark_finished(out_dir, "dedup", key, [path], stats=stats)
+
+
+def _staging_ids(job: dict, table: Any) -> tuple[list[str], list[int]]:
+    """Ids and file lines of a staging table's rows (documents or dropped records): rows without
+    an id of their own are named by file and line once the split's line_base is known."""
+    label, base = job["file"]["label"], job["line_base"]
+    lines = [line + base if line else line for line in table.column("line").to_pylist()]
+    return [default_id(i, label, line) for i, line in zip(table.column("id").to_pylist(), lines)], lines
+
+
+def _ids_at(out_dir: Path, jobs: list[dict], offsets: np.ndarray, documents: np.ndarray) -> list[str]:
+    """The ids of the given documents (global indices), reading one shard's id column at a time."""
+    import pyarrow.parquet as pq
+
+    shard_of = np.searchsorted(offsets, documents, side="right") - 1
+    found: dict[int, str] = {}
+    for index in np.unique(shard_of).tolist():
+        table = pq.read_table(shard_files(out_dir, index)["docs"], columns=["id", "line"])
+        ids, _ = _staging_ids(jobs[index], table)
+        for doc in documents[shard_of == index].tolist():
+            found[doc] = ids[doc - int(offsets[index])]
+    return [found[doc] for doc in documents.tolist()]
 
 
 # --------------------------------------------------------------------------------------------
@@ -296,15 +401,15 @@ def split_score(doc_id: str, seed: int) -> float:
     return int.from_bytes(value[:8], "big") / 2**64
 
 
-def _kept_index(out_dir: Path, n_shards: int) -> list[tuple[int, int, str]]:
+def _kept_index(out_dir: Path, jobs: list[dict]) -> list[tuple[int, int, str]]:
     """(shard, row, id) of every document that survived deduplication, in input order."""
     import pyarrow.parquet as pq
 
     removed = pq.read_table(out_dir / "staging" / "dedup.parquet", columns=["shard", "row"])
     gone = set(zip(removed.column("shard").to_pylist(), removed.column("row").to_pylist()))
     kept = []
-    for index in range(n_shards):
-        ids = pq.read_table(shard_files(out_dir, index)["docs"], columns=["id"]).column("id").to_pylist()
+    for index, job in enumerate(jobs):
+        ids, _ = _staging_ids(job, pq.read_table(shard_files(out_dir, index)["docs"], columns=["id", "line"]))
         kept += [(index, row, doc_id) for row, doc_id in enumerate(ids) if (index, row) not in gone]
     return kept
 
@@ -324,7 +429,7 @@ def _read_texts(out_dir: Path, wanted: list[tuple[int, int, str]]) -> list[str]:
     return [texts[(shard, row)] for shard, row, _ in wanted]
 
 
-def tokenizer_and_split(out_dir: Path, n_shards: int, config: DataPrepConfig, sft_texts: list[str],
+def tokenizer_and_split(out_dir: Path, jobs: list[dict], config: DataPrepConfig, sft_texts: list[str],
                         key: str) -> dict:
     """Train (or load) the tokenizer; decide which documents are validation. Validation is every
     document whose split score is below val_fraction; when that holds less than one row of tokens
@@ -334,10 +439,10 @@ def tokenizer_and_split(out_dir: Path, n_shards: int, config: DataPrepConfig, sf
     path = out_dir / "tokenizer.json"
     if done := _finished(out_dir, "tokenizer", key):
         return done
-    kept = _kept_index(out_dir, n_shards)
+    kept = _kept_index(out_dir, jobs)
     if not kept:
         reasons: Counter = Counter()
-        for index in range(n_shards):
+        for index in range(len(jobs)):
             reasons.update(read_json(out_dir / "completions" / f"shard_{index:05d}.json")["dropped"])
         raise ValueError(f"No documents left after filtering and deduplication (dropped: "
                          f"{dict(reasons.most_common())}); {out_dir}/staging/*.dropped.parquet says "
@@ -395,7 +500,9 @@ def finalize_shard(job: dict) -> dict:
     config = from_dict(DataPrepConfig, job["config"])
     out_dir, index, file = Path(job["out_dir"]), job["index"], InputFile(**job["file"])
     paths = shard_files(out_dir, index)
-    docs = pq.read_table(paths["docs"]).to_pydict()
+    table = pq.read_table(paths["docs"])
+    docs = table.to_pydict()
+    docs["id"], docs["line"] = _staging_ids(job, table)
     removed = pq.read_table(out_dir / "staging" / "dedup.parquet",
                             filters=[("shard", "==", index)]).to_pydict()
     gone = dict(zip(removed["row"], zip(removed["reason"], removed["duplicate_of"])))
@@ -412,7 +519,9 @@ def finalize_shard(job: dict) -> dict:
         "id": [docs["id"][r] for r in rows], "text": [docs["text"][r] for r in rows],
         "source": [file.path] * len(rows), "line": [docs["line"][r] for r in rows],
         "split": splits, "metadata": [docs["metadata"][r] for r in rows]}, schemas["documents"])
-    dropped = pq.read_table(paths["dropped"]).to_pydict()
+    table = pq.read_table(paths["dropped"])
+    dropped = table.to_pydict()
+    dropped["id"], dropped["line"] = _staging_ids(job, table)
     for row, (reason, duplicate_of) in sorted(gone.items()):
         for name, value in (("id", docs["id"][row]), ("source", file.path), ("line", docs["line"][row]),
                             ("step", "dedup"), ("reason", reason), ("duplicate_of", duplicate_of),
@@ -491,6 +600,8 @@ class Prepared:
     manifest: dict
     reused: bool
     seconds: dict[str, float] = field(default_factory=dict)  # wall time per stage, this run
+    engine: str = ""  # the engine this run used, and why (choose_engine)
+    engine_reason: str = ""
 
 
 def _output_fields(config: dict) -> dict:
@@ -524,28 +635,82 @@ def _remove_temporaries(out_dir: Path) -> None:
 
 def _shard_jobs(config: DataPrepConfig, out_dir: Path, files: list[InputFile],
                 trust_markers: bool = False) -> tuple[list[dict], list[dict]]:
-    """(every shard's job, the jobs whose output is missing or stale). With `trust_markers`
-    (the finalize job) a marker for the same input path counts as done without fingerprinting
-    the input again: that job may not have the inputs, or has copies with new timestamps."""
+    """(every shard's job, the jobs whose output is missing or stale): one shard per file, or per
+    split of a large one (readers.plan_splits). With `trust_markers` (the finalize job) a marker
+    for the same input path and split counts as done without comparing fingerprints: that job
+    has copies of the inputs with new timestamps, or none (then the markers tell the splits)."""
     cfg = to_dict(config)
     jobs, todo = [], []
-    for index, file in enumerate(files):
-        name = f"shard_{index:05d}"
-        if trust_markers:
+    for file in files:
+        try:
+            fp = fingerprint(file.path)
+            splits = plan_splits(file.path, fp["size"], config.split_bytes)
+        except OSError:
+            if not trust_markers:
+                raise
+            fp, splits = None, _splits_in_markers(out_dir, len(jobs), file.path)
+        for split in splits:
+            index = len(jobs)
+            name = f"shard_{index:05d}"
             marker = out_dir / "completions" / f"{name}.json"
-            done = read_json(marker) if marker.exists() else None
-            if done and done["input"]["path"] == file.path and _finished(out_dir, name, done["key"]):
-                jobs.append({"index": index, "file": file.__dict__, "fingerprint": done["input"],
-                             "key": done["key"], "out_dir": str(out_dir), "config": cfg})
+            done = read_json(marker) if trust_markers and marker.exists() else None
+            if done and done["input"]["path"] == file.path and done.get("split") == split \
+                    and _finished(out_dir, name, done["key"]):
+                jobs.append(_job(index, file, split, done["input"], done["key"], out_dir, cfg, len(splits)))
                 continue
-        fp = fingerprint(file.path)
-        key = digest(fp, _output_fields(cfg))
-        job = {"index": index, "file": file.__dict__, "fingerprint": fp, "key": key,
-               "out_dir": str(out_dir), "config": cfg}
-        jobs.append(job)
-        if not _finished(out_dir, name, key):
-            todo.append(job)
+            if fp is None:
+                fp = fingerprint(file.path)  # not there: the error names the file
+            job = _job(index, file, split, fp, digest(fp, split, _output_fields(cfg)), out_dir, cfg, len(splits))
+            jobs.append(job)
+            if not _finished(out_dir, name, job["key"]):
+                todo.append(job)
     return jobs, todo
+
+
+def _job(index: int, file: InputFile, split: dict | None, fp: dict, key: str, out_dir: Path, cfg: dict,
+         n_splits: int) -> dict:
+    size = split["end"] - split["start"] if split and "start" in split else fp["size"] // n_splits
+    return {"index": index, "file": file.__dict__, "split": split, "bytes": size, "fingerprint": fp,
+            "key": key, "out_dir": str(out_dir), "config": cfg}
+
+
+def _splits_in_markers(out_dir: Path, first: int, path: str) -> list[dict | None]:
+    """The splits of `path` as its shards' markers recorded them, from shard `first` on."""
+    splits = []
+    while (marker := out_dir / "completions" / f"shard_{first + len(splits):05d}.json").exists():
+        done = read_json(marker)
+        if done["input"]["path"] != path:
+            break
+        splits.append(done.get("split"))
+    if not splits:
+        raise FileNotFoundError(f"{path}: no such input file, and no shard marker for it in {out_dir}/completions.")
+    return splits
+
+
+def _set_line_bases(jobs: list[dict], shards: list[dict]) -> None:
+    """Each split's line_base: the lines (or rows) of the file's splits before it."""
+    base, path = 0, None
+    for job, shard in zip(jobs, shards):
+        if job["file"]["path"] != path:
+            base, path = 0, job["file"]["path"]
+        job["line_base"] = base
+        base += shard["lines"]
+
+
+def choose_engine(config: DataPrepConfig, input_bytes: int) -> tuple[str, str]:
+    """(engine, why): DataPrepConfig.engine, or with "auto" in-process below ray_above_bytes of
+    input (Ray's start-up, 5-10 s, costs more than a second worker saves on small inputs), and
+    Ray Data above it when there is more than one worker (or a cluster at RAY_ADDRESS) to use."""
+    if config.engine != "auto":
+        return config.engine, f"engine={config.engine!r} in the config"
+    size = f"{input_bytes / 1e6:.1f} MB of input"
+    limit = f"ray_above_bytes = {config.ray_above_bytes / 1e6:.1f} MB"
+    if input_bytes < config.ray_above_bytes:
+        return "local", f"{size} < {limit}: in-process, no Ray start-up"
+    if config.workers == 1 and not os.environ.get("RAY_ADDRESS"):
+        return "local", f"{size} >= {limit}, but one worker and no Ray cluster (RAY_ADDRESS unset)"
+    where = f"the Ray cluster at RAY_ADDRESS" if os.environ.get("RAY_ADDRESS") else f"{config.workers} workers"
+    return "ray", f"{size} >= {limit}: Ray Data over {where}"
 
 
 def prepare(config: DataPrepConfig, stage: str = "all") -> Prepared:
@@ -585,18 +750,24 @@ def prepare(config: DataPrepConfig, stage: str = "all") -> Prepared:
         files = [InputFile(p, 0, Path(p).name) for p in _demo_corpus(config, out_dir)]
     sft_train, sft_eval = _sft_set(config, out_dir)
     jobs, todo = _shard_jobs(config, out_dir, files, trust_markers=stage == "finalize")
+    if stage == "shards":
+        rank, hosts = host_share()
+        todo = [job for job in todo if job["index"] % hosts == rank]
+    # What this run reads: its shards, or (all, finalize) every shard again for documents and tokens.
+    engine_name, why = choose_engine(config, sum(j["bytes"] for j in (todo if stage == "shards" else jobs)))
+    log.info("data prep engine: %s (%s)", engine_name, why)
     lap("plan")
 
-    with open_engine(config.engine, config.workers) as engine:
+    with open_engine(engine_name, config.workers) as engine:
         if stage == "shards":
-            rank, hosts = host_share()
-            mine = [job for job in todo if job["index"] % hosts == rank]
+            mine = todo
             log.info("host %d of %d: %d of %d shards to process", rank, hosts, len(mine), len(jobs))
             summaries = engine.map(process_shard, mine)
             lap("shards")
             return Prepared({"shards_processed": len(mine), "shards_total": len(jobs),
                              "host": [rank, hosts],
-                             "documents": sum(s["documents"] for s in summaries)}, False, seconds)
+                             "documents": sum(s["documents"] for s in summaries)}, False, seconds,
+                            engine_name, why)
         if stage == "finalize" and todo:
             missing = [f"{j['index']:05d} ({j['file']['path']})" for j in todo]
             raise RuntimeError(f"{len(todo)} shard(s) have no completion marker in {out_dir}/completions: "
@@ -604,16 +775,17 @@ def prepare(config: DataPrepConfig, stage: str = "all") -> Prepared:
         log.info("%d input shards, %d to process with engine=%s", len(jobs), len(todo), engine.name)
         engine.map(process_shard, todo)
         shards = [read_json(out_dir / "completions" / f"shard_{j['index']:05d}.json") for j in jobs]
+        _set_line_bases(jobs, shards)
         lap("shards")
 
         dedup_key = digest([s["key"] for s in shards], config.exact_dedup, config.near_dedup)
-        dedup = deduplicate(out_dir, len(jobs), config, dedup_key)
+        dedup = deduplicate(out_dir, jobs, shards, config, dedup_key, engine)
         lap("dedup")
 
         sft_texts = [ex["prompt"] + ex["completion"] for ex in sft_train]
         tok_key = digest(dedup_key, config.tokenizer_path, config.tokenizer_sample_docs,
                          hashlib.sha256("\0".join(sft_texts).encode()).hexdigest())
-        tok = tokenizer_and_split(out_dir, len(jobs), config, sft_texts, tok_key)
+        tok = tokenizer_and_split(out_dir, jobs, config, sft_texts, tok_key)
         lap("tokenizer")
 
         final_key = digest(tok_key, sha256_file(out_dir / "tokenizer.json"), tok["borrowed"])
@@ -624,19 +796,19 @@ def prepare(config: DataPrepConfig, stage: str = "all") -> Prepared:
         finals = [read_json(out_dir / "completions" / f"final_{j['index']:05d}.json") for j in jobs]
         lap("documents_and_tokens")
 
-    manifest = _pack_and_write_manifest(out_dir, config, files, shards, dedup, tok, finals,
+    manifest = _pack_and_write_manifest(out_dir, config, files, jobs, shards, dedup, tok, finals,
                                         sft_train, sft_eval, demo=not config.inputs)
     lap("pack_and_manifest")
     shutil.rmtree(out_dir / "staging", ignore_errors=True)
-    return Prepared(manifest, reused=False, seconds=seconds)
+    return Prepared(manifest, reused=False, seconds=seconds, engine=engine_name, engine_reason=why)
 
 
-def _pack_and_write_manifest(out_dir: Path, config: DataPrepConfig, files: list[InputFile],
+def _pack_and_write_manifest(out_dir: Path, config: DataPrepConfig, files: list[InputFile], jobs: list[dict],
                              shards: list[dict], dedup: dict, tok: dict, finals: list[dict],
                              sft_train: list[dict], sft_eval: list[dict], demo: bool) -> dict:
     row_len = config.seq_len + 1
     dtype = token_dtype(tok["vocab_size"])
-    n = len(files)
+    n = len(jobs)
     splits = {split: pack_split(out_dir, split, [shard_files(out_dir, i)[split] for i in range(n)],
                                 row_len, dtype) for split in ("train", "val")}
     for name, split in splits.items():
@@ -674,9 +846,9 @@ def _pack_and_write_manifest(out_dir: Path, config: DataPrepConfig, files: list[
               "dropped": dict(sorted(dropped.items()))}
     sources = []
     for source, pattern in enumerate(config.inputs or ["<demo corpus>"]):
-        mine = [i for i, f in enumerate(files) if f.source == source]
+        mine = [i for i, job in enumerate(jobs) if job["file"]["source"] == source]
         sources.append({
-            "input": pattern, "files": len(mine),
+            "input": pattern, "files": len({jobs[i]["file"]["path"] for i in mine}),
             "weight": config.input_weights[source] if config.input_weights else 1.0,
             "documents_in": sum(shards[i]["documents"] for i in mine),
             "documents_kept": sum(finals[i]["kept"] for i in mine),
@@ -813,6 +985,9 @@ def main(config: DataPrepConfig, stage: str = "all") -> dict[str, Any]:
                             **{f"seconds/{k}": v for k, v in prepared.seconds.items()},
                             **{f"dropped/{r}": n for r, n in manifest["counts"]["dropped"].items()}})
         mlflow.set_tag("data_hash", manifest["content_hash"])
+        if prepared.engine:  # what ran this data set's work, and why (choose_engine)
+            mlflow.set_tags({"data_prep.engine": prepared.engine,
+                             "data_prep.engine_reason": prepared.engine_reason[:5000]})
         log_json_artifact(manifest, "manifest.json")
         if not prepared.reused:
             log_figure(_figure(manifest), "data_prep.png")
@@ -829,7 +1004,7 @@ def _run_without_tracking(config: DataPrepConfig, stage: str) -> dict[str, Any]:
                 "data_hash": ""}
     return {"outputs": {"data_dir": str(out_dir), "manifest": str(out_dir / "manifest.json")},
             "metrics": {**_metrics(prepared.manifest), **{f"seconds.{k}": v for k, v in prepared.seconds.items()}},
-            "data_hash": prepared.manifest["content_hash"]}
+            "data_hash": prepared.manifest["content_hash"], "engine": prepared.engine}
 
 
 def cli(argv: list[str] | None = None) -> None:

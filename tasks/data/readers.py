@@ -6,6 +6,15 @@ columns), plain text (`.txt`, `.text`, `.md`: one document per block of lines se
 line). JSONL and text may be gzip-compressed (`.gz`). A directory stands for every such file
 under it.
 
+A large file is split so that it spreads over several workers (`plan_splits`): Parquet by row
+groups, JSONL and text by byte ranges. A range owns the lines (JSONL) or blocks (text) that
+*start* inside it, reading past its end to finish the last one, so every document is read by
+exactly one split, whatever the number of splits. Splits depend only on the file's size (or row
+groups) and `split_bytes`, never on the number of workers or hosts, so the data set they make is
+the same on any cluster. A split's default document ids and lines are counted from its start;
+`line_base` (the newlines, or rows, of the splits before it) makes them the file's, once every
+split has counted its own. A gzip file is one split: it cannot be read from the middle.
+
 Reading never raises on bad data: an unreadable file, a malformed line, a missing or non-string
 text, an empty file or bytes that are not UTF-8 each come back as a dropped record with a reason,
 so the run goes on and the audit trail says what happened.
@@ -20,6 +29,7 @@ import fnmatch
 import glob
 import gzip
 import json
+import io
 import os
 import re
 from dataclasses import dataclass
@@ -42,7 +52,7 @@ class InputFile:
     label: str  # short unique name, the prefix of default document ids ("notes.txt:12")
 
 
-def dropped_record(doc_id: str, line: int, step: str, reason: str, **extra: Any) -> dict:
+def dropped_record(doc_id: str | None, line: int, step: str, reason: str, **extra: Any) -> dict:
     return {"id": doc_id, "line": line, "step": step, "reason": reason, **extra}
 
 
@@ -96,6 +106,51 @@ def read_bytes(path: str) -> bytes:
         bucket, key = split_s3(path)
         return s3_client().get_object(Bucket=bucket, Key=key)["Body"].read()
     return Path(path).read_bytes()
+
+
+def read_range(path: str, start: int, end: int) -> bytes:
+    """Bytes [start, end) of a file (fewer at its end)."""
+    if end <= start:
+        return b""
+    if path.startswith("s3://"):
+        bucket, key = split_s3(path)
+        return s3_client().get_object(Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}")["Body"].read()
+    with open(path, "rb") as fh:
+        fh.seek(start)
+        return fh.read(end - start)
+
+
+class _S3File(io.RawIOBase):
+    """A seekable read-only view of an S3 object by range GETs: Parquet reads its footer and the
+    row groups it needs, not the whole object."""
+
+    def __init__(self, path: str, size: int) -> None:
+        self.path, self.size, self.pos = path, size, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        self.pos = {0: offset, 1: self.pos + offset, 2: self.size + offset}[whence]
+        return self.pos
+
+    def readinto(self, buffer: Any) -> int:
+        data = read_range(self.path, self.pos, min(self.size, self.pos + len(buffer)))
+        buffer[:len(data)] = data
+        self.pos += len(data)
+        return len(data)
+
+
+def _open_parquet(path: str, size: int) -> Any:
+    import pyarrow.parquet as pq
+
+    return pq.ParquetFile(_S3File(path, size) if path.startswith("s3://") else path)
 
 
 def fingerprint(path: str) -> dict:
@@ -155,33 +210,144 @@ def resolve_inputs(patterns: list[str]) -> list[InputFile]:
 
 
 # --------------------------------------------------------------------------------------------
+# Splitting large files
+
+
+def plan_splits(path: str, size: int, split_bytes: int) -> list[dict | None]:
+    """How one file is read: [None] (whole), or its splits in order, each {"start", "end"} bytes
+    (JSONL, text) or {"row_groups": [first, end]} (Parquet), of about `split_bytes` each."""
+    name = path[:-3] if path.endswith(".gz") else path
+    if path.endswith(".gz") or size <= split_bytes:
+        return [None]
+    if name.endswith(".parquet"):
+        import pyarrow as pa
+
+        try:
+            meta = _open_parquet(path, size).metadata
+        except (pa.ArrowException, OSError, ValueError):
+            return [None]  # read whole, it is quarantined as unreadable with the reason
+        splits, first, size_so_far = [], 0, 0
+        for group in range(meta.num_row_groups):
+            row_group = meta.row_group(group)
+            size_so_far += sum(row_group.column(c).total_compressed_size for c in range(row_group.num_columns))
+            if size_so_far >= split_bytes or group == meta.num_row_groups - 1:
+                splits.append({"row_groups": [first, group + 1]})
+                first, size_so_far = group + 1, 0
+        return splits if len(splits) > 1 else [None]
+    n = -(-size // split_bytes)
+    return [{"start": k * size // n, "end": (k + 1) * size // n} for k in range(n)]
+
+
+_CHUNK = 1 << 16
+_WHITESPACE = b" \t\r\x0b\x0c"
+
+
+def _find_newline(path: str, position: int, limit: int) -> int:
+    """The first b"\\n" at or after `position` (before `limit`), or -1."""
+    while position < limit:
+        chunk = read_range(path, position, min(limit, position + _CHUNK))
+        if not chunk:
+            return -1
+        found = chunk.find(b"\n")
+        if found >= 0:
+            return position + found
+        position += len(chunk)
+    return -1
+
+
+def _line_before_is_blank(path: str, newline: int) -> bool:
+    """Whether the line ending at the b"\\n" at `newline` holds only whitespace."""
+    end = newline
+    while end > 0:
+        chunk = read_range(path, max(0, end - _CHUNK), end)
+        stripped = chunk.rstrip(_WHITESPACE)
+        if stripped:
+            return stripped.endswith(b"\n")
+        end -= len(chunk)
+    return True
+
+
+def _read_split(path: str, size: int, start: int, end: int, blocks: bool) -> tuple[bytes, int, int, bool]:
+    """The bytes holding every line (or, with `blocks`, every blank-line separated block) that
+    starts in [start, end), read on to finish the last one. Returns (bytes, the split-relative
+    number of their first line, newlines in [start, end), whether the bytes begin inside a block
+    that started before `start`: its lines belong to the split before)."""
+    first, first_line, continues = 0, 1, False
+    if start > 0:
+        newline = _find_newline(path, start - 1, end)
+        if newline < 0:  # no line starts in this range
+            return b"", 1, 0, False
+        first, first_line = newline + 1, 2 if newline >= start else 1
+        continues = blocks and not _line_before_is_blank(path, newline)
+    data = read_range(path, first, end)
+    newlines = data.count(b"\n") + (first_line - 1)
+    tail = []
+    if data and end < size and not data.endswith(b"\n"):  # finish the line that straddles `end`
+        stop = _find_newline(path, end, size)
+        tail.append(read_range(path, end, size if stop < 0 else stop + 1))
+    position = end + sum(map(len, tail))
+    last = (data + b"".join(tail)).rsplit(b"\n", 2)
+    open_block = blocks and len(last) > 1 and last[-2].strip() != b""
+    while open_block and position < size:  # a block goes on until a blank line
+        stop = _find_newline(path, position, size)
+        line = read_range(path, position, size if stop < 0 else stop + 1)
+        tail.append(line)
+        position += len(line)
+        open_block = line.strip() != b""
+    return data + b"".join(tail), first_line, newlines, continues
+
+
+# --------------------------------------------------------------------------------------------
 # Reading one file
 
 
-def read_documents(file: InputFile, text_field: str = "text", id_field: str = "id") -> Iterator[Doc | dict]:
-    """Yield each document of `file`, or a dropped record where one is unreadable."""
+@dataclass
+class Shard:
+    """What one split of a file holds: its documents (or dropped records) in order, and how many
+    line numbers it spans (newlines in its byte range, or rows), for the splits after it."""
+
+    documents: Iterator[Doc | dict]
+    lines: int
+
+
+def read_shard(file: InputFile, split: dict | None = None, text_field: str = "text",
+               id_field: str = "id", size: int | None = None) -> Shard:
+    """The documents of `file` (or of one of its splits), and dropped records where one is
+    unreadable. Documents without an id in the data get id None and a split-relative line:
+    `default_id` names them once the split's line_base is known."""
     name = file.path[:-3] if file.path.endswith(".gz") else file.path
+    whole = file.label if split is None or "start" not in split else \
+        f"{file.label}@bytes={split['start']}-{split['end']}"
     try:
-        data = read_bytes(file.path)
-        if file.path.endswith(".gz"):
-            data = gzip.decompress(data)
+        if split is not None and "row_groups" in split:
+            return _read_parquet_groups(file, split["row_groups"], text_field, id_field, size)
+        if split is not None:
+            data, first_line, lines, continues = _read_split(file.path, size, split["start"], split["end"],
+                                                             blocks=not name.endswith(JSONL_SUFFIXES))
+        else:
+            data = read_bytes(file.path)
+            if file.path.endswith(".gz"):
+                data = gzip.decompress(data)
+            first_line, lines, continues = 1, data.count(b"\n"), False
     except (OSError, EOFError, gzip.BadGzipFile) as exc:
-        yield dropped_record(file.label, 0, "parse", "unreadable_file", error=str(exc)[:200])
-        return
-    if not data.strip():
-        yield dropped_record(file.label, 0, "parse", "empty_file")
-        return
+        return Shard(iter([dropped_record(whole, 0, "parse", "unreadable_file", error=str(exc)[:200])]), 0)
+    if split is None and not data.strip():
+        return Shard(iter([dropped_record(file.label, 0, "parse", "empty_file")]), lines)
     if name.endswith(".parquet"):
-        yield from _read_parquet(data, file, text_field, id_field)
-    elif name.endswith(JSONL_SUFFIXES):
-        yield from _read_jsonl(data, file, text_field, id_field)
-    else:
-        yield from _read_text(data, file)
+        return _read_parquet(data, file, text_field, id_field)
+    if name.endswith(JSONL_SUFFIXES):
+        return Shard(_read_jsonl(data, file, text_field, id_field, first_line), lines)
+    return Shard(_read_text(data, file, first_line, continues), lines)
+
+
+def default_id(doc_id: str | None, label: str, line: int) -> str:
+    """A document's id: its own, or "<file label>:<line where it starts>"."""
+    return doc_id if doc_id is not None else f"{label}:{line}"
 
 
 def _make_doc(record: dict, file: InputFile, line: int, text_field: str, id_field: str) -> Doc | dict:
     raw_id = record.get(id_field)
-    doc_id = str(raw_id) if raw_id is not None else f"{file.label}:{line}"
+    doc_id = str(raw_id) if raw_id is not None else None
     text = record.get(text_field)
     if text is None:
         return dropped_record(doc_id, line, "parse", "missing_text")
@@ -193,11 +359,12 @@ def _make_doc(record: dict, file: InputFile, line: int, text_field: str, id_fiel
     return Doc(doc_id, text, file.source, line, metadata)
 
 
-def _read_jsonl(data: bytes, file: InputFile, text_field: str, id_field: str) -> Iterator[Doc | dict]:
-    for line_no, raw in enumerate(data.split(b"\n"), 1):
+def _read_jsonl(data: bytes, file: InputFile, text_field: str, id_field: str,
+                first_line: int = 1) -> Iterator[Doc | dict]:
+    for line_no, raw in enumerate(data.split(b"\n"), first_line):
         if not raw.strip():  # blank lines separate nothing in JSONL; they are not records
             continue
-        default_id = f"{file.label}:{line_no}"
+        default_id = None
         try:
             record = json.loads(raw)  # bytes: json detects the encoding, we insist on UTF-8 below
         except UnicodeDecodeError:
@@ -217,34 +384,49 @@ def _read_jsonl(data: bytes, file: InputFile, text_field: str, id_field: str) ->
         yield _make_doc(record, file, line_no, text_field, id_field)
 
 
-def _read_text(data: bytes, file: InputFile) -> Iterator[Doc | dict]:
+def _read_text(data: bytes, file: InputFile, first_line: int = 1, continues: bool = False) -> Iterator[Doc | dict]:
     """One document per block of non-blank lines. Bytes are decoded per document, so one bad
-    byte sequence costs one document, not the file."""
+    byte sequence costs one document, not the file. With `continues`, the lines before the first
+    blank one end a block of the split before, and are skipped."""
     block: list[bytes] = []
     lines = data.split(b"\n")
-    for line_no, raw in enumerate([*lines, b""], 1):
+    for line_no, raw in enumerate([*lines, b""], first_line):
         if raw.strip():
             block.append(raw)
             continue
-        if block:
+        if block and not continues:
             start = line_no - len(block)
-            doc_id = f"{file.label}:{start}"
             try:
-                yield Doc(doc_id, b"\n".join(block).decode("utf-8"), file.source, start)
+                yield Doc(None, b"\n".join(block).decode("utf-8"), file.source, start)
             except UnicodeDecodeError:
-                yield dropped_record(doc_id, start, "parse", "invalid_utf8")
-            block = []
+                yield dropped_record(None, start, "parse", "invalid_utf8")
+        block, continues = [], False
 
 
-def _read_parquet(data: bytes, file: InputFile, text_field: str, id_field: str) -> Iterator[Doc | dict]:
+def _read_parquet(data: bytes, file: InputFile, text_field: str, id_field: str) -> Shard:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     try:
         table = pq.read_table(pa.BufferReader(data))
     except (pa.ArrowException, OSError, ValueError) as exc:
-        yield dropped_record(file.label, 0, "parse", "unreadable_file", error=str(exc)[:200])
-        return
+        return Shard(iter([dropped_record(file.label, 0, "parse", "unreadable_file", error=str(exc)[:200])]), 0)
+    return Shard(_parquet_rows(table, file, text_field, id_field), table.num_rows)
+
+
+def _read_parquet_groups(file: InputFile, groups: list[int], text_field: str, id_field: str,
+                         size: int | None) -> Shard:
+    import pyarrow as pa
+
+    where = f"{file.label}@row_groups={groups[0]}-{groups[1]}"
+    try:
+        table = _open_parquet(file.path, size).read_row_groups(list(range(*groups)))
+    except (pa.ArrowException, OSError, ValueError) as exc:
+        return Shard(iter([dropped_record(where, 0, "parse", "unreadable_file", error=str(exc)[:200])]), 0)
+    return Shard(_parquet_rows(table, file, text_field, id_field), table.num_rows)
+
+
+def _parquet_rows(table: Any, file: InputFile, text_field: str, id_field: str) -> Iterator[Doc | dict]:
     columns = {name: table.column(name).to_pylist() for name in table.column_names}
     for row in range(table.num_rows):
         yield _make_doc({name: values[row] for name, values in columns.items()}, file, row + 1,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from itertools import chain
 import string
 import unicodedata
 from functools import lru_cache
@@ -161,59 +162,69 @@ def _merge_specials(tokens: list[str]) -> list[str]:
     return out
 
 
+_CHUNK_TOKENS: dict[str, tuple[str, ...]] = {}  # chunk -> its tokens, memoized per process
+MAX_MEMO_CHUNKS = 1 << 18  # per memo, ~40 MB; then start over
+
+
 def split_words(text: str) -> list[str]:
-    """Words and punctuation tokens, in order, as spaCy's English tokenizer splits them."""
-    out: list[str] = []
+    """Words and punctuation tokens, in order, as spaCy's English tokenizer splits them.
+
+    spaCy splits each whitespace-separated chunk on its own, so a chunk's tokens are memoized:
+    word frequencies are Zipfian, and after the first documents nearly every chunk is known and
+    splitting a text is a dictionary lookup per chunk."""
+    memo = _CHUNK_TOKENS
+    chunks = text.split()
+    try:
+        parts = list(map(memo.__getitem__, chunks))
+    except KeyError:
+        if len(memo) > MAX_MEMO_CHUNKS:
+            memo.clear()
+        for chunk in set(chunks).difference(memo):
+            memo[chunk] = tuple(_chunk_tokens(chunk))
+        parts = list(map(memo.__getitem__, chunks))
+    return list(chain.from_iterable(parts))
+
+
+def _chunk_tokens(chunk: str) -> list[str]:
+    """The tokens of one whitespace-separated chunk."""
     special = _SPECIAL
-    for chunk in text.split():
-        if chunk in special:
-            out.extend(special[chunk])
-            continue
-        if chunk.isalpha():  # most chunks: one plain word
-            out.append(chunk)
-            continue
-        if chunk.isdigit():  # a plain number: no mark applies to it
-            out.append(chunk)
-            continue
-        last = chunk[-1]
-        if last in _ALWAYS_SUFFIX:  # "word," "word)": the next most common shape
-            word = chunk[:-1]
-            if word.isalpha():
-                out.extend(special.get(word, (word,)))
-                out.append(last)
-                continue
-        # Next most common: a word inside marks that always split off ("(word", "word)," '"word".'),
-        # maybe hyphenated; settled here by the same rules, without the regular expressions.
-        i, j = 0, len(chunk)
-        while i < j and chunk[i] in _ALWAYS_PREFIX:
-            i += 1
-        while j > i:
-            last = chunk[j - 1]
-            if last in _ALWAYS_SUFFIX:
-                j -= 1
-            elif last == "." and j - 1 > i and (chunk[j - 2] in _ALWAYS_SUFFIX or chunk[j - 2].islower() or (
-                    j - 2 > i and chunk[j - 2].isupper() and chunk[j - 3].isupper())):
-                j -= 1
-            else:
-                break
-        core = chunk[i:j]
-        # (Unless a special case hides inside: "(Mr." keeps "Mr.", "(:)" is a smiley.)
-        if core and _MERGE_RE.search(chunk) is None and not (chunk[j:j + 1] == "." and core + "." in special):
-            if core.isalpha():
-                out.extend(chunk[:i])
-                out.extend(special.get(core, (core,)))
-                out.extend(chunk[j:])
-                continue
-            if "-" in core and core[0] != "-" and core[-1] != "-" and "--" not in core \
-                    and core.replace("-", "").isalpha():  # well-known: a hyphen between letters splits
-                out.extend(chunk[:i])
-                for k, part in enumerate(core.split("-")):
-                    out.extend(("-", part) if k else (part,))
-                out.extend(chunk[j:])
-                continue
-        tokens = _split_chunk(chunk)
-        out.extend(_merge_specials(tokens) if len(tokens) > 1 and _MERGE_RE.search(chunk) else tokens)
-    return out
+    if chunk in special:
+        return special[chunk]
+    if chunk.isalpha() or chunk.isdigit():  # most chunks: one plain word, or a plain number
+        return [chunk]
+    last = chunk[-1]
+    if last in _ALWAYS_SUFFIX:  # "word," "word)": the next most common shape
+        word = chunk[:-1]
+        if word.isalpha():
+            return [*special.get(word, (word,)), last]
+    # Next most common: a word inside marks that always split off ("(word", "word)," '"word".'),
+    # maybe hyphenated; settled here by the same rules, without the regular expressions.
+    i, j = 0, len(chunk)
+    while i < j and chunk[i] in _ALWAYS_PREFIX:
+        i += 1
+    while j > i:
+        last = chunk[j - 1]
+        if last in _ALWAYS_SUFFIX:
+            j -= 1
+        elif last == "." and j - 1 > i and (chunk[j - 2] in _ALWAYS_SUFFIX or chunk[j - 2].islower() or (
+                j - 2 > i and chunk[j - 2].isupper() and chunk[j - 3].isupper())):
+            j -= 1
+        else:
+            break
+    core = chunk[i:j]
+    # (Unless a special case hides inside: "(Mr." keeps "Mr.", "(:)" is a smiley.)
+    if core and _MERGE_RE.search(chunk) is None and not (chunk[j:j + 1] == "." and core + "." in special):
+        if core.isalpha():
+            return [*chunk[:i], *special.get(core, (core,)), *chunk[j:]]
+        if "-" in core and core[0] != "-" and core[-1] != "-" and "--" not in core \
+                and core.replace("-", "").isalpha():  # well-known: a hyphen between letters splits
+            out = list(chunk[:i])
+            for k, part in enumerate(core.split("-")):
+                out.extend(("-", part) if k else (part,))
+            out.extend(chunk[j:])
+            return out
+    tokens = _split_chunk(chunk)
+    return _merge_specials(tokens) if len(tokens) > 1 and _MERGE_RE.search(chunk) else tokens
 
 
 @lru_cache(maxsize=1)
@@ -289,7 +300,9 @@ class WordTable:
         self._reset()
 
     def _reset(self) -> None:
+        self.generation = getattr(self, "generation", -1) + 1  # ids of an older one mean nothing
         self.ids: dict[str, int] = {}
+        self.chunk_ids: dict[str, tuple[int, ...]] = {}  # whitespace chunk -> ids of its tokens
         self.kind = np.zeros(1 << 16, dtype=np.int8)
         self.length = np.zeros(1 << 16, dtype=np.int64)
         self.hash = np.zeros(1 << 16, dtype=np.uint64)
@@ -317,6 +330,29 @@ class WordTable:
         return np.fromiter(map(ids.__getitem__, words), dtype=np.int64, count=len(words))
 
 
+    def encode_text(self, text: str) -> np.ndarray:
+        """encode(split_words(text)), without the list of words: the ids of each whitespace
+        chunk's tokens are memoized, so a text costs a lookup per chunk (and the chunks never
+        seen before one split, all of a text's in one encode)."""
+        chunks = text.split()
+        while True:
+            generation, memo = self.generation, self.chunk_ids
+            missing = list(set(chunks).difference(memo))
+            if missing:
+                if len(memo) + len(missing) > MAX_MEMO_CHUNKS:  # start over, with this text's
+                    memo.clear()
+                    missing = list(set(chunks))
+                tokens = [_chunk_tokens(chunk) for chunk in missing]
+                ids = self.encode(list(chain.from_iterable(tokens))).tolist()
+                if self.generation != generation:  # the table started over: this text again
+                    continue
+                at = 0
+                for chunk, chunk_tokens in zip(missing, tokens):
+                    memo[chunk] = tuple(ids[at:at + len(chunk_tokens)])
+                    at += len(chunk_tokens)
+            return np.fromiter(chain.from_iterable(map(memo.__getitem__, chunks)), dtype=np.int64)
+
+
 TABLE = WordTable()  # one per process (each Ray worker has its own)
 
 
@@ -339,8 +375,16 @@ _NOT_WORD = re.compile(r"[^\w\s]|_")
 _COMBINING = re.compile("[\u0300-\u036f\u1ab0-\u1aff\u1dc0-\u1dff\u20d0-\u20ff\ufe20-\ufe2f]")
 
 
+# The same two rules for ASCII text as one byte translation: lowercase, and every character
+# _NOT_WORD matches (not a letter, digit or space; or "_") becomes a space.
+_ASCII_SIMPLE = bytes(ord(" ") if c == "_" or not (c.isalnum() or c.isspace()) else ord(c.lower())
+                      for c in map(chr, range(128))) + bytes(range(128, 256))
+
+
 def simplify_for_shingles(text: str) -> list[str]:
     """The words near-duplicate detection compares."""
+    if text.isascii():  # numbers first: "3.14" folds to "0" before its "." would split it
+        return _NUMBER.sub("0", text).encode("ascii").translate(_ASCII_SIMPLE).decode("ascii").split()
     text = _NOT_WORD.sub(" ", _NUMBER.sub("0", text.lower()))
     if not text.isascii():
         text = _COMBINING.sub("", unicodedata.normalize("NFD", text))
