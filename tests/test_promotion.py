@@ -47,18 +47,26 @@ def test_thresholds_and_champion_margins_name_each_reason():
 
 
 @pytest.fixture(scope="module")
-def model_uri() -> str:
-    """One real logged model (a tiny GPT); every version below registers it again."""
+def model_uri(tiny_data_dir) -> str:
+    """One real logged model (a tiny GPT with the tiny data's tokenizer, logged as every training
+    stage logs its model); every version below registers it again."""
+    import tempfile
+
     import mlflow
 
     from tasks.model import GPT
-    from tasks.train.export import log_mlflow_model
+    from tasks.train.data import DataDir
+    from tasks.train.export import publish_model
 
+    data = DataDir(tiny_data_dir)
     mlflow.set_experiment("promotion-test")
-    with mlflow.start_run():
+    with mlflow.start_run(), tempfile.TemporaryDirectory() as out:
         torch.manual_seed(0)
-        model = GPT(ModelConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=16))
-        return log_mlflow_model(model, {"stage": "finetune"}, torch.randint(0, 64, (1, 8)))
+        model = GPT(ModelConfig(vocab_size=300, block_size=16, n_layer=1, n_head=2, n_embd=16))
+        _, uri = publish_model(model, out, stage="finetune", step=0, data_hash=data.content_hash,
+                               tokenizer_path=data.tokenizer_path, source_checkpoint="-",
+                               eos_id=data.eos_id)
+        return uri
 
 
 def lifecycle_run(run_id: str, **gate) -> dict:
