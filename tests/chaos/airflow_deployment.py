@@ -31,6 +31,7 @@ restarted triggerer is a new job id, so a new file). `task_log_events` reads all
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -56,6 +57,11 @@ TERMINAL_RUN = {"success", "failed"}
 # their task workers and two busy cores, a write can wait longer, and a scheduler that gets
 # "database is locked" exits. Read by Airflow through [database] sql_alchemy_connect_args.
 SQLITE_CONNECT_ARGS = {"timeout": 120}
+# ...but not the API server's: its requests that wait on the lock hold its threads (and, from its
+# async routes, its event loop), so the request that holds the lock cannot finish and commit. Seen
+# once in CI: two runs created at once, then every component waited on the lock for 30 minutes.
+# Its requests give up after 15 s with a 500, which the Task SDK's client and `request` retry.
+API_SQLITE_CONNECT_ARGS = {"timeout": 15}
 
 
 def free_port() -> int:
@@ -129,6 +135,9 @@ class AirflowDeployment:
         self._lock = threading.RLock()            # restarts and revivals, one at a time
         self._down: set[str] = set()              # killed on purpose, restarted by the caller
         self._token: str | None = None
+        # Our own writes (trigger, clear, mark failed, unpause) go one at a time: the matrix's
+        # threads start their runs together, and concurrent run creation is where SQLite wedged.
+        self._write_lock = threading.Lock()
         bin_dir = str(Path(sys.executable).parent)
         self.airflow = os.path.join(bin_dir, "airflow")
         self.env = {
@@ -204,8 +213,12 @@ class AirflowDeployment:
         with open(logs / f"{component}.log", "ab") as out:
             out.write(f"\n==== start {time.strftime('%H:%M:%S')} ====\n".encode())
             out.flush()
+            env = self.env
+            if component == "api-server":
+                env = {**env, "AIRFLOW__DATABASE__SQL_ALCHEMY_CONNECT_ARGS": f"{__name__}.API_SQLITE_CONNECT_ARGS",
+                       "AIRFLOW__DATABASE__SQL_ALCHEMY_CONNECT_ARGS_ASYNC": f"{__name__}.API_SQLITE_CONNECT_ARGS"}
             self.procs[component] = subprocess.Popen(
-                args, env=self.env, stdout=out, stderr=subprocess.STDOUT, cwd=self.workdir,
+                args, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=self.workdir,
                 preexec_fn=_restore_sigint, start_new_session=True)
 
     def component_log(self, component: str, tail: int = 4000) -> str:
@@ -224,14 +237,35 @@ class AirflowDeployment:
             for name, code in self.exited().items():
                 if name in self._down:
                     continue
-                tail = [line for line in self.component_log(name, 3000).splitlines() if line.strip()][-3:]
-                self.crashes.append({"component": name, "exit_code": code, "at": time.time(),
-                                     "log_tail": tail})
+                log_text = self.component_log(name, 3000)
+                tail = [line for line in log_text.splitlines() if line.strip()][-3:]
+                crash = {"component": name, "exit_code": code, "at": time.time(), "log_tail": tail}
+                if "database is locked" in log_text:
+                    crash["db_open_by"] = self.db_holders()
+                self.crashes.append(crash)
                 self.restarts[name] += 1
                 self._spawn(name)
                 revived.append(f"{name} exited with {code} and was started again: "
-                               + " / ".join(t[-200:] for t in tail))
+                               + " / ".join(t[-200:] for t in tail)
+                               + (f" | DB open by: {crash['db_open_by']}" if "db_open_by" in crash else ""))
         return revived
+
+    def db_holders(self) -> list[str]:
+        """Every process with the metadata DB open, as 'pid state wchan: cmdline': who may hold
+        the SQLite lock when a component exits on "database is locked"."""
+        db = str(self.home / "airflow.db")
+        out = []
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                if any(os.readlink(fd) == db for fd in (entry / "fd").iterdir()):
+                    stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+                    wchan = (entry / "wchan").read_text().strip()
+                    out.append(f"{entry.name} {stat} {wchan}: {_cmdline(int(entry.name))[:150]}")
+            except OSError:
+                continue
+        return out
 
     def pids(self, component: str) -> list[int]:
         proc = self.procs.get(component)
@@ -385,9 +419,10 @@ class AirflowDeployment:
                 headers["Authorization"] = f"Bearer {self.token()}"
             req = urllib.request.Request(self.base + path, data=data, method=method, headers=headers)
             try:
-                with urllib.request.urlopen(req, timeout=timeout) as resp:
-                    payload = resp.read()
-                    return payload.decode(errors="replace") if raw else json.loads(payload or b"null")
+                with self._write_lock if method != "GET" and auth else contextlib.nullcontext():
+                    with urllib.request.urlopen(req, timeout=timeout) as resp:
+                        payload = resp.read()
+                return payload.decode(errors="replace") if raw else json.loads(payload or b"null")
             except urllib.error.HTTPError as exc:
                 detail = exc.read().decode(errors="replace")[:2000]
                 if exc.code == 401 and auth and attempt < retries - 1:
