@@ -589,6 +589,8 @@ def test_a_trigger_deferred_by_the_previous_version_still_runs(use_backend, cloc
     ("deferred", False, False),  # the trigger was handed to another triggerer: the task still waits
     (RuntimeError("no API"), False, False),  # unknown: never stop a job on a guess
     (None, False, False), ("scheduled", False, False),  # cleared: the next try reattaches
+    ("running", False, False),  # cleared, and the next try already runs before Airflow answers
+    ("running", True, True),
     (None, True, True),  # cleared with force_rerun: the next try starts a fresh job
 ])
 def test_trigger_on_kill_stops_the_job_when_the_user_ended_the_task(use_backend, monkeypatch,
