@@ -64,6 +64,13 @@ SQLITE_CONNECT_ARGS = {"timeout": 120}
 API_SQLITE_CONNECT_ARGS = {"timeout": 15}
 
 
+def _connect_args_env(name: str) -> dict[str, str]:
+    """The settings that make Airflow's sync and async engines read their SQLite connect
+    arguments from this module's `name`."""
+    return {f"AIRFLOW__DATABASE__SQL_ALCHEMY_CONNECT_ARGS{suffix}": f"{__name__}.{name}"
+            for suffix in ("", "_ASYNC")}
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -76,16 +83,19 @@ def _restore_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
+def _all_pids() -> list[int]:
+    return [int(entry.name) for entry in Path("/proc").iterdir() if entry.name.isdigit()]
+
+
 def session_pids(sid: int) -> list[int]:
     """Every live process of session `sid` (procfs)."""
     pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if os.getsid(int(entry.name)) == sid:
-                    pids.append(int(entry.name))
-            except (ProcessLookupError, PermissionError):
-                continue
+    for pid in _all_pids():
+        try:
+            if os.getsid(pid) == sid:
+                pids.append(pid)
+        except (ProcessLookupError, PermissionError):
+            continue
     return pids
 
 
@@ -96,20 +106,25 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
-def _ppid(pid: int) -> int:
+def _stat_fields(pid: int) -> list[str]:
+    """/proc/<pid>/stat after the command name: [state, ppid, ...]; [] once the process is gone."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        return int(stat.rsplit(")", 1)[1].split()[1])
-    except (OSError, IndexError, ValueError):
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return []
+
+
+def _ppid(pid: int) -> int:
+    fields = _stat_fields(pid)
+    try:
+        return int(fields[1])
+    except (IndexError, ValueError):
         return 0
 
 
 def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        return state != "Z"
-    except (OSError, IndexError):
-        return False
+    fields = _stat_fields(pid)
+    return bool(fields) and fields[0] != "Z"
 
 
 class AirflowError(RuntimeError):
@@ -162,8 +177,7 @@ class AirflowDeployment:
             "AIRFLOW__API_AUTH__JWT_SECRET": secrets.token_urlsafe(32),
             "AIRFLOW__API_AUTH__JWT_EXPIRATION_TIME": "36000",
             "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{self.home / 'airflow.db'}",
-            "AIRFLOW__DATABASE__SQL_ALCHEMY_CONNECT_ARGS": f"{__name__}.SQLITE_CONNECT_ARGS",
-            "AIRFLOW__DATABASE__SQL_ALCHEMY_CONNECT_ARGS_ASYNC": f"{__name__}.SQLITE_CONNECT_ARGS",
+            **_connect_args_env("SQLITE_CONNECT_ARGS"),
             "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "5",
             "AIRFLOW__DAG_PROCESSOR__MIN_FILE_PROCESS_INTERVAL": "5",
             # The lifecycle file imports much; on 2 busy cores its parse can pass the defaults
@@ -215,8 +229,7 @@ class AirflowDeployment:
             out.flush()
             env = self.env
             if component == "api-server":
-                env = {**env, "AIRFLOW__DATABASE__SQL_ALCHEMY_CONNECT_ARGS": f"{__name__}.API_SQLITE_CONNECT_ARGS",
-                       "AIRFLOW__DATABASE__SQL_ALCHEMY_CONNECT_ARGS_ASYNC": f"{__name__}.API_SQLITE_CONNECT_ARGS"}
+                env = {**env, **_connect_args_env("API_SQLITE_CONNECT_ARGS")}
             self.procs[component] = subprocess.Popen(
                 args, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=self.workdir,
                 preexec_fn=_restore_sigint, start_new_session=True)
@@ -255,14 +268,12 @@ class AirflowDeployment:
         the SQLite lock when a component exits on "database is locked"."""
         db = str(self.home / "airflow.db")
         out = []
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit():
-                continue
+        for pid in _all_pids():
             try:
-                if any(os.readlink(fd) == db for fd in (entry / "fd").iterdir()):
-                    stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-                    wchan = (entry / "wchan").read_text().strip()
-                    out.append(f"{entry.name} {stat} {wchan}: {_cmdline(int(entry.name))[:150]}")
+                if any(os.readlink(fd) == db for fd in Path(f"/proc/{pid}/fd").iterdir()):
+                    state = (_stat_fields(pid) or ["?"])[0]
+                    wchan = Path(f"/proc/{pid}/wchan").read_text().strip()
+                    out.append(f"{pid} {state} {wchan}: {_cmdline(pid)[:150]}")
             except OSError:
                 continue
         return out
