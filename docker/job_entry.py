@@ -106,14 +106,24 @@ def node_rank_and_count(args: argparse.Namespace) -> tuple[int, int]:
         return int(env.get("AWS_BATCH_JOB_NODE_INDEX", "0")), int(env["AWS_BATCH_JOB_NUM_NODES"])
     if "PET_NNODES" in env:  # Kubeflow training operator with nprocPerNode set
         nodes = env["PET_NNODES"].split(":")[-1]
-        return int(env.get("PET_NODE_RANK", "0")), int(nodes)
+        # Older operators give the pod's node rank as RANK only (WORLD_SIZE then counts processes).
+        return int(env.get("PET_NODE_RANK", env.get("RANK", "0"))), int(nodes)
     if args.launcher != "none" and "WORLD_SIZE" in env and "RANK" in env:  # PyTorchJob, one process per pod
         return int(env["RANK"]), int(env["WORLD_SIZE"])
     return hosts()
 
 
 def is_leader(args: argparse.Namespace) -> bool:
-    """Only one process writes outputs and the result: node 0, and there rank 0."""
+    """Only one process writes outputs and the result: node 0, and there rank 0.
+
+    Under hyperpodrun (a HyperPodPyTorchJob pod) no variable names the pod's node: the elastic
+    rendezvous numbers the nodes, and every pod would read itself as node 0 and write the result
+    over the others'. The leader is the pod whose global rank 0 ran here: the stage writes its
+    result only there (tasks.common.entry), into this process's dir of the work dir that the
+    backend sets (LLMOPS_WORKDIR; main() puts `result.json` in process_dir(workdir))."""
+    workdir = args.workdir or os.environ.get("LLMOPS_WORKDIR")
+    if args.launcher == "hyperpodrun" and workdir:
+        return (process_dir(Path(workdir)) / "result.json").exists()
     node, _ = node_rank_and_count(args)
     if args.launcher != "none":
         return node == 0
