@@ -14,7 +14,10 @@ the proxy's host; moto does not check signatures, so forwarding needs no re-sign
 
 What is simulated here, because moto does not do it:
 - Faults (`POST /_chaos/faults`): throttling, 500, 503, connection resets (RST via SO_LINGER 0)
-  and read timeouts, on operations picked by name or glob, with a rate, a window and a count;
+  and read timeouts, all before the request goes on, and lost responses (`lost`: the request is
+  handled, a job is created, submitted or stopped, then the connection is reset without an
+  answer, so botocore sends the same request again, as after a read timeout on AWS), on
+  operations picked by name or glob, with a rate, a window and a count;
   `jobs` (globs) narrows a rule to calls about jobs whose name or a tag `key=value` matches
   (`"llmops:stage=pretrain"`): the job a Describe/Stop/Terminate names, the jobs a Batch
   DescribeJobs lists, the job whose log stream GetLogEvents reads; a call about no known job
@@ -79,7 +82,7 @@ from urllib.parse import parse_qs, urlsplit
 from tests.aws_fixtures import ENTRY, REGION, free_port, sync_checkpoints, training_container
 
 log = logging.getLogger("fake_aws")
-KINDS = ("throttle", "500", "503", "reset", "timeout")
+KINDS = ("throttle", "500", "503", "reset", "timeout", "lost")
 DEFAULT_CONFIG = {"pending_seconds": 2.0,      # Starting / RUNNABLE before a container runs
                   "stop_grace_seconds": 5.0,   # SIGTERM, then SIGKILL after this
                   "stopping_seconds": 1.0,     # Stopping lasts this long after the container ended
@@ -852,7 +855,11 @@ class ProxyHandler(BaseHTTPRequestHandler):
         if rule is None:
             answer = self.fake.sim.handle(call, body, self._forward, self.headers.get("User-Agent", ""))
             return self._send(answer)
-        if rule.kind == "reset":
+        if rule.kind == "lost":
+            # AWS accepted the request (moto and the simulator act on it); its answer never
+            # reaches the client, which sees a reset and resends it.
+            self.fake.sim.handle(call, body, self._forward, self.headers.get("User-Agent", ""))
+        if rule.kind in ("reset", "lost"):
             # SO_LINGER 0: close() sends RST at once, as a dropped load balancer connection does.
             self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
             self.connection.close()
