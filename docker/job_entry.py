@@ -9,14 +9,19 @@ and does around it what a container needs and a local process does not:
 1. reads the stage config (a file, an s3:// object, or mounted input channel);
 2. maps the config's input URIs to where the platform mounted them (SageMaker channels,
    Processing inputs: `--input-map`) and downloads any other s3:// input into the work dir;
-3. gives the stage a local output_dir when the real one is an s3:// URI, with
-   output_dir/checkpoints linked to the platform's synced checkpoint dir (SageMaker's
-   /opt/ml/checkpoints comes back on restart, so a new attempt resumes);
+3. gives the stage a local output_dir when the real one is an s3:// URI, and puts its
+   checkpoints where a new attempt on a fresh machine finds them: linked to the platform's synced
+   checkpoint dir (SageMaker's /opt/ml/checkpoints comes back on restart), or, where nothing syncs
+   (Batch, HyperPod), the stage's own `checkpoint_uri` set to `--checkpoint-uri` so that every
+   checkpoint is written through to S3 as it commits and restored from there before the first
+   step (a shared mount given as a path is linked like a synced dir);
 4. launches the processes: none (the platform already did: SageMaker's toolkit runs torchrun or
    mpirun around this script), `torchrun` (Batch multi-node, Kubeflow PyTorchJob) or
    `hyperpodrun` (HyperPod's elastic agent), with nodes and ranks from the platform's variables;
 5. on the leader only (node 0 / rank 0 / first host): uploads the outputs and writes the result
-   JSON, with local paths rewritten to their URIs, to `--result` (a path or an s3:// URI).
+   JSON, with local paths rewritten to their URIs, to `--result` (a path or an s3:// URI). The
+   result names only what exists: every output path is checked, and `outputs.checkpoint` is the
+   newest complete checkpoint (its manifest, written last, is there) in the run's storage.
 
 A failed stage exits with its own code, and on SageMaker leaves the tail of its log in
 /opt/ml/output/failure, which becomes the job's FailureReason.
@@ -35,6 +40,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import socket
@@ -47,6 +53,8 @@ from typing import Any
 log = logging.getLogger("llmops.entry")
 FAILURE_FILE = "/opt/ml/output/failure"   # SageMaker reports its content as FailureReason
 RDZV_PORT = "29500"
+CHECKPOINT_STEP = re.compile(r"^step_(\d{6,})$")   # tasks/train/checkpoint.py's layout
+CHECKPOINT_COMMIT = "manifest.json"                 # written last: a step without it is unfinished
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
@@ -234,6 +242,56 @@ def upload(local: Path, uri: str, skip: tuple[str, ...] = ("checkpoints",)) -> i
     return len(files)
 
 
+def exists(location: str) -> bool:
+    """An s3:// object or prefix with at least one object under it, or a local path."""
+    if not location.startswith("s3://"):
+        return os.path.exists(location)
+    bucket, key = split_s3(location)
+    listed = _s3().list_objects_v2(Bucket=bucket, Prefix=key, MaxKeys=1).get("Contents", [])
+    return any(obj["Key"] == key or obj["Key"].startswith(key.rstrip("/") + "/") for obj in listed)
+
+
+def newest_checkpoint(location: str) -> str | None:
+    """The newest complete checkpoint (a step_* whose manifest is there) under a local dir or an
+    s3:// prefix, or None."""
+    if location.startswith("s3://"):
+        bucket, key = split_s3(location)
+        prefix = key.rstrip("/") + "/"
+        names = []
+        for page in _s3().get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix,
+                                                                   Delimiter="/"):
+            names += [p["Prefix"][len(prefix):].rstrip("/") for p in page.get("CommonPrefixes", [])]
+    else:
+        names = [p.name for p in Path(location).iterdir()] if os.path.isdir(location) else []
+    steps = sorted(((int(m.group(1)), name) for name in names if (m := CHECKPOINT_STEP.match(name))),
+                   reverse=True)
+    for _, name in steps:
+        candidate = f"{location.rstrip('/')}/{name}"
+        if exists(f"{candidate}/{CHECKPOINT_COMMIT}"):
+            return candidate
+    return None
+
+
+def settle_outputs(result: dict[str, Any], checkpoints: str) -> list[str]:
+    """Make the result name only what exists, before its paths are rewritten: `checkpoint` becomes
+    the newest complete one under `checkpoints` (the run's checkpoint storage; dropped, with a
+    warning, when there is none), and every other output path or URI is checked. Returns the
+    outputs that are missing."""
+    outputs = result.get("outputs") or {}
+    if "checkpoint" in outputs:
+        newest = newest_checkpoint(checkpoints)
+        if newest is None:
+            log.warning("no complete checkpoint under %s: the result names none", checkpoints)
+            outputs.pop("checkpoint")
+        else:
+            if os.path.basename(str(outputs["checkpoint"]).rstrip("/")) != os.path.basename(newest):
+                log.warning("the stage reported checkpoint %s; the newest complete one in the run's "
+                            "storage is %s", outputs["checkpoint"], newest)
+            outputs["checkpoint"] = newest
+    return [f"{key}: {value}" for key, value in outputs.items() if key != "checkpoint"
+            and isinstance(value, str) and value.startswith(("/", "s3://")) and not exists(value)]
+
+
 def rewrite(data: Any, mapping: dict[str, str]) -> Any:
     """Replace path prefixes in every string of `data`, longest prefix first."""
     keys = sorted((k for k in mapping if k), key=len, reverse=True)
@@ -257,7 +315,7 @@ def map_inputs(config: dict[str, Any], input_map: dict[str, str], workdir: Path)
     def find(value: Any, key: str = "") -> None:
         if isinstance(value, dict):
             for k, v in value.items():
-                if k != "output_dir":
+                if k not in ("output_dir", "checkpoint_uri"):   # where it writes, not inputs
                     find(v, k)
         elif isinstance(value, list):
             for v in value:
@@ -353,6 +411,14 @@ def main(argv: list[str] | None = None) -> int:
     local_out.mkdir(parents=True, exist_ok=True)
     if args.merge_output:
         merge_hosts(Path(os.path.expandvars(args.merge_output)), local_out)
+    checkpoint_uri = args.checkpoint_uri
+    if checkpoint_uri and not checkpoint_dir and "checkpoint_uri" in config:
+        if checkpoint_uri.startswith("s3://"):
+            # Nothing syncs this node's disk (Batch, HyperPod): the stage writes every checkpoint
+            # through to S3 as it commits, and restores from there on a fresh node.
+            config["checkpoint_uri"] = config["checkpoint_uri"] or checkpoint_uri
+        else:
+            checkpoint_dir = checkpoint_uri   # a shared mount (FSx, EFS), linked like a synced dir
     if checkpoint_dir:
         Path(checkpoint_dir).mkdir(parents=True, exist_ok=True)
         link = local_out / "checkpoints"
@@ -383,15 +449,21 @@ def main(argv: list[str] | None = None) -> int:
         log.error("%s exited 0 but wrote no result JSON", args.entrypoint)
         return 3
     result = json.loads(result_file.read_text())
+    mirror = str(config.get("checkpoint_uri") or "")
+    missing = settle_outputs(result, mirror or checkpoint_dir or str(local_out / "checkpoints"))
+    if missing:
+        log.error("%s's result names outputs that do not exist: %s", args.entrypoint,
+                  "; ".join(missing))
+        return 3
     if upload_outputs:
         count = upload(local_out, output_uri)
         log.info("uploaded %d output files to %s", count, output_uri)
     mapping = {str(local_out): output_uri or str(local_out)}
-    if args.checkpoint_uri:
-        mapping[str(local_out / "checkpoints")] = args.checkpoint_uri
+    if checkpoint_uri:
+        mapping[str(local_out / "checkpoints")] = checkpoint_uri
         if checkpoint_dir:
-            mapping[checkpoint_dir] = args.checkpoint_uri
-            mapping[os.path.realpath(checkpoint_dir)] = args.checkpoint_uri
+            mapping[checkpoint_dir] = checkpoint_uri
+            mapping[os.path.realpath(checkpoint_dir)] = checkpoint_uri
     result = rewrite(result, mapping)
     destination = args.result if n_hosts == 1 or host == 0 else args.result.replace(
         "result.json", f"result-host-{host}.json")

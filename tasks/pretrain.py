@@ -20,7 +20,6 @@ import contextlib
 import logging
 import os
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -295,7 +294,7 @@ def _report(run_dir: Path, result: Any) -> dict[str, Any]:
 # The job: supervisor, worker, spare
 
 
-def main(cfg: TrainConfig) -> dict[str, Any]:
+def main(cfg: TrainConfig) -> dict[str, Any] | None:
     env = WorkerEnv.from_env()
     if env.role is not None:
         return _worker(cfg, env)
@@ -331,7 +330,7 @@ def _worker(cfg: TrainConfig, env: WorkerEnv) -> dict[str, Any]:
     return result
 
 
-def _supervise(cfg: TrainConfig, env: WorkerEnv) -> dict[str, Any]:
+def _supervise(cfg: TrainConfig, env: WorkerEnv) -> dict[str, Any] | None:
     run_dir = tm.run_dir(cfg.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     config_path = write_json(run_dir / "worker_config.json", to_dict(cfg))
@@ -351,24 +350,14 @@ def _supervise(cfg: TrainConfig, env: WorkerEnv) -> dict[str, Any]:
                   "why. The task fails; its retry resumes from the newest valid checkpoint.",
                   code, supervisor.restarts)
         sys.exit(code)
-    if env.rank == 0:
-        result = read_json(result_path)
-    else:
-        # rank 0 may still be waiting for the final checkpoint's upload
-        result = _rank0_result(run_dir, result_path,
-                               cfg.hang_timeout_s + cfg.upload_timeout_s + 600)
+    if env.rank != 0:
+        # Rank 0 alone publishes the model and writes the job's result. Nothing here waits for
+        # it: on a multi-node job its files are on another node's disk, and a rank waiting for
+        # them kept every other node's GPUs idle until torchrun's exit barrier gave up (300 s).
+        return None
+    result = read_json(result_path)
     result.setdefault("metrics", {})["restarts"] = supervisor.restarts
     return result
-
-
-def _rank0_result(run_dir: Path, own: Path, timeout_s: float) -> dict[str, Any]:
-    """Every process torchrun starts writes the same --result file; the other ranks wait for
-    rank 0's result (it publishes the model) so that whichever writes last writes the same."""
-    rank0 = run_dir / "worker_result.rank0.json"
-    deadline = time.monotonic() + timeout_s
-    while not rank0.exists() and time.monotonic() < deadline:
-        time.sleep(0.5)
-    return read_json(rank0 if rank0.exists() else own)
 
 
 if __name__ == "__main__":

@@ -168,12 +168,26 @@ def run_training_container(moto: Moto, job_name: str, workdir: Path, extra_env: 
     return proc
 
 
+def host_dir(workdir: Path, request: dict, host: int) -> Path:
+    """Host `host`'s own disk under `workdir`: the workdir itself for a one-instance job, else
+    `algo-<host+1>/` (SageMaker's host names): instances of a job share no disk."""
+    count = request["ResourceConfig"]["InstanceCount"]
+    return workdir if count == 1 else workdir / f"algo-{host + 1}"
+
+
 def training_container(s3: Any, request: dict, workdir: Path, s3_endpoint: str,
-                       extra_env: dict | None = None) -> tuple[list[str], dict[str, str]]:
-    """Lay out /opt/ml under `workdir` for a CreateTrainingJob `request` (channels and
-    checkpoints downloaded from S3) and return the container's command and environment.
-    Shared with tests/chaos/fake_aws.py, which runs the same command in the background."""
-    opt_ml = workdir / "opt_ml"
+                       extra_env: dict | None = None, *, host: int = 0,
+                       master_port: int = 0) -> tuple[list[str], dict[str, str]]:
+    """Lay out /opt/ml on host `host`'s own disk under `workdir` for a CreateTrainingJob
+    `request` (channels and checkpoints downloaded from S3) and return the container's command
+    and environment. Shared with tests/chaos/fake_aws.py, which runs the same command in the
+    background, one per instance.
+
+    Simulated part of the SageMaker PyTorch toolkit: with `sagemaker_torch_distributed_enabled`
+    on several instances it runs torchrun around the program (nodes = instances, node rank = the
+    host's index, the first host the rendezvous, `master_port`); one process per host here (CPU
+    instances). One instance runs the program directly."""
+    opt_ml = host_dir(workdir, request, host) / "opt_ml"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SM_", "AIRFLOW_CONN_"))}
     env.update(request.get("Environment", {}))
     for channel in request.get("InputDataConfig", []):
@@ -184,23 +198,38 @@ def training_container(s3: Any, request: dict, workdir: Path, s3_endpoint: str,
     if request.get("CheckpointConfig"):  # a restarted job gets its checkpoints back
         _download(s3, request["CheckpointConfig"]["S3Uri"], checkpoints)
     hosts = [f"algo-{i + 1}" for i in range(request["ResourceConfig"]["InstanceCount"])]
-    env.update({"SM_HOSTS": json.dumps(hosts), "SM_CURRENT_HOST": hosts[0],
+    env.update({"SM_HOSTS": json.dumps(hosts), "SM_CURRENT_HOST": hosts[host],
                 "LLMOPS_WORKDIR": str(opt_ml / "llmops"), "LLMOPS_CHECKPOINT_DIR": str(checkpoints),
+                "TMPDIR": str(_mkdir(opt_ml.parent / "tmp")),
                 "AWS_ENDPOINT_URL_S3": s3_endpoint, "PYTHONPATH": str(ROOT),
                 "TRAINING_JOB_NAME": request["TrainingJobName"], **(extra_env or {})})
     # The toolkit decodes each hyperparameter from JSON and passes the non-`sagemaker_` ones to
     # the program as `--name value`.
     args = []
-    for name, value in sorted(request.get("HyperParameters", {}).items()):
+    hyperparameters = {k: json.loads(v) for k, v in request.get("HyperParameters", {}).items()}
+    for name, value in sorted(hyperparameters.items()):
         if not name.startswith("sagemaker_"):
-            args += [f"--{name}", str(json.loads(value))]
-    return [sys.executable, str(ENTRY), *args], env
+            args += [f"--{name}", str(value)]
+    launch = [sys.executable]
+    if len(hosts) > 1 and hyperparameters.get("sagemaker_torch_distributed_enabled"):
+        launch += ["-m", "torch.distributed.run", f"--nnodes={len(hosts)}", f"--node_rank={host}",
+                   "--nproc_per_node=1", "--master_addr=127.0.0.1", f"--master_port={master_port}"]
+    return [*launch, str(ENTRY), *args], env
+
+
+def _mkdir(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    return path
 
 
 def sync_checkpoints(s3: Any, request: dict, workdir: Path) -> None:
-    """/opt/ml/checkpoints back to CheckpointConfig.S3Uri (SageMaker syncs it continuously)."""
+    """Every host's /opt/ml/checkpoints back to CheckpointConfig.S3Uri (SageMaker syncs each
+    instance's continuously, all to the same URI)."""
     if request.get("CheckpointConfig"):
-        _upload(s3, workdir / "opt_ml" / "checkpoints", request["CheckpointConfig"]["S3Uri"])
+        for host in range(request["ResourceConfig"]["InstanceCount"]):
+            local = host_dir(workdir, request, host) / "opt_ml" / "checkpoints"
+            if local.is_dir():
+                _upload(s3, local, request["CheckpointConfig"]["S3Uri"])
 
 
 def _download(s3: Any, uri: str, local: Path) -> None:

@@ -23,8 +23,11 @@ C = TypeVar("C")
 log = logging.getLogger("tasks")
 
 
-def run_stage(stage: str, config_cls: type[C], main: Callable[[C], dict[str, Any]],
+def run_stage(stage: str, config_cls: type[C], main: Callable[[C], dict[str, Any] | None],
               argv: list[str] | None = None) -> None:
+    """Parse, validate, run `main`, write its result. `main` returns None in a process whose
+    job's result another process writes (a distributed job's ranks other than 0: the file may sit
+    on another node's disk, so nobody waits for it)."""
     parser = argparse.ArgumentParser(prog=f"python -m tasks.{stage}")
     parser.add_argument("--config", required=True, help="Stage config JSON file.")
     parser.add_argument("--result", required=True, help="Where to write the result JSON.")
@@ -49,6 +52,9 @@ def run_stage(stage: str, config_cls: type[C], main: Callable[[C], dict[str, Any
         sys.exit(2)
     started = time.time()
     result = main(config)
+    if result is None:
+        log.info("%s finished in %.1fs; rank 0 writes the job's result", stage, time.time() - started)
+        return
     result.setdefault("stage", stage)
     result.setdefault("seconds", round(time.time() - started, 3))
     write_json(args.result, result)

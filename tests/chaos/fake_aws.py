@@ -27,10 +27,11 @@ What is simulated here, because moto does not do it:
   S3; query: STS/IAM), so botocore's retry handler classifies them as it would AWS's.
 - SageMaker training jobs: moto stores the job (and says Completed at once); the simulator keeps
   the real lifecycle. InProgress/Starting for `pending_seconds`, Downloading (channels from S3
-  into an /opt/ml layout under the workdir, tests/aws_fixtures.training_container), Training (the
-  image's entry, docker/job_entry.py, in a subprocess with its own process group), Uploading
-  (checkpoints back to CheckpointConfig.S3Uri), then Completed, Failed (FailureReason from the
-  log's tail) or Stopped. StopTrainingJob (moto: HTTP 500) and MaxRuntimeInSeconds are handled
+  into an /opt/ml layout on each instance's own disk, tests/aws_fixtures.training_container),
+  Training (the image's entry, docker/job_entry.py, one subprocess per instance with its own
+  process group; several instances with torch_distributed under torchrun, as the toolkit runs
+  it), Uploading (every instance's checkpoints back to CheckpointConfig.S3Uri), then Completed
+  (every instance done), Failed (FailureReason from the log's tail) or Stopped. StopTrainingJob (moto: HTTP 500) and MaxRuntimeInSeconds are handled
   here; a duplicate job name is refused with ResourceInUse as SageMaker does (moto accepts it).
   Describe/ListTrainingJobs answers are moto's with the status fields rewritten.
 - AWS Batch jobs: moto stores the job (finished at once with use_docker false); the simulator
@@ -42,12 +43,14 @@ What is simulated here, because moto does not do it:
   Logs (`/aws/sagemaker/TrainingJobs` `<job>/algo-1-<epoch>`; `/aws/batch/job`
   `<definition>/default/<job id>-node<i>`), so GetLogEvents through the proxy sees them live.
 - Service-side events: `/_chaos/jobs/<name>/fail` (the container crashes), `/stop` (stopped from
-  the console), `fail_first_attempt` (the host of a job's first attempt dies).
+  the console), `/host` (node N's host dies: its container killed, the attempt failed),
+  `fail_first_attempt` (the host of a job's first attempt dies).
+- Disks: every node of a job (Batch node, SageMaker instance) has its own work dir and TMPDIR,
+  and every new attempt starts on empty ones: only S3 (and MLflow) outlive a node.
 The containers reach moto directly (AWS_ENDPOINT_URL), never through the faults. Jobs belong to
 this process, not to the client: they keep running when Airflow dies, and end when this stops.
 
-Not simulated: SageMaker Processing jobs (moto's Completed-at-once), more than one SageMaker
-instance (algo-1 runs; SM_HOSTS still lists all), RetryStrategy/retryStrategy, spot, warm pools,
+Not simulated: SageMaker Processing jobs (moto's Completed-at-once), RetryStrategy/retryStrategy, spot, warm pools,
 model.tar.gz upload, Batch fair-share scheduling, SecondaryStatusTransitions, pagination changes.
 """
 
@@ -381,6 +384,17 @@ class Simulator:
         job.wake.set()
         return True
 
+    def lose_host(self, job: Job, node: int) -> bool:
+        """Node `node`'s host dies now: its container is killed without a signal to catch, and
+        the attempt ends as the service ends it (Batch: FAILED, host terminated; SageMaker:
+        Failed, internal error). Its disk goes with it: a new attempt gets fresh ones."""
+        with self.lock:
+            procs = list(job.procs)
+        if not 0 <= node < len(procs):
+            raise ValueError(f"job {job.name} has {len(procs)} running nodes, not node {node}")
+        _kill_group(procs[node], 0)
+        return self.end(job, "host", f"node {node}'s host terminated")
+
     def report(self) -> list[dict[str, Any]]:
         with self.lock:
             return [j.report() for j in sorted(self.jobs.values(), key=lambda j: j.created_at)]
@@ -661,9 +675,15 @@ class Simulator:
         self._finish(job)
 
     def _prepare_sagemaker(self, job: Job) -> list[tuple[list[str], dict[str, str], LogSink]]:
-        cmd, env = training_container(self.s3, job.request, job.workdir, self.moto_url, self._aws_env())
-        stream = f"{job.name}/algo-1-{int(time.time())}"
-        return [(cmd, env, self._sink(job, SM_GROUP, stream))]
+        """One container per instance, each on its own disk (channels and checkpoints downloaded
+        to each), as SageMaker runs a multi-instance job."""
+        port, out = free_port(), []
+        for host in range(job.request["ResourceConfig"]["InstanceCount"]):
+            cmd, env = training_container(self.s3, job.request, job.workdir, self.moto_url,
+                                          self._aws_env(), host=host, master_port=port)
+            stream = f"{job.name}/algo-{host + 1}-{int(time.time())}"
+            out.append((cmd, env, self._sink(job, SM_GROUP, stream)))
+        return out
 
     def _prepare_batch(self, job: Job) -> list[tuple[list[str], dict[str, str], LogSink]]:
         request = job.request
@@ -691,7 +711,10 @@ class Simulator:
                         "AWS_BATCH_CE_NAME": "fake-aws", "AWS_BATCH_JOB_NUM_NODES": str(nodes),
                         "AWS_BATCH_JOB_NODE_INDEX": str(node), "AWS_BATCH_JOB_MAIN_NODE_INDEX": "0",
                         "MASTER_PORT": port, "PYTHONPATH": str(ENTRY.parents[1]),
-                        "LLMOPS_WORKDIR": str(job.workdir / f"node{node}")})
+                        # each node its own disk: nothing it writes is seen by another node
+                        "LLMOPS_WORKDIR": str(job.workdir / f"node{node}"),
+                        "TMPDIR": str(job.workdir / f"node{node}" / "tmp")})
+            (job.workdir / f"node{node}" / "tmp").mkdir(parents=True, exist_ok=True)
             # Batch tells the other nodes the main node's address, and the main node nothing.
             env["AWS_BATCH_JOB_MAIN_NODE_PRIVATE_IPV4_ADDRESS" if node else "MASTER_ADDR"] = "127.0.0.1"
             stream = f"{definition}/default/{job.job_id}-node{node}"
@@ -722,6 +745,9 @@ class Simulator:
                 job.pumps[-1].start()
             job.started_at = time.time()
         self._set(job, *(("InProgress", "Training") if sagemaker else ("RUNNING",)))
+        if sagemaker and job.request.get("CheckpointConfig"):
+            threading.Thread(target=self._sync_checkpoints, args=(job,), daemon=True,
+                             name=f"sync-{job.name}").start()
         runtime = (job.request.get("StoppingCondition", {}).get("MaxRuntimeInSeconds") if sagemaker
                    else job.request.get("timeout", {}).get("attemptDurationSeconds"))
         deadline = job.started_at + runtime if runtime else None
@@ -731,7 +757,12 @@ class Simulator:
             self.first_attempts.add(first)
         host_death = job.started_at + self.config["fail_after_seconds"] if doomed else None
         main = job.procs[0]
-        while main.poll() is None and not self.closing.is_set():
+
+        def running() -> bool:
+            # Batch ends a multi-node job with its main node; SageMaker when every host is done.
+            return any(p.poll() is None for p in job.procs) if sagemaker else main.poll() is None
+
+        while running() and not self.closing.is_set():
             now = time.time()
             if deadline and now > deadline:
                 self.end(job, "deadline")
@@ -753,10 +784,22 @@ class Simulator:
                 except subprocess.TimeoutExpired:
                     pass
                 _kill_group(proc, 0 if proc is main else self.config["stop_grace_seconds"])
-        code = main.wait()
+        codes = [p.wait() for p in (job.procs if sagemaker else [main])]
+        code = next((c for c in codes if c != 0), 0)
         job.exit_code = 128 - code if code < 0 else code   # killed by signal N: 128 + N, as Docker
         if job.end_request and job.end_request[0] in ("client", "service"):
             time.sleep(self.config["stopping_seconds"])
+
+    def _sync_checkpoints(self, job: Job) -> None:
+        """SageMaker uploads what appears in each instance's /opt/ml/checkpoints while the job
+        runs (here every second), not only at the end: a host that dies loses nothing synced."""
+        while not job.wake.wait(1.0) and not self.closing.is_set():
+            if not any(p.poll() is None for p in job.procs):
+                return
+            try:
+                sync_checkpoints(self.s3, job.request, job.workdir)
+            except Exception as exc:  # a file renamed or removed mid-sync: next round
+                log.debug("checkpoint sync of %s: %s", job.name, exc)
 
     def _pump(self, job: Job, proc: subprocess.Popen, sink: LogSink) -> None:
         assert proc.stdout is not None
@@ -929,6 +972,13 @@ class ProxyHandler(BaseHTTPRequestHandler):
                 return json_answer(call, {"rules": len(fake.faults.rules)})
             if path == "/_chaos/config":
                 return json_answer(call, fake.sim.configure(**payload) if method == "POST" else fake.sim.config)
+            match = re.fullmatch(r"/_chaos/jobs/(.+)/host", path)
+            if match and method == "POST":
+                job = fake.sim.find(match.group(1))
+                if job is None:
+                    return json_answer(call, {"error": f"no simulated job {match.group(1)!r}"}, 404)
+                ended = fake.sim.lose_host(job, int(payload.get("node", 0)))
+                return json_answer(call, {"ended": ended, "job": job.report()})
             match = re.fullmatch(r"/_chaos/jobs/(.+)/(fail|stop)", path)
             if match and method == "POST":
                 job = fake.sim.find(match.group(1))
@@ -1054,6 +1104,10 @@ class ChaosClient:
     def stop(self, name: str, reason: str = "") -> Any:
         """Someone stops the job from the console (SageMaker Stopped, Batch FAILED with reason)."""
         return self._call("POST", f"jobs/{name}/stop", {"reason": reason})
+
+    def lose_host(self, name: str, node: int = 0) -> Any:
+        """Node `node`'s host dies (its disk with it); the attempt fails as the service fails it."""
+        return self._call("POST", f"jobs/{name}/host", {"node": node})
 
     def config(self, **changes: Any) -> Any:
         return self._call("POST", "config", changes)
