@@ -1,15 +1,17 @@
-"""A 2-node pretraining job whose nodes share no disk, on AWS Batch and on SageMaker, driven
-through the project's own backends against tests/chaos/fake_aws.py.
+"""A 2-node pretraining job whose nodes share no disk, on AWS Batch, SageMaker and HyperPod (both
+job kinds), driven through the project's own backends against tests/chaos/fake_aws.py and
+tests/chaos/fake_eks.py.
 
 What is real: the backends' requests (validated by botocore, stored by moto), S3 (moto), the
 image's entry (docker/job_entry.py) on every node, torchrun's rendezvous across the two nodes,
 the supervisor and the training loop with DDP on gloo, MLflow. What is simulated (fake_aws): the
 services running the containers, one per node, each on its own empty work dir and TMPDIR (a new
-attempt gets new ones), the SageMaker toolkit's torchrun across instances, a node's host dying.
+attempt gets new ones), the SageMaker toolkit's torchrun across instances, the Kubernetes API,
+the HyperPod / Kubeflow operators and HyperPod's agent (torchrun), a node's host dying.
 
 Each backend, one test:
 1. the first attempt trains until rank 1 (node 1) hangs at HANG_STEP, and node 1's host dies:
-   the attempt fails as the service fails it;
+   the attempt fails as the service fails it (HyperPod restarts the job's pods on new nodes);
 2. the next attempt starts on fresh disks, restores the newest complete checkpoint from the run's
    storage in S3 before its first step, and finishes: it lost at most one checkpoint interval;
 3. the job ends within END_BUDGET_S of its last step in the log (before: ~300 s, node 1 waiting
@@ -23,7 +25,8 @@ import json
 import os
 import re
 import time
-from pathlib import Path
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import boto3
 import pytest
@@ -34,7 +37,8 @@ from llmops.jobs.backends.sagemaker import SageMakerTrainingBackend
 from llmops.jobs.spec import JobSpec, job_name
 from tasks.configs import tiny, to_dict
 from tests.aws_fixtures import DUMMY_CREDENTIALS, IMAGE, REGION, free_port, sagemaker_settings
-from tests.chaos.fake_aws import BATCH_GROUP, SM_GROUP, ChaosClient, FakeAws
+from tests.chaos.fake_aws import BATCH_GROUP, CREDENTIALS, SM_GROUP, ChaosClient, FakeAws
+from tests.chaos.fake_eks import FakeEks
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -116,21 +120,6 @@ def log_events(server: FakeAws, group: str, streams: list[str]) -> list[tuple[fl
     return sorted(events)
 
 
-def wait_for_line(server: FakeAws, chaos: ChaosClient, name: str, group: str, pattern: re.Pattern,
-                  timeout: float) -> re.Match:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        job = chaos.job(name)
-        if job and job["streams"]:
-            for _, line in log_events(server, group, job["streams"]):
-                if found := pattern.search(line):
-                    return found
-            assert job["status"] not in ("SUCCEEDED", "FAILED", "Completed", "Failed", "Stopped"), \
-                f"job {name} ended ({job['status']}: {job['reason']}) before {pattern.pattern!r}"
-        time.sleep(1)
-    raise TimeoutError(f"no line {pattern.pattern!r} from {name} after {timeout} s")
-
-
 def newest_complete_step(server: FakeAws, uri: str) -> int:
     bucket, _, prefix = uri[len("s3://"):].partition("/")
     keys = [o["Key"] for page in moto(server, "s3").get_paginator("list_objects_v2").paginate(
@@ -139,34 +128,54 @@ def newest_complete_step(server: FakeAws, uri: str) -> int:
     return max(steps, default=-1)
 
 
-def run_two_nodes_lose_one(server: FakeAws, backend, spec: JobSpec, group: str, staging: str) -> None:
-    chaos = ChaosClient(server.url)
+@dataclass
+class Platform:
+    """How a test reaches one backend's simulated jobs."""
+
+    backend: Any
+    staging: str
+    events: Callable[[dict], list[tuple[float, str]]]   # (time, line) of every node of an attempt
+    ended_at: Callable[[dict], float | None]
+    lose_node_1: Callable[[dict], None]
+    continue_after_loss: Callable[[JobSpec, dict], dict]   # the handle of the attempt that goes on
+
+
+def wait_for_line(platform: Platform, handle: dict, pattern: re.Pattern, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(pattern.search(line) for _, line in platform.events(handle)):
+            return
+        status = platform.backend.status(handle)
+        assert status.state in (JobState.PENDING, JobState.RUNNING), \
+            f"job {handle['job_name']} ended ({status.state}: {status.message}) before {pattern.pattern!r}"
+        time.sleep(1)
+    raise TimeoutError(f"no line {pattern.pattern!r} from {handle['job_name']} after {timeout} s")
+
+
+def run_two_nodes_lose_one(platform: Platform, spec: JobSpec, server: FakeAws) -> dict:
+    backend = platform.backend
     first = backend.submit(spec)
     # rank 1 (node 1) stops in step HANG_STEP; rank 0 waits for it in that step's all-reduce
-    wait_for_line(server, chaos, first["job_name"], group,
-                  re.compile(rf"\bstep {HANG_STEP - 1}/{MAX_STEPS} \|"), timeout=300)
+    wait_for_line(platform, first, re.compile(rf"\bstep {HANG_STEP - 1}/{MAX_STEPS} \|"), timeout=300)
     reached = HANG_STEP - 1
-    uri = remote.plan(spec, first["job_name"], staging).checkpoint_uri   # every attempt's
+    uri = remote.plan(spec, first["job_name"], platform.staging).checkpoint_uri   # every attempt's
     deadline = time.monotonic() + 60   # the last checkpoint's upload may still be under way
     while newest_complete_step(server, uri) < reached - reached % INTERVAL and time.monotonic() < deadline:
         time.sleep(0.5)
-    chaos.lose_host(first["job_name"], node=1)
-    failed = wait_state(backend, first, {JobState.FAILED, JobState.STOPPED, JobState.SUCCEEDED}, 120)
-    assert failed.state is JobState.FAILED, failed.message
+    lost_at = time.time()
+    platform.lose_node_1(first)
 
-    # The next attempt: fresh nodes, empty disks; no hang on the new host.
-    retry = backend.submit(spec.replace(env={}))
-    assert retry["reattached"] is False and retry["job_name"] != first["job_name"]
-    done = wait_state(backend, retry, {JobState.SUCCEEDED, JobState.FAILED, JobState.STOPPED}, 420)
-    job = chaos.job(retry["job_name"])
-    events = log_events(server, group, job["streams"])
+    # Fresh nodes, empty disks: a new attempt (Batch, SageMaker) or the same job restarted by
+    # HyperPod's auto-resume.
+    handle = platform.continue_after_loss(spec, first)
+    done = wait_state(backend, handle, {JobState.SUCCEEDED, JobState.FAILED, JobState.STOPPED}, 420)
+    events = [(t, line) for t, line in platform.events(handle) if t >= lost_at]
     text = "\n".join(line for _, line in events)
     assert done.state is JobState.SUCCEEDED, f"{done.message}\n{text[-4000:]}"
 
     # 2. restored from the run's storage before the first step; lost at most one interval
-    resumed = [RESUME_LINE.search(line) for _, line in events]
-    resumed = [m for m in resumed if m]
-    assert resumed, f"the new attempt did not restore a checkpoint:\n{text[-4000:]}"
+    resumed = [m for _, line in events if (m := RESUME_LINE.search(line))]
+    assert resumed, f"the next attempt did not restore a checkpoint:\n{text[-4000:]}"
     restored_step = int(resumed[0].group(2))
     first_step = min(int(m.group(1)) for _, line in events if (m := STEP_LINE.search(line)))
     assert first_step == restored_step + 1, (first_step, restored_step)
@@ -175,7 +184,7 @@ def run_two_nodes_lose_one(server: FakeAws, backend, spec: JobSpec, group: str, 
 
     # 3. the job ends within seconds of its last step
     last_step_at = max(t for t, line in events if STEP_LINE.search(line))
-    idle = job["ended_at"] - last_step_at
+    idle = platform.ended_at(handle) - last_step_at
     print(f"{type(backend).__name__}: end of job {idle:.1f} s after the last step; lost "
           f"{reached - restored_step} steps (reached {reached}, restored {restored_step})")
     assert idle <= END_BUDGET_S, f"the job ended {idle:.0f} s after its last step"
@@ -187,18 +196,74 @@ def run_two_nodes_lose_one(server: FakeAws, backend, spec: JobSpec, group: str, 
     moto(server, "s3").head_object(Bucket=bucket, Key=f"{key}/manifest.json")
     assert checkpoint.endswith(f"step_{MAX_STEPS:06d}") and newest_complete_step(server, uri) == MAX_STEPS
     assert done.result["metrics"]["step"] == MAX_STEPS
+    return handle
+
+
+def aws_platform(server: FakeAws, backend: Any, staging: str, group: str) -> Platform:
+    """Batch and SageMaker: the job's CloudWatch streams; a lost host fails the attempt and the
+    next one (fresh nodes) is submitted as the operator's retry would."""
+    chaos = ChaosClient(server.url)
+
+    def events(handle: dict) -> list[tuple[float, str]]:
+        job = chaos.job(handle["job_name"])
+        return log_events(server, group, job["streams"]) if job else []
+
+    def continue_after_loss(spec: JobSpec, first: dict) -> dict:
+        failed = wait_state(backend, first, {JobState.FAILED, JobState.STOPPED, JobState.SUCCEEDED}, 120)
+        assert failed.state is JobState.FAILED, failed.message
+        retry = backend.submit(spec.replace(env={}))   # the new host has no injected hang
+        assert retry["reattached"] is False and retry["job_name"] != first["job_name"]
+        return retry
+
+    return Platform(backend, staging, events, lambda h: chaos.job(h["job_name"])["ended_at"],
+                    lambda h: chaos.lose_host(h["job_name"], node=1), continue_after_loss)
 
 
 def test_batch_two_nodes_no_shared_disk(fake):
     backend = BatchBackend(settings={"batch": {
         "aws_conn_id": CONN, "job_queue": QUEUE, "image": IMAGE, "instance_type": "m5.xlarge",
         "staging_uri": f"s3://{BUCKET}/batch-staging"}})
-    spec = pretrain_spec("mn-batch", instance_type="m5.xlarge")
-    run_two_nodes_lose_one(fake, backend, spec, BATCH_GROUP, f"s3://{BUCKET}/batch-staging")
+    run_two_nodes_lose_one(aws_platform(fake, backend, f"s3://{BUCKET}/batch-staging", BATCH_GROUP),
+                           pretrain_spec("mn-batch", instance_type="m5.xlarge"), fake)
 
 
 def test_sagemaker_two_instances_no_shared_disk(fake):
     backend = SageMakerTrainingBackend(settings={"sagemaker": sagemaker_settings(
         BUCKET, aws_conn_id=CONN, instance_type="ml.m5.xlarge")})
-    spec = pretrain_spec("mn-sm", instance_type="ml.m5.xlarge")
-    run_two_nodes_lose_one(fake, backend, spec, SM_GROUP, f"s3://{BUCKET}/staging")
+    run_two_nodes_lose_one(aws_platform(fake, backend, f"s3://{BUCKET}/staging", SM_GROUP),
+                           pretrain_spec("mn-sm", instance_type="ml.m5.xlarge"), fake)
+
+
+@pytest.mark.parametrize("kind", ["HyperPodPyTorchJob", "PyTorchJob"])
+def test_hyperpod_two_pods_no_shared_disk(fake, kind, tmp_path, monkeypatch):
+    """The HyperPod operator restarts the whole job on a replaced node (auto-resume): no new
+    attempt from us, the same job goes on from the newest checkpoint in S3."""
+    from llmops.jobs.backends import hyperpod
+
+    eks = FakeEks(tmp_path / "eks", {**CREDENTIALS, "AWS_ENDPOINT_URL": fake.moto_url,
+                                     "AWS_ENDPOINT_URL_S3": fake.moto_url})
+    monkeypatch.setattr(hyperpod, "_CLIENTS", {})
+    monkeypatch.setattr(hyperpod, "connect", lambda *key: eks)
+    staging = f"s3://{BUCKET}/hp-staging-{kind.lower()}"
+    backend = hyperpod.HyperPodBackend(settings={"hyperpod": {
+        "aws_conn_id": CONN, "staging_uri": staging, "image": IMAGE, "eks_cluster_name": "hp",
+        "kind": kind, "max_retry_count": 2}})
+
+    def events(handle: dict) -> list[tuple[float, str]]:
+        return [(t, line) for t, _, line in eks.logs(handle["k8s_name"])]
+
+    def ended_at(handle: dict) -> float:
+        return hyperpod._epoch(eks.job(handle["k8s_name"]).body["status"]["completionTime"])
+
+    def continue_after_loss(spec: JobSpec, first: dict) -> dict:
+        return first
+
+    platform = Platform(backend, staging, events, ended_at,
+                        lambda h: eks.lose_host(h["k8s_name"], 1, heal_env=("LLMOPS_FAULTS",)),
+                        continue_after_loss)
+    try:
+        handle = run_two_nodes_lose_one(platform, pretrain_spec(f"mn-{kind.lower()[:8]}"), fake)
+        job = eks.job(handle["k8s_name"])
+        assert job.restarts == 1 and job.generation == 2, "one restart, on replaced nodes"
+    finally:
+        eks.shutdown()

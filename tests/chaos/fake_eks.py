@@ -1,0 +1,307 @@
+"""A Kubernetes API that runs the HyperPod backend's jobs: HyperPodPyTorchJob and Kubeflow
+PyTorchJob, one process per pod, each pod on its own disk.
+
+Plug it in where the backend makes its client (`llmops.jobs.backends.hyperpod.connect`); it
+answers the calls the backend makes (`call(api, method, **kwargs)`), in the kubernetes client's
+shapes. Everything below is simulated, standing in for EKS, the HyperPod and Kubeflow training
+operators and HyperPod's elastic agent:
+
+- Objects: get / create (409 if it exists) / delete of the job resources, 404 for a missing one;
+  pods listed by label; a pod's log read with `timestamps`, `tail_lines` or `since_seconds`.
+- Pods: one per replica (a node), `<job>-master-0` / `<job>-worker-<i>` for a PyTorchJob,
+  `<job>-pod-<i>` for a HyperPodPyTorchJob, running the container's command and args with its
+  env, and what the operator adds: for a PyTorchJob the Kubeflow variables (PET_NNODES,
+  PET_NPROC_PER_NODE, PET_NODE_RANK, PET_MASTER_ADDR, PET_MASTER_PORT, MASTER_ADDR, MASTER_PORT);
+  for a HyperPodPyTorchJob `hyperpodrun` on PATH, which here is torchrun with its rendezvous in
+  PET_NODE_RANK / PET_MASTER_ADDR / PET_MASTER_PORT (how HyperPod's operator tells its agent is
+  not public; these names are the simulator's). The first pod's host is the rendezvous
+  (127.0.0.1 here).
+- Disks: every pod gets an empty work dir of its own (LLMOPS_WORKDIR, the backend's POD_WORKDIR,
+  and TMPDIR point into it), a restarted pod a new one: pods share nothing but S3 and MLflow.
+- Lifecycle: conditions Created -> Running (startTime) -> Succeeded (every pod exited 0) or
+  Failed (completionTime), each a new True condition. A pod that fails, or a node's host lost
+  (`lose_host`), kills every pod of the job; while the job has retries left (HyperPodPyTorchJob
+  runPolicy.jobMaxRetryCount, a PyTorchJob's auto-resume annotations) all pods start again on
+  replaced nodes (Restarting, then Running), as HyperPod's auto-resume does; else Failed.
+  cleanPodPolicy All: a finished job's pods are gone from the pod list (their logs are kept
+  here for the tests, `logs()`). Deleting a job kills its pods.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from tests.aws_fixtures import ENTRY, ROOT, free_port
+
+log = logging.getLogger("fake_eks")
+AUTO_RESUME = "sagemaker.amazonaws.com/enable-job-auto-resume"
+MAX_RETRY = "sagemaker.amazonaws.com/job-max-retry-count"
+
+
+class ApiError(Exception):
+    """What the kubernetes client raises: `status` is the HTTP status."""
+
+    def __init__(self, status: int):
+        super().__init__(f"HTTP {status}")
+        self.status = status
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="microseconds").replace("+00:00", "Z")
+
+
+class Pod:
+    def __init__(self, name: str, proc: subprocess.Popen, workdir: Path):
+        self.name, self.proc, self.workdir = name, proc, workdir
+        self.lines: list[tuple[str, str]] = []   # (RFC 3339 timestamp, line)
+        self.pump = threading.Thread(target=self._read, daemon=True, name=f"pod-{name}")
+        self.pump.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append((_now(), line.rstrip("\n")))
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self.proc.wait()
+        self.pump.join(5)
+
+
+class Job:
+    def __init__(self, body: dict[str, Any]):
+        self.body = body
+        self.pods: list[Pod] = []
+        self.finished_pods: list[Pod] = []       # earlier generations and cleaned-up pods
+        self.restarts = 0
+        self.generation = 0
+        self.heal_env: tuple[str, ...] = ()      # variables a replaced node's pods run without
+        self.deleted = threading.Event()
+        self.lost = threading.Event()
+
+    @property
+    def name(self) -> str:
+        return self.body["metadata"]["name"]
+
+    @property
+    def kind(self) -> str:
+        return self.body["kind"]
+
+    def condition(self, kind: str, message: str = "", **status: Any) -> None:
+        body_status = self.body.setdefault("status", {})
+        conditions = body_status.setdefault("conditions", [])
+        for old in conditions:
+            old["status"] = "False"
+        conditions.append({"type": kind, "status": "True", "lastTransitionTime": _now(),
+                           "reason": kind, "message": message})
+        body_status.update(status)
+
+    def max_retries(self) -> int:
+        if self.kind == "HyperPodPyTorchJob":
+            return int(self.body["spec"].get("runPolicy", {}).get("jobMaxRetryCount", 0))
+        notes = self.body["metadata"].get("annotations", {})
+        return int(notes.get(MAX_RETRY, 0)) if notes.get(AUTO_RESUME) == "true" else 0
+
+
+class FakeEks:
+    def __init__(self, workdir: Path, aws_env: dict[str, str]):
+        self.workdir, self.aws_env = Path(workdir), dict(aws_env)
+        self.jobs: dict[tuple[str, str], Job] = {}
+        self.lock = threading.RLock()
+        self.calls: list[tuple[str, dict]] = []
+        self.bin = self.workdir / "bin"
+        self.bin.mkdir(parents=True, exist_ok=True)
+        agent = self.bin / "hyperpodrun"   # HyperPod's elastic agent, simulated by torchrun
+        agent.write_text(f"#!/bin/sh\nexec {sys.executable} -m torch.distributed.run \"$@\"\n")
+        agent.chmod(0o755)
+
+    # -- the API the backend calls -----------------------------------------------------------
+    def call(self, api: str, method: str, **kw: Any) -> Any:
+        self.calls.append((method, kw))
+        name = kw.get("name") or (kw.get("body") or {}).get("metadata", {}).get("name")
+        key = (kw.get("namespace"), name)
+        with self.lock:
+            job = self.jobs.get(key)
+            if method == "get_namespaced_custom_object":
+                if job is None:
+                    raise ApiError(404)
+                return copy.deepcopy(job.body)
+            if method == "create_namespaced_custom_object":
+                if job is not None:
+                    raise ApiError(409)
+                job = Job(copy.deepcopy(kw["body"]))
+                job.condition("Created")
+                self.jobs[key] = job
+                self._start_pods(job)
+                threading.Thread(target=self._watch, args=(job,), daemon=True,
+                                 name=f"job-{job.name}").start()
+                return copy.deepcopy(job.body)
+            if method == "delete_namespaced_custom_object":
+                if job is None:
+                    raise ApiError(404)
+                del self.jobs[key]
+                job.deleted.set()
+                return {}
+            if method == "list_namespaced_pod":
+                label, _, value = kw["label_selector"].partition("=")
+                pods = [p for (ns, _), j in self.jobs.items()
+                        if ns == kw["namespace"] and label == "llmops/job" and j.name == value
+                        for p in j.pods]
+                return SimpleNamespace(items=[SimpleNamespace(metadata=SimpleNamespace(name=p.name))
+                                              for p in pods])
+            if method == "read_namespaced_pod_log":
+                pod = next((p for j in self.jobs.values() for p in j.pods if p.name == kw["name"]), None)
+                if pod is None:
+                    raise ApiError(404)
+                records = list(pod.lines)
+        if "since_seconds" in kw:
+            cut = time.time() - kw["since_seconds"]
+            records = [r for r in records if _epoch(r[0]) >= cut]
+        if "tail_lines" in kw:
+            records = records[-kw["tail_lines"]:]
+        text = "\n".join(f"{t} {line}" if kw.get("timestamps") else line for t, line in records)
+        return text + "\n" if text else ""
+
+    # -- control ------------------------------------------------------------------------------
+    def job(self, name: str) -> Job:
+        with self.lock:
+            return next(j for j in self.jobs.values() if j.name == name)
+
+    def lose_host(self, name: str, node: int, heal_env: tuple[str, ...] = ()) -> None:
+        """Node `node`'s host dies: its pod is killed at once, and the job restarts (or fails) as
+        the operator decides. `heal_env`: variables the replacement pods run without (a fault that
+        was the lost node's, such as an injected hang)."""
+        job = self.job(name)
+        with self.lock:
+            job.heal_env = heal_env
+            pod = job.pods[node]
+        log.info("%s: node %d's host lost (pod %s)", name, node, pod.name)
+        pod.kill()
+        job.lost.set()
+
+    def logs(self, name: str) -> list[tuple[float, str, str]]:
+        """(epoch seconds, pod, line) of every pod the job ever ran, in time order."""
+        job = self.job(name)
+        with self.lock:
+            pods = job.finished_pods + job.pods
+        return sorted((_epoch(t), p.name, line) for p in pods for t, line in list(p.lines))
+
+    def shutdown(self) -> None:
+        with self.lock:
+            jobs = list(self.jobs.values())
+            self.jobs.clear()
+        for job in jobs:
+            job.deleted.set()
+            for pod in job.pods:
+                pod.kill()
+
+    # -- running pods ----------------------------------------------------------------------------
+    def _replicas(self, job: Job) -> list[tuple[str, dict[str, Any]]]:
+        """(pod name, pod template) for every node, node 0 first."""
+        spec = job.body["spec"]
+        if job.kind == "HyperPodPyTorchJob":
+            (replica,) = spec["replicaSpecs"]
+            return [(f"{job.name}-pod-{i}", replica["template"]) for i in range(replica["replicas"])]
+        replicas = spec["pytorchReplicaSpecs"]
+        out = [(f"{job.name}-master-0", replicas["Master"]["template"])]
+        if "Worker" in replicas:
+            out += [(f"{job.name}-worker-{i}", replicas["Worker"]["template"])
+                    for i in range(replicas["Worker"]["replicas"])]
+        return out
+
+    def _start_pods(self, job: Job) -> None:
+        job.generation += 1
+        replicas = self._replicas(job)
+        port, nproc = free_port(), job.body["spec"].get("nprocPerNode", "1")
+        pods = []
+        for node, (pod_name, template) in enumerate(replicas):
+            (container,) = template["spec"]["containers"]
+            disk = self.workdir / "pods" / f"{pod_name}-g{job.generation}"
+            (disk / "tmp").mkdir(parents=True, exist_ok=True)
+            env = {k: v for k, v in os.environ.items() if not k.startswith("AIRFLOW_CONN_")}
+            env.update({e["name"]: e["value"] for e in container.get("env", [])})
+            for name in job.heal_env:
+                env.pop(name, None)
+            env.update(self.aws_env)
+            env.update({"LLMOPS_WORKDIR": str(disk / "work"), "TMPDIR": str(disk / "tmp"),
+                        "PYTHONPATH": str(ROOT), "HOSTNAME": pod_name,
+                        "PATH": f"{self.bin}{os.pathsep}{env.get('PATH', '')}"})
+            rendezvous = {"PET_NODE_RANK": str(node), "PET_MASTER_ADDR": "127.0.0.1",
+                          "PET_MASTER_PORT": str(port)}
+            if job.kind == "PyTorchJob":
+                rendezvous.update({"PET_NNODES": str(len(replicas)), "PET_NPROC_PER_NODE": nproc,
+                                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+            env.update(rendezvous)
+            command = [*container.get("command", []), *container.get("args", [])]
+            if command and command[0].startswith("python"):
+                command[0] = sys.executable
+            if len(command) > 1 and command[1].endswith("job_entry.py"):
+                command[1] = str(ENTRY)   # the image's copy is the repository's
+            proc = subprocess.Popen(command, env=env, cwd=str(disk), stdin=subprocess.DEVNULL,
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                    errors="replace", bufsize=1, start_new_session=True)
+            pods.append(Pod(pod_name, proc, disk))
+        with self.lock:
+            job.pods = pods
+        job.condition("Running", startTime=job.body.get("status", {}).get("startTime") or _now())
+
+    def _watch(self, job: Job) -> None:
+        while not job.deleted.is_set():
+            with self.lock:
+                pods = list(job.pods)
+            codes = [p.proc.poll() for p in pods]
+            failed = job.lost.is_set() or any(c not in (None, 0) for c in codes)
+            if not failed and all(c == 0 for c in codes):
+                self._end(job, "Succeeded", "every pod exited 0")
+                return
+            if failed:
+                for pod in pods:
+                    pod.kill()
+                with self.lock:
+                    job.finished_pods += pods
+                    job.pods = []
+                job.lost.clear()
+                why = next((f"pod {p.name} exited {c}" for p, c in zip(pods, codes) if c not in (None, 0)),
+                           "a node's host was lost")
+                if job.restarts >= job.max_retries():
+                    self._end(job, "Failed", f"{why}; no retries left ({job.restarts} used)")
+                    return
+                job.restarts += 1
+                log.info("%s: %s; restarting every pod on replaced nodes (retry %d of %d)", job.name,
+                         why, job.restarts, job.max_retries())
+                job.condition("Restarting", why)
+                self._start_pods(job)
+            job.deleted.wait(0.2)
+        with self.lock:   # deleted: its pods go first (foreground)
+            pods, job.pods = list(job.pods), []
+            job.finished_pods += pods
+        for pod in pods:
+            pod.kill()
+
+    def _end(self, job: Job, state: str, message: str) -> None:
+        with self.lock:
+            pods, job.pods = list(job.pods), []   # cleanPodPolicy All
+            job.finished_pods += pods
+            job.condition(state, message, completionTime=_now())
+        for pod in pods:
+            pod.kill()
+        log.info("%s %s: %s (%s)", job.kind, job.name, state, message)
+
+
+def _epoch(stamp: str) -> float:
+    return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
+
