@@ -168,6 +168,13 @@ def run_training_container(moto: Moto, job_name: str, workdir: Path, extra_env: 
     return proc
 
 
+def image_root() -> Path:
+    """The checkout the simulated containers run, as if their image were built from it: this
+    one, or $LLMOPS_SIM_IMAGE_ROOT (a benchmark runs another commit's workload code beside this
+    commit's simulator)."""
+    return Path(os.environ.get("LLMOPS_SIM_IMAGE_ROOT") or ROOT)
+
+
 def host_dir(workdir: Path, request: dict, host: int) -> Path:
     """Host `host`'s own disk under `workdir`: the workdir itself for a one-instance job, else
     `algo-<host+1>/` (SageMaker's host names): instances of a job share no disk."""
@@ -201,7 +208,7 @@ def training_container(s3: Any, request: dict, workdir: Path, s3_endpoint: str,
     env.update({"SM_HOSTS": json.dumps(hosts), "SM_CURRENT_HOST": hosts[host],
                 "LLMOPS_WORKDIR": str(opt_ml / "llmops"), "LLMOPS_CHECKPOINT_DIR": str(checkpoints),
                 "TMPDIR": str(_mkdir(opt_ml.parent / "tmp")),
-                "AWS_ENDPOINT_URL_S3": s3_endpoint, "PYTHONPATH": str(ROOT),
+                "AWS_ENDPOINT_URL_S3": s3_endpoint, "PYTHONPATH": str(image_root()),
                 "TRAINING_JOB_NAME": request["TrainingJobName"], **(extra_env or {})})
     # The toolkit decodes each hyperparameter from JSON and passes the non-`sagemaker_` ones to
     # the program as `--name value`.
@@ -214,7 +221,7 @@ def training_container(s3: Any, request: dict, workdir: Path, s3_endpoint: str,
     if len(hosts) > 1 and hyperparameters.get("sagemaker_torch_distributed_enabled"):
         launch += ["-m", "torch.distributed.run", f"--nnodes={len(hosts)}", f"--node_rank={host}",
                    "--nproc_per_node=1", "--master_addr=127.0.0.1", f"--master_port={master_port}"]
-    return [*launch, str(ENTRY), *args], env
+    return [*launch, str(image_root() / ENTRY.relative_to(ROOT)), *args], env
 
 
 def _mkdir(path: Path) -> Path:

@@ -82,7 +82,7 @@ from pathlib import Path
 from typing import Any, Callable
 from urllib.parse import parse_qs, urlsplit
 
-from tests.aws_fixtures import ENTRY, REGION, free_port, sync_checkpoints, training_container
+from tests.aws_fixtures import ENTRY, REGION, ROOT, free_port, image_root, sync_checkpoints, training_container
 
 log = logging.getLogger("fake_aws")
 KINDS = ("throttle", "500", "503", "reset", "timeout", "lost")
@@ -696,7 +696,7 @@ class Simulator:
             raise ValueError("the simulator needs the command in containerOverrides")
         # The image's /opt/llmops/job_entry.py is the repository's docker/job_entry.py.
         if len(command) > 1 and command[1].endswith("job_entry.py"):
-            command[1] = str(ENTRY)
+            command[1] = str(image_root() / ENTRY.relative_to(ROOT))
         if command[0].startswith("python"):
             command[0] = sys.executable
         definition = request["jobDefinition"].rsplit("/", 1)[-1].split(":")[0]
@@ -710,7 +710,7 @@ class Simulator:
                         "AWS_BATCH_JOB_ATTEMPT": "1", "AWS_BATCH_JQ_NAME": request.get("jobQueue", ""),
                         "AWS_BATCH_CE_NAME": "fake-aws", "AWS_BATCH_JOB_NUM_NODES": str(nodes),
                         "AWS_BATCH_JOB_NODE_INDEX": str(node), "AWS_BATCH_JOB_MAIN_NODE_INDEX": "0",
-                        "MASTER_PORT": port, "PYTHONPATH": str(ENTRY.parents[1]),
+                        "MASTER_PORT": port, "PYTHONPATH": str(image_root()),
                         # each node its own disk: nothing it writes is seen by another node
                         "LLMOPS_WORKDIR": str(job.workdir / f"node{node}"),
                         "TMPDIR": str(job.workdir / f"node{node}" / "tmp")})

@@ -42,7 +42,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from tests.aws_fixtures import ENTRY, ROOT, free_port
+from tests.aws_fixtures import ENTRY, ROOT, free_port, image_root
 
 log = logging.getLogger("fake_eks")
 AUTO_RESUME = "sagemaker.amazonaws.com/enable-job-auto-resume"
@@ -238,7 +238,7 @@ class FakeEks:
                 env.pop(name, None)
             env.update(self.aws_env)
             env.update({"LLMOPS_WORKDIR": str(disk / "work"), "TMPDIR": str(disk / "tmp"),
-                        "PYTHONPATH": str(ROOT), "HOSTNAME": pod_name,
+                        "PYTHONPATH": str(image_root()), "HOSTNAME": pod_name,
                         "PATH": f"{self.bin}{os.pathsep}{env.get('PATH', '')}"})
             rendezvous = {"PET_NODE_RANK": str(node), "PET_MASTER_ADDR": "127.0.0.1",
                           "PET_MASTER_PORT": str(port)}
@@ -250,7 +250,7 @@ class FakeEks:
             if command and command[0].startswith("python"):
                 command[0] = sys.executable
             if len(command) > 1 and command[1].endswith("job_entry.py"):
-                command[1] = str(ENTRY)   # the image's copy is the repository's
+                command[1] = str(image_root() / ENTRY.relative_to(ROOT))   # the image's copy
             proc = subprocess.Popen(command, env=env, cwd=str(disk), stdin=subprocess.DEVNULL,
                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                     errors="replace", bufsize=1, start_new_session=True)
