@@ -1,6 +1,13 @@
 """S3 transfers for the Airflow side, through the Amazon provider's S3Hook (credentials, region
 and endpoint come from the Airflow connection). Used to stage a job's config, to read its result,
-and, when a stage's storage is a local directory, to move its inputs up and its outputs back."""
+and, when a stage's storage is a local directory, to move its inputs up and its outputs back.
+
+SSE-KMS: a bucket policy may refuse every PutObject without `x-amz-server-side-encryption:
+aws:kms` (and a given key). A hook made with a KMS key (the backend settings' `kms_key_id`, else
+$LLMOPS_S3_KMS_KEY_ID) sends ServerSideEncryption aws:kms and SSEKMSKeyId with every write it
+makes (the S3Hook's `extra_args`, which load_string and load_file apply); a write made with the
+client itself adds `sse_args(hook)`.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +17,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 SKIP_DIRS = ("checkpoints",)  # synced by the job itself (SageMaker CheckpointConfig), never copied back
+KMS_ENV = "LLMOPS_S3_KMS_KEY_ID"   # the key when no settings block names one; also the jobs' variable
 
 
 def is_s3(uri: str) -> bool:
@@ -30,13 +38,29 @@ def join(uri: str, *parts: str) -> str:
     return "/".join([uri.rstrip("/"), *(p.strip("/") for p in parts if p)])
 
 
-def s3_hook(aws_conn_id: str | None, region_name: str | None = None):
-    """The provider's S3Hook, retrying throttling (SlowDown) and 5xx adaptively."""
+def kms_key(kms_key_id: str | None = None) -> str:
+    """The KMS key S3 writes use: the one given, else $LLMOPS_S3_KMS_KEY_ID, else "" (none)."""
+    return kms_key_id or os.environ.get(KMS_ENV, "")
+
+
+def sse_args(hook_or_key: Any) -> dict[str, str]:
+    """PutObject arguments for SSE-KMS with a hook's key (or a key), {} without one."""
+    key = hook_or_key if isinstance(hook_or_key, str) else getattr(hook_or_key, "llmops_kms_key_id", "")
+    return {"ServerSideEncryption": "aws:kms", "SSEKMSKeyId": key} if key else {}
+
+
+def s3_hook(aws_conn_id: str | None, region_name: str | None = None, kms_key_id: str | None = None):
+    """The provider's S3Hook, retrying throttling (SlowDown) and 5xx adaptively, encrypting every
+    object it writes with `kms_key(kms_key_id)` when there is one."""
     from airflow.providers.amazon.aws.hooks.s3 import S3Hook
 
     from llmops.aws.retry import with_retries
 
-    return with_retries(S3Hook)(aws_conn_id=aws_conn_id, region_name=region_name or None)
+    key = kms_key(kms_key_id)
+    hook = with_retries(S3Hook)(aws_conn_id=aws_conn_id, region_name=region_name or None,
+                                extra_args=sse_args(key))
+    hook.llmops_kms_key_id = key
+    return hook
 
 
 def write_json(hook: Any, uri: str, data: Any) -> None:

@@ -5,18 +5,24 @@ that exists, either fail or append a timestamp: a retried task would start a sec
 Here a job is looked up by name (None when absent), stopped only while it runs, and its CloudWatch
 log is read from a cursor that survives deferral, or only its end (`log_tail`). Every client
 (SageMaker, CloudWatch Logs, S3) retries throttling adaptively (llmops.aws.retry); the provider
-builds its S3 and Logs hooks without the hook's region, these get it.
+builds its S3 and Logs hooks without the hook's region, these get it, and the S3 one encrypts what
+it writes with `kms_key_id` (llmops.aws.s3).
+
+A job is absent only when SageMaker says so: a ValidationException whose message says the job
+was not found. Any other ValidationException (a malformed name, a request SageMaker refuses) is
+raised: read as "absent", it would make a retried task start a second job.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from airflow.providers.amazon.aws.hooks.logs import AwsLogsHook
-from airflow.providers.amazon.aws.hooks.s3 import S3Hook
 from airflow.providers.amazon.aws.hooks.sagemaker import SageMakerHook
 from botocore.exceptions import ClientError
 
+from llmops.aws import s3
 from llmops.aws.logs import follow, stream_names, tail
 from llmops.aws.retry import with_retries
 
@@ -28,13 +34,24 @@ KINDS = {
                    "stop_processing_job", "/aws/sagemaker/ProcessingJobs"),
 }
 RUNNING = {"InProgress"}
+# How SageMaker (and moto) word a missing job: "Requested resource not found.",
+# "Could not find training job 'arn:...'".
+NOT_FOUND = re.compile(r"not found|could not find|does not exist", re.IGNORECASE)
+
+
+def is_not_found(exc: ClientError) -> bool:
+    """Whether SageMaker answered that the job does not exist (and nothing else)."""
+    error = exc.response.get("Error", {})
+    code, message = error.get("Code", ""), error.get("Message", "")
+    return code in ("ResourceNotFound", "ResourceNotFoundException") or (
+        code in ("ValidationException", "ValidationError") and bool(NOT_FOUND.search(message)))
 
 
 class SageMakerJobsHook(with_retries(SageMakerHook)):
-    def __init__(self, *args: Any, **kwargs: Any):
+    def __init__(self, *args: Any, kms_key_id: str = "", **kwargs: Any):
         super().__init__(*args, **kwargs)
         region = kwargs.get("region_name")
-        self.s3_hook = with_retries(S3Hook)(aws_conn_id=self.aws_conn_id, region_name=region)
+        self.s3_hook = s3.s3_hook(self.aws_conn_id, region, kms_key_id)
         self.logs_hook = with_retries(AwsLogsHook)(aws_conn_id=self.aws_conn_id, region_name=region)
 
     def describe_job(self, kind: str, name: str) -> dict[str, Any] | None:
@@ -43,10 +60,20 @@ class SageMakerJobsHook(with_retries(SageMakerHook)):
         try:
             return getattr(self.get_conn(), describe)(**{field: name})
         except ClientError as exc:
-            # SageMaker answers ValidationException "Requested resource not found" for a missing job.
-            if exc.response["Error"]["Code"] in ("ValidationException", "ResourceNotFound"):
+            if is_not_found(exc):
                 return None
             raise
+
+    def job_tags(self, arn: str) -> dict[str, str]:
+        """The tags of a job (DescribeTrainingJob does not return them)."""
+        tags: dict[str, str] = {}
+        kwargs: dict[str, Any] = {"ResourceArn": arn}
+        while True:
+            page = self.get_conn().list_tags(**kwargs)
+            tags.update({t["Key"]: t["Value"] for t in page.get("Tags", [])})
+            if not page.get("NextToken"):
+                return tags
+            kwargs["NextToken"] = page["NextToken"]
 
     def status_of(self, kind: str, description: dict[str, Any]) -> str:
         return description[KINDS[kind][2]]
