@@ -1,5 +1,6 @@
 """The AWS Batch backend: a multi-node parallel job with the run's team as fair-share identifier
-and its priority as scheduling priority, checked against botocore's model and run against moto
+and its priority as scheduling priority (on a queue with a fair-share policy only), a copy of a
+resent SubmitJob terminated, checked against botocore's model and run against moto
 (submit, poll, result, reattach, stop, fail), and its launch command started for real on this
 machine as two Batch nodes would start it."""
 
@@ -315,3 +316,90 @@ def test_every_job_carries_the_cost_allocation_tags_and_propagates_them():
     assert {k: request["tags"][k] for k in ("dag_id", "run_id", "team", "stage")} == {
         "dag_id": "llm_lifecycle", "run_id": run_id, "team": "research", "stage": "pretrain"}
     assert request["propagateTags"] is True   # onto the ECS tasks, where the cost is billed
+
+
+# -- the queue decides shareIdentifier; a lost response never makes a second job ---------------
+
+FIFO = "llmops-fifo"
+
+
+@pytest.fixture()
+def fifo(aws):
+    batch = aws.client("batch")
+    if not batch.describe_job_queues(jobQueues=[FIFO])["jobQueues"]:
+        env = batch.describe_compute_environments(computeEnvironments=["gpu"])["computeEnvironments"][0]
+        batch.create_job_queue(jobQueueName=FIFO, state="ENABLED", priority=1, computeEnvironmentOrder=[
+            {"order": 1, "computeEnvironment": env["computeEnvironmentArn"]}])
+    return FIFO
+
+
+def test_share_identifier_and_priority_follow_the_queues_scheduling_policy(aws, fifo):
+    """AWS refuses a shareIdentifier on a queue without a fair-share policy and requires one (and
+    a priority) on a queue with one: the queue is described before anything is claimed."""
+    spec = pretrain(job_name("batch-fifo", prefix="pretrain"))   # team research, priority 70
+    handle = BatchBackend(settings=settings(job_queue=fifo)).submit(spec)
+    sent = staged_request(aws, handle)
+    assert "shareIdentifier" not in sent and "schedulingPriorityOverride" not in sent
+    # A fair-share queue: the run without a priority gets the default one.
+    handle = BatchBackend(settings=settings()).submit(
+        pretrain(job_name("batch-fair", prefix="pretrain"), tags={"team": "research"}))
+    sent = staged_request(aws, handle)
+    assert (sent["shareIdentifier"], sent["schedulingPriorityOverride"]) == ("research", 0)
+    # ... and one without a team is refused before anything is claimed, uploaded or submitted.
+    lonely = pretrain(job_name("batch-noteam", prefix="pretrain"), tags={})
+    with pytest.raises(JobSpecError, match="fair-share scheduling policy.*team.*share_identifier"):
+        BatchBackend(settings=settings()).submit(lonely)
+    assert _jobs_named(aws, lonely.name) == []
+    assert aws.client("s3").list_objects_v2(Bucket="llmops-test", Prefix=f"staging/{lonely.name}/")[
+        "KeyCount"] == 0
+    assert BatchBackend(settings=settings(share_identifier="ops")).submit(lonely)["reattached"] is False
+    with pytest.raises(JobSpecError, match="no job queue 'missing'"):
+        BatchBackend(settings=settings(job_queue="missing")).submit(lonely)
+
+
+def test_a_claim_whose_response_was_lost_is_still_this_tries(aws):
+    """botocore resends a PutObject whose response was lost; the resend fails its If-None-Match
+    against the record the first send wrote. That record holds this try's token: the claim is
+    its own (it used to read as another try's, and the task waited out the submit window)."""
+    from llmops.aws import s3 as s3_mod
+
+    hook = s3_mod.s3_hook(CONN_ID)
+    client = hook.get_conn()
+
+    class LostOnce:
+        def put_object(self, **kwargs):
+            client.put_object(**kwargs)          # written; the answer is lost ...
+            return client.put_object(**kwargs)   # ... and the resend is refused (412)
+
+        def __getattr__(self, name):
+            return getattr(client, name)
+
+    hook.get_conn = lambda: LostOnce()
+    backend = BatchBackend(settings=settings())
+    token = backend._claim(hook, "s3://llmops-test/staging/lost-claim/job", "job")
+    assert token
+    record = json.loads(client.get_object(Bucket="llmops-test",
+                                          Key="staging/lost-claim/job/batch-job.json")["Body"].read())
+    assert record["token"] == token
+
+
+def test_copies_of_one_submission_are_terminated_after_the_submit(aws, laggy):
+    """A SubmitJob resent after its response was lost: two multi-node jobs carry the claim's
+    token. The one SubmitJob answered with stays; the copy is terminated right after."""
+    terminated = []
+
+    def resend(**kwargs):
+        laggy._client.submit_job(**kwargs)            # AWS took it; the answer was lost
+        return laggy._client.submit_job(**kwargs)     # botocore's resend
+
+    laggy.submit_job = resend
+    laggy.describe_jobs = lambda jobs: {"jobs": [   # as if they were still queued (moto ends them)
+        {**j, "status": "RUNNABLE"} for j in laggy._client.describe_jobs(jobs=jobs)["jobs"]]}
+    laggy.terminate_job = lambda jobId, reason: terminated.append((jobId, reason))
+    spec = pretrain(job_name("batch-resent", prefix="pretrain"))
+    handle = BatchBackend(settings=settings()).submit(spec)
+    jobs = _jobs_named(aws, spec.name)
+    assert len(jobs) == 2
+    [copy] = [j["jobId"] for j in jobs if j["jobId"] != handle["job_id"]]
+    assert terminated == [(copy, "Stopped by its Airflow task (llmops): duplicate submission")]
+    assert handle["submit_token"] and handle["settle_until"] > 0   # status() keeps looking a while

@@ -11,7 +11,7 @@ import pytest
 from llmops.jobs.backends import JobState, remote
 from llmops.jobs.backends.crds import ManifestError, crd, validate_manifest
 from llmops.jobs.backends.hyperpod import HyperPodBackend, k8s_name, manifest, priority_class
-from llmops.jobs.backends.settings import HyperPodSettings
+from llmops.jobs.backends.settings import BackendSettingsError, HyperPodSettings, load
 from llmops.jobs.spec import JobSpec, JobSpecError, job_name
 from tests.aws_fixtures import CONN_ID, IMAGE
 
@@ -30,9 +30,10 @@ def spec(**changes) -> JobSpec:
 
 def render(kind: str = "HyperPodPyTorchJob", job: JobSpec | None = None, **settings) -> dict:
     job = job or spec()
+    settings = {"namespace": "hyperpod-ns-{team}", "queue_name": "hyperpod-ns-{team}-localqueue",
+                **settings}
     cfg = HyperPodSettings(kind=kind, staging_uri=STAGING, image=IMAGE, eks_cluster_name="hp",
                            gpus_per_node=8, efa_per_node=32, cpu="180", memory="1800Gi",
-                           namespace="hyperpod-ns-{team}", queue_name="hyperpod-ns-{team}-localqueue",
                            priority_classes={"0": "low-priority", "500": "training-priority"},
                            **settings)
     name = remote.attempt_name(job.name, 1, 48)
@@ -124,7 +125,7 @@ def test_schemas_come_from_the_published_crds():
 
 
 def test_settings_mistakes_name_the_fix():
-    with pytest.raises(JobSpecError, match="kind 'MPIJob' is not one of"):
+    with pytest.raises(BackendSettingsError, match="kind 'MPIJob' is not one of"):
         render("MPIJob")
     with pytest.raises(ValueError, match="eks_cluster_name"):
         HyperPodBackend(settings={"hyperpod": {"staging_uri": STAGING}}).submit(spec())
@@ -363,3 +364,115 @@ def test_every_job_carries_the_cost_allocation_labels_sanitized():
     assert (labels["llmops/dag-id"], labels["llmops/team"], labels["llmops/stage"]) == (
         "llm_lifecycle", "research", "pretrain")
     assert body["metadata"]["annotations"]["llmops/run-id"] == run_id
+
+
+# -- what the cluster would take silently and do wrong ------------------------------------------
+
+def test_two_runs_of_a_long_task_id_get_two_kubernetes_names():
+    """A 48-character task id: the name's head fills the 48 characters Kubernetes names get here;
+    cutting there dropped the hash, and the second run reattached to the first run's job."""
+    task = "pretrain_with_a_rather_long_descriptive_task_id_x"
+    first, second = (job_name("llm_lifecycle", run, task, prefix=task) for run in ("run-1", "run-2"))
+    names = [k8s_name(remote.attempt_name(n, 1, 48)) for n in (first, second)]
+    assert names[0] != names[1]
+    assert [n[-12:] for n in names] == [first[-12:], second[-12:]], "the hash is kept whole"
+    assert all(len(n) <= 48 for n in names)
+    retry = k8s_name(remote.attempt_name(first, 2, 48))
+    assert retry.endswith(f"-{first[-12:]}-r2") and len(retry) <= 48
+    # A name without a hash of its own gets one: still unique when cut.
+    plain = ["a" * 60 + "-x", "a" * 60 + "-y"]
+    assert len({remote.attempt_name(n, 1, 48) for n in plain}) == 2
+    with pytest.raises(JobSpecError, match="not a valid kubernetes job name"):
+        remote.check_name("kubernetes", "Upper-Case")
+
+
+def test_a_failed_jobs_pods_are_cleaned_up_and_the_agent_port_is_declared():
+    for kind in ("HyperPodPyTorchJob", "PyTorchJob"):
+        body = render(kind)
+        validate_manifest(body)
+        # None left a failed job's pods on their nodes, holding every GPU until someone noticed.
+        assert body["spec"]["runPolicy"]["cleanPodPolicy"] == "All"
+    # hyperpodrun talks to the HyperPod training operator on 8080 (AWS's example declares it).
+    assert _container(render())["ports"] == [{"containerPort": 8080}]
+    assert "ports" not in _container(render("PyTorchJob"))
+    # The entry finds the stage's result in a known work dir (docker/job_entry.py is_leader).
+    env = {e["name"]: e["value"] for e in _container(render())["env"]}
+    assert env["LLMOPS_WORKDIR"] == "/tmp/llmops-job"
+
+
+def test_a_pytorch_job_goes_where_hyperpod_auto_resumes_it():
+    """HyperPod auto-resumes a PyTorchJob only in `kubeflow` or a `hyperpod*` namespace; the
+    default namespace used to be `default`, where a node fault ended the job for good."""
+    default = load("hyperpod", HyperPodSettings, {"hyperpod": {"kind": "PyTorchJob"}})
+    body = render("PyTorchJob", namespace="", queue_name="")
+    assert default.resolved_namespace() == "kubeflow" and body["metadata"]["namespace"] == "kubeflow"
+    assert body["metadata"]["annotations"]["sagemaker.amazonaws.com/enable-job-auto-resume"] == "true"
+    assert render("PyTorchJob")["metadata"]["namespace"] == "hyperpod-ns-research"
+    with pytest.raises(BackendSettingsError, match=r"namespace 'default'.*kubeflow.*max_retry_count"):
+        load("hyperpod", HyperPodSettings, {"hyperpod": {"kind": "PyTorchJob", "namespace": "default"}})
+    # A namespace made from the team is checked when the team is known.
+    with pytest.raises(BackendSettingsError, match="namespace 'research-jobs'"):
+        render("PyTorchJob", namespace="{team}-jobs")
+    # Without auto-resume asked for, any namespace; a HyperPodPyTorchJob resumes in any.
+    assert render("PyTorchJob", namespace="default", max_retry_count=0)["metadata"]["namespace"] == "default"
+    assert render(namespace="default")["spec"]["runPolicy"]["jobMaxRetryCount"] == 3
+    assert load("hyperpod", HyperPodSettings, {}).resolved_namespace() == "default"
+
+
+def _entry():
+    import importlib.util
+
+    from tests.aws_fixtures import ENTRY
+
+    module_spec = importlib.util.spec_from_file_location("job_entry_under_test", ENTRY)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module
+
+
+def test_only_the_pod_that_ran_rank_0_leads_a_hyperpod_job(tmp_path, monkeypatch):
+    """In a HyperPodPyTorchJob pod nothing names the pod's node (the elastic rendezvous numbers
+    them): every pod read itself as node 0, and each uploaded its outputs and wrote the result.
+    The stage writes its result on global rank 0 only; that pod leads."""
+    entry = _entry()
+    args, _ = entry.parse_args(["--entrypoint", "tasks.pretrain", "--config", "c.json", "--result",
+                                "s3://b/r.json", "--launcher", "hyperpodrun", "--nnodes", "4"])
+    for name in ("AWS_BATCH_JOB_NUM_NODES", "PET_NODE_RANK", "RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("PET_NNODES", "4")   # if the operator sets it: still no node rank
+    pods = [tmp_path / f"pod-{i}" for i in range(4)]
+    leaders = []
+    for i, workdir in enumerate(pods):
+        workdir.mkdir()
+        if i == 2:   # the rendezvous put global rank 0 on the third pod
+            (workdir / "result.json").write_text("{}")
+        monkeypatch.setenv("LLMOPS_WORKDIR", str(workdir))
+        leaders.append(entry.is_leader(args))
+    assert leaders == [False, False, True, False]
+    # Kubeflow's PyTorchJob names each pod's node: that rule is unchanged.
+    torchrun, _ = entry.parse_args(["--entrypoint", "tasks.pretrain", "--config", "c.json",
+                                    "--result", "r.json", "--launcher", "torchrun"])
+    monkeypatch.setenv("PET_NODE_RANK", "0")
+    assert entry.is_leader(torchrun)
+    monkeypatch.setenv("PET_NODE_RANK", "1")
+    assert not entry.is_leader(torchrun)
+
+
+def test_every_object_the_backend_writes_is_encrypted_with_the_kms_key(cluster, moto_server):
+    key = "arn:aws:kms:us-east-1:123456789012:key/1234abcd-12ab-34cd-56ef-1234567890ab"
+    backend = HyperPodBackend(settings=hp_settings(kms_key_id=key))
+    handle = backend.submit(spec(name=job_name("kms", prefix="hp-kms")))
+    body = cluster.objects[("hyperpod-ns-research", handle["k8s_name"])]
+    backend.stop(handle)   # the stop record too
+    s3 = moto_server.client("s3")
+    prefix = handle["staging_prefix"][len("s3://llmops-test/"):]
+    keys = [o["Key"] for o in s3.list_objects_v2(Bucket="llmops-test", Prefix=prefix)["Contents"]]
+    assert {k.rsplit("/", 1)[-1] for k in keys} >= {"manifest.json", "stopped.json"}
+    for k in keys:
+        head = s3.head_object(Bucket="llmops-test", Key=k)
+        assert (head["ServerSideEncryption"], head["SSEKMSKeyId"]) == ("aws:kms", key), k
+    env = {e["name"]: e["value"] for e in body["spec"]["replicaSpecs"][0]["template"]["spec"]
+           ["containers"][0]["env"]}
+    assert env["LLMOPS_S3_KMS_KEY_ID"] == key   # the job's own writes (docker/job_entry.py)
+    with pytest.raises(BackendSettingsError, match="kms_key_id 'my key' is not a KMS key"):
+        load("hyperpod", HyperPodSettings, {"hyperpod": {"kms_key_id": "my key"}})

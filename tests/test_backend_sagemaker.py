@@ -334,3 +334,126 @@ def test_every_job_carries_the_cost_allocation_tags(kind):
         "dag_id": "llm_lifecycle", "run_id": RUN_ID, "team": "research", "stage": "pretrain"}
     untagged = pretrain_spec(tags={})   # no team: the default team, still tagged
     assert {"Key": "team", "Value": "default"} in render(untagged)[0]["Tags"]
+
+
+# -- what SageMaker would take and do wrong, or refuse ----------------------------------------
+
+def test_torch_distributed_starts_the_runs_processes_per_node_not_one_per_gpu():
+    """The toolkit's torchrun starts one process per GPU unless told otherwise: 4 processes on an
+    8-GPU instance (tensor parallel 4, or a memory-bound model) silently became 8."""
+    for nproc in (4, 1):
+        request, _ = render(pretrain_spec(nproc_per_node=nproc), distribution="torch_distributed")
+        validate_request("sagemaker", "CreateTrainingJob", request)
+        hp = decode(request["HyperParameters"])
+        assert hp["sagemaker_torch_distributed_enabled"] is True
+        assert hp["sagemaker_mpi_num_of_processes_per_host"] == nproc
+    request, _ = render(pretrain_spec(nproc_per_node=4), distribution="torch_distributed",
+                        mpi_processes_per_host=2)   # the settings' explicit count wins
+    assert decode(request["HyperParameters"])["sagemaker_mpi_num_of_processes_per_host"] == 2
+
+
+class _Refusing:
+    def __init__(self, message: str):
+        self.message = message
+
+    def describe_training_job(self, **kwargs):
+        from botocore.exceptions import ClientError
+
+        raise ClientError({"Error": {"Code": "ValidationException", "Message": self.message}},
+                          "DescribeTrainingJob")
+
+
+@pytest.mark.parametrize("message, absent", [
+    ("Requested resource not found.", True),
+    ("Could not find training job 'arn:aws:sagemaker:us-east-1:123456789012:training-job/x'.", True),
+    ("1 validation error detected: Value 'x_y' at 'trainingJobName' failed to satisfy constraint: "
+     "Member must satisfy regular expression pattern", False),
+    ("User: arn:aws:sts::123456789012:assumed-role/x is not authorized in this region", False),
+])
+def test_only_not_found_means_the_job_is_absent(monkeypatch, message, absent):
+    """Any other ValidationException read as 'absent' made a retried task create attempt 1
+    again, or skip to a new attempt beside a running one."""
+    from botocore.exceptions import ClientError
+
+    from llmops.hooks.sagemaker import SageMakerJobsHook
+
+    hook = SageMakerJobsHook(aws_conn_id="llmops_aws")
+    monkeypatch.setattr(hook, "get_conn", lambda: _Refusing(message))
+    if absent:
+        assert hook.describe_job("training", "x") is None
+    else:
+        with pytest.raises(ClientError, match="ValidationException"):
+            hook.describe_job("training", "x")
+
+
+KMS = "arn:aws:kms:us-east-1:123456789012:key/1234abcd-12ab-34cd-56ef-1234567890ab"
+
+
+def test_a_kms_key_encrypts_the_jobs_outputs_and_every_staged_object(aws, tmp_path):
+    """A bucket policy requiring SSE-KMS refuses every PutObject without it: each object the
+    backend writes carries the key, and SageMaker and the job are told to use it."""
+    request, _ = render(pretrain_spec(), kms_key_id=KMS)
+    assert request["OutputDataConfig"]["KmsKeyId"] == KMS
+    assert request["Environment"]["LLMOPS_S3_KMS_KEY_ID"] == KMS
+    request, _ = render(pretrain_spec(), kms_key_id=KMS, output_kms_key_id="alias/outputs")
+    assert request["OutputDataConfig"]["KmsKeyId"] == "alias/outputs"   # the explicit one wins
+    processing, _ = processing_request(
+        pretrain_spec(instance_type="ml.m5.4xlarge"),
+        ProcessingSettings(role_arn=ROLE, staging_uri=STAGING, image=IMAGE, kms_key_id=KMS),
+        remote.plan(pretrain_spec(), "p", STAGING), "p")
+    validate_request("sagemaker", "CreateProcessingJob", processing)
+    assert processing["ProcessingOutputConfig"]["KmsKeyId"] == KMS
+    local_input = tmp_path / "inputs"
+    local_input.mkdir()
+    (local_input / "data.jsonl").write_text("{}\n")
+    backend = SageMakerTrainingBackend(settings={"sagemaker": sagemaker_settings("llmops-test",
+                                                                               kms_key_id=KMS)})
+    handle = backend.submit(sample(job_name("sm-kms", prefix="sm-kms"), data_dir=str(local_input)))
+    s3 = aws.client("s3")
+    root = handle["staging_prefix"].split("/", 3)[3].rsplit("/", 1)[0]
+    keys = [o["Key"] for o in s3.list_objects_v2(Bucket="llmops-test", Prefix=root)["Contents"]]
+    assert any(k.endswith("data.jsonl") for k in keys) and any(k.endswith("request.json") for k in keys)
+    for key in keys:
+        head = s3.head_object(Bucket="llmops-test", Key=key)
+        assert (head.get("ServerSideEncryption"), head.get("SSEKMSKeyId")) == ("aws:kms", KMS), key
+
+
+def test_a_created_jobs_token_tells_a_lost_response_from_another_try(aws, monkeypatch):
+    """SageMaker refuses a second job of a name (ResourceInUse): after a lost response the
+    resent create is refused, and the job is this try's own (its token tag), not a reattach."""
+    backend = SageMakerTrainingBackend(settings={"sagemaker": sagemaker_settings("llmops-test")})
+    spec = sample(job_name("sm-lost", prefix="sm-lost"))
+    from llmops.hooks.sagemaker import SageMakerJobsHook
+
+    real = SageMakerJobsHook.create_training_job
+
+    def lost_then_resent(self, config, **kwargs):
+        real(self, config, **kwargs)   # AWS creates the job; its answer never arrives ...
+        from botocore.exceptions import ClientError
+
+        raise ClientError({"Error": {"Code": "ResourceInUse", "Message": "Training job names must be "
+                                     "unique: a training job with this name already exists"}},
+                          "CreateTrainingJob")   # ... and botocore's resend is refused
+
+    monkeypatch.setattr(SageMakerJobsHook, "create_training_job", lost_then_resent)
+    handle = backend.submit(spec)
+    assert handle["reattached"] is False and aws.training_jobs("sm-lost") == [spec.name]
+
+    # Another try's create came first (this try's describe missed it): a reattach.
+    from botocore.exceptions import ClientError
+
+    def refused(self, config, **kwargs):
+        raise ClientError({"Error": {"Code": "ResourceInUse", "Message": "already exists"}},
+                          "CreateTrainingJob")
+
+    real_describe, describes = SageMakerJobsHook.describe_job, []
+
+    def racing(self, kind, name):
+        describes.append(name)
+        return None if len(describes) == 1 else real_describe(self, kind, name)
+
+    monkeypatch.setattr(SageMakerJobsHook, "create_training_job", refused)
+    monkeypatch.setattr(SageMakerJobsHook, "describe_job", racing)
+    again = backend.submit(spec)
+    assert again["reattached"] is True and again["job_name"] == spec.name
+    assert aws.training_jobs("sm-lost") == [spec.name]

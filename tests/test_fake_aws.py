@@ -3,7 +3,8 @@ fault as it would AWS's (throttling and 5xx retried, resets and timeouts as conn
 clean passthrough without rules, and the job simulator takes our own SageMaker and Batch backends
 through InProgress/RUNNING to Completed/SUCCEEDED with the result in S3 and the log lines in
 CloudWatch, a client stop to Stopped with the process group gone, a crash to Failed, a deadline
-to MaxRuntimeExceeded."""
+to MaxRuntimeExceeded; a lost response (the request took effect, botocore resends it) leaves one
+live job after CreateTrainingJob and after a multi-node SubmitJob."""
 
 from __future__ import annotations
 
@@ -333,3 +334,66 @@ def test_the_command_line_serves_until_sigterm(tmp_path):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+# -- lost responses: the request took effect, the client never heard --------------------------
+
+@pytest.fixture()
+def held_pending(chaos):
+    """Jobs stay pending (no containers run): what is under test is how many exist."""
+    chaos.config(pending_seconds=60)
+    yield
+    chaos.config(pending_seconds=0.5)
+
+
+def live(chaos: ChaosClient, name: str) -> list[dict]:
+    return [j for j in chaos.report()["jobs"] if j["name"] == name and j["ended_at"] is None
+            and not j["stop_requests"]]
+
+
+def test_a_lost_response_is_resent_by_botocore_after_the_request_took_effect(fake, chaos, no_backoff):
+    start = time.time()
+    chaos.faults([{"operations": ["PutObject"], "kind": "lost", "count": 1}])
+    s3 = client(fake, "s3", attempts=2)
+    # The first send wrote the object; botocore's resend finds it there.
+    with pytest.raises(ClientError, match="PreconditionFailed") as err:
+        s3.put_object(Bucket=BUCKET, Key="lost/a.txt", Body=b"once", IfNoneMatch="*")
+    assert err.value.response["ResponseMetadata"]["RetryAttempts"] == 1
+    assert injections(chaos, "PutObject", since=start) == 1
+    assert s3.get_object(Bucket=BUCKET, Key="lost/a.txt")["Body"].read() == b"once"
+
+
+def test_a_lost_submit_job_response_leaves_one_live_multi_node_job(fake, chaos, batch_queue, held_pending):
+    """AWS accepted SubmitJob, the answer was lost, botocore resent it: two multi-node jobs. The
+    backend terminates the copy it did not get the id of; one job lives, the one it watches."""
+    backend = batch_backend()
+    spec = sample("batch-chaos-lost", seconds=1).replace(instance_type="m5.xlarge", instance_count=2)
+    chaos.faults([{"operations": ["SubmitJob"], "kind": "lost", "count": 1}])
+    handle = backend.submit(spec)
+    jobs = [j for j in chaos.report()["jobs"] if j["name"] == handle["job_name"]]
+    assert len(jobs) == 2, "the lost response made a second job"
+    [copy] = [j for j in jobs if j["job_id"] != handle["job_id"]]
+    ended = chaos.wait(copy["job_id"], {"FAILED"}, timeout=20)
+    assert ended["reason"].endswith("duplicate submission") and ended["stopped_by"] == "client"
+    assert [j["job_id"] for j in live(chaos, handle["job_name"])] == [handle["job_id"]]
+    assert backend.status(handle).state is JobState.PENDING
+    # A lost TerminateJob answer: the resend is accepted, the job ends once.
+    chaos.faults([{"operations": ["TerminateJob"], "kind": "lost", "count": 1}])
+    backend.stop(handle)
+    stopped = chaos.wait(handle["job_id"], {"FAILED"}, timeout=20)
+    assert stopped["reason"] == STOP_REASON and len(stopped["stop_requests"]) >= 2
+
+
+def test_a_lost_create_training_job_response_leaves_one_job_this_try_owns(fake, chaos, held_pending):
+    backend = sagemaker_backend()
+    spec = sample("sm-chaos-lost", seconds=1)
+    chaos.faults([{"operations": ["CreateTrainingJob"], "kind": "lost", "count": 1}])
+    handle = backend.submit(spec)
+    assert handle["reattached"] is False   # ResourceInUse on the resend, and the job is ours
+    assert [j["name"] for j in chaos.report()["jobs"] if j["name"].startswith("sm-chaos-lost")] == \
+        [handle["job_name"]]
+    assert injections(chaos, "CreateTrainingJob") >= 1
+    chaos.faults([{"operations": ["StopTrainingJob"], "kind": "lost", "count": 1}])
+    backend.stop(handle)   # the resent stop finds it Stopping, which SageMaker accepts
+    status, _ = wait_state(backend, handle, {JobState.STOPPED, JobState.FAILED, JobState.SUCCEEDED})
+    assert status.state is JobState.STOPPED, status.message

@@ -8,18 +8,25 @@
         `--launcher torchrun`, which starts torchrun on every node with the node index and the
         main node's address Batch provides (AWS_BATCH_JOB_*)
     spec.env (+ EFA/NCCL with EFA)       -> containerOverrides.environment (secrets refused)
-    spec.tags["team"]                    -> shareIdentifier (the fair-share scheduling policy's
-                                            share; only set when the run names a team)
-    spec.tags["priority"]                -> schedulingPriorityOverride (0-9999, higher runs first)
+    the queue's schedulingPolicyArn      -> whether the job carries shareIdentifier and
+                                            schedulingPriorityOverride: a fair-share queue
+                                            requires both, a FIFO queue refuses a share (checked
+                                            with DescribeJobQueues before anything is claimed)
+    settings.share_identifier or spec.tags["team"] -> shareIdentifier (fair-share queues only;
+                                            one without either is refused before submission)
+    spec.tags["priority"]                -> schedulingPriorityOverride (0-9999, higher runs first;
+                                            DEFAULT_PRIORITY on a fair-share queue without one)
     spec.max_run_seconds                 -> timeout.attemptDurationSeconds (per attempt, from
                                             its startedAt; for a multi-node job, the whole job)
     settings.retry_attempts              -> retryStrategy (retry host failures, not job errors)
 
 Submitted through the provider's BatchClientHook, with the arguments of BatchOperator, its
-clients retrying throttling adaptively (llmops.aws.retry). A status's details carry `started_at`
-(the current attempt's startedAt) once the job runs; the handle carries `poll_interval` and
-`deadline_grace_seconds`. A multi-node job's log is the streams of its node jobs (`<id>#<node>`):
-the parent job has none of its own while it runs.
+clients retrying throttling adaptively (llmops.aws.retry). One live job per attempt, whatever the
+network loses: see BatchBackend.submit (a claim per attempt, a token on the job, copies of a
+resent SubmitJob terminated after every submit and while the handle is young). A status's details
+carry `started_at` (the current attempt's startedAt) once the job runs; the handle carries
+`poll_interval` and `deadline_grace_seconds`. A multi-node job's log is the streams of its node
+jobs (`<id>#<node>`): the parent job has none of its own while it runs.
 """
 
 from __future__ import annotations
@@ -46,7 +53,6 @@ log = logging.getLogger(__name__)
 
 STOP_REASON = "Stopped by its Airflow task (llmops)"
 # Rules AWS documents but botocore's Batch model does not carry.
-JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,127}$")
 SHARE_IDENTIFIER = re.compile(r"^[A-Za-z0-9]{1,255}\*?$")
 PENDING = {"SUBMITTED", "PENDING", "RUNNABLE", "STARTING"}
 INTENT = "batch-job.json"          # an attempt's claim, then its job id (see BatchBackend.submit)
@@ -56,6 +62,12 @@ UNSUBMITTED = "UNSUBMITTED"        # a claim that led to no job
 # (botocore's timeouts and retries) plus ListJobs' eventual consistency, with room for skew.
 SUBMIT_WINDOW_SECONDS = 180.0
 LIST_INTERVAL_SECONDS = 5.0
+# After a submit, how long to wait for ListJobs to show the job SubmitJob answered with (so that a
+# copy submitted before it, whose answer was lost, is listed too). status() keeps looking for
+# copies until SUBMIT_WINDOW_SECONDS after the submit.
+SETTLE_SECONDS = 60.0
+DEFAULT_PRIORITY = 0    # a fair-share queue needs a scheduling priority; runs without one get this
+FINISHED = ("SUCCEEDED", "FAILED")
 DESCRIBE_BATCH = 100    # DescribeJobs takes at most 100 job ids a call
 NOT_FOUND_RETRIES = 4   # a job just submitted may not be visible to DescribeJobs yet
 
@@ -70,17 +82,30 @@ def batch_tags(tags: dict[str, str]) -> dict[str, str]:
     return dict(list(out.items())[:50])
 
 
-def scheduling(spec: JobSpec, share_identifier: str = "") -> dict[str, Any]:
-    """shareIdentifier (the team's, from llmops_teams, else the team's name) and
-    schedulingPriorityOverride from the run's team and priority."""
+def scheduling(spec: JobSpec, share_identifier: str = "", fair_share: bool | None = None) -> dict[str, Any]:
+    """shareIdentifier and schedulingPriorityOverride for the job's queue.
+
+    `fair_share` is whether the queue has a fair-share scheduling policy (BatchBackend asks
+    DescribeJobQueues): then both are required (the share from `share_identifier`, the team's in
+    llmops_teams, else the run's team name; the priority from the run, else DEFAULT_PRIORITY);
+    without one Batch refuses a share, so neither is sent. None (not known: rendering without AWS)
+    sends the run's team and priority when it names them."""
     out: dict[str, Any] = {}
+    if fair_share is False:
+        return out
     team = share_identifier or spec.tags.get("team", "")
+    if fair_share and not team:
+        raise JobSpecError("The Batch job queue has a fair-share scheduling policy, which needs a "
+                           "share identifier for every job: run with a team (the 'team' Param, "
+                           "llmops_teams) or set share_identifier in the batch settings.")
     if team:
         if not SHARE_IDENTIFIER.match(team):
             raise JobSpecError(f"Team {team!r} is not a valid Batch fair-share identifier "
                                "(letters and digits only, at most 255).")
         out["shareIdentifier"] = team
     priority = spec.tags.get("priority", "")
+    if priority == "" and fair_share:
+        priority = DEFAULT_PRIORITY
     if priority != "":
         value = int(priority)
         if not 0 <= value <= 9999:
@@ -127,11 +152,13 @@ def job_definition(spec: JobSpec, settings: BatchSettings, image: str, nodes: in
 
 
 def submit_request(spec: JobSpec, settings: BatchSettings, staged: remote.Staged, job_name: str,
-                   definition_arn: str) -> dict[str, Any]:
-    """The SubmitJob request (the keyword arguments BatchOperator would pass)."""
+                   definition_arn: str, fair_share: bool | None = None) -> dict[str, Any]:
+    """The SubmitJob request (the keyword arguments BatchOperator would pass); `fair_share`:
+    whether the queue has a fair-share scheduling policy (see `scheduling`)."""
     res = remote.merged(spec, settings)
     nodes = res["instance_count"]
-    env = {**fabric_env(res["instance_type"], nodes, efa=settings.efa_devices > 0), **res["env"]}
+    env = {**fabric_env(res["instance_type"], nodes, efa=settings.efa_devices > 0), **res["env"],
+           **remote.kms_env(settings)}
     remote.check_environment(env)
     args = remote.entry_args(spec, staged, launcher="torchrun", nproc_per_node=res["nproc_per_node"])
     overrides: dict[str, Any] = {"command": ["python3", settings.entry_script, *args],
@@ -150,15 +177,14 @@ def submit_request(spec: JobSpec, settings: BatchSettings, staged: remote.Staged
         "timeout": {"attemptDurationSeconds": max(60, spec.max_run_seconds)},
         "propagateTags": settings.propagate_tags,
         "tags": batch_tags(res["tags"]),
-        **scheduling(spec, settings.share_identifier),
+        **scheduling(spec, settings.share_identifier, fair_share),
     }
     if settings.retry_attempts > 1:
         # Retry when the host went away (spot reclaim, hardware), not when the job itself failed.
         request["retryStrategy"] = {"attempts": min(settings.retry_attempts, 10), "evaluateOnExit": [
             {"onStatusReason": "Host EC2*", "action": "RETRY"},
             {"onReason": "*", "action": "EXIT"}]}
-    if not JOB_NAME.match(job_name):
-        raise JobSpecError(f"Batch job name {job_name!r} must be 1-128 letters, digits, - or _.")
+    remote.check_name("batch", job_name)
     return request
 
 
@@ -215,11 +241,19 @@ class BatchBackend(Backend):
           the old name lookup in the queue, `_find`, still finds it).
 
         Two tries claiming one attempt at once: one conditional write wins, the other reads the
-        winner's record and waits for its job. What remains: a worker that stalls for longer
+        winner's record and waits for its job (a claim whose own response was lost is recognised
+        by its token). botocore resends a SubmitJob whose response was lost (a read timeout, a
+        reset): AWS may have accepted the first, and then two multi-node jobs run. Every copy
+        carries the claim's token, so after every submit the jobs of the attempt's name are
+        listed until the one SubmitJob answered with shows (SETTLE_SECONDS), and any other job
+        with the token is terminated; status() looks again until SUBMIT_WINDOW_SECONDS after the
+        submit, for a copy ListJobs showed late. What remains: a worker that stalls for longer
         than the window between its last check of the record and SubmitJob (it re-reads the
-        record just before submitting to keep that gap small), and botocore resending a
-        SubmitJob whose response was lost; in both cases every copy carries the token, and a
-        later resolution keeps the first and terminates the others.
+        record just before submitting to keep that gap small); its copy carries the token too,
+        and the crash-window resolution keeps the first and terminates the others.
+
+        The queue is described first (DescribeJobQueues): a fair-share queue needs a share
+        identifier and a priority on every job, a FIFO queue refuses a share (`scheduling`).
         """
         if not spec.name:
             raise JobSpecError("JobSpec.name is required to submit: it makes retries reattach.")
@@ -232,7 +266,11 @@ class BatchBackend(Backend):
             raise JobSpecError(f"No image for the {spec.stage} job: set stage_resources."
                                f"{spec.stage}.image or `image` in the batch settings.")
         hook = self._hook(settings.aws_conn_id, settings.region_name)
-        s3_hook = s3.s3_hook(settings.aws_conn_id, settings.region_name)
+        s3_hook = s3.s3_hook(settings.aws_conn_id, settings.region_name, settings.kms_key_id)
+        fair_share = bool(self._scheduling_policy(hook, settings.job_queue))
+        # Rendered once before anything is claimed: a request Batch would refuse fails here.
+        submit_request(spec, settings, remote.plan(spec, spec.name, settings.staging_uri),
+                       remote.attempt_name(spec.name, 1, 128), "placeholder", fair_share)
         while True:
             attempt, found = remote.latest_attempt(
                 spec.name, lambda name: self._attempt(hook, s3_hook, settings, spec, name), max_len=128)
@@ -253,7 +291,7 @@ class BatchBackend(Backend):
         definition = job_definition(spec, settings, res["image"], res["instance_count"])
         # Checked before anything is registered or uploaded.
         validate_request("batch", "RegisterJobDefinition", definition)
-        request = submit_request(spec, settings, staged, job_name, "placeholder")
+        request = submit_request(spec, settings, staged, job_name, "placeholder", fair_share)
         request["tags"] = {**request["tags"], TOKEN_TAG: token}
         validate_request("batch", "SubmitJob", request)
         remote.upload(staged, s3_hook, log)
@@ -264,12 +302,61 @@ class BatchBackend(Backend):
             raise JobSpecError(f"Batch attempt {job_name} was claimed by another try while this one "
                                "was preparing it; retry the task to reattach to that try's job.")
         job_id = hook.client.submit_job(**request)["jobId"]
+        submitted_at = time.time()
         s3.write_json(s3_hook, _intent_uri(staged.prefix), {**record, "job_id": job_id,
-                                                             "submitted_at": time.time()})
+                                                             "submitted_at": submitted_at})
         log.info("Submitted Batch job %s (%s) to queue %s, %d node(s)%s", job_name, job_id,
                  settings.job_queue, res["instance_count"],
                  f", share {request['shareIdentifier']}" if "shareIdentifier" in request else "")
-        return self._handle(spec, settings, staged, job_name, job_id, attempt, False)
+        try:
+            self._settle(hook, settings.job_queue, job_name, token, job_id)
+        except Exception as exc:  # noqa: BLE001 - the job runs and is recorded; status() looks again
+            log.warning("Could not look for copies of Batch job %s yet: %s", job_id, exc)
+        return self._handle(spec, settings, staged, job_name, job_id, attempt, False,
+                            token=token, submitted_at=submitted_at)
+
+    def _scheduling_policy(self, hook: Any, queue: str) -> str:
+        """The queue's fair-share scheduling policy ARN, "" for a FIFO queue."""
+        found = hook.client.describe_job_queues(jobQueues=[queue]).get("jobQueues", [])
+        if not found:
+            raise JobSpecError(f"AWS Batch has no job queue {queue!r} in this region: check job_queue "
+                               f"in the batch settings (and the connection's region).")
+        return found[0].get("schedulingPolicyArn") or ""
+
+    def _tagged(self, hook: Any, queue: str, name: str, token: str) -> list[dict[str, Any]]:
+        """Every job named `name` in the queue tagged with `token`, oldest first."""
+        ids, kwargs = [], {"jobQueue": queue, "filters": [{"name": "JOB_NAME", "values": [name]}]}
+        while True:
+            page = hook.client.list_jobs(**kwargs)
+            ids += [j["jobId"] for j in page.get("jobSummaryList", []) if j["jobName"] == name]
+            if not page.get("nextToken"):
+                break
+            kwargs["nextToken"] = page["nextToken"]
+        mine = []
+        for i in range(0, len(ids), DESCRIBE_BATCH):
+            mine += [j for j in hook.client.describe_jobs(jobs=ids[i:i + DESCRIBE_BATCH]).get("jobs", [])
+                     if (j.get("tags") or {}).get(TOKEN_TAG) == token]
+        return sorted(mine, key=lambda j: j.get("createdAt", 0))
+
+    def _terminate_copies(self, hook: Any, jobs: list[dict[str, Any]], keep: str) -> list[str]:
+        """Terminate every job of `jobs` but `keep` that has not finished; their ids."""
+        copies = [j for j in jobs if j["jobId"] != keep and j.get("status") not in FINISHED]
+        for copy in copies:
+            log.warning("Terminating Batch job %s (%s): a copy of %s from one submission (a SubmitJob "
+                        "resent after its response was lost)", copy.get("jobName"), copy["jobId"], keep)
+            hook.client.terminate_job(jobId=copy["jobId"], reason=f"{STOP_REASON}: duplicate submission")
+        return [c["jobId"] for c in copies]
+
+    def _settle(self, hook: Any, queue: str, name: str, token: str, job_id: str) -> None:
+        """After a submit: list the attempt's jobs until `job_id` shows (at most SETTLE_SECONDS),
+        terminating any other job with the token (a copy botocore's resend made)."""
+        deadline = time.monotonic() + SETTLE_SECONDS
+        while True:
+            jobs = self._tagged(hook, queue, name, token)
+            self._terminate_copies(hook, jobs, keep=job_id)
+            if any(j["jobId"] == job_id for j in jobs) or time.monotonic() >= deadline:
+                return
+            time.sleep(LIST_INTERVAL_SECONDS)
 
     def _claim(self, s3_hook: Any, prefix: str, job_name: str, if_match: str = "") -> str:
         """Write this try's intent record for the attempt, only if there is none (or, taking over
@@ -283,11 +370,15 @@ class BatchBackend(Backend):
         body = json.dumps({"job_name": job_name, "token": token, "claimed_at": time.time()})
         try:
             s3_hook.get_conn().put_object(Bucket=bucket, Key=key, Body=body.encode(),
-                                          ContentType="application/json", **condition)
+                                          ContentType="application/json", **condition,
+                                          **s3.sse_args(s3_hook))
         except ClientError as exc:
             if exc.response.get("Error", {}).get("Code") in ("PreconditionFailed", "ConditionalRequestConflict") \
                     or exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") in (409, 412):
-                return ""
+                # botocore resends a write whose response was lost; the resend finds the record
+                # this try's first send wrote.
+                record, _ = _read_intent(s3_hook, prefix)
+                return token if (record or {}).get("token") == token else ""
             raise
         return token
 
@@ -316,33 +407,25 @@ class BatchBackend(Backend):
     def _by_token(self, hook: Any, queue: str, name: str, token: str) -> dict[str, Any] | None:
         """The first job named `name` in the queue tagged with `token`; any later copies (a
         resent SubmitJob) are terminated."""
-        ids, kwargs = [], {"jobQueue": queue, "filters": [{"name": "JOB_NAME", "values": [name]}]}
-        while True:
-            page = hook.client.list_jobs(**kwargs)
-            ids += [j["jobId"] for j in page.get("jobSummaryList", []) if j["jobName"] == name]
-            if not page.get("nextToken"):
-                break
-            kwargs["nextToken"] = page["nextToken"]
-        mine = []
-        for i in range(0, len(ids), 100):
-            mine += [j for j in hook.client.describe_jobs(jobs=ids[i:i + 100]).get("jobs", [])
-                     if (j.get("tags") or {}).get(TOKEN_TAG) == token]
+        mine = self._tagged(hook, queue, name, token)
         if not mine:
             return None
-        mine.sort(key=lambda j: j.get("createdAt", 0))
-        for extra in mine[1:]:
-            log.warning("Terminating %s (%s): a duplicate of %s from one submission",
-                        name, extra["jobId"], mine[0]["jobId"])
-            hook.client.terminate_job(jobId=extra["jobId"], reason=f"{STOP_REASON}: duplicate submission")
+        self._terminate_copies(hook, mine, keep=mine[0]["jobId"])
         return mine[0]
 
-    def _handle(self, spec, settings, staged, job_name, job_id, attempt, reattached) -> dict[str, Any]:
-        return {"backend": self.name, "name": spec.name, "job_name": job_name, "job_id": job_id,
-                "attempt": attempt, "aws_conn_id": settings.aws_conn_id,
-                "region_name": settings.region_name, "result_uri": staged.result_uri,
-                "staging_prefix": staged.prefix, "copy_back": staged.copy_back,
-                "output_uri": staged.output_uri, "reattached": reattached,
-                **remote.resource_fields(spec, settings), **remote.watch_fields(settings)}
+    def _handle(self, spec, settings, staged, job_name, job_id, attempt, reattached, token="",
+                submitted_at=0.0) -> dict[str, Any]:
+        handle = {"backend": self.name, "name": spec.name, "job_name": job_name, "job_id": job_id,
+                  "attempt": attempt, "aws_conn_id": settings.aws_conn_id,
+                  "region_name": settings.region_name, "result_uri": staged.result_uri,
+                  "staging_prefix": staged.prefix, "copy_back": staged.copy_back,
+                  "output_uri": staged.output_uri, "reattached": reattached,
+                  "kms_key_id": settings.kms_key_id,
+                  **remote.resource_fields(spec, settings), **remote.watch_fields(settings)}
+        if token:   # status() looks for copies of this submission until the window has passed
+            handle.update(job_queue=settings.job_queue, submit_token=token,
+                          settle_until=submitted_at + SUBMIT_WINDOW_SECONDS)
+        return handle
 
     def fingerprint(self, spec: JobSpec) -> str:
         """A short hash of the stage's resolved batch settings block; no network I/O."""
@@ -363,6 +446,12 @@ class BatchBackend(Backend):
 
     def status(self, handle: dict[str, Any]) -> JobStatus:
         hook = self._hook(handle["aws_conn_id"], handle.get("region_name", ""))
+        if handle.get("submit_token") and time.time() < float(handle.get("settle_until") or 0):
+            try:   # a copy of a resent SubmitJob that ListJobs showed only now
+                self._terminate_copies(hook, self._tagged(hook, handle["job_queue"], handle["job_name"],
+                                                          handle["submit_token"]), keep=handle["job_id"])
+            except Exception as exc:  # noqa: BLE001 - the job's own status matters more
+                log.warning("Could not look for copies of Batch job %s: %s", handle["job_id"], exc)
         job = self._describe(hook, handle["job_id"])
         if job is None:
             return JobStatus(JobState.FAILED, f"AWS Batch has no job {handle['job_id']}")
@@ -397,6 +486,9 @@ class BatchBackend(Backend):
         # TerminateJob also cancels jobs that have not started; it is a no-op on finished ones.
         hook.client.terminate_job(jobId=handle["job_id"], reason=STOP_REASON)
         log.info("Terminating Batch job %s (%s)", handle["job_name"], handle["job_id"])
+        if handle.get("submit_token") and time.time() < float(handle.get("settle_until") or 0):
+            self._terminate_copies(hook, self._tagged(hook, handle["job_queue"], handle["job_name"],
+                                                      handle["submit_token"]), keep=handle["job_id"])
 
     def _log_streams(self, handle: dict[str, Any]) -> tuple[Any, str, list[str]]:
         """(CloudWatch Logs client, group, streams) of the job's current attempt: one stream per

@@ -17,8 +17,21 @@ operator) or a Kubeflow PyTorchJob, created through the Kubernetes API.
                                   Schedulable, preferring those whose deep health check Passed
     settings.log_monitoring    -> runPolicy.logMonitoringConfiguration: hang and slowness
                                   detection from the job's log lines (HyperPodPyTorchJob)
-    spec.tags team / priority  -> namespace and Kueue queue (task governance), priority class
+    spec.tags team / priority  -> namespace and Kueue queue (task governance), priority class;
+                                  no namespace set: `kubeflow` for a PyTorchJob (HyperPod
+                                  auto-resumes a PyTorchJob only there or in a `hyperpod*`
+                                  namespace: another is refused while max_retry_count > 0),
+                                  `default` for a HyperPodPyTorchJob
     spec.max_run_seconds       -> runPolicy.activeDeadlineSeconds
+    (always)                   -> runPolicy.cleanPodPolicy All: a failed or finished job's pods
+                                  are deleted, not left holding their GPUs; the elastic agent's
+                                  port (AGENT_PORT, as in AWS's HyperPodPyTorchJob example)
+                                  declared on the container; LLMOPS_WORKDIR set, so the entry
+                                  can tell which pod hosted rank 0 (docker/job_entry.py is_leader)
+
+Names: the job's Kubernetes name is its attempt name lower-cased within MAX_NAME characters, cut
+from the readable front so that the spec name's hash survives (remote.attempt_name): two runs of
+one long task id never share a name, which would make the second reattach to the first's job.
 
 Manifests are validated against the CRD schemas in crds/ before they are sent. Credentials: the
 AWS connection's session signs an EKS token for `eks_cluster_name` (in process: no kubeconfig, no
@@ -54,7 +67,7 @@ from llmops.jobs.backends import remote
 from llmops.jobs.backends.base import Backend, JobState, JobStatus
 from llmops.jobs.backends.crds import group_version_plural, validate_manifest
 from llmops.jobs.backends.sagemaker import fabric_env
-from llmops.jobs.backends.settings import HyperPodSettings, load
+from llmops.jobs.backends.settings import HyperPodSettings, check_auto_resume_namespace, load
 from llmops.jobs.spec import JobSpec, JobSpecError, cost_allocation_tags
 
 log = logging.getLogger(__name__)
@@ -72,10 +85,22 @@ FIRST_LOG_LINES = 1000          # the first read of a pod's log: its tail, not a
 LOG_OVERLAP_SECONDS = 10        # re-read this much before the last line (clock skew, same-second lines)
 STOP_RECORD = "stopped.json"
 FINISHED = ("Succeeded", "Completed", "Failed")
+AGENT_PORT = 8080               # hyperpodrun's port, which the HyperPod training operator talks to
+POD_WORKDIR = "/tmp/llmops-job"  # the entry's work dir in a pod (LLMOPS_WORKDIR)
 
 
 def k8s_name(name: str) -> str:
-    return re.sub(r"-+", "-", re.sub(r"[^a-z0-9-]", "-", name.lower())).strip("-")[:MAX_NAME].rstrip("-")
+    """`name` as a Kubernetes name of at most MAX_NAME characters, its trailing hash kept."""
+    clean = re.sub(r"-+", "-", re.sub(r"[^a-z0-9-]", "-", name.lower())).strip("-")
+    return remote.check_name("kubernetes", remote.fit_name(clean, MAX_NAME))
+
+
+def namespace_of(spec: JobSpec, settings: HyperPodSettings) -> str:
+    """The job's namespace (the settings', {team} filled in, else the kind's default), refused
+    where HyperPod would not auto-resume it although max_retry_count asks for that."""
+    namespace = settings.resolved_namespace(spec.tags.get("team", "") or "default")
+    check_auto_resume_namespace(settings, namespace)
+    return namespace
 
 
 def label_value(value: str) -> str:
@@ -92,8 +117,6 @@ def priority_class(priority: str, classes: dict[str, str]) -> str:
 
 def manifest(spec: JobSpec, settings: HyperPodSettings, staged: remote.Staged, name: str) -> dict[str, Any]:
     """The job resource for one attempt of `spec`."""
-    if settings.kind not in KINDS:
-        raise JobSpecError(f"hyperpod kind {settings.kind!r} is not one of {list(KINDS)}.")
     res = remote.merged(spec, settings)
     if not res["image"]:
         raise JobSpecError(f"No image for the {spec.stage} job: set stage_resources.{spec.stage}.image "
@@ -102,7 +125,8 @@ def manifest(spec: JobSpec, settings: HyperPodSettings, staged: remote.Staged, n
     team = spec.tags.get("team", "") or "default"
     hyperpod = settings.kind == "HyperPodPyTorchJob"
     efa = settings.efa_per_node > 0
-    env = {**fabric_env(res["instance_type"], nodes, efa=efa), **res["env"]}
+    env = {**fabric_env(res["instance_type"], nodes, efa=efa), **res["env"],
+           "LLMOPS_WORKDIR": POD_WORKDIR, **remote.kms_env(settings)}
     remote.check_environment(env)
     args = remote.entry_args(spec, staged, launcher="hyperpodrun" if hyperpod else "torchrun",
                              nproc_per_node=nproc, nnodes=nodes)
@@ -124,6 +148,8 @@ def manifest(spec: JobSpec, settings: HyperPodSettings, staged: remote.Staged, n
         "resources": {"requests": dict(limits), "limits": dict(limits)} if limits else {},
         "volumeMounts": [{"name": "shm", "mountPath": "/dev/shm"}],
     }
+    if hyperpod:
+        container["ports"] = [{"containerPort": AGENT_PORT}]
     pod_spec: dict[str, Any] = {
         "containers": [container],
         # NCCL and data loaders use shared memory; the container default (64 MiB) is too small.
@@ -157,16 +183,17 @@ def manifest(spec: JobSpec, settings: HyperPodSettings, staged: remote.Staged, n
     klass = priority_class(spec.tags.get("priority", ""), settings.priority_classes)
     if klass:
         labels["kueue.x-k8s.io/priority-class"] = klass
-    metadata = {"name": name, "namespace": settings.namespace.format(team=team), "labels": labels,
+    metadata = {"name": name, "namespace": namespace_of(spec, settings), "labels": labels,
                 "annotations": {"llmops/job-name": spec.name, "llmops/result-uri": staged.result_uri,
                                 **{f"llmops/{key.replace('_', '-')}": value
                                    for key, value in cost.items() if value}}}
     template = {"metadata": {"labels": {**labels, JOB_LABEL: name}}, "spec": pod_spec}
     group, version, _ = group_version_plural(settings.kind)
     if hyperpod:
+        # cleanPodPolicy All: with None a failed job's pods stay, each holding its node's GPUs.
         run_policy: dict[str, Any] = {"jobMaxRetryCount": settings.max_retry_count,
                                       "activeDeadlineSeconds": spec.max_run_seconds,
-                                      "cleanPodPolicy": "None"}
+                                      "cleanPodPolicy": "All"}
         if settings.log_monitoring:
             run_policy["logMonitoringConfiguration"] = list(settings.log_monitoring)
         body_spec = {"nprocPerNode": str(nproc),
@@ -182,7 +209,7 @@ def manifest(spec: JobSpec, settings: HyperPodSettings, staged: remote.Staged, n
             replicas["Worker"] = {"replicas": nodes - 1, "restartPolicy": "OnFailure", "template": template}
         body_spec = {"nprocPerNode": str(nproc), "pytorchReplicaSpecs": replicas,
                      "runPolicy": {"activeDeadlineSeconds": spec.max_run_seconds,
-                                   "cleanPodPolicy": "None"}}
+                                   "cleanPodPolicy": "All"}}
     body = {"apiVersion": f"{group}/{version}", "kind": settings.kind, "metadata": metadata,
             "spec": body_spec}
     validate_manifest(body)
@@ -362,9 +389,9 @@ class HyperPodBackend(Backend):
         remote.check_environment(spec.env)
         remote.warn_if_unreachable(spec.env, log)
         group, version, plural = group_version_plural(settings.kind)
-        namespace = settings.namespace.format(team=spec.tags.get("team", "") or "default")
+        namespace = namespace_of(spec, settings)
         kube = kube_client(settings)
-        s3_hook = s3.s3_hook(settings.aws_conn_id, settings.region_name)
+        s3_hook = s3.s3_hook(settings.aws_conn_id, settings.region_name, settings.kms_key_id)
 
         def get(name: str) -> dict[str, Any] | None:
             try:
@@ -411,6 +438,7 @@ class HyperPodBackend(Backend):
                 "kubernetes_conn_id": settings.kubernetes_conn_id,
                 "result_uri": staged.result_uri, "staging_prefix": staged.prefix,
                 "copy_back": staged.copy_back, "reattached": reattached,
+                "kms_key_id": settings.kms_key_id,
                 **remote.resource_fields(spec, settings), **remote.watch_fields(settings)}
 
     def _get(self, kube: KubeClient, handle: dict[str, Any]) -> dict[str, Any] | None:
@@ -424,7 +452,7 @@ class HyperPodBackend(Backend):
             raise
 
     def _s3(self, handle: dict[str, Any]) -> Any:
-        return s3.s3_hook(handle["aws_conn_id"], handle.get("region_name", ""))
+        return s3.s3_hook(handle["aws_conn_id"], handle.get("region_name", ""), handle.get("kms_key_id"))
 
     def status(self, handle: dict[str, Any]) -> JobStatus:
         resource = self._get(kube_client(handle), handle)

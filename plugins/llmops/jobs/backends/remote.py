@@ -6,7 +6,10 @@ outputs and result JSON to the URIs it was given. Around that the Airflow side:
 
 - names attempts: a backend reattaches to a job of its name that is running or succeeded; a failed
   or stopped one is followed by `<name>-r2`, `<name>-r3`, ... (SageMaker never reuses a name), all
-  sharing one checkpoint URI so the next attempt resumes;
+  sharing one checkpoint URI so the next attempt resumes. A name is fitted to its service's
+  length from the readable front, never cutting the spec name's hash, and checked against the
+  service's rule (NAME_RULES): the name is what makes a create idempotent when its response is
+  lost (SageMaker and Kubernetes refuse a second job of a name);
 - finds the config's inputs (s3:// or fsx:// URIs, existing local paths and globs) so a backend
   can mount them (SageMaker channels) or let the entry download them;
 - stages what lives on the Airflow machine: when a stage's storage is a local directory (the
@@ -40,17 +43,45 @@ WATCH_ONLY = ("poll_interval_seconds", "deadline_grace_seconds")
 _WILDCARD = re.compile(r"[*?\[]")
 
 
-def attempt_name(base: str, attempt: int, max_len: int = 63) -> str:
-    """`base` for the first attempt, `base-r<N>` after it, cut from the readable front so the
-    trailing hash of the name (what makes it unique) survives."""
-    if attempt <= 1:
-        return base[:max_len]
-    suffix = f"-r{attempt}"
+# What each service accepts as a job name. The length is ours where a service derives longer
+# names from it (HyperPod pods are `<job>-pod-<i>`, kept within Kubernetes' 63).
+NAME_RULES = {
+    "sagemaker": (63, re.compile(r"^[a-zA-Z0-9](-*[a-zA-Z0-9]){0,62}$")),
+    "batch": (128, re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,127}$")),
+    "kubernetes": (48, re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")),
+}
+_DIGEST = re.compile(r"[0-9a-f]{8,}")   # the hash llmops.jobs.spec.job_name ends a name with
+
+
+def fit_name(base: str, max_len: int) -> str:
+    """`base` within `max_len` characters, cut from its readable front so that what makes it
+    unique survives: its trailing `-<hash>` (as job_name writes it), or, for a name without one,
+    a hash of the whole name put in place of its end."""
+    if len(base) <= max_len:
+        return base
     head, sep, digest = base.rpartition("-")
-    if not sep or len(digest) >= max_len - len(suffix):
-        return base[: max_len - len(suffix)].rstrip("-") + suffix
-    keep = max_len - len(suffix) - len(digest) - 1
-    return f"{head[:keep].rstrip('-')}-{digest}{suffix}"
+    if not (sep and _DIGEST.fullmatch(digest) and len(digest) + 2 <= max_len):
+        head, digest = base, hashlib.sha256(base.encode()).hexdigest()[:10]
+    head = head[: max(0, max_len - len(digest) - 1)].rstrip("-_")
+    return f"{head}-{digest}" if head else digest[:max_len]
+
+
+def attempt_name(base: str, attempt: int, max_len: int = 63) -> str:
+    """`base` for the first attempt, `base-r<N>` after it, within `max_len`: cut from the
+    readable front, never from the trailing hash (two runs of one long task id would share a
+    name, and the second would reattach to the first's job)."""
+    suffix = f"-r{attempt}" if attempt > 1 else ""
+    return fit_name(base, max_len - len(suffix)) + suffix
+
+
+def check_name(service: str, name: str) -> str:
+    """`name` if `service` accepts it as a job name, else a JobSpecError naming the rule."""
+    max_len, rule = NAME_RULES[service]
+    if len(name) > max_len or not rule.fullmatch(name):
+        raise JobSpecError(f"{name!r} is not a valid {service} job name: at most {max_len} characters "
+                           f"matching {rule.pattern}. Give the task (or JobSpec.name) a name of "
+                           "letters, digits and hyphens.")
+    return name
 
 
 def latest_attempt(base: str, exists: Callable[[str], Any], max_len: int = 63) -> tuple[int, Any]:
@@ -78,6 +109,12 @@ def warn_if_unreachable(env: dict[str, str], log: Any) -> None:
 
 
 redact = env_secrets.redact_uri
+
+
+def kms_env(settings: Any) -> dict[str, str]:
+    """The job's variable for its own S3 writes (SSE-KMS with this key), {} without a key."""
+    key = getattr(settings, "kms_key_id", "")
+    return {s3.KMS_ENV: key} if key else {}
 
 
 def log_due(cursor: Any) -> bool:

@@ -15,13 +15,22 @@ A JobSpec becomes a CreateTrainingJob request (rendered by `training_request`, a
                                                    attempts of RetryStrategy together), and with spot
                                                    MaxWaitTimeInSeconds = spot_wait_factor x that
     spec.env (+ EFA/NCCL on multi-node GPUs)    -> Environment (secrets refused)
-    spec.tags + stage + job                     -> Tags
+    spec.tags + stage + job                     -> Tags (+ this try's submit token)
     settings                                    -> role, spot, RetryStrategy, warm pool, VPC, KMS
+    settings.kms_key_id                         -> OutputDataConfig / ProcessingOutputConfig
+                                                   KmsKeyId, SSE-KMS on every staged object, and
+                                                   LLMOPS_S3_KMS_KEY_ID for the job's own writes
 
 Requests are checked against botocore's service model (lengths, patterns, enums) before they are
 sent, and kept at `<staging>/<spec name>/<job>/request.json` as the record of what ran.
 Processing renders CreateProcessingJob the same way: one container per instance, the data
 inputs sharded by S3 key when there are several instances.
+
+One job per attempt, whatever the network loses: an attempt's name is the spec's name (its hash
+never cut, llmops.jobs.backends.remote.attempt_name) plus `-r<N>`, and SageMaker refuses a second
+job of a name. When a create's response is lost, botocore sends it again and SageMaker answers
+ResourceInUse: the job exists, and its `llmops:submit-token` tag says whether this try created it
+(a submit, not a reattach, for the job ledger).
 
 Waiting: the handle carries `poll_interval` and `deadline_grace_seconds` (settings), a status's
 details carry `started_at` once the job runs (the first `Training` transition: TrainingStartTime
@@ -36,6 +45,7 @@ import json
 import logging
 import re
 import time
+import uuid
 from typing import Any
 
 from llmops.aws import s3
@@ -59,6 +69,7 @@ SHARDS_CHANNEL = "llmops_shards"      # the finalize job's copy of every host's 
 # Processing instances they run as two jobs in one handle (SageMakerProcessingBackend).
 TWO_PHASE_ENTRYPOINTS = ("tasks.data.prep",)
 STOPPING_WAIT_SECONDS = 600
+TOKEN_TAG = "llmops:submit-token"     # which try created a job (see the module docstring)
 # botocore's model gives MaxWaitTimeInSeconds no upper bound; 28 days is SageMaker's documented
 # maximum run time of a training job (MaxRuntimeInSeconds, whose default quota is 5 days).
 SPOT_MAX_WAIT = 2_419_200
@@ -133,7 +144,10 @@ def distribution_hyperparameters(distribution: str, instance_type: str, instance
                                "(torch_distributed, pytorchddp, mpi or smdistributed).")
         return {}
     if distribution == "torch_distributed":
-        return {"sagemaker_torch_distributed_enabled": True, "sagemaker_instance_type": instance_type}
+        # The toolkit's torchrun starts `sagemaker_mpi_num_of_processes_per_host` processes per
+        # instance, and one per GPU without it: the run's nproc_per_node would be ignored.
+        return {"sagemaker_torch_distributed_enabled": True, "sagemaker_instance_type": instance_type,
+                "sagemaker_mpi_num_of_processes_per_host": procs}
     if distribution == "pytorchddp":
         return {"sagemaker_pytorch_ddp_enabled": True, "sagemaker_instance_type": instance_type}
     if distribution == "smdistributed_dataparallel":
@@ -224,7 +238,8 @@ def training_request(spec: JobSpec, settings: SageMakerSettings, staged: remote.
         **entry,
     }
     env = {**fabric_env(res["instance_type"], res["instance_count"]), **res["env"],
-           "LLMOPS_WORKDIR": WORKDIR, "LLMOPS_CHECKPOINT_DIR": CHECKPOINT_DIR}
+           "LLMOPS_WORKDIR": WORKDIR, "LLMOPS_CHECKPOINT_DIR": CHECKPOINT_DIR,
+           **remote.kms_env(settings)}
     remote.check_environment(env)
     if settings.spot and settings.keep_alive_seconds:
         raise JobSpecError("Warm pools (keep_alive_seconds) cannot be used with managed spot "
@@ -238,8 +253,8 @@ def training_request(spec: JobSpec, settings: SageMakerSettings, staged: remote.
     if settings.volume_kms_key_id:
         resource["VolumeKmsKeyId"] = settings.volume_kms_key_id
     output: dict[str, str] = {"S3OutputPath": s3.join(staged.prefix, "sagemaker-output")}
-    if settings.output_kms_key_id:
-        output["KmsKeyId"] = settings.output_kms_key_id
+    if settings.output_kms_key_id or settings.kms_key_id:
+        output["KmsKeyId"] = settings.output_kms_key_id or settings.kms_key_id
     request: dict[str, Any] = {
         "TrainingJobName": job_name,
         "RoleArn": settings.role_arn,
@@ -351,7 +366,7 @@ def processing_request(spec: JobSpec, settings: ProcessingSettings, staged: remo
     if phase == "finalize":
         cut = args.index("--") if "--" in args else len(args)
         args[cut:cut] = ["--merge-output", f"{PROCESSING_INPUT}/{SHARDS_CHANNEL}"]
-    env = {**res["env"], "LLMOPS_WORKDIR": "/opt/ml/processing/llmops"}
+    env = {**res["env"], "LLMOPS_WORKDIR": "/opt/ml/processing/llmops", **remote.kms_env(settings)}
     remote.check_environment(env)
     cluster: dict[str, Any] = {"InstanceCount": res["instance_count"],
                                "InstanceType": res["instance_type"],
@@ -373,6 +388,8 @@ def processing_request(spec: JobSpec, settings: ProcessingSettings, staged: remo
         "Environment": env,
         "Tags": aws_tags(res["tags"]),
     }
+    if settings.kms_key_id:
+        request["ProcessingOutputConfig"]["KmsKeyId"] = settings.kms_key_id
     if settings.subnets:
         request["NetworkConfig"] = {"VpcConfig": {"Subnets": list(settings.subnets),
                                                   "SecurityGroupIds": list(settings.security_group_ids)}}
@@ -389,10 +406,11 @@ class _SageMakerBackend(Backend):
     def __init__(self, settings: dict[str, Any] | None = None):
         self._settings = settings  # None: read the Airflow Variable at submit time
 
-    def _hook(self, aws_conn_id: str, region_name: str = ""):
+    def _hook(self, aws_conn_id: str, region_name: str = "", kms_key_id: str = ""):
         from llmops.hooks.sagemaker import SageMakerJobsHook
 
-        return SageMakerJobsHook(aws_conn_id=aws_conn_id or None, region_name=region_name or None)
+        return SageMakerJobsHook(aws_conn_id=aws_conn_id or None, region_name=region_name or None,
+                                 kms_key_id=kms_key_id)
 
     def render(self, spec: JobSpec, settings: Any, staged: remote.Staged, job_name: str,
                region: str) -> tuple[dict[str, Any], dict[str, str]]:
@@ -409,7 +427,7 @@ class _SageMakerBackend(Backend):
         settings.require("role_arn", "staging_uri", backend=self.settings_key)
         remote.check_environment(spec.env)
         remote.warn_if_unreachable(spec.env, log)
-        hook = self._hook(settings.aws_conn_id, settings.region_name)
+        hook = self._hook(settings.aws_conn_id, settings.region_name, settings.kms_key_id)
         attempt, description = remote.latest_attempt(
             spec.name, lambda name: hook.describe_job(self.kind, name))
         if description is not None and hook.status_of(self.kind, description) == "Stopping":
@@ -419,9 +437,11 @@ class _SageMakerBackend(Backend):
             staged = remote.plan(spec, job_name, settings.staging_uri)
             return self._handle(spec, settings, staged, job_name, attempt, reattached=True)
         attempt += 1
-        job_name = remote.attempt_name(spec.name, attempt)
+        job_name = remote.check_name("sagemaker", remote.attempt_name(spec.name, attempt))
         staged = remote.plan(spec, job_name, settings.staging_uri)
         request, mapping = self.render(spec, settings, staged, job_name, hook.conn_region_name or "")
+        token = uuid.uuid4().hex
+        request["Tags"] = [*request["Tags"][:49], {"Key": TOKEN_TAG, "Value": token}]
         validate_request("sagemaker", self.operation, request)
         remote.upload(staged, hook.s3_hook, log)
         s3.write_json(hook.s3_hook, s3.join(staged.prefix, "llmops", "input_map.json"), mapping)
@@ -429,12 +449,26 @@ class _SageMakerBackend(Backend):
         try:
             self.create(hook, request)
         except Exception as exc:
-            # Another try of this task created it a moment ago: use that one.
-            if "already exists" in str(exc) or "ResourceInUse" in str(exc):
-                return self._handle(spec, settings, staged, job_name, attempt, reattached=True)
-            raise
+            if not ("already exists" in str(exc) or "ResourceInUse" in str(exc)):
+                raise
+            # Either botocore resent this create after its response was lost (the job is this
+            # try's), or another try of this task created it a moment ago: use it either way.
+            ours = self._created_by(hook, job_name, token)
+            log.info("SageMaker %s job %s already exists (%s): using it", self.kind, job_name,
+                     "created by this try, its first response lost" if ours else "another try's")
+            return self._handle(spec, settings, staged, job_name, attempt, reattached=not ours)
         log.info("Created SageMaker %s job %s (attempt %d)", self.kind, job_name, attempt)
         return self._handle(spec, settings, staged, job_name, attempt, reattached=False)
+
+    def _created_by(self, hook: Any, job_name: str, token: str) -> bool:
+        """Whether the job of this name carries `token` (was created by this try's request)."""
+        description = hook.describe_job(self.kind, job_name) or {}
+        arn = description.get("TrainingJobArn") or description.get("ProcessingJobArn")
+        try:
+            return bool(arn) and hook.job_tags(arn).get(TOKEN_TAG) == token
+        except Exception as exc:  # noqa: BLE001 - only the ledger's submit/reattach word depends on it
+            log.warning("Could not read the tags of %s (%s): counting it as another try's", job_name, exc)
+            return False
 
     def _wait_stopped(self, hook: Any, name: str) -> dict[str, Any] | None:
         deadline = time.monotonic() + STOPPING_WAIT_SECONDS
@@ -453,7 +487,8 @@ class _SageMakerBackend(Backend):
                 "result_uri": staged.result_uri, "staging_prefix": staged.prefix,
                 "copy_back": staged.copy_back,
                 "output_uri": staged.output_uri, "checkpoint_uri": staged.checkpoint_uri,
-                "reattached": reattached, **remote.resource_fields(spec, settings),
+                "reattached": reattached, "kms_key_id": settings.kms_key_id,
+                **remote.resource_fields(spec, settings),
                 **remote.watch_fields(settings, self._slack(spec, settings))}
 
     def _slack(self, spec: JobSpec, settings: Any) -> int:
@@ -570,7 +605,7 @@ class SageMakerProcessingBackend(_SageMakerBackend):
         staged = remote.plan(spec, handle["job_name"], settings.staging_uri)
         request, _ = processing_request(spec, settings, staged, handle["job_name"], "finalize")
         validate_request("sagemaker", self.operation, request)
-        hook = self._hook(settings.aws_conn_id, settings.region_name)
+        hook = self._hook(settings.aws_conn_id, settings.region_name, settings.kms_key_id)
         request_uri = s3.join(staged.prefix, "finalize-request.json")
         s3.write_json(hook.s3_hook, request_uri, request)   # the same content on every try
         base = finalize_name(handle["job_name"])

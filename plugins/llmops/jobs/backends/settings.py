@@ -27,6 +27,14 @@ How a remote job is watched, per block (or stage):
 - SageMaker spot: `spot_wait_factor` (default 2.0, at least 1) makes MaxWaitTimeInSeconds that
   many times MaxRuntimeInSeconds, the slack for waiting on spot capacity and for restarts after
   interruptions; `max_wait_seconds` sets it explicitly instead.
+
+Encryption: `kms_key_id` (a KMS key id, key ARN, alias/<name> or alias ARN) is applied to every S3
+object the Airflow side writes for a job (ServerSideEncryption aws:kms + SSEKMSKeyId: a bucket
+policy that requires SSE-KMS refuses anything else), to what the service writes itself (SageMaker
+OutputDataConfig / ProcessingOutputConfig KmsKeyId, unless `output_kms_key_id` names another key),
+and is handed to the job as LLMOPS_S3_KMS_KEY_ID for its own writes (docker/job_entry.py). The
+same variable in the Airflow environment is the key of the Airflow side's other S3 writes (step
+cache, job ledger, log cursors) and of a block without `kms_key_id` (llmops.aws.s3).
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -41,6 +50,9 @@ from tasks.configs import ConfigError, from_dict, to_dict
 
 VARIABLE = "llmops_backends"
 MIN_POLL_INTERVAL = 5
+# A KMS key as S3 and SageMaker take it: key id, multi-Region key id, key or alias ARN, alias name.
+KMS_KEY = re.compile(r"^(arn:aws[a-z-]*:kms:[a-z0-9-]+:\d{12}:(key|alias)/[A-Za-z0-9/_-]+"
+                     r"|alias/[A-Za-z0-9/_-]+|(mrk-)?[0-9a-f]{32}|[0-9a-f]{8}(-[0-9a-f]{4}){3}-[0-9a-f]{12})$")
 S = TypeVar("S", bound="RemoteSettings")
 
 
@@ -63,8 +75,13 @@ class RemoteSettings:
     stages: dict = field(default_factory=dict)      # stage -> overrides of the fields above
     poll_interval_seconds: int = 30    # how often the job's state and log are read (>= 5)
     deadline_grace_seconds: int = 1800  # Airflow's backstop beyond the job's max run time (>= 0)
+    kms_key_id: str = ""               # SSE-KMS for every S3 write of a job (see the module docstring)
 
     def __post_init__(self) -> None:
+        if self.kms_key_id and not KMS_KEY.match(self.kms_key_id):
+            raise BackendSettingsError(
+                f"{type(self).__name__}.kms_key_id {self.kms_key_id!r} is not a KMS key: give its key "
+                "id, key ARN (arn:aws:kms:<region>:<account>:key/<id>), alias/<name> or alias ARN.")
         if self.poll_interval_seconds < MIN_POLL_INTERVAL:
             raise BackendSettingsError(
                 f"{type(self).__name__}.poll_interval_seconds must be at least {MIN_POLL_INTERVAL} "
@@ -170,13 +187,22 @@ class BatchSettings(RemoteSettings):
     retry_attempts: int = 1             # Batch attempts per job (1-10)
     propagate_tags: bool = True
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.share_identifier and not re.fullmatch(r"[A-Za-z0-9]{1,255}\*?", self.share_identifier):
+            raise BackendSettingsError(
+                f"BatchSettings.share_identifier {self.share_identifier!r} is not a Batch fair-share "
+                "identifier: letters and digits only (at most 255), optionally ending in '*'.")
+
 
 @dataclass(kw_only=True)
 class HyperPodSettings(RemoteSettings):
     kind: str = "HyperPodPyTorchJob"    # or PyTorchJob (Kubeflow training operator)
     eks_cluster_name: str = ""          # credentials through EksHook and aws_conn_id ...
     kubernetes_conn_id: str = ""        # ... or a Kubernetes connection instead
-    namespace: str = "default"          # may use {team}: hyperpod-ns-{team} under task governance
+    # May use {team}: hyperpod-ns-{team} under task governance. "" = the kind's DEFAULT_NAMESPACES.
+    # HyperPod auto-resumes a PyTorchJob only in `kubeflow` or a namespace starting `hyperpod`.
+    namespace: str = ""
     queue_name: str = ""                # Kueue local queue, e.g. hyperpod-ns-{team}-localqueue
     priority_classes: dict = field(default_factory=dict)  # min priority -> class, {"0": "low", "500": "high"}
     service_account: str = ""
@@ -194,6 +220,46 @@ class HyperPodSettings(RemoteSettings):
         "expectedStartCutOffInSeconds": 1800,
         "expectedRecurringFrequencyInSeconds": 900,
     }])
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.kind not in HYPERPOD_KINDS:
+            raise BackendSettingsError(f"HyperPodSettings.kind {self.kind!r} is not one of "
+                                       f"{list(HYPERPOD_KINDS)}.")
+        if self.max_retry_count < 0:
+            raise BackendSettingsError(f"HyperPodSettings.max_retry_count must be >= 0, got "
+                                       f"{self.max_retry_count}.")
+        if "{" not in self.namespace:   # with {team}, checked once the run's team is known
+            check_auto_resume_namespace(self, self.resolved_namespace())
+
+    def resolved_namespace(self, team: str = "default") -> str:
+        """The namespace a job of `team` goes to."""
+        return (self.namespace or DEFAULT_NAMESPACES[self.kind]).format(team=team)
+
+
+# Where a job goes when the settings name no namespace. A PyTorchJob gets HyperPod's auto-resume
+# (the job-auto-resume annotations) only in these namespaces; the HyperPod training operator
+# resumes its own HyperPodPyTorchJob (runPolicy.jobMaxRetryCount) in any.
+HYPERPOD_KINDS = ("HyperPodPyTorchJob", "PyTorchJob")
+DEFAULT_NAMESPACES = {"HyperPodPyTorchJob": "default", "PyTorchJob": "kubeflow"}
+
+
+def auto_resumes(kind: str, namespace: str) -> bool:
+    """Whether HyperPod restarts a job of `kind` in `namespace` after a node fault."""
+    return kind != "PyTorchJob" or namespace == "kubeflow" or namespace.startswith("hyperpod")
+
+
+def check_auto_resume_namespace(settings: HyperPodSettings, namespace: str) -> None:
+    """Refuse a PyTorchJob that asks for auto-resume (max_retry_count > 0) in a namespace where
+    HyperPod silently does not give it: after a node fault it would fail, not resume."""
+    if settings.max_retry_count and not auto_resumes(settings.kind, namespace):
+        raise BackendSettingsError(
+            f"HyperPodSettings.namespace {namespace!r}: HyperPod auto-resumes a PyTorchJob only in "
+            "the 'kubeflow' namespace or one starting with 'hyperpod' (e.g. hyperpod-ns-{team}). "
+            "Set namespace to one of those, kind to HyperPodPyTorchJob, or max_retry_count to 0 "
+            "to run without auto-resume.")
+
+
 
 
 @dataclass(kw_only=True)
