@@ -6,6 +6,9 @@ A job's life in the ledger is a few events, one row each (see llmops.ledger for 
     retried      a later try of the task started a new attempt of it (the earlier one failed or
                  was stopped; the backend resumes it from its checkpoints)
     reattached   a try found the job an earlier try started, running or finished, and watches it
+    continued    the same try started the next attempt after one ended for a reason that attempt
+                 fixes by going on from the checkpoint (MaxRuntime, capacity, spot, host, internal
+                 error: llmops.jobs.continuation)
     ended        the attempt reached succeeded / failed / stopped, with the reason
     cached       a task reused the outputs of the finished job `job_name` instead of running one
                  (the step cache, or `from_run`); `run_id` / `task_id` are the reusing task's.
@@ -28,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 SCHEMA_VERSION = 1
-EVENTS = ("submitted", "retried", "reattached", "ended", "cached")
+EVENTS = ("submitted", "retried", "reattached", "continued", "ended", "cached")
 PRICES_FILE = Path(__file__).with_name("prices.json")
 
 

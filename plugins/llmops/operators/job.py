@@ -13,7 +13,7 @@ from airflow.sdk import BaseOperator, conf
 from airflow.sdk.exceptions import AirflowException, AirflowFailException, AirflowTaskTimeout
 
 from llmops import ledger, step_cache, tracking
-from llmops.jobs import env_secrets
+from llmops.jobs import continuation, env_secrets
 from llmops.jobs.backends import Backend, JobState, JobStatus, get_backend
 from llmops.jobs.errors import Backoff
 from llmops.jobs.spec import JobSpec, JobSpecError, cost_allocation_tags, job_name
@@ -111,10 +111,17 @@ class JobOperator(BaseOperator):
                  deferrable: bool | None = None,
                  poll_interval: float | None = None,
                  deadline_grace_seconds: float | None = None,
-                 force_rerun: bool | str | None = None, **kwargs: Any):
+                 force_rerun: bool | str | None = None,
+                 max_attempts: int = 20, run_deadline_hours: float | None = None,
+                 **kwargs: Any):
         super().__init__(**kwargs)
         if (spec is None) == (build_spec is None):
             raise ValueError("JobOperator needs exactly one of spec= or build_spec=.")
+        if not isinstance(max_attempts, int) or max_attempts < 1:
+            raise ValueError(f"JobOperator max_attempts must be an integer >= 1, got {max_attempts!r}.")
+        if run_deadline_hours is not None and run_deadline_hours <= 0:
+            raise ValueError(f"JobOperator run_deadline_hours must be > 0 or None, got "
+                             f"{run_deadline_hours!r}.")
         self.spec = spec
         self.build_spec = build_spec
         self.op_kwargs = op_kwargs or {}
@@ -122,6 +129,11 @@ class JobOperator(BaseOperator):
         self.poll_interval = poll_interval
         self.deadline_grace_seconds = deadline_grace_seconds
         self.force_rerun = force_rerun
+        self.max_attempts = max_attempts
+        self.run_deadline_hours = run_deadline_hours
+        # The chain of attempts of this try (llmops.jobs.continuation): how many jobs so far,
+        # since when, how many capacity waits. Travels through deferrals in the trigger's context.
+        self._chain: dict[str, Any] = {"attempts": 1, "since": None, "capacity_waits": 0}
         self._handle: dict[str, Any] | None = None
         self._ti: Any = None
         self._run_id = ""
@@ -148,34 +160,40 @@ class JobOperator(BaseOperator):
             return reused
         try:
             record = self._submit_or_reattach(backend, spec, store)
-            self._record_start(backend, spec, record)
-            self._push_links(run_id)
-            watch_kwargs = {"poll_interval": self._poll_interval(backend),
-                            "max_run_seconds": spec.max_run_seconds,
-                            "grace_seconds": self._grace_seconds(),
-                            "log_cursor": record.get("log_cursor"),
-                            "started_at": record.get("started_at")}
-            if self._defers(spec):
-                from llmops.triggers.job import JobTrigger
-
-                # Airflow does not apply execution_timeout to a deferred task: the trigger does.
-                task_deadline = (time.time() + self.execution_timeout.total_seconds()
-                                 if self.execution_timeout else None)
-                self.defer(trigger=JobTrigger(handle=self._handle, task_deadline=task_deadline,
-                                              stop_on_clear=self._forced,
-                                              context={"stage": spec.stage, "mlflow_run_id": run_id,
-                                                       "parent_run_id": spec.mlflow_parent_run_id,
-                                                       "ledger": self._ledger_job,
-                                                       "cache": self._cache_ctx},
-                                              **watch_kwargs),
-                           method_name="execute_complete")
-            status = self._wait(JobWatch(backend, self._handle, **watch_kwargs), store)
+            status = self._watch(context, backend, spec, store, record)
         except AirflowTaskTimeout:
             # The task's own execution_timeout: the user's limit for this task, job included.
             # (The task runner calls on_kill next, which then has nothing left to do.)
             self._stop_job("the task's execution_timeout passed")
             raise
         return self._finish(context, status, spec.stage, run_id)
+
+    def _watch(self, context: Any, backend: Backend, spec: JobSpec, store: Any,
+               record: dict[str, Any], event: str | None = None) -> JobStatus:
+        """Record the job's start, then wait for it here or defer to the triggerer."""
+        self._chain["since"] = self._chain.get("since") or record.get("submitted_at") or time.time()
+        self._record_start(backend, spec, record, event)
+        self._push_links(self._run_id)
+        watch_kwargs = {"poll_interval": self._poll_interval(backend),
+                        "max_run_seconds": spec.max_run_seconds,
+                        "grace_seconds": self._grace_seconds(),
+                        "log_cursor": record.get("log_cursor"),
+                        "started_at": record.get("started_at")}
+        if self._defers(spec):
+            from llmops.triggers.job import JobTrigger
+
+            # Airflow does not apply execution_timeout to a deferred task: the trigger does.
+            task_deadline = (time.time() + self.execution_timeout.total_seconds()
+                             if self.execution_timeout else None)
+            self.defer(trigger=JobTrigger(handle=self._handle, task_deadline=task_deadline,
+                                          stop_on_clear=self._forced,
+                                          context={"stage": spec.stage, "mlflow_run_id": self._run_id,
+                                                   "parent_run_id": spec.mlflow_parent_run_id,
+                                                   "ledger": self._ledger_job,
+                                                   "cache": self._cache_ctx, "chain": self._chain},
+                                          **watch_kwargs),
+                       method_name="execute_complete")
+        return self._wait(JobWatch(backend, self._handle, **watch_kwargs), store)
 
     def execute_complete(self, context: Any, event: dict[str, Any]) -> dict[str, Any]:
         self._ti = context["ti"]
@@ -185,6 +203,7 @@ class JobOperator(BaseOperator):
         self._parent_run_id = event.get("parent_run_id", "")
         self._ledger_job = event.get("ledger") or {}
         self._cache_ctx = event.get("cache") or {}
+        self._chain = event.get("chain") or self._chain
         self._started_at = event.get("started_at")
         state = event.get("state")
         store = context.get("task_state_store")
@@ -427,7 +446,8 @@ class JobOperator(BaseOperator):
         return {**result, "content_hashes": record["result"]["content_hashes"]}
 
     # -- the job ledger: best effort (llmops.ledger never raises) ----------------------------
-    def _record_start(self, backend: Backend, spec: JobSpec, record: dict[str, Any]) -> None:
+    def _record_start(self, backend: Backend, spec: JobSpec, record: dict[str, Any],
+                      event: str | None = None) -> None:
         handle, ti = self._handle or {}, self._ti
         self._ledger_job = {
             "job_name": spec.name, "attempt": int(handle.get("attempt") or 1),
@@ -442,7 +462,9 @@ class JobOperator(BaseOperator):
         from llmops.ledger.events import image_digest
 
         self._ledger_job["image_digest"] = image_digest(self._ledger_job["image"])
-        if handle.get("reattached"):
+        if event:
+            pass   # e.g. "continued": the next attempt of a chain (llmops.jobs.continuation)
+        elif handle.get("reattached"):
             event = "reattached"
         else:
             event = "retried" if int(ti.try_number) > 1 else "submitted"
@@ -618,6 +640,13 @@ class JobOperator(BaseOperator):
                           ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                                     for k, v in sorted(metrics.items())))
             return result
+        why = None if self._job_stopped else continuation.reason(status)
+        if why:
+            exhausted = self._chain_exhausted()
+            if not exhausted:
+                return self._continue(context, status, why)
+            self.log.error("%s job %s ended (%s: %s) and %s: the chain of attempts stops here.",
+                           stage, name, why, status.message, exhausted)
         self._end_run(mlflow_run_id, "KILLED" if status.state is JobState.STOPPED else "FAILED")
         self._fail_parent_if_last_try(context["ti"])
         try:
@@ -627,6 +656,70 @@ class JobOperator(BaseOperator):
         raise AirflowException(
             f"{stage} job {name} {status.state.value}: {status.message}.\n"
             f"Last lines of its log:\n" + "\n".join(env_secrets.redact_lines(tail)))
+
+
+    # -- the chain of attempts (llmops.jobs.continuation) -----------------------------------
+    def _chain_exhausted(self) -> str:
+        """Why no further attempt may start ("" when one may)."""
+        attempts = int(self._chain.get("attempts", 1))
+        if attempts >= self.max_attempts:
+            return f"this try has run {attempts} attempts (max_attempts {self.max_attempts})"
+        since = self._chain.get("since")
+        if self.run_deadline_hours is not None and since is not None and \
+                time.time() > since + self.run_deadline_hours * 3600:
+            return (f"the stage's run deadline ({self.run_deadline_hours:g} h from its first "
+                    "submit) has passed")
+        return ""
+
+    def _continue(self, context: Any, status: JobStatus, why: str) -> dict[str, Any]:
+        """The job ended for a reason the next attempt fixes: submit it, from the newest
+        checkpoint, after a backoff for capacity errors, and wait for it as for the first."""
+        chain = self._chain
+        if why == "capacity":
+            chain["capacity_waits"] = int(chain.get("capacity_waits", 0)) + 1
+        delay = continuation.backoff_seconds(why, int(chain.get("capacity_waits", 0)))
+        self.log.warning("Attempt %d (%s) ended: %s (%s). Attempt %d goes on from the newest "
+                         "checkpoint%s.", chain["attempts"], (self._handle or {}).get("job_name"),
+                         why, status.message, chain["attempts"] + 1,
+                         f" in {delay:.0f} s" if delay else "")
+        if delay:
+            spec = self._prepare(context)
+            if self._defers(spec):
+                from airflow.providers.standard.triggers.temporal import TimeDeltaTrigger
+                from datetime import timedelta
+
+                self.defer(trigger=TimeDeltaTrigger(timedelta(seconds=delay)),
+                           method_name="execute_continue",
+                           kwargs={"chain": chain, "mlflow_run_id": self._run_id,
+                                   "parent_run_id": self._parent_run_id})
+            time.sleep(delay)
+        return self._next_attempt(context)
+
+    def execute_continue(self, context: Any, event: Any = None, *, chain: dict[str, Any],
+                         mlflow_run_id: str = "", parent_run_id: str = "") -> dict[str, Any]:
+        """After a deferred capacity backoff: the next attempt of the chain."""
+        self._ti = context["ti"]
+        env_secrets.mask_in_task_logs(os.environ)
+        self._chain, self._run_id, self._parent_run_id = chain, mlflow_run_id, parent_run_id
+        return self._next_attempt(context)
+
+    def _next_attempt(self, context: Any) -> dict[str, Any]:
+        spec = self._prepare(context)
+        env_secrets.mask_in_task_logs(os.environ, spec.env)
+        backend = get_backend(spec.backend)
+        store = context.get("task_state_store")
+        self._run_id = spec.env.get("MLFLOW_RUN_ID", self._run_id)
+        self._chain["attempts"] = int(self._chain.get("attempts", 1)) + 1
+        self._job_stopped, self._started_at = False, None
+        submitted_at = time.time()
+        self._handle = backend.submit(spec)
+        self.log.info("Submitted attempt %d of %s job %s: %s", self._chain["attempts"], spec.stage,
+                      spec.name, self._handle.get("job_name", spec.name))
+        record = {"name": spec.name, "handle": self._handle, "try_number": self._ti.try_number,
+                  "submitted_at": submitted_at}
+        self._save(store, record)
+        status = self._watch(context, backend, spec, store, record, event="continued")
+        return self._finish(context, status, spec.stage, self._run_id)
 
 
 def job_identity(spec: JobSpec, fingerprint: str = "") -> str:
