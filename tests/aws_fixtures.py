@@ -229,14 +229,15 @@ def _mkdir(path: Path) -> Path:
     return path
 
 
-def sync_checkpoints(s3: Any, request: dict, workdir: Path) -> None:
+def sync_checkpoints(s3: Any, request: dict, workdir: Path, seen: dict | None = None) -> None:
     """Every host's /opt/ml/checkpoints back to CheckpointConfig.S3Uri (SageMaker syncs each
-    instance's continuously, all to the same URI)."""
+    instance's continuously, all to the same URI). `seen` ({path: (size, mtime)} of what went up
+    before) makes a sync upload only what is new or changed, as SageMaker's does."""
     if request.get("CheckpointConfig"):
         for host in range(request["ResourceConfig"]["InstanceCount"]):
             local = host_dir(workdir, request, host) / "opt_ml" / "checkpoints"
             if local.is_dir():
-                _upload(s3, local, request["CheckpointConfig"]["S3Uri"])
+                _upload(s3, local, request["CheckpointConfig"]["S3Uri"], seen)
 
 
 def _download(s3: Any, uri: str, local: Path) -> None:
@@ -249,11 +250,16 @@ def _download(s3: Any, uri: str, local: Path) -> None:
             s3.download_file(bucket, obj["Key"], str(local / rel))
 
 
-def _upload(s3: Any, local: Path, uri: str) -> None:
+def _upload(s3: Any, local: Path, uri: str, seen: dict | None = None) -> None:
     bucket, _, prefix = uri[len("s3://"):].partition("/")
     for path in sorted(local.rglob("*")):
         if path.is_file():
+            stat = path.stat()
+            if seen is not None and seen.get(path) == (stat.st_size, stat.st_mtime_ns):
+                continue
             s3.upload_file(str(path), bucket, f"{prefix.rstrip('/')}/{path.relative_to(local).as_posix()}")
+            if seen is not None:
+                seen[path] = (stat.st_size, stat.st_mtime_ns)
 
 
 # -- a real Ray cluster for the Ray Jobs API ---------------------------------------------------

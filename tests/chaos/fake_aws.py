@@ -291,6 +291,7 @@ class Job:
     tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=15))
     wake: threading.Event = field(default_factory=threading.Event)
     transitions: list[dict[str, Any]] = field(default_factory=list)   # SageMaker's secondary ones
+    synced: dict = field(default_factory=dict)   # checkpoint files already synced to S3 (SageMaker)
 
     def move(self, status: str, secondary: str = "") -> None:
         """Change the status (the simulator's lock held), keeping SecondaryStatusTransitions."""
@@ -669,7 +670,7 @@ class Simulator:
             with self.lock:
                 job.move(job.status, "Uploading")
             try:
-                sync_checkpoints(self.s3, job.request, job.workdir)
+                sync_checkpoints(self.s3, job.request, job.workdir, job.synced)
             except Exception:
                 log.exception("checkpoint sync of %s failed", job.name)
         self._finish(job)
@@ -797,7 +798,7 @@ class Simulator:
             if not any(p.poll() is None for p in job.procs):
                 return
             try:
-                sync_checkpoints(self.s3, job.request, job.workdir)
+                sync_checkpoints(self.s3, job.request, job.workdir, job.synced)
             except Exception as exc:  # a file renamed or removed mid-sync: next round
                 log.debug("checkpoint sync of %s: %s", job.name, exc)
 
