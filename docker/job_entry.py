@@ -55,6 +55,7 @@ FAILURE_FILE = "/opt/ml/output/failure"   # SageMaker reports its content as Fai
 RDZV_PORT = "29500"
 CHECKPOINT_STEP = re.compile(r"^step_(\d{6,})$")   # tasks/train/checkpoint.py's layout
 CHECKPOINT_COMMIT = "manifest.json"                 # written last: a step without it is unfinished
+KMS_ENV = "LLMOPS_S3_KMS_KEY_ID"                    # llmops.aws.s3.KMS_ENV, set by the backends
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
@@ -172,6 +173,13 @@ def _s3():
     return boto3.client("s3")
 
 
+def sse_args() -> dict[str, str]:
+    """SSE-KMS for every object this job writes, when the backend named a key
+    ($LLMOPS_S3_KMS_KEY_ID): a bucket policy may refuse any PutObject without it."""
+    key = os.environ.get(KMS_ENV, "")
+    return {"ServerSideEncryption": "aws:kms", "SSEKMSKeyId": key} if key else {}
+
+
 def split_s3(uri: str) -> tuple[str, str]:
     bucket, _, key = uri[len("s3://"):].partition("/")
     return bucket, key
@@ -187,7 +195,7 @@ def read_text(location: str) -> str:
 def write_text(location: str, text: str) -> None:
     if location.startswith("s3://"):
         bucket, key = split_s3(location)
-        _s3().put_object(Bucket=bucket, Key=key, Body=text.encode())
+        _s3().put_object(Bucket=bucket, Key=key, Body=text.encode(), **sse_args())
         return
     path = Path(location)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -232,8 +240,10 @@ def upload(local: Path, uri: str, skip: tuple[str, ...] = ("checkpoints",)) -> i
     if uri.startswith("s3://"):
         bucket, key = split_s3(uri)
         client = _s3()
+        extra = {"ExtraArgs": sse_args()} if sse_args() else {}
         for path in files:
-            client.upload_file(str(path), bucket, f"{key.rstrip('/')}/{path.relative_to(local).as_posix()}")
+            client.upload_file(str(path), bucket, f"{key.rstrip('/')}/{path.relative_to(local).as_posix()}",
+                               **extra)
     else:
         for path in files:
             target = Path(uri, path.relative_to(local))

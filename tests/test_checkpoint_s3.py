@@ -223,3 +223,32 @@ def test_training_resumes_from_s3_after_the_local_disk_is_lost(s3, tiny_data_dir
     assert second.resumed_from == str(tmp_path / "job" / "checkpoints" / "step_000010")
     sa, sb = resumed.state_dict(), whole.state_dict()
     assert all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def test_every_object_a_job_writes_carries_the_kms_key(s3, tmp_path, monkeypatch):
+    """A bucket policy may refuse any PutObject without SSE-KMS: with the backend's key in
+    LLMOPS_S3_KMS_KEY_ID, the checkpoint mirror (single and multipart uploads) and the job's
+    entry (outputs, result) write every object with aws:kms and that key."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "docker"))
+    import job_entry
+
+    key_id = "arn:aws:kms:us-east-1:123456789012:key/llmops-test"
+    monkeypatch.setenv("LLMOPS_S3_KMS_KEY_ID", key_id)
+    mirror = S3Mirror("s3://ckpts/kms/checkpoints", part_size=5 << 20, base_delay=0.01)
+    saver = ckpt.Checkpointer(tmp_path / "local", keep=2, config={}, mirror=mirror)
+    saver.save(1, {"model": {"w": torch.arange(2_000_000, dtype=torch.float32)},   # 8 MB: multipart
+                   "trainer": {"step": 1, "data_cursor": 1}})
+    saver.wait()
+    out = tmp_path / "out"
+    (out / "model").mkdir(parents=True)
+    (out / "model" / "config.json").write_text("{}")
+    job_entry.upload(out, "s3://ckpts/kms/output")
+    job_entry.write_text("s3://ckpts/kms/result.json", "{}")
+    client = mirror.client
+    keys = [o["Key"] for o in client.list_objects_v2(Bucket="ckpts", Prefix="kms/")["Contents"]]
+    assert {"kms/checkpoints/step_000001/model.pt", "kms/checkpoints/step_000001/manifest.json",
+            "kms/output/model/config.json", "kms/result.json"} <= set(keys)
+    for key in keys:
+        head = client.head_object(Bucket="ckpts", Key=key)
+        assert head.get("ServerSideEncryption") == "aws:kms", key
+        assert head.get("SSEKMSKeyId") == key_id, key

@@ -18,6 +18,7 @@ moto server in tests), credentials from the usual chain.
 from __future__ import annotations
 
 import logging
+import os
 import random
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -72,6 +73,10 @@ class S3Mirror:
         self.base_delay, self.max_delay, self.parallel_parts = base_delay, max_delay, parallel_parts
         self.retries = 0  # requests that were retried, for the log and the tests
         self._client = None
+        # SSE-KMS on every object written, when the backend named a key (a bucket policy may
+        # refuse a PutObject without it): docker/job_entry.py's variable.
+        key = os.environ.get("LLMOPS_S3_KMS_KEY_ID", "")
+        self.sse = {"ServerSideEncryption": "aws:kms", "SSEKMSKeyId": key} if key else {}
 
     @property
     def client(self) -> Any:
@@ -130,12 +135,12 @@ class S3Mirror:
         progress = progress or _no_progress
         size = path.stat().st_size
         if size <= self.part_size:
-            self.call(f"put {key}", self.client.put_object, Bucket=self.bucket, Key=key,
+            self.call(f"put {key}", self.client.put_object, Bucket=self.bucket, Key=key, **self.sse,
                       Body=path.read_bytes())
             progress(size)
             return
         upload_id = self.call(f"create multipart {key}", self.client.create_multipart_upload,
-                              Bucket=self.bucket, Key=key)["UploadId"]
+                              Bucket=self.bucket, Key=key, **self.sse)["UploadId"]
 
         def part(number: int) -> dict[str, Any]:
             with open(path, "rb") as fh:
