@@ -64,7 +64,7 @@ def test_hyperpod_pytorch_job_has_nodes_resources_auto_resume_and_hang_detection
     args = container["args"]
     assert args[args.index("--launcher") + 1] == "hyperpodrun" and args[args.index("--nnodes") + 1] == "4"
     env = {e["name"]: e["value"] for e in container["env"]}
-    assert env["FI_PROVIDER"] == "efa" and env["FI_EFA_USE_DEVICE_RDMA"] == "1" and env["NCCL_DEBUG"] == "INFO"
+    assert env["FI_PROVIDER"] == "efa" and env["FI_EFA_USE_DEVICE_RDMA"] == "1" and env["NCCL_DEBUG"] == "WARN"
 
 
 def test_kubeflow_pytorch_job_has_master_workers_and_auto_resume_annotations():

@@ -68,7 +68,7 @@ def test_multi_node_training_request_is_valid_and_complete():
     assert request["InfraCheckConfig"] == {"EnableInfraCheck": True}
     env = request["Environment"]
     assert {k: env[k] for k in ("FI_PROVIDER", "FI_EFA_USE_DEVICE_RDMA", "NCCL_PROTO", "NCCL_DEBUG")} == \
-        {"FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1", "NCCL_PROTO": "simple", "NCCL_DEBUG": "INFO"}
+        {"FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1", "NCCL_PROTO": "simple", "NCCL_DEBUG": "WARN"}
     assert env["MLFLOW_RUN_ID"] == "0123abcd"
     hp = decode(request["HyperParameters"])
     assert hp["sagemaker_torch_distributed_enabled"] is True        # torchrun on every instance
@@ -103,7 +103,7 @@ def test_single_instance_single_process_needs_no_launcher_and_no_fabric():
     hp = decode(request["HyperParameters"])
     assert not any(k.startswith(("sagemaker_torch", "sagemaker_mpi", "sagemaker_pytorch")) for k in hp)
     assert "FI_PROVIDER" not in request["Environment"] and "InfraCheckConfig" not in request
-    assert fabric_env("ml.g5.2xlarge", 4) == {"NCCL_DEBUG": "INFO"}  # GPUs without EFA: NCCL only
+    assert fabric_env("ml.g5.2xlarge", 4) == {"NCCL_DEBUG": "WARN"}  # GPUs without EFA: NCCL only
 
 
 def test_fsx_and_local_inputs_become_channels():

@@ -103,14 +103,16 @@ def is_gpu(instance_type: str) -> bool:
 def fabric_env(instance_type: str, instance_count: int, efa: bool | None = None) -> dict[str, str]:
     """EFA and NCCL settings for collectives across instances (none on a single instance).
 
-    With NCCL_DEBUG=INFO the log shows whether NCCL picked EFA ("NET/OFI Selected Provider is
-    efa") and GPUDirect RDMA ("via NET/AWS Libfabric/1/GDRDMA"). `efa` overrides the lookup by
-    instance type (Batch knows its EFA devices, not always the type)."""
+    NCCL_DEBUG=WARN: warnings and errors only. INFO prints thousands of lines per rank at start
+    (every ring and channel), which CloudWatch ingests and bills, and MWAA's task log copies
+    again; set NCCL_DEBUG=INFO in the stage's env to see whether NCCL picked EFA ("NET/OFI
+    Selected Provider is efa") and GPUDirect RDMA ("via NET/AWS Libfabric/1/GDRDMA"). `efa`
+    overrides the lookup by instance type (Batch knows its EFA devices, not always the type)."""
     name = instance_type.removeprefix("ml.")
     has_efa = name in EFA_TYPES if efa is None else efa
     if instance_count < 2 or not (is_gpu(name) or has_efa):
         return {}
-    env = {"NCCL_DEBUG": "INFO"}
+    env = {"NCCL_DEBUG": "WARN"}
     if has_efa:
         env.update(FI_PROVIDER="efa", NCCL_PROTO="simple")
         if name in RDMA_TYPES:
