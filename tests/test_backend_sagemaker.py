@@ -308,7 +308,27 @@ def test_backends_poll_every_30_seconds_by_default():
     assert SageMakerTrainingBackend.poll_interval == SageMakerProcessingBackend.poll_interval == 30.0
     assert BatchBackend.poll_interval == 30.0
     assert remote.watch_fields(SageMakerSettings()) == {"poll_interval": 30.0,
-                                                        "deadline_grace_seconds": 1800}
+                                                        "deadline_grace_seconds": 1800,
+                                                        "max_queue_seconds": 0}
+
+
+def test_max_queue_seconds_becomes_max_pending_time_within_sagemakers_range():
+    """Issue 21.3: SageMaker stops a job pending past MaxPendingTimeInSeconds (1800 s - 28 days,
+    botocore's model); outside that range only Airflow's own check bounds the wait."""
+    from llmops.jobs.backends.sagemaker import MAX_PENDING_RANGE, stopping_condition
+    from llmops.jobs.backends.settings import BackendSettingsError
+
+    model = __import__("botocore.session").session.get_session().get_service_model("sagemaker")
+    bounds = model.shape_for("StoppingCondition").members["MaxPendingTimeInSeconds"].metadata
+    assert MAX_PENDING_RANGE == (bounds["min"], bounds["max"])
+    spec = JobSpec(stage="pretrain", entrypoint="tasks.pretrain", name="j", max_run_seconds=3600)
+    assert stopping_condition(spec, SageMakerSettings(max_queue_seconds=7200)) == {
+        "MaxRuntimeInSeconds": 3600, "MaxPendingTimeInSeconds": 7200}
+    assert stopping_condition(spec, SageMakerSettings(max_queue_seconds=600)) == {"MaxRuntimeInSeconds": 3600}
+    assert stopping_condition(spec, SageMakerSettings(spot=True, max_queue_seconds=7200)) == {
+        "MaxRuntimeInSeconds": 3600, "MaxWaitTimeInSeconds": 7200, "MaxPendingTimeInSeconds": 7200}
+    with pytest.raises(BackendSettingsError, match="max_queue_seconds must be a whole number"):
+        SageMakerSettings(max_queue_seconds=-1)
 
 
 # -- cost allocation ------------------------------------------------------------------------
@@ -457,3 +477,28 @@ def test_a_created_jobs_token_tells_a_lost_response_from_another_try(aws, monkey
     again = backend.submit(spec)
     assert again["reattached"] is True and again["job_name"] == spec.name
     assert aws.training_jobs("sm-lost") == [spec.name]
+
+
+def test_a_job_held_for_capacity_says_so_in_its_pending_status(monkeypatch):
+    """Issue 21.3: the newest transition's StatusMessage is the service's reason for waiting."""
+    import datetime as dt
+
+    created = dt.datetime(2026, 5, 1, tzinfo=dt.timezone.utc)
+    message = "Insufficient capacity error from EC2 while launching instances, retrying!"
+
+    class Hook:
+        def describe_job(self, kind, name):
+            return {"TrainingJobStatus": "InProgress", "SecondaryStatus": "Starting",
+                    "CreationTime": created,
+                    "SecondaryStatusTransitions": [{"Status": "Starting", "StartTime": created,
+                                                    "StatusMessage": message}]}
+
+        def status_of(self, kind, description):
+            return description["TrainingJobStatus"]
+
+    backend = SageMakerTrainingBackend()
+    monkeypatch.setattr(backend, "_hook", lambda *a, **k: Hook())
+    status = backend.status({"aws_conn_id": "aws_default", "job_name": "j"})
+    assert status.state is JobState.PENDING
+    assert status.message == f"InProgress (Starting): {message}"
+    assert status.details["submitted_at"] == created.timestamp()

@@ -237,3 +237,14 @@ def test_the_report_dag_parses_and_reads_the_local_ledger(home):
     day = dt.datetime(2026, 5, 28, tzinfo=dt.timezone.utc)      # the day ended() jobs end
     out = report.daily(day, day + dt.timedelta(days=1))
     assert out["events"] == 1 and out["metrics"]["platform/attempts"] == 1.0
+
+
+def test_an_attempt_that_never_started_records_all_its_time_as_queued():
+    """Issue 21.3: a job stopped at max_queue_seconds (or cancelled while queued) waited too."""
+    start = 1_780_000_000.0
+    event = with_usage(JobEvent(event="ended", job_name="j", instance_type="ml.p4d.24xlarge",
+                                submitted_at=start, started_at=None, ended_at=start + 3600,
+                                state="stopped"))
+    assert event.queue_seconds == 3600 and event.instance_hours == 0.0
+    # A pending event knows no queue time yet.
+    assert with_usage(JobEvent(event="submitted", job_name="j", submitted_at=start)).queue_seconds is None

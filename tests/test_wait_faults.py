@@ -773,3 +773,115 @@ def test_force_rerun_is_a_boolean_lifecycle_param_defaulting_to_false():
     params["force_rerun"] = True
     with pytest.raises(ParamValidationError):
         params["force_rerun"] = "sometimes"
+
+
+# -- waiting is visible and bounded (issue 21, point 3) -------------------------------------------
+
+CAPACITY = JobStatus(JobState.PENDING, "RUNNABLE CAPACITY:INSUFFICIENT_INSTANCE_CAPACITY - Service "
+                     "cannot fulfill the capacity requested for instance type p5.48xlarge")
+
+
+def info_lines(log: Recorder) -> list[str]:
+    return [m for level, m in log.records if level == "info"]
+
+
+def test_each_change_of_the_waiting_state_is_logged_once_with_the_time_queued(use_backend, clock):
+    runnable = JobStatus(JobState.PENDING, "RUNNABLE")
+    started = JobStatus(JobState.RUNNING, details={"started_at": clock.now + 720})
+    use_backend(ScriptedBackend([runnable] * 3 + [CAPACITY] * 20 + [started, SUCCEEDED]))
+    op = operator(poll_interval=30)
+    op.execute(context())
+    waiting = [m for m in info_lines(op.log) if m.startswith("[job] waiting") or m == "[job] running"]
+    assert waiting == ["[job] waiting: RUNNABLE (queued 0 s)",
+                       "[job] waiting: " + CAPACITY.message + " (queued 90 s)",
+                       "[job] running"]
+
+
+def test_a_job_queued_past_max_queue_seconds_is_stopped_and_fails_with_the_reason(use_backend, clock,
+                                                                                runs_ended):
+    backend = use_backend(ScriptedBackend([CAPACITY]))
+    submit = backend.submit
+    backend.submit = lambda spec: {**submit(spec), "max_queue_seconds": 600}   # the settings' value
+    store = FakeStore()
+    op = operator(poll_interval=60)
+    with pytest.raises(job_op.AirflowException) as failed:
+        op.execute(context(store=store))
+    message = str(failed.value)
+    assert "max_queue_seconds (600s)" in message and "INSUFFICIENT_INSTANCE_CAPACITY" in message
+    assert backend.stops == [op._handle["name"]] and backend.submits == 1   # no further attempt
+    submitted = store.data["llmops_job"]["submitted_at"]
+    assert submitted + 600 < clock.now <= submitted + 660
+
+
+def test_without_max_queue_seconds_a_queued_job_waits(use_backend, clock):
+    backend = use_backend(ScriptedBackend([CAPACITY] * 300 + [SUCCEEDED]))
+    operator(poll_interval=60).execute(context())
+    assert backend.stops == []
+
+
+def test_the_queue_bound_counts_from_the_services_submission_time(clock):
+    """A reattached job was queued before this watch began: the service's time counts."""
+    submitted = clock.now - 590
+    backend = ScriptedBackend([JobStatus(JobState.PENDING, "Suspended: queue full",
+                                         details={"submitted_at": submitted})])
+    watch = JobWatch(backend, {"backend": "fake", "name": "j"}, poll_interval=30,
+                     max_run_seconds=100, max_queue_seconds=600)
+    assert not watch.poll().done
+    clock.now += 30
+    step = watch.poll()
+    assert step.stopped and "queued" not in step.status.message
+    assert "waited 10 min" in step.status.message and "Suspended: queue full" in step.status.message
+
+
+def test_a_job_that_started_is_not_under_the_queue_bound_when_queued_again(clock):
+    interrupted = JobStatus(JobState.PENDING, "InProgress (Interrupted)",
+                            details={"started_at": clock.now - 10, "submitted_at": clock.now - 4000})
+    watch = JobWatch(ScriptedBackend([interrupted]), {"backend": "fake", "name": "j"},
+                     poll_interval=30, max_run_seconds=86400, max_queue_seconds=600)
+    step = watch.poll()
+    assert not step.done and step.waiting == "waiting: InProgress (Interrupted) (after it had started)"
+
+
+def test_the_trigger_logs_waiting_changes_and_a_restart_repeats_at_most_one(use_backend, clock):
+    use_backend(ScriptedBackend([PENDING, CAPACITY, CAPACITY, SUCCEEDED]))
+    first = trigger()
+    first._log = log = Recorder()
+    run_trigger(first)
+    said = [m for m in info_lines(log) if "waiting" in m]
+    assert said == ["[job-1] waiting: pending (queued 0 s)",
+                    f"[job-1] waiting: {CAPACITY.message} (queued 30 s)"]
+    # A restart from kwargs that carry the last reported state says nothing new for it.
+    use_backend(ScriptedBackend([CAPACITY, CAPACITY, SUCCEEDED]))
+    again = trigger(waiting=CAPACITY.message)
+    again._log = log = Recorder()
+    run_trigger(again)
+    assert [m for m in info_lines(log) if "waiting" in m] == []
+
+
+def test_the_trigger_stops_a_job_queued_past_max_queue_seconds(use_backend, clock):
+    backend = use_backend(ScriptedBackend([CAPACITY]))
+    [event] = run_trigger(trigger(max_queue_seconds=300, submitted_at=clock.now - 290))
+    assert event["state"] == "timeout" and backend.stops == ["job-1"]
+    assert "max_queue_seconds (300s)" in event["message"]
+    assert "INSUFFICIENT_INSTANCE_CAPACITY" in event["message"]
+
+
+def test_the_trigger_checkpoint_carries_the_waiting_state_and_submission(use_backend, clock):
+    use_backend(ScriptedBackend([CAPACITY, RUNNING]))
+    [event] = run_trigger(trigger(max_queue_seconds=3600, submitted_at=clock.now - 5))
+    assert event["state"] == "progress"   # the first sight of a start without started_at
+    kwargs = event["trigger"]
+    assert kwargs["waiting"] == "" and kwargs["submitted_at"] == clock.now - 30 - 5
+    assert kwargs["max_queue_seconds"] == 3600
+
+
+def test_execute_defers_with_the_queue_bound_of_the_handle(use_backend, clock):
+    from airflow.sdk.exceptions import TaskDeferred
+
+    backend = use_backend(ScriptedBackend([RUNNING]))
+    submit = backend.submit
+    backend.submit = lambda spec: {**submit(spec), "max_queue_seconds": 900}
+    with pytest.raises(TaskDeferred) as deferred:
+        operator(deferrable=True).execute(context(store=FakeStore()))
+    _, kwargs = deferred.value.trigger.serialize()
+    assert kwargs["max_queue_seconds"] == 900 and kwargs["submitted_at"] == clock.now

@@ -31,6 +31,9 @@ CONTINUABLE: tuple[tuple[str, re.Pattern[str]], ...] = (
     ("host", re.compile(r"Host EC2 \(instance [^)]*\) terminated|host[^.]* terminated", re.I)),
     ("internal", re.compile(r"InternalServerError|internal (?:server )?error", re.I)),
 )
+# SageMaker's MaxPendingTimeInSeconds (the stage's max_queue_seconds) ended the job: a limit the
+# user set, which the next attempt would hit the same way.
+QUEUE_BOUND = re.compile(r"MaxPendingTime|max_queue_seconds", re.I)
 CAPACITY_BACKOFF_S = (60.0, 1800.0)   # first wait, longest wait (doubling in between)
 
 
@@ -41,6 +44,8 @@ def reason(status: JobStatus) -> str | None:
     details: dict[str, Any] = status.details or {}
     text = " ".join(str(part) for part in (status.message, details.get("secondary", ""),
                                            details.get("reason", "")) if part)
+    if QUEUE_BOUND.search(text):   # the stage's own max_queue_seconds: a decision, not a fault
+        return None
     return next((why for why, pattern in CONTINUABLE if pattern.search(text)), None)
 
 

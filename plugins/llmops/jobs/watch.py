@@ -21,6 +21,16 @@ Rules it implements, so both places keep them alike:
   `JobStatus.details["started_at"]` (epoch seconds); for one that does not, the first poll that
   sees the job RUNNING stands in. The service enforces the job's own limit; Airflow's deadline is
   the safety net for a service that does not, hence the grace.
+- waiting is visible: each change of a queued job's state and the service's reason (Batch
+  `RUNNABLE CAPACITY:INSUFFICIENT_INSTANCE_CAPACITY ...`, SageMaker `Starting` and its capacity
+  StatusMessage, Kueue's Suspended message) is reported once as `Step.waiting`, with the time
+  queued so far; the worker wait and the trigger log it. `waiting` (the last reported state and
+  reason) travels with a trigger's checkpoints, so a triggerer restart repeats at most one line.
+- waiting is bounded: with `max_queue_seconds` (None or 0: no bound), a job that has not started
+  that long after its submission (`JobStatus.details["submitted_at"]`, else the time the caller
+  recorded, else this watch's first poll) is stopped and the wait ends with the service's last
+  waiting reason and the limit. Only the first start counts: a job that ran and is queued again
+  (a spot interruption, a Batch retry) is under the run deadline instead.
 """
 
 from __future__ import annotations
@@ -48,6 +58,7 @@ class Step:
     started: bool = False               # started_at became known (or changed) in this poll
     start_from_poll: bool = False       # ... and only this watch knows it (the backend reports none)
     stopped: bool = False               # this watch stopped the job (its deadline passed)
+    waiting: str = ""                   # the job's waiting state changed: say so, once
 
     @property
     def done(self) -> bool:
@@ -59,7 +70,8 @@ class JobWatch:
                  max_run_seconds: float | None, grace_seconds: float = 0.0,
                  log_cursor: Any = None, started_at: float | None = None,
                  fixed_deadline: float | None = None, backoff: Backoff | None = None,
-                 clock: Callable[[], float] | None = None):
+                 clock: Callable[[], float] | None = None, max_queue_seconds: float | None = None,
+                 submitted_at: float | None = None, waiting: str = ""):
         self.backend = backend
         self.handle = handle
         self.poll_interval = poll_interval
@@ -70,6 +82,10 @@ class JobWatch:
         self.fixed_deadline = fixed_deadline  # a trigger deferred by an older version of this code
         self.backoff = backoff or Backoff()
         self.clock = clock or (lambda: time.time())  # looked up at call time (tests patch it)
+        self.max_queue_seconds = max_queue_seconds or None
+        self.submitted_at = submitted_at
+        self.waiting = waiting  # the waiting state and reason last reported ("" = none yet)
+        self._stop_message = ""
         self._stopping = False
         self._cursor_loaded = False
 
@@ -104,12 +120,16 @@ class JobWatch:
             return self._status_error(step, exc)
         self.backoff.reset()
         self._note_start(step, status)
+        self._note_waiting(step, status)
         if status.state.terminal:
             self._read_logs(step)  # the last lines the job wrote before it ended
             step.status = status
             return step
         deadline = self.deadline
         if deadline is not None and self.clock() > deadline:
+            self._stopping = True
+            return self._stop(step)
+        if self._queued_too_long(status):
             self._stopping = True
             return self._stop(step)
         step.delay = self.poll_interval
@@ -156,6 +176,36 @@ class JobWatch:
             self.started_at = self.clock()
             step.started = step.start_from_poll = True
 
+    def queued_seconds(self) -> float:
+        return max(0.0, self.clock() - self.submitted_at) if self.submitted_at is not None else 0.0
+
+    def _note_waiting(self, step: Step, status: JobStatus) -> None:
+        reported = status.details.get("submitted_at")
+        if reported is not None:
+            self.submitted_at = float(reported)
+        elif self.submitted_at is None:
+            self.submitted_at = self.clock()
+        if status.state is JobState.PENDING:
+            now = status.message or "pending"
+            if now != self.waiting:
+                self.waiting = now
+                # Queue time counts until the first start; later waits (a spot interruption,
+                # a Batch retry) are the run's.
+                when = (f"queued {_duration(self.queued_seconds())}" if self.started_at is None
+                        else "after it had started")
+                step.waiting = f"waiting: {now} ({when})"
+        elif status.state is JobState.RUNNING and self.waiting:
+            self.waiting = ""
+            step.waiting = "running"
+
+    def _queued_too_long(self, status: JobStatus) -> bool:
+        if (self.max_queue_seconds is None or self.started_at is not None
+                or status.state is not JobState.PENDING or self.queued_seconds() <= self.max_queue_seconds):
+            return False
+        self._stop_message = queue_limit_message(self.max_queue_seconds, self.queued_seconds(),
+                                                 status.message)
+        return True
+
     def _stop(self, step: Step) -> Step:
         try:
             self.backend.stop(self.handle)
@@ -170,7 +220,7 @@ class JobWatch:
             return step
         self._stopping = False
         step.stopped = True
-        step.status = JobStatus(JobState.STOPPED, deadline_message(
+        step.status = JobStatus(JobState.STOPPED, self._stop_message or deadline_message(
             self.max_run_seconds, self.grace_seconds, self.fixed_deadline is not None))
         return step
 
@@ -231,6 +281,20 @@ def deadline_message(max_run_seconds: float | None, grace_seconds: float, legacy
         return "the job ran past its max_run_seconds and was stopped"
     return (f"the job ran past its max_run_seconds ({max_run_seconds:.0f}s) plus a grace of "
             f"{grace_seconds:.0f}s since it started, and was stopped")
+
+
+def queue_limit_message(max_queue_seconds: float, queued: float, reason: str) -> str:
+    return (f"the job waited {_duration(queued)} without starting, past its max_queue_seconds "
+            f"({max_queue_seconds:.0f}s), and was stopped; the service's last word: "
+            f"{reason or 'pending'}")
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 2 * 3600:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
 
 
 def call_with_retries(fn: Callable[[], Any], what: str, *, sleep: Callable[[float], None] | None = None,

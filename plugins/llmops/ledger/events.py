@@ -153,6 +153,9 @@ def with_usage(event: JobEvent) -> JobEvent:
         event.accelerators_per_instance = accelerators
     if event.submitted_at is not None and event.started_at is not None:
         event.queue_seconds = max(0.0, event.started_at - event.submitted_at)
+    elif event.event == "ended" and event.submitted_at is not None and event.ended_at is not None:
+        # Never started (stopped at max_queue_seconds, cancelled while queued): all of it queued.
+        event.queue_seconds = max(0.0, event.ended_at - event.submitted_at)
     if event.event == "cached":  # nothing ran: explicitly free, not "unknown"
         event.instance_hours, event.accelerator_hours, event.estimated_cost_usd = 0.0, 0.0, 0.0
         return event

@@ -73,7 +73,9 @@ class JobOperator(BaseOperator):
     turns the default off for a deployment without a triggerer.
 
     **When the job is stopped.** Only when its deadline passes (`max_run_seconds` plus
-    `deadline_grace_seconds` from when it started running: time queued does not count), when the
+    `deadline_grace_seconds` from when it started running: time queued does not count), when it
+    waited in the queue past the handle's `max_queue_seconds` (the backend's settings, per stage;
+    the task fails with the service's last waiting reason, and no further attempt follows), when the
     task's `execution_timeout` passes, or when a user ends the task (mark failed or success, clear).
     Never because an API call failed (transient errors are retried with backoff; others fail the
     task and leave the job running) or because the worker goes away: a SIGTERM while the task is
@@ -178,7 +180,9 @@ class JobOperator(BaseOperator):
                         "max_run_seconds": spec.max_run_seconds,
                         "grace_seconds": self._grace_seconds(),
                         "log_cursor": record.get("log_cursor"),
-                        "started_at": record.get("started_at")}
+                        "started_at": record.get("started_at"),
+                        "max_queue_seconds": (self._handle or {}).get("max_queue_seconds") or None,
+                        "submitted_at": record.get("submitted_at")}
         if self._defers(spec):
             from llmops.triggers.job import JobTrigger
 
@@ -559,6 +563,8 @@ class JobOperator(BaseOperator):
     def _show(self, step: Step) -> None:
         for warning in step.warnings:
             self.log.warning("%s", warning)
+        if step.waiting:
+            self.log.info("[job] %s", step.waiting)
         for line in env_secrets.redact_lines(step.lines):
             self.log.info("[job] %s", line)
 

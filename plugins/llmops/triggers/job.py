@@ -38,7 +38,9 @@ class JobTrigger(BaseTrigger):
 
     Each poll is one `JobWatch.poll()` (llmops.jobs.watch), the same step the worker wait runs:
     transient API errors are retried with backoff, log errors skipped, and the deadline
-    (`max_run_seconds + grace_seconds` from `started_at`) stops the job. `task_deadline` (epoch
+    (`max_run_seconds + grace_seconds` from `started_at`) stops the job, as does a wait in the queue
+    past `max_queue_seconds` from `submitted_at`; each change of the job's waiting state and
+    reason is logged once (`waiting` carries the last one across checkpoints). `task_deadline` (epoch
     seconds) is the task's execution_timeout, which Airflow does not apply while a task is deferred:
     past it the job is stopped and the task fails with a timeout.
 
@@ -61,7 +63,9 @@ class JobTrigger(BaseTrigger):
                  max_run_seconds: float | None = None, grace_seconds: float = 0.0,
                  started_at: float | None = None, log_cursor: Any = None,
                  task_deadline: float | None = None, context: dict[str, Any] | None = None,
-                 deadline: float | None = None, stop_on_clear: bool = False):
+                 deadline: float | None = None, stop_on_clear: bool = False,
+                 max_queue_seconds: float | None = None, submitted_at: float | None = None,
+                 waiting: str = ""):
         super().__init__()
         self.handle = handle
         self.context = context or {}  # handed back in the event: what the task resumes with
@@ -72,6 +76,9 @@ class JobTrigger(BaseTrigger):
         self.log_cursor = log_cursor
         self.task_deadline = task_deadline
         self.stop_on_clear = stop_on_clear  # force_rerun: a clear means "start a fresh job"
+        self.max_queue_seconds = max_queue_seconds
+        self.submitted_at = submitted_at
+        self.waiting = waiting
         # An absolute deadline from submission: only in triggers deferred by an older version.
         self.deadline = deadline
 
@@ -83,7 +90,8 @@ class JobTrigger(BaseTrigger):
                   "max_run_seconds": self.max_run_seconds, "grace_seconds": self.grace_seconds,
                   "started_at": self.started_at, "log_cursor": self.log_cursor,
                   "task_deadline": self.task_deadline, "context": self.context,
-                  "stop_on_clear": self.stop_on_clear}
+                  "stop_on_clear": self.stop_on_clear, "max_queue_seconds": self.max_queue_seconds,
+                  "submitted_at": self.submitted_at, "waiting": self.waiting}
         if self.deadline is not None:
             kwargs["deadline"] = self.deadline
         return {**kwargs, **changes}
@@ -95,13 +103,17 @@ class JobTrigger(BaseTrigger):
         watch = JobWatch(backend, self.handle, poll_interval=self.poll_interval,
                          max_run_seconds=self.max_run_seconds, grace_seconds=self.grace_seconds,
                          log_cursor=self.log_cursor, started_at=self.started_at,
-                         fixed_deadline=self.deadline if self.max_run_seconds is None else None)
+                         fixed_deadline=self.deadline if self.max_run_seconds is None else None,
+                         max_queue_seconds=self.max_queue_seconds, submitted_at=self.submitted_at,
+                         waiting=self.waiting)
         checkpoint_at, lines_since = time.monotonic(), 0
         cursor_is_saved = bool(log_cursor_uri(self.handle))
         while True:
             step = await asyncio.to_thread(watch.poll)
             for warning in step.warnings:
                 self.log.warning("[%s] %s", self.handle["name"], warning)
+            if step.waiting:
+                self.log.info("[%s] %s", self.handle["name"], step.waiting)
             for line in env_secrets.redact_lines(step.lines):
                 self.log.info("[%s] %s", self.handle["name"], line)
             if not cursor_is_saved:
@@ -124,14 +136,16 @@ class JobTrigger(BaseTrigger):
                     lines_since >= CHECKPOINT_LINES and since >= MIN_CHECKPOINT_SECONDS):
                 yield self._event(watch, "progress", "checkpoint",
                                   trigger=self._kwargs(log_cursor=watch.log_cursor,
-                                                       started_at=watch.started_at))
+                                                       started_at=watch.started_at,
+                                                       submitted_at=watch.submitted_at,
+                                                       waiting=watch.waiting))
                 return
             await asyncio.sleep(step.delay)
 
     def _event(self, watch: JobWatch, state: str, message: str, **extra: Any) -> TriggerEvent:
         return TriggerEvent({"state": state, "message": message, "handle": self.handle,
                              "log_cursor": watch.log_cursor, "started_at": watch.started_at,
-                             **self.context, **extra})
+                             "submitted_at": watch.submitted_at, **self.context, **extra})
 
     async def _stop(self) -> None:
         """Stop the job, retrying transient errors a few times (Airflow bounds on_kill to 30 s)."""

@@ -19,6 +19,8 @@
     spec.max_run_seconds                 -> timeout.attemptDurationSeconds (per attempt, from
                                             its startedAt; for a multi-node job, the whole job)
     settings.retry_attempts              -> retryStrategy (retry host failures, not job errors)
+    the queue's compute environments     -> refused when one is SPOT or FARGATE_SPOT (Batch
+                                            cannot run multi-node parallel jobs on Spot)
 
 Submitted through the provider's BatchClientHook, with the arguments of BatchOperator, its
 clients retrying throttling adaptively (llmops.aws.retry). One live job per attempt, whatever the
@@ -267,7 +269,9 @@ class BatchBackend(Backend):
                                f"{spec.stage}.image or `image` in the batch settings.")
         hook = self._hook(settings.aws_conn_id, settings.region_name)
         s3_hook = s3.s3_hook(settings.aws_conn_id, settings.region_name, settings.kms_key_id)
-        fair_share = bool(self._scheduling_policy(hook, settings.job_queue))
+        queue = self._queue(hook, settings.job_queue)
+        fair_share = bool(queue.get("schedulingPolicyArn"))
+        self._refuse_spot(hook, queue, res["instance_count"])
         # Rendered once before anything is claimed: a request Batch would refuse fails here.
         submit_request(spec, settings, remote.plan(spec, spec.name, settings.staging_uri),
                        remote.attempt_name(spec.name, 1, 128), "placeholder", fair_share)
@@ -315,13 +319,33 @@ class BatchBackend(Backend):
         return self._handle(spec, settings, staged, job_name, job_id, attempt, False,
                             token=token, submitted_at=submitted_at)
 
-    def _scheduling_policy(self, hook: Any, queue: str) -> str:
-        """The queue's fair-share scheduling policy ARN, "" for a FIFO queue."""
+    def _queue(self, hook: Any, queue: str) -> dict[str, Any]:
+        """The queue as DescribeJobQueues tells it (its schedulingPolicyArn is "" for FIFO)."""
         found = hook.client.describe_job_queues(jobQueues=[queue]).get("jobQueues", [])
         if not found:
             raise JobSpecError(f"AWS Batch has no job queue {queue!r} in this region: check job_queue "
                                f"in the batch settings (and the connection's region).")
-        return found[0].get("schedulingPolicyArn") or ""
+        return found[0]
+
+    def _refuse_spot(self, hook: Any, queue: dict[str, Any], nodes: int) -> None:
+        """Multi-node parallel jobs cannot run on Spot compute environments (AWS Batch documents
+        it), and every job here is one (type multinode, even on 1 node): on such a queue it would
+        sit RUNNABLE. Refused before anything is claimed."""
+        order = sorted(queue.get("computeEnvironmentOrder") or [], key=lambda e: e.get("order", 0))
+        arns = [e["computeEnvironment"] for e in order if e.get("computeEnvironment")]
+        if not arns:
+            return
+        described = hook.client.describe_compute_environments(computeEnvironments=arns)
+        for env in described.get("computeEnvironments", []):
+            kind = (env.get("computeResources") or {}).get("type", "")
+            if kind in ("SPOT", "FARGATE_SPOT"):
+                raise JobSpecError(
+                    f"Batch job queue {queue.get('jobQueueName')!r} draws on compute environment "
+                    f"{env.get('computeEnvironmentName')!r} of type {kind}, and multi-node parallel "
+                    f"jobs (this backend submits every job as one; {nodes} node(s) here) cannot run "
+                    "on Spot: AWS Batch would leave the job RUNNABLE. Point job_queue (per stage in "
+                    "the batch settings) at a queue whose compute environments are all EC2 "
+                    "on-demand, or run the stage on SageMaker with spot.")
 
     def _tagged(self, hook: Any, queue: str, name: str, token: str) -> list[dict[str, Any]]:
         """Every job named `name` in the queue tagged with `token`, oldest first."""
@@ -457,6 +481,8 @@ class BatchBackend(Backend):
             return JobStatus(JobState.FAILED, f"AWS Batch has no job {handle['job_id']}")
         state, reason = job["status"], job.get("statusReason", "")
         details = {"status": state, "job_id": handle["job_id"], "reason": reason}
+        if job.get("createdAt"):
+            details["submitted_at"] = remote.epoch(job["createdAt"])
         # The current attempt's start: attemptDurationSeconds counts from it.
         starts = [remote.epoch(t) for t in [job.get("startedAt"),
                                             *(a.get("startedAt") for a in job.get("attempts") or [])]]

@@ -39,7 +39,7 @@ MAX_ATTEMPTS = 99
 LOG_INTERVAL = 10.0   # see log_due
 # Settings that change how a job is watched, not what runs: they stay out of its fingerprint, so
 # changing them never turns a clear-and-rerun into a second job.
-WATCH_ONLY = ("poll_interval_seconds", "deadline_grace_seconds")
+WATCH_ONLY = ("poll_interval_seconds", "deadline_grace_seconds", "max_queue_seconds")
 _WILDCARD = re.compile(r"[*?\[]")
 
 
@@ -139,9 +139,11 @@ def settings_fingerprint(settings: Any) -> str:
 def watch_fields(settings: Any, extra_grace: int = 0) -> dict[str, Any]:
     """What the operator and the trigger read from a handle to wait for the job: how often to
     poll, and how long past the job's max run time (counted from its start) Airflow waits before
-    stopping it itself. `extra_grace` is slack the service itself allows (spot waiting)."""
+    stopping it itself; how long it may wait before it first starts (`max_queue_seconds`, 0 = no
+    bound). `extra_grace` is slack the service itself allows (spot waiting)."""
     return {"poll_interval": float(settings.poll_interval_seconds),
-            "deadline_grace_seconds": int(settings.deadline_grace_seconds) + int(extra_grace)}
+            "deadline_grace_seconds": int(settings.deadline_grace_seconds) + int(extra_grace),
+            "max_queue_seconds": int(settings.max_queue_seconds)}
 
 
 def epoch(value: Any) -> float | None:

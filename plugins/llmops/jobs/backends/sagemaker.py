@@ -14,6 +14,9 @@ A JobSpec becomes a CreateTrainingJob request (rendered by `training_request`, a
     spec.max_run_seconds                        -> StoppingCondition.MaxRuntimeInSeconds (all
                                                    attempts of RetryStrategy together), and with spot
                                                    MaxWaitTimeInSeconds = spot_wait_factor x that
+    settings.max_queue_seconds                  -> StoppingCondition.MaxPendingTimeInSeconds when
+                                                   within SageMaker's range (1800 s - 28 days);
+                                                   Airflow's own queue check is the backstop
     spec.env (+ EFA/NCCL on multi-node GPUs)    -> Environment (secrets refused)
     spec.tags + stage + job                     -> Tags (+ this try's submit token)
     settings                                    -> role, spot, RetryStrategy, warm pool, VPC, KMS
@@ -35,6 +38,9 @@ ResourceInUse: the job exists, and its `llmops:submit-token` tag says whether th
 Waiting: the handle carries `poll_interval` and `deadline_grace_seconds` (settings), a status's
 details carry `started_at` once the job runs (the first `Training` transition: TrainingStartTime
 is set while data and image are still downloading), so Airflow's deadline counts from there.
+A job not yet running says why in its status message: the secondary status and the newest
+transition's StatusMessage (`InProgress (Starting): Insufficient capacity error from EC2 while
+launching instances, retrying!`), which the watch logs once per change.
 """
 
 from __future__ import annotations
@@ -73,6 +79,8 @@ TOKEN_TAG = "llmops:submit-token"     # which try created a job (see the module 
 # botocore's model gives MaxWaitTimeInSeconds no upper bound; 28 days is SageMaker's documented
 # maximum run time of a training job (MaxRuntimeInSeconds, whose default quota is 5 days).
 SPOT_MAX_WAIT = 2_419_200
+# StoppingCondition.MaxPendingTimeInSeconds: botocore's model says min 1800, max 2419200.
+MAX_PENDING_RANGE = (1800, 2_419_200)
 # InProgress with these secondary statuses has not started the program yet (or, after a spot
 # interruption, is waiting to start it again).
 NOT_RUNNING = {"Starting", "Pending", "LaunchingMLInstances", "PreparingTrainingStack", "Downloading",
@@ -297,10 +305,19 @@ def stopping_condition(spec: JobSpec, settings: SageMakerSettings) -> dict[str, 
     capacity plus running, every interruption and RetryStrategy attempt included) must be at least
     that: spot_wait_factor x the run time, unless max_wait_seconds says otherwise."""
     runtime = spec.max_run_seconds
+    pending = ({"MaxPendingTimeInSeconds": settings.max_queue_seconds}
+               if service_bounds_queue(settings) else {})
     if not settings.spot:
-        return {"MaxRuntimeInSeconds": runtime}
+        return {"MaxRuntimeInSeconds": runtime, **pending}
     wait = settings.max_wait_seconds or min(int(runtime * settings.spot_wait_factor), SPOT_MAX_WAIT)
-    return {"MaxRuntimeInSeconds": min(runtime, wait), "MaxWaitTimeInSeconds": wait}
+    return {"MaxRuntimeInSeconds": min(runtime, wait), "MaxWaitTimeInSeconds": wait, **pending}
+
+
+def service_bounds_queue(settings: SageMakerSettings) -> bool:
+    """Whether SageMaker itself stops the job at max_queue_seconds (MaxPendingTimeInSeconds takes
+    only 1800 s to 28 days; outside that range Airflow's own check alone bounds the wait)."""
+    low, high = MAX_PENDING_RANGE
+    return low <= settings.max_queue_seconds <= high
 
 
 def started_at(kind: str, description: dict[str, Any]) -> float | None:
@@ -491,7 +508,13 @@ class _SageMakerBackend(Backend):
                 "output_uri": staged.output_uri, "checkpoint_uri": staged.checkpoint_uri,
                 "reattached": reattached, "kms_key_id": settings.kms_key_id,
                 **remote.resource_fields(spec, settings),
-                **remote.watch_fields(settings, self._slack(spec, settings))}
+                **remote.watch_fields(settings, self._slack(spec, settings)),
+                **self._queue_backstop(settings)}
+
+    def _queue_backstop(self, settings: Any) -> dict[str, Any]:
+        """The handle's max_queue_seconds when SageMaker enforces the bound itself: two polls
+        later, so the service's own stop (and its reason) comes first."""
+        return {}
 
     def _slack(self, spec: JobSpec, settings: Any) -> int:
         """Wall-clock time the service itself allows beyond the max run time (none here)."""
@@ -514,6 +537,9 @@ class _SageMakerBackend(Backend):
         start = started_at(self.kind, description)
         if start is not None:
             details["started_at"] = start
+        created = remote.epoch(description.get("CreationTime"))
+        if created is not None:
+            details["submitted_at"] = created   # queue time counts from here
         end = remote.epoch(description.get("TrainingEndTime") or description.get("ProcessingEndTime"))
         if end is not None:
             details["ended_at"] = end  # billing stops here (the job ledger's accelerator-hours)
@@ -521,8 +547,12 @@ class _SageMakerBackend(Backend):
             secondary = description.get("SecondaryStatus", state)
             running = (secondary not in NOT_RUNNING if self.kind == "training"
                        else start is not None or state == "Stopping")
-            return JobStatus(JobState.RUNNING if running else JobState.PENDING,
-                             f"{state} ({secondary})", details=details)
+            message = f"{state} ({secondary})"
+            transitions = description.get("SecondaryStatusTransitions") or []
+            if not running and transitions and transitions[-1].get("StatusMessage"):
+                message += f": {transitions[-1]['StatusMessage']}"  # e.g. held for capacity
+            return JobStatus(JobState.RUNNING if running else JobState.PENDING, message,
+                             details=details)
         if state == "Completed":
             result, why = remote.fetch_result(handle, hook.s3_hook, log)
             if result is None:
@@ -568,6 +598,11 @@ class SageMakerTrainingBackend(_SageMakerBackend):
         # Spot: SageMaker itself lets the job wait for capacity and restart up to MaxWait.
         wait = stopping_condition(spec, settings).get("MaxWaitTimeInSeconds", 0)
         return max(0, wait - spec.max_run_seconds)
+
+    def _queue_backstop(self, settings):
+        if not service_bounds_queue(settings):
+            return {}
+        return {"max_queue_seconds": settings.max_queue_seconds + 2 * settings.poll_interval_seconds}
 
     def create(self, hook, request):
         # The provider's hook also checks that every S3 channel exists before submitting.

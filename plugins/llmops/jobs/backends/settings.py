@@ -24,6 +24,12 @@ How a remote job is watched, per block (or stage):
 - `deadline_grace_seconds` (default 1800, at least 0): the service itself stops a job at its max
   run time (SageMaker StoppingCondition, Batch attemptDurationSeconds); Airflow's own deadline is
   the job's start + its max run time + this grace, a backstop for a service that did not.
+- `max_queue_seconds` (default 0: no bound): how long a job may wait for capacity or admission
+  before it first starts, counted from its submission. Past it Airflow stops the job and fails
+  the task with the service's last waiting reason (Batch statusReason, SageMaker StatusMessage,
+  Kueue's message). SageMaker also gets it as StoppingCondition.MaxPendingTimeInSeconds when it
+  is within the service's range (1800 s to 28 days), so SageMaker stops the job itself. Set it
+  per stage (`stages`) to wait hours for a pretraining fleet but minutes for an evaluation.
 - SageMaker spot: `spot_wait_factor` (default 2.0, at least 1) makes MaxWaitTimeInSeconds that
   many times MaxRuntimeInSeconds, the slack for waiting on spot capacity and for restarts after
   interruptions; `max_wait_seconds` sets it explicitly instead.
@@ -76,6 +82,7 @@ class RemoteSettings:
     poll_interval_seconds: int = 30    # how often the job's state and log are read (>= 5)
     deadline_grace_seconds: int = 1800  # Airflow's backstop beyond the job's max run time (>= 0)
     kms_key_id: str = ""               # SSE-KMS for every S3 write of a job (see the module docstring)
+    max_queue_seconds: int = 0         # longest wait before the job first starts (0 = no bound)
 
     def __post_init__(self) -> None:
         if self.kms_key_id and not KMS_KEY.match(self.kms_key_id):
@@ -89,6 +96,10 @@ class RemoteSettings:
         if self.deadline_grace_seconds < 0:
             raise BackendSettingsError(f"{type(self).__name__}.deadline_grace_seconds must be >= 0, "
                                        f"got {self.deadline_grace_seconds}.")
+        if not isinstance(self.max_queue_seconds, int) or self.max_queue_seconds < 0:
+            raise BackendSettingsError(
+                f"{type(self).__name__}.max_queue_seconds must be a whole number of seconds >= 0 "
+                f"(0 = wait for capacity without a bound), got {self.max_queue_seconds!r}.")
 
     def for_stage(self: S, stage: str) -> S:
         """These settings with the stage's overrides applied (unknown keys refused)."""
