@@ -403,3 +403,36 @@ def test_copies_of_one_submission_are_terminated_after_the_submit(aws, laggy):
     [copy] = [j["jobId"] for j in jobs if j["jobId"] != handle["job_id"]]
     assert terminated == [(copy, "Stopped by its Airflow task (llmops): duplicate submission")]
     assert handle["submit_token"] and handle["settle_until"] > 0   # status() keeps looking a while
+
+
+@pytest.mark.parametrize("kind", ["SPOT", "FARGATE_SPOT"])
+def test_a_queue_with_a_spot_compute_environment_is_refused_before_any_job(monkeypatch, kind):
+    """Issue 21.3: Batch cannot run multi-node parallel jobs on Spot; such a job would sit
+    RUNNABLE forever. The queue's environments are described before anything is claimed."""
+    calls: list[str] = []
+
+    class Client:
+        def describe_job_queues(self, jobQueues):
+            calls.append("DescribeJobQueues")
+            return {"jobQueues": [{"jobQueueName": jobQueues[0], "computeEnvironmentOrder": [
+                {"order": 2, "computeEnvironment": "arn:aws:batch:us-east-1:1:compute-environment/spot"},
+                {"order": 1, "computeEnvironment": "arn:aws:batch:us-east-1:1:compute-environment/od"}]}]}
+
+        def describe_compute_environments(self, computeEnvironments):
+            calls.append("DescribeComputeEnvironments")
+            assert computeEnvironments[0].endswith("/od")   # in the queue's order
+            return {"computeEnvironments": [
+                {"computeEnvironmentName": "od", "computeResources": {"type": "EC2"}},
+                {"computeEnvironmentName": "spot", "computeResources": {"type": kind}}]}
+
+        def __getattr__(self, name):
+            raise AssertionError(f"{name} called after a refusal")
+
+    class Hook:
+        client = Client()
+
+    backend = BatchBackend(settings=settings())
+    monkeypatch.setattr(backend, "_hook", lambda *a, **k: Hook())
+    with pytest.raises(JobSpecError, match=rf"queue '{QUEUE}'.*'spot' of type {kind}.*cannot run on Spot"):
+        backend.submit(pretrain(job_name("batch-spot", prefix="pretrain")))
+    assert calls == ["DescribeJobQueues", "DescribeComputeEnvironments"]
