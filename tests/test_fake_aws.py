@@ -25,8 +25,10 @@ from llmops.jobs.backends import JobState
 from llmops.jobs.backends.batch import STOP_REASON, BatchBackend
 from llmops.jobs.backends.sagemaker import SageMakerTrainingBackend
 from llmops.jobs.spec import JobSpec, job_name
-from tests.aws_fixtures import DUMMY_CREDENTIALS, IMAGE, REGION, ROOT, free_port, sagemaker_settings, wait_http
+from llmops.jobs.watch import JobWatch
+from tests.aws_fixtures import IMAGE, REGION, ROOT, free_port, sagemaker_settings, wait_http
 from tests.chaos.fake_aws import ChaosClient, FakeAws
+from tests.chaos.multinode import batch_queue as create_batch_queue, connected
 
 CONN = "llmops_chaos"
 BUCKET = "llmops-chaos"
@@ -38,15 +40,11 @@ def fake(tmp_path_factory):
     """One fake AWS for the module, in this process, with an Airflow connection to its proxy."""
     server = FakeAws(free_port(), tmp_path_factory.mktemp("fake-aws"), pending_seconds=0.5,
                      stop_grace_seconds=2, stopping_seconds=0.5).start()
-    saved = {k: os.environ.get(k) for k in [f"AIRFLOW_CONN_{CONN.upper()}", *DUMMY_CREDENTIALS]}
-    os.environ[f"AIRFLOW_CONN_{CONN.upper()}"] = json.dumps(server.connection())
-    os.environ.update(DUMMY_CREDENTIALS)
     client(server, "s3").create_bucket(Bucket=BUCKET)
     try:
-        yield server
+        with connected(server, CONN):
+            yield server
     finally:
-        for key, value in saved.items():
-            os.environ.pop(key) if value is None else os.environ.__setitem__(key, value)
         server.stop()
 
 
@@ -265,13 +263,7 @@ def test_a_crash_and_a_deadline_end_training_jobs(fake, chaos):
 
 @pytest.fixture(scope="module")
 def batch_queue(fake):
-    batch, iam = client(fake, "batch"), client(fake, "iam")
-    role = iam.create_role(RoleName="batch-chaos", AssumeRolePolicyDocument="{}")["Role"]["Arn"]
-    env = batch.create_compute_environment(computeEnvironmentName="chaos", type="UNMANAGED",
-                                           state="ENABLED", serviceRole=role)
-    batch.create_job_queue(jobQueueName=QUEUE, state="ENABLED", priority=1, computeEnvironmentOrder=[
-        {"order": 1, "computeEnvironment": env["computeEnvironmentArn"]}])
-    return QUEUE
+    return create_batch_queue(client(fake, "batch"), client(fake, "iam"), QUEUE)
 
 
 def batch_backend() -> BatchBackend:
@@ -397,3 +389,37 @@ def test_a_lost_create_training_job_response_leaves_one_job_this_try_owns(fake, 
     backend.stop(handle)   # the resent stop finds it Stopping, which SageMaker accepts
     status, _ = wait_state(backend, handle, {JobState.STOPPED, JobState.FAILED, JobState.SUCCEEDED})
     assert status.state is JobState.STOPPED, status.message
+
+
+# -- capacity waits: visible, and bounded by max_queue_seconds ------------------------------------
+
+def test_a_capacity_wait_shows_the_services_reason_and_max_queue_seconds_ends_it(fake, chaos,
+                                                                                 batch_queue):
+    """Simulated: each job is held for capacity (Batch RUNNABLE with statusReason CAPACITY:...,
+    SageMaker Starting with EC2's capacity message). The real watch says so once, with the
+    service's words, and stops the job when it has waited past max_queue_seconds."""
+    from tests.chaos.fake_aws import BATCH_CAPACITY, SM_CAPACITY
+
+    chaos.config(capacity_wait_seconds=120)
+    try:
+        for backend, spec, words in (
+                (batch_backend(), sample("batch-capacity").replace(instance_type="m5.xlarge"),
+                 BATCH_CAPACITY),
+                (sagemaker_backend(), sample("sm-capacity"), SM_CAPACITY)):
+            handle = backend.submit(spec)
+            watch = JobWatch(backend, handle, poll_interval=0.5, max_run_seconds=3600,
+                             max_queue_seconds=4)
+            waiting = []
+            while True:
+                step = watch.poll()
+                waiting += [step.waiting] if step.waiting else []
+                if step.done:
+                    break
+                time.sleep(step.delay)
+            assert step.status.state is JobState.STOPPED, step.status.message
+            assert "max_queue_seconds" in step.status.message and words in step.status.message
+            assert len([w for w in waiting if words in w]) == 1, waiting   # said once, in its words
+            job = chaos.job(handle["job_name"])
+            assert job["started_at"] is None and job["stop_requests"], job   # never ran, was stopped
+    finally:
+        chaos.config(capacity_wait_seconds=0)

@@ -42,6 +42,10 @@ What is simulated here, because moto does not do it:
 - CloudWatch Logs lines: the containers' stdout/stderr are written, as they come, into moto's
   Logs (`/aws/sagemaker/TrainingJobs` `<job>/algo-1-<epoch>`; `/aws/batch/job`
   `<definition>/default/<job id>-node<i>`), so GetLogEvents through the proxy sees them live.
+- Capacity waits (`capacity_wait_seconds`): a job first stays queued that long for want of
+  instances, saying so as the services do (Batch RUNNABLE with statusReason
+  `CAPACITY:INSUFFICIENT_INSTANCE_CAPACITY - ...`, SageMaker Starting with the StatusMessage
+  "Insufficient capacity error from EC2 while launching instances, retrying!").
 - Service-side events: `/_chaos/jobs/<name>/fail` (the container crashes), `/stop` (stopped from
   the console), `/host` (node N's host dies: its container killed, the attempt failed),
   `fail_first_attempt` (the host of a job's first attempt dies).
@@ -90,7 +94,13 @@ DEFAULT_CONFIG = {"pending_seconds": 2.0,      # Starting / RUNNABLE before a co
                   "stop_grace_seconds": 5.0,   # SIGTERM, then SIGKILL after this
                   "stopping_seconds": 1.0,     # Stopping lasts this long after the container ended
                   "fail_first_attempt": False,  # the first job of each name (without -rN) dies
-                  "fail_after_seconds": 1.0}   # ... this long after it started running
+                  "fail_after_seconds": 1.0,   # ... this long after it started running
+                  "capacity_wait_seconds": 0.0}  # queued this long first, held for capacity
+# What the services say while a job waits for instances (AWS Batch's statusReason on RUNNABLE,
+# SageMaker's StatusMessage on the Starting transition).
+BATCH_CAPACITY = ("CAPACITY:INSUFFICIENT_INSTANCE_CAPACITY - Service cannot fulfill the capacity "
+                  "requested for instance type [p4d.24xlarge]")
+SM_CAPACITY = "Insufficient capacity error from EC2 while launching instances, retrying!"
 SM_GROUP, BATCH_GROUP = "/aws/sagemaker/TrainingJobs", "/aws/batch/job"
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
                "AWS_SESSION_TOKEN": "testing", "AWS_DEFAULT_REGION": REGION}
@@ -292,6 +302,7 @@ class Job:
     wake: threading.Event = field(default_factory=threading.Event)
     transitions: list[dict[str, Any]] = field(default_factory=list)   # SageMaker's secondary ones
     synced: dict = field(default_factory=dict)   # checkpoint files already synced to S3 (SageMaker)
+    node_ended_at: dict = field(default_factory=dict)   # node index -> when its container exited
 
     def move(self, status: str, secondary: str = "") -> None:
         """Change the status (the simulator's lock held), keeping SecondaryStatusTransitions."""
@@ -313,7 +324,8 @@ class Job:
                 "secondary": self.secondary, "reason": self.reason, "created_at": self.created_at,
                 "started_at": self.started_at, "ended_at": self.ended_at, "exit_code": self.exit_code,
                 "stop_requests": list(self.stop_requests), "stopped_by": self.stopped_by,
-                "log_lines": self.log_lines, "streams": list(self.streams)}
+                "log_lines": self.log_lines, "streams": list(self.streams),
+                "node_ended_at": [self.node_ended_at.get(i) for i in range(len(self.procs))]}
 
 
 class LogSink:
@@ -657,7 +669,13 @@ class Simulator:
             if not sagemaker:
                 job.wake.wait(0.2)
                 self._set(job, "RUNNABLE")
-            if not job.wake.wait(self.config["pending_seconds"]):
+            held = self.config["capacity_wait_seconds"]
+            woke = False
+            if held > 0:   # no capacity for it yet: the service says so and keeps it queued
+                self._hold_for_capacity(job, True)
+                woke = job.wake.wait(held)
+                self._hold_for_capacity(job, False)
+            if not woke and not job.wake.wait(self.config["pending_seconds"]):
                 self._set(job, *(("InProgress", "Downloading") if sagemaker else ("STARTING",)))
                 commands = self._prepare_sagemaker(job) if sagemaker else self._prepare_batch(job)
                 if not job.end_request:
@@ -674,6 +692,16 @@ class Simulator:
             except Exception:
                 log.exception("checkpoint sync of %s failed", job.name)
         self._finish(job)
+
+    def _hold_for_capacity(self, job: Job, held: bool) -> None:
+        """The service's own words while a job waits for instances (Batch's statusReason on a
+        RUNNABLE job, SageMaker's StatusMessage on the Starting transition), or none."""
+        with self.lock:
+            if job.service == "sagemaker":
+                if job.transitions:
+                    job.transitions[-1]["StatusMessage"] = SM_CAPACITY if held else "Starting"
+            elif not job.end_request:
+                job.reason = BATCH_CAPACITY if held else ""
 
     def _prepare_sagemaker(self, job: Job) -> list[tuple[list[str], dict[str, str], LogSink]]:
         """One container per instance, each on its own disk (channels and checkpoints downloaded
@@ -809,6 +837,8 @@ class Simulator:
             with self.lock:
                 job.log_lines += 1
                 job.tail.append(line.rstrip("\n"))
+        with self.lock:   # its output closed: the node's container has exited
+            job.node_ended_at[job.procs.index(proc)] = time.time()
 
     def _flush_logs(self) -> None:
         while not self.closing.wait(0.25):

@@ -65,6 +65,7 @@ class Pod:
     def __init__(self, name: str, proc: subprocess.Popen, workdir: Path):
         self.name, self.proc, self.workdir = name, proc, workdir
         self.lines: list[tuple[str, str]] = []   # (RFC 3339 timestamp, line)
+        self.ended_at: float | None = None
         self.pump = threading.Thread(target=self._read, daemon=True, name=f"pod-{name}")
         self.pump.start()
 
@@ -72,6 +73,7 @@ class Pod:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
             self.lines.append((_now(), line.rstrip("\n")))
+        self.ended_at = time.time()   # its output closed: the container has exited
 
     def kill(self) -> None:
         try:
@@ -199,6 +201,13 @@ class FakeEks:
         with self.lock:
             pods = job.finished_pods + job.pods
         return sorted((_epoch(t), p.name, line) for p in pods for t, line in list(p.lines))
+
+    def pod_ends(self, name: str) -> list[float | None]:
+        """When each pod of the job's newest generation exited (None: still running)."""
+        job = self.job(name)
+        with self.lock:
+            pods = job.pods or job.finished_pods[-len(self._replicas(job)):]
+        return [p.ended_at for p in pods]
 
     def shutdown(self) -> None:
         with self.lock:

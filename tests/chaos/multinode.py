@@ -7,13 +7,14 @@ tests/test_multinode_no_shared_disk.py and benchmarks/multinode_end_of_job.py.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import boto3
 
@@ -33,24 +34,41 @@ BACKENDS = ("batch", "sagemaker", "HyperPodPyTorchJob", "PyTorchJob")
 
 
 def start_fake(workdir: Path, data_dir: Path) -> FakeAws:
-    """A fake AWS with `data_dir` under s3://BUCKET/data/ (no node shares a disk with it), a Batch
-    queue, and the Airflow connection CONN to its proxy in this process's environment."""
+    """A fake AWS with `data_dir` under s3://BUCKET/data/ (no node shares a disk with it) and a
+    Batch queue; `connected(server)` gives this process the Airflow connection CONN to it."""
     server = FakeAws(free_port(), workdir, pending_seconds=0.5, stop_grace_seconds=2,
                      stopping_seconds=0.5).start()
-    os.environ[f"AIRFLOW_CONN_{CONN.upper()}"] = json.dumps(server.connection())
-    os.environ.update(DUMMY_CREDENTIALS)
     s3 = moto(server, "s3")
     s3.create_bucket(Bucket=BUCKET)
     for path in sorted(data_dir.rglob("*")):
         if path.is_file():
             s3.upload_file(str(path), BUCKET, f"data/{path.relative_to(data_dir).as_posix()}")
-    batch, iam = moto(server, "batch"), moto(server, "iam")
-    role = iam.create_role(RoleName="batch-multinode", AssumeRolePolicyDocument="{}")["Role"]["Arn"]
-    env = batch.create_compute_environment(computeEnvironmentName="multinode", type="UNMANAGED",
-                                           state="ENABLED", serviceRole=role)
-    batch.create_job_queue(jobQueueName=QUEUE, state="ENABLED", priority=1, computeEnvironmentOrder=[
-        {"order": 1, "computeEnvironment": env["computeEnvironmentArn"]}])
+    batch_queue(moto(server, "batch"), moto(server, "iam"), QUEUE)
     return server
+
+
+@contextlib.contextmanager
+def connected(server: FakeAws, conn: str = CONN) -> Iterator[FakeAws]:
+    """The Airflow connection `conn` to the server's proxy, and dummy credentials, in this
+    process's environment until the block ends."""
+    saved = {k: os.environ.get(k) for k in [f"AIRFLOW_CONN_{conn.upper()}", *DUMMY_CREDENTIALS]}
+    os.environ[f"AIRFLOW_CONN_{conn.upper()}"] = json.dumps(server.connection())
+    os.environ.update(DUMMY_CREDENTIALS)
+    try:
+        yield server
+    finally:
+        for key, value in saved.items():
+            os.environ.pop(key) if value is None else os.environ.__setitem__(key, value)
+
+
+def batch_queue(batch: Any, iam: Any, name: str) -> str:
+    """An enabled Batch job queue `name` on an unmanaged compute environment of the same name."""
+    role = iam.create_role(RoleName=f"batch-{name}", AssumeRolePolicyDocument="{}")["Role"]["Arn"]
+    env = batch.create_compute_environment(computeEnvironmentName=name, type="UNMANAGED",
+                                           state="ENABLED", serviceRole=role)
+    batch.create_job_queue(jobQueueName=name, state="ENABLED", priority=1, computeEnvironmentOrder=[
+        {"order": 1, "computeEnvironment": env["computeEnvironmentArn"]}])
+    return name
 
 
 def moto(server: FakeAws, service: str):
@@ -115,6 +133,7 @@ class Platform:
     staging: str
     events: Callable[[dict], list[tuple[float, str]]]   # (time, line) of every node of an attempt
     ended_at: Callable[[dict], float | None]
+    node_ends: Callable[[dict], list[float | None]]   # when each node's container exited
     lose_node_1: Callable[[dict], None]
     continue_after_loss: Callable[[JobSpec, dict], dict]   # the handle of the attempt that goes on
     instance_type: str = ""      # what its jobs ask for
@@ -142,6 +161,7 @@ def aws_platform(server: FakeAws, backend: Any, staging: str, group: str, instan
         return retry
 
     return Platform(backend, staging, events, lambda h: chaos.job(h["job_name"])["ended_at"],
+                    lambda h: chaos.job(h["job_name"])["node_ended_at"],
                     lambda h: chaos.lose_host(h["job_name"], node=1), continue_after_loss,
                     instance_type)
 
@@ -181,6 +201,7 @@ def platform(server: FakeAws, name: str, workdir: Path) -> Platform:
     # attempt from us, the same job goes on from the newest checkpoint in S3.
     return Platform(backend, staging,
                     lambda h: [(t, line) for t, _, line in eks.logs(h["k8s_name"])], ended_at,
+                    lambda h: eks.pod_ends(h["k8s_name"]),
                     lambda h: eks.lose_host(h["k8s_name"], 1, heal_env=("LLMOPS_FAULTS",)),
                     lambda spec, first: first, eks=eks)
 
