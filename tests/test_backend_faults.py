@@ -203,13 +203,17 @@ def api_calls(monkeypatch) -> list[tuple[str, dict]]:
     return calls
 
 
-def test_a_job_with_64_instances_shows_every_instances_log(aws):
+def test_a_job_with_64_instances_is_followed_on_its_first_and_its_tail_reads_every_one(aws, api_calls):
     name = job_name("sm-wide", prefix="sm-wide")
     _streams(aws, KINDS["training"][4], {f"{name}/algo-{i}-1767614400": 1 for i in range(1, 65)})
-    lines, cursor = SageMakerTrainingBackend().read_logs(
-        {"aws_conn_id": CONN_ID, "region_name": "", "job_name": name}, None)
-    assert len(lines) == 64 and len(cursor) == 64      # DescribeLogStreams pages hold 50
-    assert "[algo-64-1767614400] algo-64-1767614400 line 0" in lines
+    handle = {"aws_conn_id": CONN_ID, "region_name": "", "job_name": name}
+    api_calls.clear()
+    lines, cursor = SageMakerTrainingBackend().read_logs(handle, None)
+    # a poll reads algo-1 (rank 0's) alone: not algo-10..19, not 64 streams
+    assert lines == ["algo-1-1767614400 line 0"] and list(cursor) == [f"{name}/algo-1-1767614400"]
+    assert sum(op == "GetLogEvents" for op, _ in api_calls) <= 2
+    tail = SageMakerTrainingBackend().log_tail(handle, lines=64)   # DescribeLogStreams pages hold 50
+    assert len(tail) == 64 and "[algo-64-1767614400] algo-64-1767614400 line 0" in tail
 
 
 def test_the_failure_tail_reads_only_the_end_of_each_stream(aws, api_calls):
@@ -256,7 +260,8 @@ def fake_batch(monkeypatch, client: FakeBatchClient) -> None:
     monkeypatch.setattr(BatchBackend, "_hook", lambda self, conn, region="": hook)
 
 
-def test_a_multi_node_batch_jobs_log_is_its_nodes_streams(aws, monkeypatch, api_calls):
+def test_a_multi_node_batch_job_is_followed_on_its_main_node_and_its_failure_reads_every_node(
+        aws, monkeypatch, api_calls):
     parent = {"jobId": "mnp-1", "status": "RUNNING", "startedAt": 1767614400123,
               "nodeProperties": {"numNodes": 120, "mainNode": 0, "nodeRangeProperties": [
                   {"targetNodes": "0:", "container": {"logConfiguration": {"logDriver": "awslogs"}}}]}}
@@ -266,8 +271,11 @@ def test_a_multi_node_batch_jobs_log_is_its_nodes_streams(aws, monkeypatch, api_
                                      for i in range(120)})
     handle = {"aws_conn_id": CONN_ID, "region_name": REGION, "job_id": "mnp-1", "job_name": "mnp"}
     lines, cursor = BatchBackend().read_logs(handle, None)
-    assert len(cursor) == 120 and len(lines) == 219
-    assert [len(c) for c in client.calls] == [1, 100, 20]
+    # one poll: the parent, the main node's job, one stream read to its end (was: 120 streams)
+    assert len(cursor) == 1 and lines == ["node0 line 0"]
+    assert [len(c) for c in client.calls] == [1, 1]
+    assert sum(op == "GetLogEvents" for op, _ in api_calls) <= 2
+    client.calls.clear()
     api_calls.clear()
     tail = BatchBackend().log_tail(handle, lines=10)
     assert tail[-1] == "[node7] node7 line 99" and len(tail) == 10

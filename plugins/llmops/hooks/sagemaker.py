@@ -95,13 +95,13 @@ class SageMakerJobsHook(with_retries(SageMakerHook)):
 
     def log_lines(self, kind: str, name: str, cursor: dict[str, str] | None
                   ) -> tuple[list[str], dict[str, str]]:
-        """New CloudWatch lines of every instance's stream, and the cursor for the next call.
-
-        One stream per instance (`<job>/algo-1-...`); the cursor keeps each stream's forward token.
-        """
+        """New CloudWatch lines of the first instance's stream (`<job>/algo-1-...`, where rank 0
+        logs the steps), and the cursor (its forward token) for the next call. One stream, not
+        one per instance: a 64-instance job read 64 streams every poll. A failure's message reads
+        the end of every instance's stream (log_tail)."""
         group = KINDS[kind][4]
         logs = self.logs_hook.get_conn()
-        return follow(logs, group, stream_names(logs, group, f"{name}/"), cursor)
+        return follow(logs, group, stream_names(logs, group, f"{name}/algo-1-"), cursor)
 
     def log_tail(self, kind: str, name: str, lines: int = 40) -> list[str]:
         """The last `lines` lines over the job's streams, read from their ends."""

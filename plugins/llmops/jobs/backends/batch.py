@@ -516,9 +516,10 @@ class BatchBackend(Backend):
             self._terminate_copies(hook, self._tagged(hook, handle["job_queue"], handle["job_name"],
                                                       handle["submit_token"]), keep=handle["job_id"])
 
-    def _log_streams(self, handle: dict[str, Any]) -> tuple[Any, str, list[str]]:
+    def _log_streams(self, handle: dict[str, Any], main_only: bool = False) -> tuple[Any, str, list[str]]:
         """(CloudWatch Logs client, group, streams) of the job's current attempt: one stream per
-        node of a multi-node job, read from its node jobs in batches of DESCRIBE_BATCH."""
+        node of a multi-node job, read from its node jobs in batches of DESCRIBE_BATCH; with
+        `main_only`, the main node's alone (one DescribeJobs)."""
         hook = self._hook(handle["aws_conn_id"], handle.get("region_name", ""))
         job = self._describe(hook, handle["job_id"])
         if job is None:
@@ -528,6 +529,8 @@ class BatchBackend(Backend):
             ranges = nodes.get("nodeRangeProperties") or [{}]
             config = (ranges[0].get("container") or {}).get("logConfiguration") or {}
             ids = [f"{handle['job_id']}#{i}" for i in range(int(nodes.get("numNodes", 0)))]
+            if main_only:
+                ids = [f"{handle['job_id']}#{int(nodes.get('mainNode', 0))}"]
             containers = []
             for start in range(0, len(ids), DESCRIBE_BATCH):
                 found = hook.client.describe_jobs(jobs=ids[start:start + DESCRIBE_BATCH]).get("jobs", [])
@@ -549,9 +552,12 @@ class BatchBackend(Backend):
         return logs, options.get("awslogs-group", "/aws/batch/job"), streams
 
     def read_logs(self, handle: dict[str, Any], cursor: Any = None) -> tuple[list[str], Any]:
+        """The main node's new lines: rank 0 logs the steps, and reading every node's stream on
+        every poll cost a 64-node job 64 GetLogEvents calls each time, against CloudWatch's
+        account-wide limits. A failure's message reads the end of every node's (log_tail)."""
         # A cursor is {stream: forward token}; keys with a leading "_" came from older releases.
         tokens = {k: v for k, v in cursor.items() if not k.startswith("_")} if isinstance(cursor, dict) else {}
-        logs, group, streams = self._log_streams(handle)
+        logs, group, streams = self._log_streams(handle, main_only=True)
         if not streams:
             return [], tokens
         return follow(logs, group, streams, tokens)
