@@ -34,3 +34,38 @@ def test_ranks_on_one_host_keep_their_own_config_and_result(tmp_path):
     assert json.loads((tmp_path / "result.json").read_text())["metrics"] == {"answer": 42.0}
     assert "llmops.entry: result written" in outputs[0] and "llmops.entry: result written" not in outputs[1]
     assert len((tmp_path / "markers" / "starts").read_text().split()) == 2
+
+
+def _entry():
+    import importlib
+    import sys as _sys
+
+    _sys.path.insert(0, str(ENTRY.parent))
+    return importlib.import_module("job_entry")
+
+
+def test_the_result_names_the_newest_complete_checkpoint_not_the_one_the_stage_reported(tmp_path):
+    """A step whose manifest (written last) is missing is an unfinished checkpoint: the result
+    names the newest complete one instead, by step number, not by name order."""
+    entry = _entry()
+    root = tmp_path / "checkpoints"
+    for step, complete in ((900_000, True), (1_000_000, True), (1_000_050, False)):
+        path = root / f"step_{step:06d}"
+        path.mkdir(parents=True)
+        (path / "model.pt").write_bytes(b"w")
+        if complete:
+            (path / "manifest.json").write_text("{}")
+    model = tmp_path / "model"
+    model.mkdir()
+    result = {"outputs": {"checkpoint": str(root / "step_1000050"), "model_dir": str(model)}}
+    assert entry.settle_outputs(result, str(root)) == []
+    assert result["outputs"]["checkpoint"] == str(root / "step_1000000")
+
+
+def test_a_result_naming_a_missing_output_is_refused_and_no_checkpoint_is_none(tmp_path):
+    entry = _entry()
+    result = {"outputs": {"checkpoint": str(tmp_path / "checkpoints" / "step_000010"),
+                          "model_dir": str(tmp_path / "model")}}
+    missing = entry.settle_outputs(result, str(tmp_path / "checkpoints"))
+    assert missing == [f"model_dir: {tmp_path / 'model'}"]
+    assert "checkpoint" not in result["outputs"]   # none complete: the result names none
