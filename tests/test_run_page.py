@@ -134,7 +134,8 @@ def _page_figures(text: str) -> dict[str, str]:
     return dict(re.findall(r'data-key="([^"]+)" data-value="([^"]*)"', text))
 
 
-def test_the_page_shows_mlflows_numbers(lifecycle_run):
+def test_the_page_shows_mlflows_numbers(lifecycle_run, airflow_db):
+    # (airflow_db: the page also asks Airflow's metadata DB for the run, which it has not got)
     from fastapi.testclient import TestClient
 
     from llmops import run_page, tracking
@@ -159,6 +160,7 @@ def test_the_page_shows_mlflows_numbers(lifecycle_run):
         'xmlns="http://www.w3.org/2000/svg"', "")  # nothing for the browser to fetch
     as_json = api.get(f"/runs/{DAG_ID}/{run_id}/summary.json").json()
     assert as_json["gate"]["version"] == ids["version"]
+    assert 'data-key="failure"' not in resp.text and as_json["airflow"] is None
     missing = api.get(f"/runs/{DAG_ID}/manual__never")
     assert missing.status_code == 404 and "start_run" in missing.text
 

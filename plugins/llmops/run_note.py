@@ -3,19 +3,35 @@
 A task cannot write its DAG run's note (the Task SDK has no setter, and the REST API would need
 a user's credentials in every task). So the promote task leaves the line as the XCom `run_note`
 (llmops.run_summary.note_line) and this listener, loaded by the scheduler with the project's
-plugins, copies it onto the run when the run finishes, in the scheduler's own transaction. A run
-of such a DAG that failed before promote gets "failed at <tasks>". A note someone already wrote is kept.
+plugins, copies it onto the run when the run finishes, in the scheduler's own transaction. A note
+someone already wrote is kept.
+
+A run of such a DAG that failed before promote gets the failure line instead (`failure_line`):
+the task that failed first (by end time: the others mostly failed because of it) and, when the
+scheduler failed it itself, what the scheduler reported. That report is the only trace of a task
+whose process died before the task ran: its own log stops after "Pre Execute" with no error, and
+the scheduler records the executor's "finished with state failed, but the task instance's state
+attribute is queued" only in its output and the audit log. The run page shows the same line.
 """
 
 from __future__ import annotations
 
+import datetime as dt
 import logging
+import re
+from dataclasses import dataclass, field
+from typing import Any
 
 log = logging.getLogger(__name__)
 
 from llmops.run_summary import NOTE_XCOM as NOTE_KEY
 
 NOTE_TASK = "promote"
+NOTE_LIMIT = 1000  # Airflow's dag_run_note.content column
+# Audit-log events the scheduler writes when it fails (or gives up on) a task instance itself,
+# rather than the task reporting its own failure (airflow/jobs/scheduler_job_runner.py).
+SCHEDULER_EVENTS = ("state mismatch", "heartbeat timeout", "stuck in queued tries exceeded")
+NEVER = dt.datetime.max.replace(tzinfo=dt.timezone.utc)
 
 try:
     from airflow.listeners import hookimpl
@@ -23,10 +39,38 @@ except ImportError:  # pragma: no cover - not in an Airflow environment (a job i
     hookimpl = None
 
 
+@dataclass
+class Failure:
+    """The task instance of a run that failed first, and what else failed after it."""
+
+    task: str                      # task_id, with [map_index] for a mapped one
+    try_number: int
+    event: str | None = None       # the scheduler's audit-log event, when it failed the task itself
+    reported: str | None = None    # and its own words
+    others: list[str] = field(default_factory=list)
+
+    def line(self) -> str:
+        text = f"failed at {self.task}"
+        if self.reported:
+            text += f" (try {self.try_number}): {_plainly(self.event, self.reported)}; " \
+                    f"the scheduler reported: {self.reported}"
+        if self.others:
+            text += f"; later failed: {', '.join(self.others)}"
+        return text[:NOTE_LIMIT]
+
+
+def _plainly(event: str | None, reported: str) -> str:
+    """What the scheduler's report means, for someone who has not read its source."""
+    if event == "state mismatch":  # the executor's "finished" while the TI had not started
+        return ("its process ended before the task ran"
+                if re.search(r"state attribute is (queued|scheduled)\b", reported)
+                else "its process ended without the task reporting an outcome")
+    return {"heartbeat timeout": "it stopped sending heartbeats",
+            "stuck in queued tries exceeded": "it never left the queue"}.get(event or "", event or "")
+
+
 def pending_note(dag_run, session) -> str | None:
     """The line the promote task left for this run, if any."""
-    from sqlalchemy import select
-
     from airflow.models.xcom import XComModel
 
     query = XComModel.get_many(run_id=dag_run.run_id, dag_ids=dag_run.dag_id, task_ids=NOTE_TASK,
@@ -38,12 +82,53 @@ def pending_note(dag_run, session) -> str | None:
     return str(value) if value else None
 
 
-def _failed_tasks(dag_run, session) -> list[str]:
+def _label(ti: Any) -> str:
+    return ti.task_id + (f"[{ti.map_index}]" if ti.map_index is not None and ti.map_index >= 0 else "")
+
+
+def first_failure(dag_run, session) -> Failure | None:
+    """The run's failed task instance with the earliest end (a retried task counts once, by its
+    last try), with the scheduler's report on that try if the scheduler failed it; None if no
+    task instance of the run has failed."""
+    from sqlalchemy import select
+
+    from airflow.models.log import Log
     from airflow.utils.state import TaskInstanceState
 
-    tis = dag_run.get_task_instances(state=[TaskInstanceState.FAILED,
-                                            TaskInstanceState.UPSTREAM_FAILED], session=session)
-    return sorted({ti.task_id for ti in tis if ti.state == TaskInstanceState.FAILED})
+    failed = dag_run.get_task_instances(state=[TaskInstanceState.FAILED], session=session)
+    if not failed:
+        return None
+    # No end date sorts last (not expected of a failed TI); the task id breaks ties.
+    failed.sort(key=lambda ti: (ti.end_date or NEVER, ti.task_id, ti.map_index))
+    first = failed[0]
+    report = session.execute(
+        select(Log.event, Log.extra)
+        .where(Log.dag_id == first.dag_id, Log.run_id == first.run_id, Log.task_id == first.task_id,
+               Log.map_index == first.map_index, Log.try_number == first.try_number,
+               Log.event.in_(SCHEDULER_EVENTS))
+        .order_by(Log.dttm.desc(), Log.id.desc()).limit(1)).first()
+    event, message = report if report else (None, None)
+    return Failure(task=_label(first), try_number=first.try_number, event=event,
+                   reported=" ".join(message.split()) if message else None,
+                   others=[_label(ti) for ti in failed[1:]])
+
+
+def airflow_run(dag_id: str, run_id: str) -> dict[str, Any] | None:
+    """The DAG run as Airflow's metadata DB has it, for the run page: {state, note, failure}, or
+    None when Airflow has no such run. Read from the API server's own DB session."""
+    from sqlalchemy import select
+
+    from airflow.models.dagrun import DagRun
+    from airflow.utils.session import create_session
+
+    with create_session() as session:
+        dag_run = session.scalars(select(DagRun).where(DagRun.dag_id == dag_id,
+                                                       DagRun.run_id == run_id)).first()
+        if dag_run is None:
+            return None
+        failure = first_failure(dag_run, session)
+        return {"state": str(dag_run.state), "note": dag_run.note,
+                "failure": failure.line() if failure else None}
 
 
 def set_note(dag_run, failed: bool) -> None:
@@ -56,10 +141,10 @@ def set_note(dag_run, failed: bool) -> None:
     dag = getattr(dag_run, "dag", None)
     ours = dag is not None and NOTE_TASK in getattr(dag, "task_ids", ())
     if note is None and failed and ours:  # only runs of DAGs with a promote task
-        tasks = _failed_tasks(dag_run, session)
-        note = f"failed at {', '.join(tasks)}" if tasks else None
+        failure = first_failure(dag_run, session)
+        note = failure.line() if failure else None
     if note:
-        dag_run.note = note[:1000]
+        dag_run.note = note[:NOTE_LIMIT]
         log.info("DAG run %s %s: note %r", dag_run.dag_id, dag_run.run_id, note)
 
 

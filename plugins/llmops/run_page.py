@@ -3,6 +3,10 @@
     /llmops/runs/{dag_id}/{run_id}               the page (a tab "LLM run" on the DAG run page)
     /llmops/runs/{dag_id}/{run_id}/summary.json  the same figures as JSON (llmops.run_summary)
 
+The figures are MLflow's; the run's state and, for a failed run, the task that failed first and
+what the scheduler reported (llmops.run_note, the same line as the run's note) are Airflow's. A
+run whose first task died before it ran has no MLflow run at all: the page then shows only that.
+
 Rendered on the server with inline SVG charts: no JavaScript build, no CDN, nothing fetched by the
 browser but the page itself. Every figure shown carries `data-key`/`data-value` attributes with the
 exact number MLflow holds, so a test (or a script) can read the page and compare.
@@ -190,6 +194,8 @@ h1{font-size:20px;margin:0 0 4px} h2{font-size:16px;margin:22px 0 8px;border-bot
      padding-bottom:4px}
 .sub{color:#4a5568;margin-bottom:12px} .note{background:#f7fafc;border-left:4px solid #3182ce;
      padding:8px 12px;margin:8px 0 4px;font-weight:600}
+.failure{background:#fff5f5;border-left:4px solid #c53030;padding:8px 12px;margin:8px 0 4px;
+     overflow-wrap:anywhere}
 .cards{display:flex;flex-wrap:wrap;gap:10px;margin:10px 0}
 .card{border:1px solid #e2e8f0;border-radius:6px;padding:8px 12px;min-width:130px}
 .card .label{color:#4a5568;font-size:12px} .card .value{font-size:18px;font-weight:600}
@@ -222,13 +228,24 @@ def _page(title: str, body: str) -> str:
             f"<style>{CSS}</style></head><body>{body}</body></html>")
 
 
-def render_missing(dag_id: str, run_id: str) -> str:
+def _failure(airflow: dict[str, Any] | None) -> str:
+    """The run's failure line (llmops.run_note), when Airflow has one."""
+    if not airflow or not airflow.get("failure"):
+        return ""
+    return f'<div class="failure" data-key="failure">{_e(airflow["failure"])}</div>'
+
+
+def render_missing(dag_id: str, run_id: str, airflow: dict[str, Any] | None = None) -> str:
+    state = (f"<div class='sub'>Airflow: <span class='state-{_e(airflow['state'])}' data-key='state'>"
+             f"{_e(airflow['state'])}</span></div>") if airflow else ""
     return _page(f"{dag_id} {run_id}",
-                 f"<h1>{_e(dag_id)} · {_e(run_id)}</h1><p class='empty'>MLflow has no lifecycle run "
-                 f"for this DAG run yet: it appears once the task <code>start_run</code> has run.</p>")
+                 f"<h1>{_e(dag_id)} · {_e(run_id)}</h1>{state}{_failure(airflow)}"
+                 f"<p class='empty'>MLflow has no lifecycle run for this DAG run"
+                 f"{'' if airflow and airflow.get('failure') else ' yet'}: it appears once the task "
+                 f"<code>start_run</code> has run.</p>")
 
 
-def render(summary: dict[str, Any]) -> str:
+def render(summary: dict[str, Any], airflow: dict[str, Any] | None = None) -> str:
     from llmops.run_summary import note_line
 
     s = summary
@@ -238,7 +255,8 @@ def render(summary: dict[str, Any]) -> str:
             f'{_e(s["mlflow_run_id"])}</code> (experiment {_e(s["experiment_id"])}) · '
             f'<span class="state-{_e(s["status"])}">{_e(s["status"])}</span> · started {_e(_time(s["start_ms"]))}'
             f' · {_e(_duration(s["duration_s"]))}</div>',
-            f'<div class="note" data-key="note">{_e(s.get("note") or note_line(s))}</div>']
+            f'<div class="note" data-key="note">{_e(s.get("note") or note_line(s))}</div>',
+            _failure(airflow)]
 
     # headline cards
     cards = []
@@ -344,13 +362,18 @@ def render(summary: dict[str, Any]) -> str:
 
 # -- the FastAPI app, built on first request -------------------------------------------------
 
-def make_app(authorize: Callable | None = None):
+def make_app(authorize: Callable | None = None,
+             airflow_run: Callable[[str, str], dict[str, Any] | None] | None = None):
     """The FastAPI app. `authorize` is a FastAPI dependency; by default Airflow's own check that
-    the caller may read this DAG's runs (the UI's JWT cookie or a bearer token)."""
+    the caller may read this DAG's runs (the UI's JWT cookie or a bearer token). `airflow_run`
+    reads the run's state and failure line; by default from the API server's metadata DB."""
     from fastapi import Depends, FastAPI
     from fastapi.responses import HTMLResponse, JSONResponse
 
-    from llmops import run_summary
+    from llmops import run_note, run_summary
+
+    if airflow_run is None:
+        airflow_run = run_note.airflow_run
 
     if authorize is None:
         from airflow.api_fastapi.auth.managers.models.resource_details import DagAccessEntity
@@ -361,17 +384,22 @@ def make_app(authorize: Callable | None = None):
 
     @api.get("/runs/{dag_id}/{run_id:path}/summary.json", dependencies=[Depends(authorize)])
     def summary_json(dag_id: str, run_id: str):
+        airflow = airflow_run(dag_id, run_id)
         summary = run_summary.collect(dag_id, run_id)
         if summary is None:
-            return JSONResponse({"detail": f"no MLflow run for {dag_id} {run_id}"}, status_code=404)
-        return JSONResponse(summary)
+            return JSONResponse({"detail": f"no MLflow run for {dag_id} {run_id}", "airflow": airflow},
+                                status_code=404)
+        return JSONResponse({**summary, "airflow": airflow})
 
     @api.get("/runs/{dag_id}/{run_id:path}", response_class=HTMLResponse, dependencies=[Depends(authorize)])
     def page(dag_id: str, run_id: str):
+        airflow = airflow_run(dag_id, run_id)
         summary = run_summary.collect(dag_id, run_id)
         if summary is None:
-            return HTMLResponse(render_missing(dag_id, run_id), status_code=404)
-        return HTMLResponse(render(summary))
+            # A run Airflow knows has a page to show (its state, why it failed); 404 only for neither.
+            return HTMLResponse(render_missing(dag_id, run_id, airflow),
+                                status_code=200 if airflow else 404)
+        return HTMLResponse(render(summary, airflow))
 
     return api
 
