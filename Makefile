@@ -20,8 +20,13 @@ export PYTHONPATH := $(CURDIR):$(CURDIR)/plugins
 export PATH := $(VENV)/bin:$(PATH)
 export RAY_AUTH_MODE ?= disabled
 export MPLBACKEND ?= Agg
+# Every setting above, for `make shell-env` (scripts/airflow): keep the two lists together.
+LOCAL_ENV := LLMOPS_HOME AIRFLOW_HOME MLFLOW_TRACKING_URI AIRFLOW__CORE__DAGS_FOLDER \
+  AIRFLOW__CORE__PLUGINS_FOLDER AIRFLOW__CORE__LOAD_EXAMPLES AIRFLOW__CORE__PARALLELISM \
+  AIRFLOW__SCHEDULER__MIN_FILE_PROCESS_INTERVAL PYTHONPATH PATH RAY_AUTH_MODE MPLBACKEND
 
-.PHONY: help install browser demo test test-matrix chaos up airflow-db clean bench-data mwaa-bundle mwaa-check
+.PHONY: help install browser demo test test-matrix chaos up shell-env airflow-db clean bench-data \
+  mwaa-bundle mwaa-check
 
 help:
 	@echo "make demo   - run the whole LLM lifecycle DAG locally (sets everything up first)"
@@ -75,6 +80,11 @@ chaos: install
 
 up: airflow-db
 	$(PY) scripts/up.py
+
+# The settings above as shell `export` lines. A plain shell has none of them, so `.venv/bin/airflow`
+# there talks to ~/airflow, not this deployment: scripts/airflow evaluates these first.
+shell-env:
+	@for name in $(LOCAL_ENV); do printf 'export %s=%q\n' "$$name" "$${!name}"; done
 
 clean:
 	rm -rf $(LLMOPS_HOME)

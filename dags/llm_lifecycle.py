@@ -22,6 +22,9 @@ LADDER_RECOMMENDATION = Asset(LADDER_RECOMMENDATION_URI)
 @dag(
     dag_id="llm_lifecycle",
     schedule=None,
+    # Runs only when triggered, so nothing runs by itself unpaused; paused, a run triggered from
+    # the CLI or REST would wait in 'queued' with no word why (the UI form unpauses, they don't).
+    is_paused_upon_creation=False,
     start_date=pendulum.datetime(2026, 1, 1, tz="UTC"),
     catchup=False,
     max_active_runs=1,
@@ -46,7 +49,8 @@ def llm_lifecycle():
     @task(trigger_rule="all_done", inlets=[LADDER_RECOMMENDATION], outlets=[SWEEP_BEST])
     def pick_best(run: dict | None) -> dict:
         """The study's best trial once every slot is done: a failed trial does not sink the sweep.
-        Skipped when start_run refused the run (all_done runs it anyway)."""
+        Skipped when start_run failed, whether it refused the run or its process died before it
+        ran (all_done runs it anyway; either way start_run left no XCom, so `run` is None)."""
         if run is None:
             raise AirflowSkipException("start_run did not finish (see its log): no sweep to pick from.")
         if run.get("base_model"):

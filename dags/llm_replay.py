@@ -20,6 +20,9 @@ RUN_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.:+-]{0,249}$"
 @dag(
     dag_id="llm_replay",
     schedule=None,
+    # Runs only when triggered, so nothing runs by itself unpaused; paused, a run triggered from
+    # the CLI or REST would wait in 'queued' with no word why (the UI form unpauses, they don't).
+    is_paused_upon_creation=False,
     start_date=pendulum.datetime(2026, 1, 1, tz="UTC"),
     catchup=False,
     params={

@@ -19,6 +19,9 @@ RECOMMENDATION = Asset(LADDER_RECOMMENDATION_URI)
 @dag(
     dag_id="scaling_ladder",
     schedule=None,
+    # Runs only when triggered, so nothing runs by itself unpaused; paused, a run triggered from
+    # the CLI or REST would wait in 'queued' with no word why (the UI form unpauses, they don't).
+    is_paused_upon_creation=False,
     start_date=pendulum.datetime(2026, 1, 1, tz="UTC"),
     catchup=False,
     max_active_runs=1,

@@ -24,6 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugins"))
 from llmops.summary import summarize  # noqa: E402
+from up import airflow_server_env  # noqa: E402  (scripts/up.py: the port's other places too)
 
 DAG_ID = "llm_lifecycle"
 PORT = int(os.environ.get("DEMO_AIRFLOW_PORT", "8080"))
@@ -80,8 +81,7 @@ def _latest_job_line(seen: dict[str, str]) -> str | None:
 def run_standalone(conf: dict) -> int:
     log_path = HOME / "standalone.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "AIRFLOW__API__PORT": str(PORT),
-           "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "5"}
+    env = {**airflow_server_env(os.environ, PORT), "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "5"}
     with open(log_path, "ab") as log:
         airflow = subprocess.Popen(
             ["airflow", "standalone"], stdout=log, stderr=subprocess.STDOUT, env=env,

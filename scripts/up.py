@@ -2,10 +2,11 @@
 
     AIRFLOW_PORT=8080 MLFLOW_PORT=5000 make up      # the defaults
 
-Trigger `llm_lifecycle` from the Airflow UI ("Trigger" -> the Params form). Ctrl-C stops both.
+Trigger `llm_lifecycle` from the Airflow UI ("Trigger" -> the Params form), or from the command
+line with `scripts/airflow dags trigger llm_lifecycle -c '{...}'`. Ctrl-C stops both.
 `airflow standalone` is stopped with SIGINT (SIGTERM would orphan its components). Its own output
-goes to `$LLMOPS_HOME/up.log`, so the block that ends start-up (URLs, user, password, how to stop)
-is not lost in hundreds of lines of component logs.
+goes to `$LLMOPS_HOME/up.log`, so the block that ends start-up (URLs, user, password, paused DAGs,
+how to stop) is not lost in hundreds of lines of component logs.
 """
 
 from __future__ import annotations
@@ -16,10 +17,37 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
+from collections.abc import Mapping
 from pathlib import Path
 
-AIRFLOW_PORT = int(os.environ.get("AIRFLOW_PORT") or 8080)
-MLFLOW_PORT = int(os.environ.get("MLFLOW_PORT") or 5000)
+DEFAULT_AIRFLOW_PORT = 8080
+DEFAULT_MLFLOW_PORT = 5000
+DAG_ID = "llm_lifecycle"
+
+
+def airflow_port(environ: Mapping[str, str]) -> int:
+    """The API server's port: AIRFLOW_PORT, else an AIRFLOW__API__PORT the user set, else 8080.
+    Both set and different is refused: one of them would be silently ignored."""
+    ours, theirs = environ.get("AIRFLOW_PORT"), environ.get("AIRFLOW__API__PORT")
+    if ours and theirs and int(ours) != int(theirs):
+        raise SystemExit(f"AIRFLOW_PORT={ours} and AIRFLOW__API__PORT={theirs} disagree: set one.")
+    return int(ours or theirs or DEFAULT_AIRFLOW_PORT)
+
+
+def airflow_server_env(environ: Mapping[str, str], port: int) -> dict[str, str]:
+    """What `airflow standalone` needs to serve on `port`, over `environ`.
+
+    The API server's port is not the only place the port lives: task processes reach the execution
+    API at `[core] execution_api_server_url`, which Airflow derives from `[api] base_url` and, when
+    that is unset, from a hard-coded http://localhost:8080. Moving only the port left every task
+    dying before it ran (connection refused, the TI still queued). So the base URL is set to this
+    port as well, and the execution API address follows it; links in task logs and notifications
+    use it too. A base URL or execution API address the user set is kept (a proxy, another host).
+    """
+    env = {**environ, "AIRFLOW__API__PORT": str(port)}
+    env.setdefault("AIRFLOW__API__BASE_URL", f"http://localhost:{port}")
+    return env
 
 
 def _default_sigint() -> None:
@@ -37,17 +65,19 @@ def main() -> int:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     home = Path(os.environ["LLMOPS_HOME"])
     airflow_home = Path(os.environ["AIRFLOW_HOME"])
+    port = airflow_port(os.environ)
+    mlflow_port = int(os.environ.get("MLFLOW_PORT") or DEFAULT_MLFLOW_PORT)
+    base = f"http://127.0.0.1:{port}"
     # The pool sweep trials and ladder rungs run in (their accelerator quota), before any run.
     subprocess.run([sys.executable, "-m", "llmops.sweep.pool"], check=True)
-    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
-           "AIRFLOW__API__PORT": str(AIRFLOW_PORT)}
+    env = {**airflow_server_env(os.environ, port), "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
     log_path = home / "up.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log = open(log_path, "ab")
     mlflow = subprocess.Popen(
         ["mlflow", "server", "--backend-store-uri", os.environ["MLFLOW_TRACKING_URI"],
          "--default-artifact-root", (home / "mlartifacts").as_uri(),
-         "--host", "127.0.0.1", "--port", str(MLFLOW_PORT), "--workers", "1"],
+         "--host", "127.0.0.1", "--port", str(mlflow_port), "--workers", "1"],
         env=env, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_default_sigint,
         start_new_session=True)
     airflow = subprocess.Popen(["airflow", "standalone"], env=env, stdout=log,
@@ -56,15 +86,19 @@ def main() -> int:
     print(f"Starting Airflow and MLflow (their output: {log_path}) ...", flush=True)
     password_file = airflow_home / "simple_auth_manager_passwords.json.generated"
     deadline = time.time() + 180
-    while time.time() < deadline and airflow.poll() is None and not _ready(password_file):
+    while time.time() < deadline and airflow.poll() is None and not _ready(base, password_file):
         time.sleep(1)
     creds = json.loads(password_file.read_text()) if password_file.exists() else {}
     users = ", ".join(f"{u} / {p}" for u, p in creds.items()) or f"see {password_file}"
+    # Ready for a trigger means the DAG is parsed: until then a CLI trigger says "not found".
+    dags = _wait_for_dags(base, creds, airflow, time.time() + 180)
     print("\n" + "\n".join([
         "-" * 72,
-        f"Airflow UI   http://localhost:{AIRFLOW_PORT}   user / password: {users}",
-        f"MLflow UI    http://localhost:{MLFLOW_PORT}",
-        "Trigger      'llm_lifecycle' -> Trigger -> fill in the Params form",
+        f"Airflow UI   http://localhost:{port}   user / password: {users}",
+        f"MLflow UI    http://localhost:{mlflow_port}",
+        f"Trigger      '{DAG_ID}' -> Trigger -> fill in the Params form, or from a shell:",
+        f"             scripts/airflow dags trigger {DAG_ID} -c '{{\"recipe\": \"demo\"}}'",
+        *_dag_lines(dags),
         f"Logs         {log_path}",
         "Stop         Ctrl-C (stops both)",
         "-" * 72]) + "\n", flush=True)
@@ -85,14 +119,56 @@ def main() -> int:
     return 0
 
 
-def _ready(password_file: Path) -> bool:
-    """The admin password is written and the API server answers."""
-    import urllib.request
+def _dag_lines(dags: list[dict] | None) -> list[str]:
+    """What the block says about the DAGs: none parsed yet, or which are paused and why it matters.
+    Runs of a paused DAG triggered from the CLI or REST wait in 'queued' with no word anywhere
+    (only the UI form's "Unpause on trigger" box unpauses): say it here, once, with the fix."""
+    if dags is None:
+        return [f"DAGs         not parsed yet ({DAG_ID} not listed): see the log below"]
+    paused = sorted(d["dag_id"] for d in dags if d["is_paused"])
+    if not paused:
+        return [f"DAGs         {len(dags)}, none paused"]
+    return [f"Paused       {', '.join(paused)}: runs triggered from the CLI or REST wait in",
+            "             'queued' until unpaused (scheduled DAGs start paused, so they run only",
+            "             when you choose): scripts/airflow dags unpause <dag_id>"]
 
+
+def _request(base: str, method: str, path: str, body: dict | None = None,
+             token: str | None = None):
+    req = urllib.request.Request(
+        base + path, method=method, data=json.dumps(body).encode() if body is not None else None,
+        headers={"Content-Type": "application/json",
+                 **({"Authorization": f"Bearer {token}"} if token else {})})
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        return json.loads(resp.read() or b"null")
+
+
+def _wait_for_dags(base: str, creds: dict[str, str], airflow: subprocess.Popen,
+                   deadline: float) -> list[dict] | None:
+    """Every DAG once `llm_lifecycle` is listed (the DAG processor has parsed the folder), or None
+    when it is not by the deadline (an import error, or a slow machine)."""
+    if not creds:
+        return None
+    user, password = next(iter(creds.items()))
+    while time.time() < deadline and airflow.poll() is None:
+        try:
+            token = _request(base, "POST", "/auth/token",
+                             {"username": user, "password": password})["access_token"]
+            dags = _request(base, "GET", "/api/v2/dags?limit=100", token=token)["dags"]
+            if any(d["dag_id"] == DAG_ID for d in dags):
+                return dags
+        except (OSError, KeyError, ValueError):  # urllib's errors are OSErrors
+            pass
+        time.sleep(2)
+    return None
+
+
+def _ready(base: str, password_file: Path) -> bool:
+    """The admin password is written and the API server answers."""
     if not password_file.exists():
         return False
     try:
-        urllib.request.urlopen(f"http://127.0.0.1:{AIRFLOW_PORT}/api/v2/monitor/health", timeout=2)
+        urllib.request.urlopen(f"{base}/api/v2/monitor/health", timeout=2)
         return True
     except OSError:
         return False

@@ -61,6 +61,19 @@ def test_lifecycle_dag_shape():
     assert dag.max_active_runs == 1 and dag.schedule is None or dag.timetable.summary == "None"
 
 
+def test_dags_run_only_when_triggered_start_unpaused_and_scheduled_ones_do_not():
+    """Paused, a run triggered from the CLI or REST waits in 'queued' for ever (only the UI's form
+    unpauses); unpaused, a scheduled DAG would start runs on its own as soon as it is deployed."""
+    from airflow.dag_processing.dagbag import DagBag
+
+    dags = DagBag(dag_folder=str(ROOT / "dags")).dags
+    triggered = sorted(d for d, dag in dags.items() if dag.schedule is None)
+    assert triggered == ["llm_lifecycle", "llm_replay", "scaling_ladder"]
+    for dag_id, dag in dags.items():
+        # None: Airflow's [core] dags_are_paused_at_creation (True by default) decides
+        assert dag.is_paused_upon_creation is (False if dag_id in triggered else None), dag_id
+
+
 def test_every_param_is_generated_from_a_config_field_with_its_bounds():
     params = lifecycle_params()
     for name, path in KNOBS.items():
