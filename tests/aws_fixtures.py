@@ -168,6 +168,27 @@ def run_training_container(moto: Moto, job_name: str, workdir: Path, extra_env: 
     return proc
 
 
+CONTAINER_ENV = "LLMOPS_SIM_CONTAINER"   # marks every process of one simulated container
+
+
+def kill_container(marker: str) -> int:
+    """SIGKILL every process of the simulated container `marker` (its CONTAINER_ENV value, which
+    every process it starts inherits): a container's end takes all its processes, including those
+    in sessions of their own that outlived their parent (a supervisor's worker). Returns how many."""
+    needle = f"\0{CONTAINER_ENV}={marker}\0".encode()
+    killed = 0
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if needle in b"\0" + (entry / "environ").read_bytes():
+                os.kill(int(entry.name), signal.SIGKILL)
+                killed += 1
+        except (OSError, ProcessLookupError):
+            continue
+    return killed
+
+
 def image_root() -> Path:
     """The checkout the simulated containers run, as if their image were built from it: this
     one, or $LLMOPS_SIM_IMAGE_ROOT (a benchmark runs another commit's workload code beside this

@@ -86,7 +86,8 @@ from pathlib import Path
 from typing import Any, Callable
 from urllib.parse import parse_qs, urlsplit
 
-from tests.aws_fixtures import ENTRY, REGION, ROOT, free_port, image_root, sync_checkpoints, training_container
+from tests.aws_fixtures import (CONTAINER_ENV, ENTRY, REGION, ROOT, free_port, image_root, kill_container,
+                                sync_checkpoints, training_container)
 
 log = logging.getLogger("fake_aws")
 KINDS = ("throttle", "500", "503", "reset", "timeout", "lost")
@@ -765,10 +766,14 @@ class Simulator:
         sagemaker = job.service == "sagemaker"
         with self.lock:
             for cmd, env, sink in commands:
-                # Own session: a stop reaches the entry, the stage and anything they spawned.
-                proc = subprocess.Popen(cmd, env=env, cwd=str(job.workdir), stdin=subprocess.DEVNULL,
-                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                        errors="replace", bufsize=1, start_new_session=True)
+                # Own session: a stop reaches the entry, the stage and anything they spawned; the
+                # marker lets the container's end take what left the session too.
+                marker = uuid.uuid4().hex
+                proc = subprocess.Popen(cmd, env={**env, CONTAINER_ENV: marker}, cwd=str(job.workdir),
+                                        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                        stderr=subprocess.STDOUT, text=True, errors="replace",
+                                        bufsize=1, start_new_session=True)
+                proc.container = marker
                 job.procs.append(proc)
                 job.pumps.append(threading.Thread(target=self._pump, args=(job, proc, sink), daemon=True))
                 job.pumps[-1].start()
@@ -891,7 +896,8 @@ class Simulator:
 
 def _kill_group(proc: subprocess.Popen, grace: float) -> None:
     """SIGTERM the process group (the entry passes it on to the stage), SIGKILL what is left
-    after `grace` seconds (at once with no grace: a crash, or a container that has ended)."""
+    after `grace` seconds (at once with no grace: a crash, or a container that has ended) — the
+    whole container: every process it started, whatever its session (kill_container)."""
     try:
         if grace > 0 and proc.poll() is None:
             os.killpg(proc.pid, signal.SIGTERM)
@@ -902,6 +908,9 @@ def _kill_group(proc: subprocess.Popen, grace: float) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
+    marker = getattr(proc, "container", None)
+    if marker:
+        kill_container(marker)
 
 
 # -- the proxy -----------------------------------------------------------------------------------

@@ -37,12 +37,13 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from datetime import datetime, timezone
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from tests.aws_fixtures import ENTRY, ROOT, free_port, image_root
+from tests.aws_fixtures import CONTAINER_ENV, ENTRY, ROOT, free_port, image_root, kill_container
 
 log = logging.getLogger("fake_eks")
 AUTO_RESUME = "sagemaker.amazonaws.com/enable-job-auto-resume"
@@ -62,8 +63,8 @@ def _now() -> str:
 
 
 class Pod:
-    def __init__(self, name: str, proc: subprocess.Popen, workdir: Path):
-        self.name, self.proc, self.workdir = name, proc, workdir
+    def __init__(self, name: str, proc: subprocess.Popen, workdir: Path, marker: str):
+        self.name, self.proc, self.workdir, self.marker = name, proc, workdir, marker
         self.lines: list[tuple[str, str]] = []   # (RFC 3339 timestamp, line)
         self.ended_at: float | None = None
         self.pump = threading.Thread(target=self._read, daemon=True, name=f"pod-{name}")
@@ -76,10 +77,12 @@ class Pod:
         self.ended_at = time.time()   # its output closed: the container has exited
 
     def kill(self) -> None:
+        """The pod's end: every process of its container, whatever its session."""
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
+        kill_container(self.marker)
         self.proc.wait()
         self.pump.join(5)
 
@@ -260,10 +263,12 @@ class FakeEks:
                 command[0] = sys.executable
             if len(command) > 1 and command[1].endswith("job_entry.py"):
                 command[1] = str(image_root() / ENTRY.relative_to(ROOT))   # the image's copy
-            proc = subprocess.Popen(command, env=env, cwd=str(disk), stdin=subprocess.DEVNULL,
-                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                    errors="replace", bufsize=1, start_new_session=True)
-            pods.append(Pod(pod_name, proc, disk))
+            marker = uuid.uuid4().hex   # every process of the pod's container carries it
+            proc = subprocess.Popen(command, env={**env, CONTAINER_ENV: marker}, cwd=str(disk),
+                                    stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, text=True, errors="replace",
+                                    bufsize=1, start_new_session=True)
+            pods.append(Pod(pod_name, proc, disk, marker))
         with self.lock:
             job.pods = pods
         job.condition("Running", startTime=job.body.get("status", {}).get("startTime") or _now())
