@@ -240,7 +240,7 @@ def upload(local: Path, uri: str, skip: tuple[str, ...] = ("checkpoints",)) -> i
     if uri.startswith("s3://"):
         bucket, key = split_s3(uri)
         client = _s3()
-        extra = {"ExtraArgs": sse_args()} if sse_args() else {}
+        extra = {"ExtraArgs": sse} if (sse := sse_args()) else {}
         for path in files:
             client.upload_file(str(path), bucket, f"{key.rstrip('/')}/{path.relative_to(local).as_posix()}",
                                **extra)

@@ -466,12 +466,9 @@ class JobOperator(BaseOperator):
         from llmops.ledger.events import image_digest
 
         self._ledger_job["image_digest"] = image_digest(self._ledger_job["image"])
-        if event:
-            pass   # e.g. "continued": the next attempt of a chain (llmops.jobs.continuation)
-        elif handle.get("reattached"):
-            event = "reattached"
-        else:
-            event = "retried" if int(ti.try_number) > 1 else "submitted"
+        # `event` given: e.g. "continued", the next attempt of a chain (llmops.jobs.continuation)
+        event = event or ("reattached" if handle.get("reattached") else
+                          "retried" if int(ti.try_number) > 1 else "submitted")
         ledger.record_job(event, self._ledger_job, state="pending",
                           started_at=record.get("started_at"))
 
@@ -536,9 +533,12 @@ class JobOperator(BaseOperator):
         return 0.0 if handle.get("backend") in WORKER_BACKENDS else float(DEFAULT_GRACE_SECONDS)
 
     def _defers(self, spec: JobSpec) -> bool:
+        return self._defers_backend(spec.backend)
+
+    def _defers_backend(self, backend: str) -> bool:
         if self.deferrable is not None:
             return bool(self.deferrable)
-        if spec.backend in WORKER_BACKENDS:
+        if backend in WORKER_BACKENDS:
             return False
         return conf.getboolean("llmops", "defer_remote_jobs", fallback=True)
 
@@ -689,8 +689,8 @@ class JobOperator(BaseOperator):
                          why, status.message, chain["attempts"] + 1,
                          f" in {delay:.0f} s" if delay else "")
         if delay:
-            spec = self._prepare(context)
-            if self._defers(spec):
+            # The spec (and its MLflow child run) is built once, by the next attempt.
+            if self._defers_backend((self._handle or {}).get("backend", "")):
                 from airflow.providers.standard.triggers.temporal import TimeDeltaTrigger
                 from datetime import timedelta
 
