@@ -66,7 +66,7 @@ browser:
 TEST_WORKERS ?= 2
 test: install browser
 	$(PY) -m pytest tests --ignore=tests/test_fault_matrix.py -n $(TEST_WORKERS) --dist loadgroup \
-	  --no-loadscope-reorder
+	  --no-loadscope-reorder --durations=25
 	$(MAKE) --no-print-directory test-matrix
 
 # tests/test_fault_matrix.py alone: the fault matrix as a test (asserts every fault cell is zero).
