@@ -32,6 +32,7 @@ from typing import Any, Callable
 import torch
 
 from tasks.common.io import fsync_dir, publish_dir, read_json, sha256_file, write_json
+from tasks.train.retention import prunable
 
 log = logging.getLogger(__name__)
 
@@ -107,9 +108,10 @@ def latest_valid_checkpoint(root: str | Path, *, max_step: int | None = None) ->
 
 
 def save_checkpoint(root: str | Path, step: int, tensors: dict[str, Any], config: dict[str, Any],
-                    keep: int, progress: BytesMoved | None = None) -> Path:
+                    keep: int, progress: BytesMoved | None = None, keep_every: int = 0) -> Path:
     """Write tensors[name] to <name>.pt and the resolved config to config.json under
-    root/step_{step:06d}, atomically; then delete all but the newest `keep` checkpoints."""
+    root/step_{step:06d}, atomically; then delete all but the newest `keep` checkpoints and the
+    multiples of `keep_every` (tasks/train/retention.py)."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:06d}"
@@ -124,7 +126,7 @@ def save_checkpoint(root: str | Path, step: int, tensors: dict[str, Any], config
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return _commit(tmp, final, step, files, config, keep)
+    return _commit(tmp, final, step, files, config, keep, keep_every=keep_every)
 
 
 def _file_entry(path: Path) -> dict[str, Any]:
@@ -132,9 +134,9 @@ def _file_entry(path: Path) -> dict[str, Any]:
 
 
 def _commit(tmp: Path, final: Path, step: int, files: dict[str, Any], config: dict[str, Any],
-            keep: int, layout: str | None = None) -> Path:
+            keep: int, layout: str | None = None, keep_every: int = 0) -> Path:
     """Add config.json and the manifest (last) to the files written in tmp, rename tmp to final
-    and delete all but the newest `keep` checkpoints."""
+    and prune to the retention policy (the newest `keep`, the multiples of `keep_every`)."""
     try:
         write_json(tmp / "config.json", config)
         files = {**files, "config.json": _file_entry(tmp / "config.json")}
@@ -146,8 +148,9 @@ def _commit(tmp: Path, final: Path, step: int, files: dict[str, Any], config: di
     # A retry that reached the same step again replaces the old copy, which may be the damaged
     # one that sent us back.
     publish_dir(tmp, final)
-    for _, old in step_dirs(final.parent)[keep:]:
-        shutil.rmtree(old, ignore_errors=True)
+    dirs = dict(step_dirs(final.parent))
+    for old in prunable(dirs, keep_last=keep, keep_every=keep_every, newest=step):
+        shutil.rmtree(dirs[old], ignore_errors=True)
     return final
 
 
@@ -276,7 +279,8 @@ class Checkpointer:
 
     save() blocks only to wait for the previous save if it is still being written (at most one
     in flight, so host memory holds at most one extra copy of the state) and to copy the state
-    to CPU memory. Serializing, fsync, the manifest, the rename, pruning to `keep` and the upload
+    to CPU memory. Serializing, fsync, the manifest, the rename, pruning (the newest `keep` and
+    every multiple of `keep_every`, tasks/train/retention.py) and the upload
     run on a thread. A background failure is raised by the next save() or wait(): a job must not
     train on for hours believing it has checkpoints it does not have. on_progress(n) is called
     (on whichever thread moves them) for every chunk of bytes written, uploaded or downloaded:
@@ -284,11 +288,12 @@ class Checkpointer:
     """
 
     def __init__(self, root: str | Path, *, keep: int, config: dict[str, Any],
-                 asynchronous: bool = True, mirror: Any = None,
+                 keep_every: int = 0, asynchronous: bool = True, mirror: Any = None,
                  on_commit: Callable[[int, Path], None] | None = None,
                  on_progress: BytesMoved | None = None,
                  before_write: Callable[[int], None] | None = None) -> None:
         self.root, self.keep, self.config = Path(root), keep, config
+        self.keep_every = keep_every
         self.on_progress, self.before_write = on_progress, before_write
         self.asynchronous, self.mirror, self.on_commit = asynchronous, mirror, on_commit
         self.last: Path | None = None  # newest checkpoint committed by this object
@@ -328,11 +333,11 @@ class Checkpointer:
             if self.before_write is not None:
                 self.before_write(step)
             path = save_checkpoint(self.root, step, snap, self.config, keep=self.keep,
-                                   progress=self.on_progress)
+                                   progress=self.on_progress, keep_every=self.keep_every)
             where = str(path)
             if self.mirror is not None:
                 where = self.mirror.upload_checkpoint(path, progress=self.on_progress)
-                self.mirror.prune(self.keep)
+                self.mirror.prune(self.keep, every=self.keep_every, newest=step)
             self.last = path
             log.info("checkpoint step %d committed to %s in %.2fs", step, where,
                      time.perf_counter() - t0)
@@ -385,13 +390,14 @@ class Checkpointer:
                 files[".metadata"] = _file_entry(tmp / ".metadata")  # DCP's index of the shards
                 files["trainer.pt"] = _save_tensor_file(trainer, tmp / "trainer.pt",
                                                         self.on_progress)
-                path = _commit(tmp, final, step, files, self.config, self.keep, layout=SHARDED)
+                path = _commit(tmp, final, step, files, self.config, self.keep, layout=SHARDED,
+                               keep_every=self.keep_every)
                 where = str(path)
                 if self.mirror is not None:
                     where = self.mirror.upload_checkpoint(
                         path, progress=self.on_progress,
                         skip=[n for n in files if n.endswith(".distcp")])
-                    self.mirror.prune(self.keep)
+                    self.mirror.prune(self.keep, every=self.keep_every, newest=step)
                 log.info("sharded checkpoint step %d (%d ranks) committed to %s in %.2fs", step,
                          len(entries), where, time.perf_counter() - t0)
             dist.barrier(group=self.group)

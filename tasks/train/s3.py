@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Callable, Collection
 
 from tasks.common.io import read_json
+from tasks.train.retention import prunable
 
 log = logging.getLogger(__name__)
 
@@ -229,8 +230,10 @@ class S3Mirror:
             self.call(f"delete {name}", self.client.delete_objects, Bucket=self.bucket,
                       Delete={"Objects": [{"Key": k} for k in keys[i:i + 1000]], "Quiet": True})
 
-    def prune(self, keep: int) -> None:
-        for step in self.steps()[keep:]:
+    def prune(self, keep: int, *, every: int = 0, newest: int | None = None) -> None:
+        """Delete committed steps beyond the retention policy (tasks/train/retention.py): the
+        newest `keep`, the multiples of `every` and `newest` (the step just uploaded) stay."""
+        for step in prunable(self.steps(), keep_last=keep, keep_every=every, newest=newest):
             self.delete_step(f"step_{step:06d}")
 
     def _clear_unfinished(self, keep: str) -> None:
