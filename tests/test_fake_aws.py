@@ -423,3 +423,81 @@ def test_a_capacity_wait_shows_the_services_reason_and_max_queue_seconds_ends_it
             assert job["started_at"] is None and job["stop_requests"], job   # never ran, was stopped
     finally:
         chaos.config(capacity_wait_seconds=0)
+
+
+# -- eventual consistency: a job the service does not show yet -------------------------------------
+
+@pytest.fixture()
+def unseen_jobs(chaos, monkeypatch):
+    """Simulated: for `consistency_seconds` after its create/submit a job is unknown to
+    DescribeTrainingJob (ValidationException "Requested resource not found."), left out of Batch
+    DescribeJobs, and missing from ListTrainingJobs / ListJobs. Long here (100 s) so that the
+    whole test runs inside the window; Batch's submit stops looking for its job after 1 s instead
+    of 60 (what is under test is what comes after)."""
+    from llmops.jobs.backends import batch
+
+    monkeypatch.setattr(batch, "SETTLE_SECONDS", 1.0)
+    chaos.config(consistency_seconds=100)
+    yield
+    chaos.config(consistency_seconds=0)
+
+
+def test_a_job_not_visible_yet_is_waited_for_not_failed_nor_submitted_again(fake, chaos, batch_queue,
+                                                                              unseen_jobs):
+    submitted = []
+    for backend, spec in ((sagemaker_backend(), sample("sm-unseen", seconds=1)),
+                          (batch_backend(), sample("batch-unseen", seconds=1).replace(instance_type="m5.xlarge"))):
+        handle = backend.submit(spec)
+        submitted.append((backend, handle))
+        if backend.name == "sagemaker":
+            with pytest.raises(ClientError, match="Requested resource not found"):
+                client(fake, "sagemaker").describe_training_job(TrainingJobName=handle["job_name"])
+            assert handle["job_name"] not in [j["TrainingJobName"] for j in client(fake, "sagemaker")
+                                              .list_training_jobs()["TrainingJobSummaries"]]
+        else:
+            assert client(fake, "batch").describe_jobs(jobs=[handle["job_id"]])["jobs"] == []
+            assert client(fake, "batch").list_jobs(jobQueue=QUEUE)["jobSummaryList"] == []
+        status = backend.status(handle)
+        assert status.state is JobState.PENDING and "not visible yet" in status.message, status.message
+        # A retry of the task inside the window finds the same job, and starts no other.
+        again = backend.submit(spec)
+        assert again["job_name"] == handle["job_name"] and again.get("job_id") == handle.get("job_id")
+        assert backend.status(again).state is JobState.PENDING
+        assert [j["job_id"] for j in chaos.report()["jobs"] if j["name"] == handle["job_name"]] == \
+            [handle.get("job_id") or chaos.job(handle["job_name"])["job_id"]]
+    chaos.config(consistency_seconds=0)   # the reads catch up: both run to the end
+    for backend, handle in submitted:
+        status, _ = wait_state(backend, handle, {JobState.SUCCEEDED, JobState.FAILED, JobState.STOPPED})
+        assert status.state is JobState.SUCCEEDED, status.message
+
+
+# -- HyperPod on the simulated EKS ---------------------------------------------------------------
+
+def test_a_lost_hyperpod_create_answer_is_resent_and_leaves_one_job_this_try_owns(fake, chaos, tmp_path,
+                                                                                 monkeypatch):
+    """Simulated (tests/chaos/fake_eks.py): the API server creates the job, the connection drops
+    before its answer (urllib3's ProtocolError; a POST is not resent by urllib3). The backend sends
+    the create again, the API server answers AlreadyExists (409), and the job's token annotation
+    says it is this try's: one job, a submit (not a reattach) for the ledger."""
+    from llmops.jobs.backends import hyperpod
+    from tests.chaos.fake_aws import CREDENTIALS
+    from tests.chaos.fake_eks import FakeEks
+
+    eks = FakeEks(tmp_path / "eks", {**CREDENTIALS, "AWS_ENDPOINT_URL": fake.moto_url,
+                                     "AWS_ENDPOINT_URL_S3": fake.moto_url})
+    monkeypatch.setattr(hyperpod, "connect", lambda *key: eks)
+    monkeypatch.setattr(hyperpod, "_CLIENTS", {})
+    backend = hyperpod.HyperPodBackend(settings={"hyperpod": {
+        "aws_conn_id": CONN, "staging_uri": f"s3://{BUCKET}/hp-lost", "image": IMAGE,
+        "eks_cluster_name": "hp", "kind": "HyperPodPyTorchJob"}})
+    eks.lose_responses("create_namespaced_custom_object", 1)
+    try:
+        handle = backend.submit(sample("hp-lost", seconds=1).replace(instance_type="ml.m5.xlarge"))
+        creates = [kw for method, kw in eks.calls if method == "create_namespaced_custom_object"]
+        assert len(creates) == 2, "the create whose answer was lost is sent again"
+        assert [j.name for j in eks.jobs.values()] == [handle["k8s_name"]]
+        assert handle["reattached"] is False
+        status, _ = wait_state(backend, handle, {JobState.SUCCEEDED, JobState.FAILED, JobState.STOPPED})
+        assert status.state is JobState.SUCCEEDED, status.message
+    finally:
+        eks.shutdown()

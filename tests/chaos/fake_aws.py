@@ -46,6 +46,10 @@ What is simulated here, because moto does not do it:
   instances, saying so as the services do (Batch RUNNABLE with statusReason
   `CAPACITY:INSUFFICIENT_INSTANCE_CAPACITY - ...`, SageMaker Starting with the StatusMessage
   "Insufficient capacity error from EC2 while launching instances, retrying!").
+- Eventual consistency (`consistency_seconds`, config): for that long after its create/submit a
+  job is unknown to DescribeTrainingJob (ValidationException "Requested resource not found."),
+  left out of Batch DescribeJobs (as an unknown id is: an empty list) and missing from
+  ListTrainingJobs / ListJobs. Its Stop/Terminate and the create's name check see it at once.
 - Service-side events: `/_chaos/jobs/<name>/fail` (the container crashes), `/stop` (stopped from
   the console), `/host` (node N's host dies: its container killed, the attempt failed),
   `fail_first_attempt` (the host of a job's first attempt dies).
@@ -96,7 +100,8 @@ DEFAULT_CONFIG = {"pending_seconds": 2.0,      # Starting / RUNNABLE before a co
                   "stopping_seconds": 1.0,     # Stopping lasts this long after the container ended
                   "fail_first_attempt": False,  # the first job of each name (without -rN) dies
                   "fail_after_seconds": 1.0,   # ... this long after it started running
-                  "capacity_wait_seconds": 0.0}  # queued this long first, held for capacity
+                  "capacity_wait_seconds": 0.0,  # queued this long first, held for capacity
+                  "consistency_seconds": 0.0}  # Describe*/List* do not see a new job this long
 # What the services say while a job waits for instances (AWS Batch's statusReason on RUNNABLE,
 # SageMaker's StatusMessage on the Starting transition).
 BATCH_CAPACITY = ("CAPACITY:INSUFFICIENT_INSTANCE_CAPACITY - Service cannot fulfill the capacity "
@@ -477,9 +482,16 @@ class Simulator:
             self._start(job)
         return answer
 
+    def unseen(self, job: Job | None) -> bool:
+        """A job too new for Describe*/List* to show (`consistency_seconds`): the services' reads
+        are eventually consistent after a create or submit."""
+        return job is not None and time.time() < job.created_at + self.config["consistency_seconds"]
+
     def _sagemaker_DescribeTrainingJob(self, call, body, forward, user_agent):
-        status, headers, data = forward(body)
         job = self.jobs.get(json.loads(body).get("TrainingJobName", ""))
+        if self.unseen(job):   # SageMaker's answer for a job it does not know
+            return error("json", 400, "ValidationException", "Requested resource not found.")
+        status, headers, data = forward(body)
         if status != 200 or job is None:
             return status, headers, data
         described = json.loads(data)
@@ -506,7 +518,9 @@ class Simulator:
         summaries = []
         with self.lock:
             for summary in listed.get("TrainingJobSummaries", []):
-                if job := self.jobs.get(summary["TrainingJobName"]):
+                if self.unseen(job := self.jobs.get(summary["TrainingJobName"])):
+                    continue
+                if job:
                     summary.update(TrainingJobStatus=job.status, SecondaryStatus=job.secondary)
                     if job.ended_at:
                         summary["TrainingEndTime"] = job.ended_at
@@ -544,13 +558,15 @@ class Simulator:
 
     def _batch_DescribeJobs(self, call, body, forward, user_agent):
         request = json.loads(body)
+        # A job too new to be seen is left out of the answer, as Batch leaves out unknown ids.
+        request["jobs"] = [i for i in request.get("jobs", []) if not self.unseen(self.jobs.get(i.split("#")[0]))]
         # A multi-node job's nodes are jobs of their own, `<id>#<node>`, which moto does not have.
         nodes = [n for n in (self._node_job(i) for i in request.get("jobs", []) if "#" in i) if n]
         rest = [i for i in request.get("jobs", []) if i not in {n["jobId"] for n in nodes}]
-        if nodes and not rest:
+        if not rest:
             status, headers, described = 200, json_answer(call, {})[1], {"jobs": []}
         else:
-            status, headers, data = forward(json.dumps({**request, "jobs": rest}).encode() if nodes else body)
+            status, headers, data = forward(json.dumps({**request, "jobs": rest}).encode())
             if status != 200:
                 return status, headers, data
             described = json.loads(data)
@@ -591,7 +607,9 @@ class Simulator:
         if status != 200:
             return status, headers, data
         listed = json.loads(data)
-        for item in listed.get("jobSummaryList", []):
+        listed["jobSummaryList"] = [j for j in listed.get("jobSummaryList", [])
+                                    if not self.unseen(self.jobs.get(j.get("jobId", "")))]
+        for item in listed["jobSummaryList"]:
             self._rewrite_batch(item, detail=False)
         if wanted:
             listed["jobSummaryList"] = [j for j in listed["jobSummaryList"] if j["status"] == wanted]

@@ -25,6 +25,10 @@ operators and HyperPod's elastic agent:
   replaced nodes (Restarting, then Running), as HyperPod's auto-resume does; else Failed.
   cleanPodPolicy All: a finished job's pods are gone from the pod list (their logs are kept
   here for the tests, `logs()`). Deleting a job kills its pods.
+- Lost responses (`lose_responses(method, count)`): the next `count` calls of `method` (e.g.
+  `create_namespaced_custom_object`) take effect, then raise what the kubernetes client raises
+  when the connection drops before the answer (urllib3's ProtocolError "Connection aborted.",
+  ConnectionResetError): urllib3 does not resend a POST that was sent, so the caller decides.
 """
 
 from __future__ import annotations
@@ -128,6 +132,7 @@ class FakeEks:
         self.jobs: dict[tuple[str, str], Job] = {}
         self.lock = threading.RLock()
         self.calls: list[tuple[str, dict]] = []
+        self.losing: dict[str, int] = {}         # method -> answers still to lose
         self.bin = self.workdir / "bin"
         self.bin.mkdir(parents=True, exist_ok=True)
         agent = self.bin / "hyperpodrun"   # HyperPod's elastic agent, simulated by torchrun
@@ -136,6 +141,20 @@ class FakeEks:
 
     # -- the API the backend calls -----------------------------------------------------------
     def call(self, api: str, method: str, **kw: Any) -> Any:
+        answer = self._answer(api, method, **kw)   # the call takes effect either way
+        with self.lock:
+            lose = self.losing.get(method, 0) > 0
+            if lose:
+                self.losing[method] -= 1
+        if lose:
+            import urllib3.exceptions
+
+            log.info("losing the answer to %s", method)
+            raise urllib3.exceptions.ProtocolError(
+                "Connection aborted.", ConnectionResetError(104, "Connection reset by peer"))
+        return answer
+
+    def _answer(self, api: str, method: str, **kw: Any) -> Any:
         self.calls.append((method, kw))
         name = kw.get("name") or (kw.get("body") or {}).get("metadata", {}).get("name")
         key = (kw.get("namespace"), name)
@@ -182,6 +201,11 @@ class FakeEks:
         return text + "\n" if text else ""
 
     # -- control ------------------------------------------------------------------------------
+    def lose_responses(self, method: str, count: int = 1) -> None:
+        """The next `count` calls of `method` take effect and lose their answer."""
+        with self.lock:
+            self.losing[method] = count
+
     def job(self, name: str) -> Job:
         with self.lock:
             return next(j for j in self.jobs.values() if j.name == name)

@@ -281,7 +281,8 @@ class BatchBackend(Backend):
             job_name = remote.attempt_name(spec.name, max(attempt, 1), 128)
             staged = remote.plan(spec, job_name, settings.staging_uri)
             if found is not None and found["status"] not in ("FAILED", UNSUBMITTED):
-                return self._handle(spec, settings, staged, job_name, found["jobId"], attempt, True)
+                return {**self._handle(spec, settings, staged, job_name, found["jobId"], attempt, True),
+                        **({"submitted_at": found["submitted_at"]} if "submitted_at" in found else {})}
             if found is not None and found["status"] == UNSUBMITTED:
                 token = self._claim(s3_hook, staged.prefix, job_name, if_match=found["etag"])
             else:
@@ -416,6 +417,10 @@ class BatchBackend(Backend):
             return self._find(hook, settings.job_queue, job_name)
         if record.get("job_id"):
             job = self._describe(hook, record["job_id"])
+            if job is None and remote.not_visible_yet(record, "") is not None:
+                # Submitted a moment ago and not shown yet: it is this attempt's live job, not a
+                # failed one (a new attempt would run beside it).
+                return {"jobId": record["job_id"], "status": "SUBMITTED", "submitted_at": record["submitted_at"]}
             # Batch forgets finished jobs after about a week: treat it as done with, not running.
             return job or {"jobId": record["job_id"], "status": "FAILED"}
         deadline = float(record.get("claimed_at", 0)) + SUBMIT_WINDOW_SECONDS
@@ -447,7 +452,7 @@ class BatchBackend(Backend):
                   "kms_key_id": settings.kms_key_id,
                   **remote.resource_fields(spec, settings), **remote.watch_fields(settings)}
         if token:   # status() looks for copies of this submission until the window has passed
-            handle.update(job_queue=settings.job_queue, submit_token=token,
+            handle.update(job_queue=settings.job_queue, submit_token=token, submitted_at=submitted_at,
                           settle_until=submitted_at + SUBMIT_WINDOW_SECONDS)
         return handle
 
@@ -478,7 +483,8 @@ class BatchBackend(Backend):
                 log.warning("Could not look for copies of Batch job %s: %s", handle["job_id"], exc)
         job = self._describe(hook, handle["job_id"])
         if job is None:
-            return JobStatus(JobState.FAILED, f"AWS Batch has no job {handle['job_id']}")
+            what = f"Batch job {handle['job_name']} ({handle['job_id']})"
+            return remote.not_visible_yet(handle, what) or JobStatus(JobState.FAILED, f"{what} does not exist")
         state, reason = job["status"], job.get("statusReason", "")
         details = {"status": state, "job_id": handle["job_id"], "reason": reason}
         if job.get("createdAt"):

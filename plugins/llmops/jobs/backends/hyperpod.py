@@ -59,6 +59,7 @@ import re
 import tempfile
 import threading
 import time
+import uuid
 from datetime import datetime, timezone
 from typing import Any, Callable
 
@@ -69,11 +70,14 @@ from llmops.jobs.backends.crds import group_version_plural, validate_manifest
 from llmops.jobs.backends.sagemaker import fabric_env
 from llmops.jobs.backends.settings import HyperPodSettings, check_auto_resume_namespace, load
 from llmops.jobs.spec import JobSpec, JobSpecError, cost_allocation_tags
+from llmops.jobs.watch import call_with_retries
 
 log = logging.getLogger(__name__)
 
 MAX_NAME = 48   # pods and services are named <job>-worker-<i>: keep those within 63
 KINDS = ("HyperPodPyTorchJob", "PyTorchJob")
+TOKEN_ANNOTATION = "llmops/submit-token"   # this try's token, on the job its create made
+CREATE_ATTEMPTS = 5   # a create sent this often at most while its answers are lost
 JOB_LABEL = "llmops/job"        # on every pod of a job, so its pods are listed by selector
 NODE_HEALTH = "sagemaker.amazonaws.com/node-health-status"
 DEEP_HEALTH = "sagemaker.amazonaws.com/deep-health-check-status"
@@ -414,17 +418,33 @@ class HyperPodBackend(Backend):
         job_name = remote.attempt_name(spec.name, attempt, MAX_NAME)
         staged = remote.plan(spec, job_name, settings.staging_uri)
         body = manifest(spec, settings, staged, k8s_name(job_name))
+        token = uuid.uuid4().hex   # tells this try's create from another try's
+        body["metadata"]["annotations"][TOKEN_ANNOTATION] = token
         remote.upload(staged, s3_hook, log)
         s3.write_json(s3_hook, s3.join(staged.prefix, "manifest.json"), body)
-        try:
-            kube.call("custom", "create_namespaced_custom_object", group=group, version=version,
-                      plural=plural, body=body, namespace=namespace)
-        except Exception as exc:
-            if getattr(exc, "status", None) != 409:
-                raise
-            # 409 Conflict: another try of this task created it a moment ago; use that one.
-            log.info("%s %s/%s already exists: reattaching", settings.kind, namespace, k8s_name(job_name))
-            return self._handle(spec, settings, staged, job_name, namespace, attempt, True)
+
+        def create() -> bool:
+            try:
+                kube.call("custom", "create_namespaced_custom_object", group=group, version=version,
+                          plural=plural, body=body, namespace=namespace)
+                return True
+            except Exception as exc:
+                if getattr(exc, "status", None) != 409:
+                    raise
+                return False
+
+        # A create whose answer was lost (the connection dropped after the API server took it;
+        # urllib3 does not resend a POST) is sent again: the name makes the resend harmless,
+        # a 409 at most. Any other error is raised: the next try reattaches by name.
+        if not call_with_retries(create, f"create {settings.kind} {k8s_name(job_name)}",
+                                 attempts=CREATE_ATTEMPTS, logger=log):
+            # 409 Conflict: this try's own create (its first answer lost), or another try's a
+            # moment ago; use it either way.
+            existing = get(job_name) or {}
+            ours = ((existing.get("metadata") or {}).get("annotations") or {}).get(TOKEN_ANNOTATION) == token
+            log.info("%s %s/%s already exists (%s): using it", settings.kind, namespace, k8s_name(job_name),
+                     "created by this try, its first answer lost" if ours else "another try's")
+            return self._handle(spec, settings, staged, job_name, namespace, attempt, not ours)
         log.info("Created %s %s/%s (%d node(s))", settings.kind, namespace, k8s_name(job_name),
                  remote.merged(spec, settings)["instance_count"])
         return self._handle(spec, settings, staged, job_name, namespace, attempt, False)

@@ -146,6 +146,24 @@ def watch_fields(settings: Any, extra_grace: int = 0) -> dict[str, Any]:
             "max_queue_seconds": int(settings.max_queue_seconds)}
 
 
+# How long after a create or submit a service's Describe/List calls may not show the job yet:
+# they are eventually consistent (typically seconds; the margin covers a slow control plane).
+VISIBILITY_SECONDS = 180.0
+
+
+def not_visible_yet(handle: dict[str, Any], what: str) -> Any:
+    """For a status call that found no job: PENDING while the handle's job was submitted less
+    than VISIBILITY_SECONDS ago (the service may not show it yet), else None (it is gone).
+    Read as 'gone' at once, a lagging read would fail a job that runs, or start another."""
+    from llmops.jobs.backends.base import JobState, JobStatus
+
+    submitted = float(handle.get("submitted_at") or 0)
+    if not submitted or time.time() >= submitted + VISIBILITY_SECONDS:
+        return None
+    return JobStatus(JobState.PENDING, f"{what} submitted {time.time() - submitted:.0f} s ago is not "
+                     "visible yet (the service's reads lag its create)", details={"submitted_at": submitted})
+
+
 def epoch(value: Any) -> float | None:
     """A describe call's timestamp (datetime, or Batch's epoch milliseconds) as epoch seconds."""
     if value is None or value == "":

@@ -465,6 +465,7 @@ class _SageMakerBackend(Backend):
         remote.upload(staged, hook.s3_hook, log)
         s3.write_json(hook.s3_hook, s3.join(staged.prefix, "llmops", "input_map.json"), mapping)
         s3.write_json(hook.s3_hook, s3.join(staged.prefix, "request.json"), request)
+        submitted_at = time.time()   # a describe may not show the job for a while after this
         try:
             self.create(hook, request)
         except Exception as exc:
@@ -475,9 +476,11 @@ class _SageMakerBackend(Backend):
             ours = self._created_by(hook, job_name, token)
             log.info("SageMaker %s job %s already exists (%s): using it", self.kind, job_name,
                      "created by this try, its first response lost" if ours else "another try's")
-            return self._handle(spec, settings, staged, job_name, attempt, reattached=not ours)
+            return {**self._handle(spec, settings, staged, job_name, attempt, reattached=not ours),
+                    "submitted_at": submitted_at}
         log.info("Created SageMaker %s job %s (attempt %d)", self.kind, job_name, attempt)
-        return self._handle(spec, settings, staged, job_name, attempt, reattached=False)
+        return {**self._handle(spec, settings, staged, job_name, attempt, reattached=False),
+                "submitted_at": submitted_at}
 
     def _created_by(self, hook: Any, job_name: str, token: str) -> bool:
         """Whether the job of this name carries `token` (was created by this try's request)."""
@@ -530,7 +533,8 @@ class _SageMakerBackend(Backend):
         hook = self._hook(handle["aws_conn_id"], handle.get("region_name", ""))
         description = hook.describe_job(self.kind, handle["job_name"])
         if description is None:
-            return JobStatus(JobState.FAILED, f"SageMaker has no {self.kind} job {handle['job_name']}")
+            what = f"SageMaker {self.kind} job {handle['job_name']}"
+            return remote.not_visible_yet(handle, what) or JobStatus(JobState.FAILED, f"{what} does not exist")
         state = hook.status_of(self.kind, description)
         details = {"status": state, "secondary": description.get("SecondaryStatus", ""),
                    "arn": description.get("TrainingJobArn") or description.get("ProcessingJobArn")}
