@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any, TypeVar, get_type_hints
 
@@ -625,6 +626,10 @@ class LadderFitConfig:
                "LadderFitConfig.points must be objects with n_params, tokens and loss.")
 
 
+# Metrics evaluation scores item by item (tasks/evaluate.py `per_item`).
+ITEM_METRIC = re.compile(r"^(task_accuracy|suite\.[^.]+\.accuracy)$")
+
+
 @dataclass(kw_only=True)
 class GateConfig:
     """What a model must reach to be registered and made `champion` (plugins/llmops/promotion.py):
@@ -643,6 +648,18 @@ class GateConfig:
                                           "lower-is-better.")
     require_approval: bool = bounded(False, help="Retraining: a human approves (Airflow's "
                                                  "ApprovalOperator) before `champion` moves.")
+    paired: dict = bounded({}, help="Item-level metric (task_accuracy, suite.<name>.accuracy) -> "
+                                    "{'policy': 'superior'} (must beat the champion, with "
+                                    "confidence) or {'policy': 'non_inferior', 'margin': 0.02} "
+                                    "(at worst that much worse, with confidence): a paired "
+                                    "bootstrap on the items both were scored on, in place of "
+                                    "that metric's champion_margins entry.")
+    confidence: float = bounded(0.95, minimum=0.5, maximum=0.999,
+                                help="Confidence of the paired comparisons' intervals.")
+    bootstrap_resamples: int = bounded(2000, minimum=200, maximum=100000,
+                                       help="Bootstrap resamples per paired comparison.")
+    bootstrap_seed: int = bounded(0, minimum=0, maximum=2**31 - 1,
+                                  help="Seed of the paired bootstrap (a decision can be recomputed).")
 
     def __post_init__(self) -> None:
         _check_bounds(self)
@@ -651,6 +668,23 @@ class GateConfig:
             and math.isfinite(v) for k, v in self.champion_margins.items()),
             "GateConfig.champion_margins must map metric names to finite numbers, e.g. "
             "{'task_accuracy': 0.02}.")
+        _check(isinstance(self.paired, dict), "GateConfig.paired must be a dict, e.g. "
+               "{'task_accuracy': {'policy': 'superior'}}.")
+        for metric, rule in self.paired.items():
+            where = f"GateConfig.paired[{metric!r}]"
+            _check(isinstance(metric, str) and bool(ITEM_METRIC.match(metric)),
+                   f"{where}: only item-level metrics can be compared item by item: "
+                   "task_accuracy or suite.<name>.accuracy.")
+            _check(isinstance(rule, dict) and not set(rule) - {"policy", "margin"},
+                   f"{where} must be {{'policy': ..., 'margin': ...}}; unknown keys "
+                   f"{sorted(set(rule) - {'policy', 'margin'}) if isinstance(rule, dict) else rule!r}.")
+            _check(rule.get("policy") in ("superior", "non_inferior"),
+                   f"{where}.policy must be 'superior' or 'non_inferior', got {rule.get('policy')!r}.")
+            margin = rule.get("margin", 0.0)
+            _check(isinstance(margin, (int, float)) and not isinstance(margin, bool)
+                   and 0.0 <= margin < 1.0, f"{where}.margin must be a number in [0, 1), got {margin!r}.")
+            _check(rule["policy"] == "non_inferior" or margin == 0.0,
+                   f"{where}: a margin applies to 'non_inferior' only; 'superior' means above 0.")
 
 
 @dataclass(kw_only=True)

@@ -7,8 +7,9 @@ directory from distill, a checkpoint or an MLflow model URI; each scored with it
 held-out perplexity and bits per byte on the val shards (tasks/eval/language.py), exact-match
 accuracy of greedy answers on up to max_task_examples of sft/eval.jsonl (overall and per skill),
 every task suite (tasks/eval/suites.py: multiple choice by log-likelihood, generation by exact
-match) and, with lm_eval (the default), the same suites through lm-evaluation-harness's own
-Hugging Face model type (tasks/eval/harness.py).
+match), with whether each item was right (`per_item`, for the gate's paired comparisons), and,
+with lm_eval (the default), the same suites through lm-evaluation-harness's own Hugging Face
+model type (tasks/eval/harness.py).
 Writes output_dir/report.json and report.md; logs "<name>.<metric>" metrics, the table as an
 MLflow table, and plots.
 """
@@ -36,7 +37,7 @@ def evaluate_model(name: str, ref: str, cfg: EvalConfig, suites: list, device) -
     from tasks.eval.harness import run_harness
     from tasks.eval.language import (eos_id_of, held_out_batches, language_scores,
                                      token_byte_lengths)
-    from tasks.eval.suites import score_suite
+    from tasks.eval.suites import item_id, item_results, score_suite_items, suite_item_ids
     from tasks.posttrain.sources import resolve_model_dir
     from tasks.train.data import DataDir, load_sft, load_tokenizer
     from tasks.train.export import load_model
@@ -65,9 +66,15 @@ def evaluate_model(name: str, ref: str, cfg: EvalConfig, suites: list, device) -
     task = exact_match(model, tokenizer, examples, eos_id, cfg.max_new_tokens, device)
     metrics["task_accuracy"] = task["accuracy"]
     metrics.update({f"task_accuracy.{skill}": acc for skill, acc in task["per_skill"].items()})
+    # Per-item results of every item-level metric: the gate compares two models item by item
+    # (plugins/llmops/paired.py), which needs both scored on the same items.
+    per_item = {"task_accuracy": item_results(
+        [item_id(ex.prompt + "\x00" + ex.completion) for ex in examples], task["correct"])}
     for suite in suites:
-        for key, value in score_suite(model, tokenizer, eos_id, suite, device).items():
+        scores, correct = score_suite_items(model, tokenizer, eos_id, suite, device)
+        for key, value in scores.items():
             metrics[f"suite.{suite.name}.{key}"] = value
+        per_item[f"suite.{suite.name}.accuracy"] = item_results(suite_item_ids(suite), correct)
     if cfg.lm_eval and suites and not (model_dir / "model_int8.pt").is_file():
         metrics.update(run_harness(model, model_dir, eos_id, [s.path for s in suites], device,
                                    limit=cfg.suite_examples, batch_size=cfg.batch_size))
@@ -90,6 +97,7 @@ def evaluate_model(name: str, ref: str, cfg: EvalConfig, suites: list, device) -
         "per_skill": task["per_skill"],
         "samples": task["samples"],
         "metrics": metrics,
+        "per_item": per_item,
     }
 
 
@@ -138,7 +146,7 @@ def main(cfg: EvalConfig) -> dict[str, Any]:
         return {
             "metrics": metrics,
             "models": {name: {k: m[k] for k in ("model_ref", "model_dir", "model_uri", "params",
-                                                "mlflow_run_id", "stage", "lineage")}
+                                                "mlflow_run_id", "stage", "lineage", "per_item")}
                        for name, m in models.items()},
             "outputs": {"report": str(report_path), "report_md": str(markdown)},
             "mlflow_run_id": run.info.run_id,

@@ -93,9 +93,13 @@ def test_generation_is_scored_by_exact_match_of_the_greedy_answer(tiny_data_dir,
     items = [{"prompt": p, "answer": c} for p, c in known] + [
         {"prompt": known[0][0], "answer": " 43"}]
     suite_file.write_text("".join(json.dumps(x) + "\n" for x in items))
-    scores = suite_lib.score_suite(model, tokenizer, data.eos_id, suite_lib.load_suite(suite_file),
-                                   CPU)
+    suite = suite_lib.load_suite(suite_file)
+    scores, correct = suite_lib.score_suite_items(model, tokenizer, data.eos_id, suite, CPU)
     assert scores["exact_match"] == scores["accuracy"] == 0.75
+    assert correct == [True, True, True, False]   # item by item, for the gate's paired comparison
+    ids = suite_lib.suite_item_ids(suite)
+    assert len(set(ids)) == 4 and ids == suite_lib.suite_item_ids(suite_lib.load_suite(suite_file))
+    assert suite_lib.item_results(ids, correct)["correct"] == "1110"
 
 
 def test_bad_suite_lines_are_refused_with_file_and_line(tmp_path):

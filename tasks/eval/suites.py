@@ -16,6 +16,7 @@ and a prose cloze from the held-out documents, which shows lost general ability 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import random
@@ -136,14 +137,14 @@ def score_choices(model, tokenizer, items: list[dict[str, Any]], device: torch.d
     per_item: dict[int, list[float]] = {}
     for i, (logprob, _) in zip(owners, scores):
         per_item.setdefault(i, []).append(logprob)
-    right = right_norm = 0
+    correct, right_norm = [], 0
     for i, item in enumerate(items):
         lls = per_item[i]
         norm = [ll / max(1, len(c.encode())) for ll, c in zip(lls, item["choices"])]
-        right += int(max(range(len(lls)), key=lls.__getitem__) == item["gold"])
+        correct.append(max(range(len(lls)), key=lls.__getitem__) == item["gold"])
         right_norm += int(max(range(len(norm)), key=norm.__getitem__) == item["gold"])
     n = max(1, len(items))
-    return {"accuracy": right / n, "acc_norm": right_norm / n}
+    return {"accuracy": sum(correct) / n, "acc_norm": right_norm / n, "correct": correct}
 
 
 def score_generation(model, tokenizer, eos_id: int, items: list[dict[str, Any]],
@@ -157,25 +158,52 @@ def score_generation(model, tokenizer, eos_id: int, items: list[dict[str, Any]],
         examples.append(SFTExample(id=str(i), prompt=item["prompt"], completion=item["answer"],
                                    skill="all", prompt_ids=prompt, completion_ids=answer + [eos_id]))
     result = exact_match(model, tokenizer, examples, eos_id, answer_budget(examples), device)
-    return {"accuracy": result["accuracy"]}
+    return {"accuracy": result["accuracy"], "correct": result["correct"]}
 
 
 def score_suite(model, tokenizer, eos_id: int, suite: Suite, device: torch.device
                 ) -> dict[str, float]:
     """accuracy over every item of the suite, plus the per-kind figures."""
+    return score_suite_items(model, tokenizer, eos_id, suite, device)[0]
+
+
+def score_suite_items(model, tokenizer, eos_id: int, suite: Suite, device: torch.device
+                      ) -> tuple[dict[str, float], list[bool]]:
+    """score_suite's figures and whether each item was right (choice items, then generation
+    items: the order of `suite_item_ids`)."""
     metrics: dict[str, float] = {}
-    right = 0.0
+    correct: list[bool] = []
     if suite.choice_items:
         mc = score_choices(model, tokenizer, suite.choice_items, device)
         metrics.update({"choice_accuracy": mc["accuracy"], "acc_norm": mc["acc_norm"]})
-        right += mc["accuracy"] * len(suite.choice_items)
+        correct += mc["correct"]
     if suite.generation_items:
         gen = score_generation(model, tokenizer, eos_id, suite.generation_items, device)
         metrics["exact_match"] = gen["accuracy"]
-        right += gen["accuracy"] * len(suite.generation_items)
-    metrics["accuracy"] = right / suite.size
+        correct += gen["correct"]
+    metrics["accuracy"] = sum(correct) / suite.size
     metrics["items"] = suite.size
-    return metrics
+    return metrics, correct
+
+
+def suite_item_ids(suite: Suite) -> list[str]:
+    """A stable id per item (its content), in score_suite_items' order."""
+    return [item_id(json.dumps(item, sort_keys=True, ensure_ascii=False))
+            for item in [*suite.choice_items, *suite.generation_items]]
+
+
+def item_id(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def item_results(ids: list[str], correct: list[bool]) -> dict[str, Any]:
+    """Per-item results in a compact form for the job result and the gate: the items' digest (two
+    models were scored on the same items, in the same order, exactly when their digests match)
+    and one character per item."""
+    if len(ids) != len(correct):
+        raise ValueError(f"{len(ids)} item ids but {len(correct)} results")
+    return {"n": len(ids), "items": hashlib.sha256("\n".join(ids).encode()).hexdigest()[:16],
+            "correct": "".join("1" if ok else "0" for ok in correct)}
 
 
 # -- demo suites from a prepared data dir ---------------------------------------------------------

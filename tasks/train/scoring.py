@@ -68,7 +68,8 @@ def exact_match(model: nn.Module, tokenizer, examples: list[SFTExample], eos_id:
                 max_new_tokens: int, device: torch.device, batch_size: int = 64,
                 keep_samples: int = 5) -> dict[str, Any]:
     """Greedy-decode each prompt until EOS or a newline and compare the stripped answer with the
-    stripped completion. Returns accuracy, per-skill accuracy, counts and a few samples."""
+    stripped completion. Returns accuracy, per-skill accuracy, counts, a few samples and whether each
+    example was right."""
     was_training = model.training
     model.eval()
     stops = newline_token_ids(tokenizer)
@@ -92,10 +93,11 @@ def exact_match(model: nn.Module, tokenizer, examples: list[SFTExample], eos_id:
     finally:
         model.train(was_training)
     right: dict[str, list[bool]] = defaultdict(list)
-    samples = []
+    samples, correct = [], []
     for i, ex in enumerate(examples):
         ok = answers[i].strip() == ex.completion.strip()
         right[ex.skill].append(ok)
+        correct.append(ok)
         if len(samples) < keep_samples:
             samples.append({"prompt": ex.prompt, "expected": ex.completion, "answer": answers[i],
                             "correct": ok})
@@ -105,4 +107,5 @@ def exact_match(model: nn.Module, tokenizer, examples: list[SFTExample], eos_id:
         "n": len(examples),
         "per_skill": {skill: sum(v) / len(v) for skill, v in sorted(right.items())},
         "samples": samples,
+        "correct": correct,   # per example, in the order given: paired comparisons need items
     }
