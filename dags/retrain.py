@@ -1,8 +1,8 @@
 """Scheduled retraining: fine-tune the current champion on the newest curated data, evaluate the
 challenger against the champion on that data, and promote it only through the gate (optionally
 after a human approves). Runs weekly and whenever the curated-data Asset gets an event; no
-catch-up, one run at a time. Wiring only: what each step does lives in plugins/llmops/promotion.py
-and tasks/.
+catch-up, one run at a time. Wiring only: what each step does lives in plugins/llmops/retraining.py,
+the gate in plugins/llmops/promotion.py, the jobs in tasks/.
 
 The curated-data Asset's producer sets the event's extra to {"data_dir": <data prep output>,
 "data_hash": <manifest content hash>}; the `data_dir` Param overrides it for a manual run.
@@ -16,7 +16,7 @@ from airflow.sdk import (Asset, AssetOrTimeSchedule, CronTriggerTimetable, dag,
                          get_current_context, task)
 from airflow.sdk.exceptions import AirflowSkipException
 
-from llmops import promotion
+from llmops import promotion, retraining
 from llmops.operators.job import JobOperator
 from llmops.params import retrain_params
 
@@ -45,8 +45,8 @@ def llm_retrain():
         triggering = [e for events in (ctx.get("triggering_asset_events") or {}).values()
                       for e in events]
         extras = [e.extra for e in newest] + [e.extra for e in triggering]  # oldest first
-        run = promotion.start_retrain(ctx["params"], dag_id=ctx["dag"].dag_id,
-                                      run_id=ctx["run_id"], events=extras)
+        run = retraining.start_retrain(ctx["params"], dag_id=ctx["dag"].dag_id,
+                                       run_id=ctx["run_id"], events=extras)
         if run is None:
             raise AirflowSkipException("Nothing to retrain: no `champion` yet (run llm_lifecycle) "
                                        "or no curated data (no asset event, no data_dir Param).")
@@ -60,7 +60,7 @@ def llm_retrain():
 
     @task.branch
     def route(run: dict, decision: dict) -> str | None:
-        return promotion.next_step(run, decision)
+        return retraining.next_step(run, decision)
 
     @task(outlets=[CHAMPION], trigger_rule="none_failed_min_one_success")
     def promote(decision: dict) -> dict:
@@ -75,13 +75,13 @@ def llm_retrain():
     def finish(run: dict) -> dict:
         """Teardown: record the outcome (refused, rejected, promoted) and close the parent run."""
         ti = get_current_context()["ti"]
-        return promotion.finish(run, ti.xcom_pull(task_ids="gate"), ti.xcom_pull(task_ids="approve"),
-                                ti.xcom_pull(task_ids="promote"))
+        return retraining.finish(run, ti.xcom_pull(task_ids="gate"), ti.xcom_pull(task_ids="approve"),
+                                 ti.xcom_pull(task_ids="promote"))
 
     run = start()
-    finetune = JobOperator(task_id="finetune", build_spec=promotion.retrain_finetune_spec,
+    finetune = JobOperator(task_id="finetune", build_spec=retraining.retrain_finetune_spec,
                            op_kwargs={"run": run})
-    evaluate = JobOperator(task_id="evaluate", build_spec=promotion.retrain_evaluate_spec,
+    evaluate = JobOperator(task_id="evaluate", build_spec=retraining.retrain_evaluate_spec,
                            op_kwargs={"run": run, "challenger": finetune.output})
     decision = gate(run, evaluate.output)
     approve = ApprovalOperator(

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmops import lifecycle, promotion, tracking
+from llmops import lifecycle, promotion, retraining, tracking
 from tasks.configs import GateConfig, ModelConfig, to_dict
 
 NAME = "promotion-test"
@@ -131,7 +131,7 @@ def test_gate_registers_promotes_refuses_and_waits_for_approval(model_uri):
     run = lifecycle_run("r3", require_approval=True)
     decision = promotion.gate(run, evaluation(model_uri, 0.85, 38.0, 1.48, (0.80, 40.0, 1.50)),
                               data, candidates=("challenger",))
-    assert decision["passed"] and promotion.next_step(run, decision) == "approve"
+    assert decision["passed"] and retraining.next_step(run, decision) == "approve"
     assert str(client.get_model_version_by_alias(NAME, "champion").version) == "1"  # not yet
     body = promotion.approval_body(decision)
     assert "| task_accuracy | 0.85 | 0.8 |" in body
@@ -143,7 +143,7 @@ def test_gate_registers_promotes_refuses_and_waits_for_approval(model_uri):
     assert mv.tags["approval"] == "Approve by ana at 2026-12-01T10:00:00+00:00"
     assert "challenger" not in client.get_registered_model(NAME).aliases
     assert promotion.current_champion(NAME)["uri"] == f"models:/{NAME}/3"
-    finished = promotion.finish(run, decision, approval, crowned)
+    finished = retraining.finish(run, decision, approval, crowned)
     assert finished == {"outcome": "promoted", "version": "3"}
     assert client.get_run(run["parent_run_id"]).info.status == "FINISHED"
 
@@ -190,9 +190,9 @@ def test_job_specs_wire_the_cache_the_champion_and_the_retrained_model(model_uri
         f"models:/{NAME}/{current['version']}"
     retrain = {**run, "champion": {k: current[k] for k in ("version", "uri", "run_id")},
                "data": data}
-    finetune = promotion.retrain_finetune_spec(retrain)
+    finetune = retraining.retrain_finetune_spec(retrain)
     assert finetune["config"]["base_model"] == current["uri"]
     challenger = {"outputs": {"model_dir": "/store/run/finetune/model"}, "mlflow_run_id": "c"}
-    evaluate = promotion.retrain_evaluate_spec(retrain, challenger)
+    evaluate = retraining.retrain_evaluate_spec(retrain, challenger)
     assert evaluate["config"]["models"] == {"challenger": "/store/run/finetune/model",
                                             "champion": current["uri"]}

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from llmops import promotion
+from llmops import retraining
 
 ROOT = Path(__file__).resolve().parents[1]
 NAME = "retrain-test"
@@ -55,9 +55,9 @@ def test_promotion_goes_through_the_gate_and_an_optional_approval(retrain_dag):
 
 def test_new_data_comes_from_the_param_else_the_newest_asset_event():
     events = [{"data_dir": "/old", "data_hash": "a"}, {}, {"data_dir": "/new", "data_hash": "b"}]
-    assert promotion.curated_data({}, events) == {"data_dir": "/new", "data_hash": "b"}
-    assert promotion.curated_data({"data_dir": "/mine"}, events)["data_dir"] == "/mine"
-    assert promotion.curated_data({}, [{}]) is None
+    assert retraining.curated_data({}, events) == {"data_dir": "/new", "data_hash": "b"}
+    assert retraining.curated_data({"data_dir": "/mine"}, events)["data_dir"] == "/mine"
+    assert retraining.curated_data({}, [{}]) is None
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,8 @@ from llmops import params as lifecycle_params
 from llmops import model_refs, promotion
 from llmops import reuse, settings, step_cache, teams, tracking
 from llmops.jobs.spec import JobSpec
+# the path checks start_run makes, named here too for the DAGs and scripts that call them
+from llmops.paths import LifecycleParamError, check_data_path, check_storage_root  # noqa: F401
 from llmops.sweep import budget as sweep_budget
 from llmops.sweep import stage as sweep_stage
 from tasks import configs
@@ -35,10 +37,6 @@ ENTRYPOINTS = {
     "distill_cache": "tasks.distill_cache",
     "evaluate": "tasks.evaluate",
 }
-
-
-class LifecycleParamError(ValueError):
-    """A run's Params are wrong; the message names the Param and the fix."""
 
 
 def resolve(params: dict[str, Any]) -> configs.LifecycleConfig:
@@ -98,10 +96,6 @@ def _name_the_field(message: str, cls_name: str, path: str) -> str:
 
 # -- every input checked before any job -----------------------------------------------------
 
-SHELL_META = re.compile(r"[;|&`$<>\\]|\$\(")
-S3_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
-
-
 def declared_params() -> set[str]:
     return set(lifecycle_params.lifecycle_params())
 
@@ -118,110 +112,6 @@ def check_known_keys(keys: Any, declared: set[str], *, where: str = "the run's c
     raise LifecycleParamError(
         f"Unknown Param{'s' if len(unknown) > 1 else ''} in {where}: {', '.join(parts)}. Nothing was "
         f"started. The Params this DAG takes: {', '.join(sorted(declared))}.")
-
-
-def _safe_text(name: str, value: Any) -> str:
-    if not isinstance(value, str) or not value.strip():
-        raise LifecycleParamError(f"Param '{name}' must be a non-empty path, got {value!r}.")
-    if any(ord(c) < 32 or ord(c) == 127 for c in value):
-        raise LifecycleParamError(f"Param '{name}' contains a control character (newline, tab, ...): "
-                                  f"{value!r}. Give a plain path.")
-    if SHELL_META.search(value):
-        raise LifecycleParamError(f"Param '{name}' contains a shell metacharacter (one of ; | & ` $ "
-                                  f"< > \\): {value!r}. Give a plain path.")
-    return value
-
-
-def _under(path: str, roots: list[str]) -> bool:
-    """Is `path` (normalised: s3://bucket/key, or a resolved absolute path) inside one of `roots`?"""
-    for root in roots:
-        if root.startswith("s3://") != path.startswith("s3://"):
-            continue
-        if root.startswith("s3://"):
-            base = root.rstrip("/") + "/"
-        else:
-            base = os.path.join(os.path.realpath(root), "")
-        if path.rstrip("/") + "/" == base or path.startswith(base):
-            return True
-    return False
-
-
-def _normal_s3(name: str, value: str) -> str:
-    bucket, _, key = value[len("s3://"):].partition("/")
-    if not S3_BUCKET.match(bucket) or ".." in bucket:
-        raise LifecycleParamError(f"Param '{name}': {bucket!r} is not an S3 bucket name (3-63 "
-                                  f"lowercase letters, digits, . and -), in {value!r}.")
-    parts = [p for p in key.split("/") if p]
-    if any(p in (".", "..") for p in parts):
-        raise LifecycleParamError(f"Param '{name}': {value!r} has a '.' or '..' component.")
-    return f"s3://{bucket}/" + "/".join(parts)
-
-
-def check_storage_root(value: Any, *, name: str = "storage_root") -> str:
-    """The run's storage root, normalised and inside an allowed root; empty = the default."""
-    if value is None or value == "":
-        return settings.storage_root()
-    value = _safe_text(name, value)
-    allowed = settings.allowed_storage_roots()
-    hint = (f"Use a path under one of {allowed} (set {settings.ALLOWED_STORAGE_ROOTS_ENV} or the "
-            f"Airflow Variable {settings.ALLOWED_STORAGE_ROOTS_VARIABLE} to allow others), or leave "
-            "it empty for the default.")
-    if value.startswith("s3://"):
-        root = _normal_s3(name, value)
-    elif "://" in value:
-        raise LifecycleParamError(f"Param '{name}': {value!r} is neither a local path nor s3://. "
-                                  + hint)
-    else:
-        if not os.path.isabs(value):
-            raise LifecycleParamError(
-                f"Param '{name}': {value!r} is relative, so it would land wherever the worker "
-                f"runs (now {os.getcwd()}). Give an absolute path. " + hint)
-        if ".." in value.split(os.sep):
-            raise LifecycleParamError(f"Param '{name}': {value!r} has a '..' component. " + hint)
-        root = os.path.realpath(os.path.normpath(value))
-    if not _under(root, allowed):
-        raise LifecycleParamError(f"Param '{name}': {value!r} is outside the allowed storage roots. "
-                                  + hint)
-    return root.rstrip("/") if root.startswith("s3://") else root
-
-
-def check_data_path(name: str, value: Any) -> None:
-    """A data input (a file, dir or glob) must be inside an allowed data root, and so must every
-    file it matches (a symlink out of the root counts as outside)."""
-    value = _safe_text(name, value)
-    allowed = settings.allowed_data_roots()
-    hint = (f"Data is read only from under {allowed} (set {settings.ALLOWED_DATA_ROOTS_ENV} or the "
-            f"Airflow Variable {settings.ALLOWED_DATA_ROOTS_VARIABLE} to allow others).")
-    if value.startswith("s3://"):
-        if not _under(_normal_s3(name, value), allowed):
-            raise LifecycleParamError(f"Param '{name}': {value!r} is outside the allowed data roots. "
-                                      + hint)
-        return
-    if "://" in value:
-        raise LifecycleParamError(f"Param '{name}': {value!r} is neither a local path nor s3://. "
-                                  + hint)
-    if not os.path.isabs(value):
-        raise LifecycleParamError(f"Param '{name}': {value!r} is relative, so it would be read from "
-                                  f"wherever the worker runs (now {os.getcwd()}). Give an absolute "
-                                  "path. " + hint)
-    if ".." in value.split(os.sep):
-        raise LifecycleParamError(f"Param '{name}': {value!r} has a '..' component. " + hint)
-    outside = outside_roots(value, allowed)
-    if outside is not None:
-        raise LifecycleParamError(f"Param '{name}': {value!r} is outside the allowed data roots"
-                                  f"{'' if outside == value else f' ({outside} resolves elsewhere)'}. "
-                                  + hint)
-
-
-def outside_roots(value: str, roots: list[str]) -> str | None:
-    """A local file, dir or glob: the first of its fixed base and its matches that resolves outside
-    `roots` (the base itself is returned as `value`), or None when all are inside."""
-    fixed = re.split(r"[*?\[]", value, maxsplit=1)[0]
-    base = fixed if fixed.endswith(os.sep) or fixed == value else os.path.dirname(fixed)
-    for match in [base] + glob.glob(value):
-        if not _under(os.path.realpath(match), roots):
-            return value if match == base else match
-    return None
 
 
 def check_params(params: dict[str, Any], conf: dict[str, Any] | None = None) -> str:
@@ -377,7 +267,7 @@ def check_lane(params: dict[str, Any], cfg: configs.LifecycleConfig, backends: d
     outside its allowlists, then an estimate of every stage over what is left of its budget.
     The first task of every DAG calls it before any job; None when no teams are configured."""
     team = teams.check_run(params, cfg, backends, storage_root, user)
-    hours = sweep_budget.check_team(team, sweep_budget.run_estimate(cfg, backends, params))
+    hours = teams.check_team(team, sweep_budget.run_estimate(cfg, backends, params))
     log.info("Estimate: %.4g accelerator-hours for team %s", hours, team.name if team else "-")
     return team
 

@@ -17,6 +17,9 @@ import tempfile
 from dataclasses import dataclass
 from typing import Any
 
+from llmops import paths, settings, step_cache, tracking
+from llmops.aws import s3
+from llmops.paths import LifecycleParamError
 from tasks.common import hf_dir
 
 HINT = ("Give a Hugging Face model directory (config.json, *.safetensors, tokenizer.json: what "
@@ -45,19 +48,15 @@ class ModelFiles:
 
 
 def _error(name: str, value: str, problem: str) -> Exception:
-    from llmops.lifecycle import LifecycleParamError
-
     return LifecycleParamError(f"Param '{name}': {value!r} {problem}. {HINT} Nothing was started.")
 
 
 def check_model(name: str, value: Any) -> ModelFiles:
     """Refuse a model reference that no job could load, naming the Param and the fix."""
-    from llmops.lifecycle import _safe_text, check_data_path
-
-    value = _safe_text(name, value)
+    value = paths.safe_text(name, value)
     if value.startswith("models:/"):
         return _registered(name, value)
-    check_data_path(name, value)  # local or s3, inside the allowed roots
+    paths.check_data_path(name, value)  # local or s3, inside the allowed roots
     if value.startswith("s3://"):
         return _on_s3(name, value)
     return _local(name, value)
@@ -105,9 +104,6 @@ def _local(name: str, value: str) -> ModelFiles:
 
 
 def _on_s3(name: str, value: str) -> ModelFiles:
-    from llmops import settings
-    from llmops.aws import s3
-
     hook = s3.s3_hook(settings.aws_conn_id())
     bucket, prefix = s3.split_s3(value.rstrip("/") + "/")
     try:
@@ -124,8 +120,6 @@ def _registered(name: str, value: str) -> ModelFiles:
     components/tokenizer/ artifacts, or the model directory the stages logged before it."""
     import mlflow
     from mlflow.exceptions import MlflowException
-
-    from llmops import tracking
 
     body = value[len("models:/"):].strip("/")
     client = tracking.client()
@@ -173,8 +167,6 @@ def _registered(name: str, value: str) -> ModelFiles:
 
 def check_same_tokenizer(a_name: str, a: ModelFiles, b_name: str, b: ModelFiles) -> None:
     if not hf_dir.same_tokenizer(a.tokenizer, b.tokenizer):
-        from llmops.lifecycle import LifecycleParamError
-
         raise LifecycleParamError(
             f"Params '{a_name}' ({a.ref}) and '{b_name}' ({b.ref}) have different tokenizers: "
             "distillation matches the teacher's and the student's token distributions id by id. "
@@ -188,8 +180,6 @@ def check_run_models(params: dict[str, Any], cfg: Any) -> str | None:
     compared, and the run's data prepared with that tokenizer (so replayed rows and SFT examples
     are in the model's ids). A registered model is pinned by version, as the champion is, so
     every try of the run's jobs gets the same one. Returns the base model reference, or None."""
-    from llmops.lifecycle import LifecycleParamError
-
     base = check_model("base_model", params["base_model"]) if params.get("base_model") else None
     student = (check_model("student_model", cfg.distill.student_model)
                if cfg.distill.student_model else None)
@@ -222,6 +212,4 @@ def content_hash(ref: str) -> str:
 
     if ref.startswith("models:/"):
         return hashlib.sha256(ref.encode()).hexdigest()
-    from llmops import step_cache
-
     return step_cache.raw_inputs_hash([ref])

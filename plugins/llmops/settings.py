@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
+from typing import Any
 
 # plugins/llmops/settings.py -> the repository root, which holds tasks/ for local jobs.
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
@@ -47,22 +49,39 @@ ALLOWED_STORAGE_ROOTS_ENV = "LLMOPS_ALLOWED_STORAGE_ROOTS"
 ALLOWED_STORAGE_ROOTS_VARIABLE = "llmops_allowed_storage_roots"
 ALLOWED_DATA_ROOTS_ENV = "LLMOPS_ALLOWED_DATA_ROOTS"
 ALLOWED_DATA_ROOTS_VARIABLE = "llmops_allowed_data_roots"
+# The remote backends' deployment settings (plugins/llmops/jobs/backends/settings.py).
+BACKENDS_VARIABLE = "llmops_backends"
 # The Airflow connection `start_run` checks S3 buckets through when no remote stage names one.
 AWS_CONN_ENV = "LLMOPS_AWS_CONN_ID"
 
 
+def variable_text(name: str) -> Any:
+    """The Airflow Variable `name` (outside a task: $AIRFLOW_VAR_<NAME>); None when unset."""
+    try:
+        from airflow.sdk import Variable
+
+        return Variable.get(name, default=None)
+    except Exception:  # outside a task (a script, a test): the environment only
+        return os.environ.get(f"AIRFLOW_VAR_{name.upper()}")
+
+
+def variable_json(name: str, error: type[Exception] = ValueError) -> Any:
+    """The Airflow Variable `name` parsed as JSON; None when unset or blank. Text that is not
+    JSON raises `error` (the caller's own error class), naming the Variable."""
+    text = variable_text(name)
+    if text is None or (isinstance(text, str) and not text.strip()):
+        return None
+    try:
+        return json.loads(text) if isinstance(text, str) else text
+    except json.JSONDecodeError as exc:
+        raise error(f"The Airflow Variable '{name}' is not valid JSON: {exc}.") from None
+
+
 def _listed(env: str, variable: str) -> list[str] | None:
     """A list setting from the environment, else the Airflow Variable; None when neither is set."""
-    import json
-
     text = os.environ.get(env)
     if text is None:
-        try:
-            from airflow.sdk import Variable
-
-            text = Variable.get(variable, default=None)
-        except Exception:  # outside a task: the environment only
-            text = os.environ.get(f"AIRFLOW_VAR_{variable.upper()}")
+        text = variable_text(variable)
     if text is None or not str(text).strip():
         return None
     text = str(text).strip()
@@ -74,10 +93,10 @@ def _listed(env: str, variable: str) -> list[str] | None:
 def _staging_buckets() -> list[str]:
     """s3://<bucket>/ of every staging_uri in the llmops_backends Variable (unreadable: none)."""
     try:
-        from llmops.jobs.backends.settings import _variable
-
-        blocks = _variable()
-    except Exception:
+        blocks = variable_json(BACKENDS_VARIABLE)
+    except ValueError:
+        return []
+    if not isinstance(blocks, dict):
         return []
     buckets = []
     for block in blocks.values():

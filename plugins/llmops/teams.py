@@ -54,12 +54,14 @@ the team's role, share, namespace and queue at submit time (`backend_overrides`)
 from __future__ import annotations
 
 import datetime as dt
-import json
 import logging
 import os
 import re
 from dataclasses import dataclass, field, fields
 from typing import Any
+
+from llmops import ledger, paths, settings
+from llmops.sweep import budget
 
 log = logging.getLogger(__name__)
 
@@ -219,20 +221,8 @@ def parse(data: Any) -> Teams:
 
 def load() -> Teams | None:
     """The Variable (else $AIRFLOW_VAR_LLMOPS_TEAMS outside a task); None when it is not set."""
-    text = None
-    try:
-        from airflow.sdk import Variable
-
-        text = Variable.get(VARIABLE, default=None)
-    except Exception:  # outside a task (a script, a test): the environment only
-        text = os.environ.get(f"AIRFLOW_VAR_{VARIABLE.upper()}")
-    if text is None or (isinstance(text, str) and not text.strip()):
-        return None
-    try:
-        data = json.loads(text) if isinstance(text, str) else text
-    except json.JSONDecodeError as exc:
-        raise TeamError(f"The Airflow Variable '{VARIABLE}' is not valid JSON: {exc}.") from None
-    return parse(data)
+    data = settings.variable_json(VARIABLE, TeamError)
+    return None if data is None else parse(data)
 
 
 def resolve(name: Any, teams: Teams | None = None) -> Team | None:
@@ -278,9 +268,6 @@ def check_run(params: dict[str, Any], cfg: Any, backends: dict[str, str], storag
     members (`user`: the DAG run's triggering user; None = no person, a schedule or an asset
     event), a priority out of range, a storage root, data input or remote stage's image outside
     the team's allowlists. Returns the team (None: no teams configured)."""
-    from llmops import lifecycle
-    from llmops.sweep.budget import stage_resources
-
     team = resolve(params.get("team"))
     if team is None:
         return None
@@ -294,7 +281,7 @@ def check_run(params: dict[str, Any], cfg: Any, backends: dict[str, str], storag
         raise TeamError(f"Param 'priority' = {priority} is outside team {team.name}'s priority range "
                         f"{lo}-{hi} ({VARIABLE}.teams.{team.name}.priority). Give a priority from "
                         f"{lo} to {hi}, or leave it empty for the queue's default. Nothing was started.")
-    if team.storage_prefixes is not None and not lifecycle._under(storage_root, team.storage_prefixes):
+    if team.storage_prefixes is not None and not paths.under(storage_root, team.storage_prefixes):
         what = "Param 'storage_root'" if params.get("storage_root") else \
             "The default storage root (Param 'storage_root' is empty)"
         _refuse(what, storage_root, team, "storage_prefixes", team.storage_prefixes,
@@ -306,8 +293,8 @@ def check_run(params: dict[str, Any], cfg: Any, backends: dict[str, str], storag
             roots = getattr(team, rule)
             if roots is None:
                 continue
-            outside = (None if lifecycle._under(lifecycle._normal_s3(name, entry), roots) else entry) \
-                if remote else lifecycle.outside_roots(entry, roots)
+            outside = (None if paths.under(paths.normal_s3(name, entry), roots) else entry) \
+                if remote else paths.outside_roots(entry, roots)
             if outside is not None:
                 source = f"Param '{name}'" if params.get(name) else f"The recipe's {name}"
                 detail = "" if outside == entry else f" ({outside} resolves outside them)"
@@ -316,7 +303,7 @@ def check_run(params: dict[str, Any], cfg: Any, backends: dict[str, str], storag
     for stage, backend in backends.items():
         if backend == "local" or team.image_prefixes is None:
             continue
-        image = stage_resources(backend, stage, params)["image"]
+        image = budget.stage_resources(backend, stage, params)["image"]
         chosen = ((params.get("stage_resources") or {}).get(stage) or {}).get("image")
         source = f"stage_resources.{stage}.image" if chosen else \
             f"the {backend} settings' image in the Variable llmops_backends"
@@ -337,13 +324,7 @@ def period_start(now: dt.datetime | None = None) -> dt.datetime:
 def spend_hours(team: str, since: dt.datetime) -> float:
     """Accelerator-hours the job ledger recorded for `team`'s job attempts that ended at or after
     `since` (an aware datetime): llmops.ledger.spend_hours, the ledger's own answer (SQLite on
-    this machine, Parquet under an s3:// storage root). Attempts still running are not in it yet.
-    A deployment without the ledger package counts 0, logged."""
-    try:
-        from llmops import ledger
-    except ImportError:
-        log.warning("No job ledger (llmops.ledger) installed: team %s's spend counted as 0", team)
-        return 0.0
+    this machine, Parquet under an s3:// storage root). Attempts still running are not in it yet."""
     return float(ledger.spend_hours(team, since))
 
 
@@ -352,3 +333,24 @@ def remaining_hours(team: Team, now: dt.datetime | None = None) -> tuple[float, 
     spent = spend_hours(team.name, period_start(now))
     return spent, team.accelerator_hours_budget - spent
 
+
+def check_team(team: Team | None, estimates: list[budget.StageEstimate]) -> float:
+    """Refuse a run whose estimate exceeds what its team has left this month (0 = no budget).
+    Returns the run's estimate in accelerator-hours."""
+    total = sum(e.hours for e in estimates)
+    if team is None or not team.accelerator_hours_budget:
+        return total
+    spent, remaining = remaining_hours(team)
+    if total <= remaining:
+        return total
+    since = period_start()
+    next_month = (since + dt.timedelta(days=32)).replace(day=1)
+    biggest = max(estimates, key=lambda e: e.hours)
+    raise budget.BudgetError(
+        f"Team {team.name}'s runs have {team.accelerator_hours_budget:g} accelerator-hours a month "
+        f"({VARIABLE}.teams.{team.name}.accelerator_hours_budget); the job ledger records "
+        f"{spent:.4g} spent since {since:%Y-%m-%d}, so {max(remaining, 0):.4g} remain, and this run "
+        f"is estimated at {total:.4g}: " + "; ".join(e.line() for e in estimates) + ". "
+        f"Lower stage_resources.{biggest.stage}.instance_count or max_run_seconds (the largest "
+        f"stage), run stages on 'local', wait for the budget to renew on {next_month:%Y-%m-%d}, or "
+        "ask the platform team to raise the budget. Nothing was started.")

@@ -21,15 +21,11 @@ Checked by the first task of a run (`start_run`, `start_ladder`), before any job
 
 from __future__ import annotations
 
-import datetime as dt
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from tasks import configs, hardware
-
-if TYPE_CHECKING:
-    from llmops.teams import Team
 
 # Planning utilisation of an accelerator's dense bf16 peak (tasks/hardware.py, the table the jobs'
 # MFU uses too)
@@ -252,27 +248,3 @@ def run_estimate(cfg: configs.LifecycleConfig, backends: dict[str, str],
         out.append(StageEstimate(stage, backend, res["instance_type"], res["instance_count"], jobs,
                                  accelerators, res["max_run_seconds"], flops_hours, how))
     return out
-
-
-def check_team(team: "Team | None", estimates: list[StageEstimate]) -> float:
-    """Refuse a run whose estimate exceeds what its team has left this month (0 = no budget).
-    Returns the run's estimate in accelerator-hours."""
-    from llmops import teams
-
-    total = sum(e.hours for e in estimates)
-    if team is None or not team.accelerator_hours_budget:
-        return total
-    spent, remaining = teams.remaining_hours(team)
-    if total <= remaining:
-        return total
-    since = teams.period_start()
-    next_month = (since + dt.timedelta(days=32)).replace(day=1)
-    biggest = max(estimates, key=lambda e: e.hours)
-    raise BudgetError(
-        f"Team {team.name}'s runs have {team.accelerator_hours_budget:g} accelerator-hours a month "
-        f"({teams.VARIABLE}.teams.{team.name}.accelerator_hours_budget); the job ledger records "
-        f"{spent:.4g} spent since {since:%Y-%m-%d}, so {max(remaining, 0):.4g} remain, and this run "
-        f"is estimated at {total:.4g}: " + "; ".join(e.line() for e in estimates) + ". "
-        f"Lower stage_resources.{biggest.stage}.instance_count or max_run_seconds (the largest "
-        f"stage), run stages on 'local', wait for the budget to renew on {next_month:%Y-%m-%d}, or "
-        "ask the platform team to raise the budget. Nothing was started.")

@@ -19,7 +19,7 @@ import re
 import tempfile
 from typing import Any
 
-from llmops import lifecycle, tracking
+from llmops import lifecycle, paths, tracking
 from llmops import params as knobs
 from llmops.jobs.spec import JobSpec
 from llmops.sweep import budget
@@ -58,7 +58,7 @@ def start_ladder(params: dict[str, Any], *, dag_id: str, run_id: str) -> dict[st
     estimate = budget.check_ladder(cfg, backends["ladder"], params)
     log.info("Ladder estimate: %.3g accelerator-hours (%s), budget %s", estimate.hours,
              estimate.detail, cfg.ladder.budget_hours or "unlimited")
-    storage_root = lifecycle.check_storage_root(params.get("storage_root"))
+    storage_root = paths.check_storage_root(params.get("storage_root"))
     lifecycle.check_lane(params, cfg, backends, storage_root)  # the default team's lane and budget
     root = os.path.join(storage_root, dag_id, re.sub(r"[^A-Za-z0-9_.-]+", "_", run_id))
     config = configs.to_dict(cfg)

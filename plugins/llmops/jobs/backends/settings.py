@@ -47,14 +47,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import re
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from llmops import settings as deployment
 from tasks.configs import ConfigError, from_dict, to_dict
 
-VARIABLE = "llmops_backends"
+VARIABLE = deployment.BACKENDS_VARIABLE
 MIN_POLL_INTERVAL = 5
 # A KMS key as S3 and SageMaker take it: key id, multi-Region key id, key or alias ARN, alias name.
 KMS_KEY = re.compile(r"^(arn:aws[a-z-]*:kms:[a-z0-9-]+:\d{12}:(key|alias)/[A-Za-z0-9/_-]+"
@@ -299,20 +299,9 @@ def load(backend: str, cls: type[S], settings: dict[str, Any] | None = None) -> 
 
 
 def _variable() -> dict[str, Any]:
-    text = None
-    try:
-        from airflow.sdk import Variable
-
-        text = Variable.get(VARIABLE, default=None)
-    except Exception:  # outside a task (a script, a test): the environment only
-        text = os.environ.get(f"AIRFLOW_VAR_{VARIABLE.upper()}")
-    if not text:
+    data = deployment.variable_json(VARIABLE, BackendSettingsError)
+    if data is None:
         return {}
-    try:
-        data = json.loads(text) if isinstance(text, str) else text
-    except json.JSONDecodeError as exc:
-        raise BackendSettingsError(f"The Airflow Variable '{VARIABLE}' is not valid JSON: {exc}.") from None
     if not isinstance(data, dict):
         raise BackendSettingsError(f"The Airflow Variable '{VARIABLE}' must be a JSON object.")
     return data
-
