@@ -87,25 +87,54 @@ def run_job(cfg: TrainConfig, name: str, *, faults: str = "", retries: int = 0,
 RESULTS = ROOT / "benchmarks" / "results"
 
 
+# when this benchmark process started, and the machine's load then: a result records both ends
+STARTED = {"started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+           "load_avg_1_5_15_at_start": [round(x, 2) for x in os.getloadavg()]}
+
+
+def git_commit() -> str:
+    """The checkout's commit, with '+changes' when the code measured differs from it."""
+    import subprocess
+
+    def git(*argv: str) -> str:
+        return subprocess.run(["git", *argv], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+
+    commit = git("rev-parse", "HEAD") or "unknown"
+    changed = git("status", "--porcelain", "--", "tasks", "plugins", "benchmarks", "docker")
+    # a results file being rewritten is not a change to what is measured
+    changed = [line for line in changed.splitlines() if "benchmarks/results/" not in line]
+    return commit + ("+changes" if changed else "")
+
+
 def machine() -> dict[str, Any]:
-    """What a result was measured on: platform, cores, versions and the load while it ran."""
+    """What a result was measured on: platform, cores, commit, versions, and the load when the
+    benchmark started and now."""
     import platform
 
     import torch
 
     return {"platform": platform.platform(), "cpus": os.cpu_count(),
             "python": platform.python_version(), "torch": torch.__version__,
+            "git_commit": git_commit(), **STARTED,
             "load_avg_1_5_15_at_end": [round(x, 2) for x in os.getloadavg()],
             "finished_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 
+def write_result(report: dict[str, Any], out: Path) -> None:
+    """Write the result (with the machine it ran on) to `out`, atomically: a benchmark that
+    writes as it goes never leaves a half-written file."""
+    report = {**report, "machine": machine()}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp")
+    tmp.write_text(json.dumps(report, indent=2, sort_keys=True, default=str) + "\n")
+    os.replace(tmp, out)
+
+
 def last_json_line(report: dict[str, Any], out: Path | None = None) -> None:
     """Print the result as one JSON line (with the machine it ran on) and write it to `out`."""
-    report = {**report, "machine": machine()}
-    print(json.dumps(report, sort_keys=True, default=str))
+    print(json.dumps({**report, "machine": machine()}, sort_keys=True, default=str))
     if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(report, indent=2, sort_keys=True, default=str) + "\n")
+        write_result(report, out)
         print(f"wrote {out}")
 
 

@@ -104,6 +104,8 @@ class LoopOptions:
     global_batch: int = 0
     # FSDP of a model built on the meta device: its full initial weights (tasks/train/distributed.py)
     init_weights: Callable[[], dict[str, torch.Tensor]] | None = None
+    keep_every: int = 0  # also keep every checkpoint of a multiple of this step (retention.py)
+    health: Any = None  # a tasks.train.health.JobHealth: burn-in, stragglers, replica checksums
 
 
 @dataclass
@@ -161,13 +163,20 @@ class _Trainer:
         self.rank = self.dist.rank if self.dist else 0
         self.world = self.dist.world_size if self.dist else 1
         self.fsdp = self.dist is not None and self.dist.parallelism == "fsdp"
+        if not self.fsdp and any(hasattr(p, "full_tensor") for p in model.parameters()):
+            # its state is DTensors: a .pt snapshot cannot copy them and no rank has them whole
+            raise ValueError(
+                "the model's parameters are DTensors (sharded with fully_shard before train()); "
+                "pass the unsharded model with LoopOptions(dist=DistContext(parallelism='fsdp', "
+                "...)): the loop shards it and saves every rank's shards through "
+                "torch.distributed.checkpoint.")
         self.tracking = tracking and self.rank == 0
         self.events, self.steps, self.hb = options.events, options.steps, options.heartbeat
         self.faults = options.faults
         self.ckpt_root = Path(cfg.output_dir) / "checkpoints"
         self.checkpointer = ckpt.Checkpointer(
             self.ckpt_root, keep=cfg.keep_checkpoints, config=resolved_config,
-            asynchronous=options.async_checkpoint, mirror=options.checkpoint_mirror,
+            keep_every=options.keep_every, asynchronous=options.async_checkpoint, mirror=options.checkpoint_mirror,
             on_commit=self.faults.after_checkpoint if self.faults else None,
             before_write=self.faults.before_checkpoint_write if self.faults else None,
             # bytes of a checkpoint moving are progress for the watchdog (tasks/train/telemetry.py)
@@ -198,6 +207,10 @@ class _Trainer:
         self.progress = tm.Progress(cfg.max_steps)  # restarted with each _train
         self._reader: ThreadPoolExecutor | None = None  # reads the next batch (_prefetch)
         self._pending: tuple[int, Future] | None = None
+        self.health = options.health
+        self._t_sync = 0.0  # when this rank's step first waits on the others (_forward_backward)
+        if self.health is not None:
+            self.health.attach(emit=self._event, log_metrics=self._log_metrics)
 
     # -- the outer loop: (re)join, resume, train -------------------------------------------
     def run(self) -> LoopResult:
@@ -264,6 +277,10 @@ class _Trainer:
                     self.checkpointer.shard_with(self.dist.checkpoint_group(), self.rank)
             else:
                 self.fwd = self.ddp = self.dist.wrap(self.model)
+        if self.health is not None:  # burn-in (first group only) and every rank's host
+            self.health.connect(rank=self.rank, world=self.world, device=self.device,
+                                share=self.dist.share if self.dist else None,
+                                replicas=not self.fsdp)
         if self.optimizer is None:
             self.optimizer = build_optimizer(self.model, self.cfg.optim, self.device)
             self.params = [p for g in self.optimizer.param_groups for p in g["params"]]
@@ -431,7 +448,7 @@ class _Trainer:
             done = step + 1  # optimizer steps completed; checkpoints and metrics are indexed by it
             if self.hb is not None:
                 self.hb.beat(step, tm.COMPILE if self.compiling else tm.STEP)
-            t0 = time.time()
+            t0, t_own = time.time(), time.perf_counter()
             batch_index = self._next_batch_index()
             batch = self._batch(batch_index).to(device)
             t_data = time.time()
@@ -472,6 +489,23 @@ class _Trainer:
             self.step, self.cursor = done, batch_index + 1
             self.compiling = False
             self.recent.append((done, batch_index))
+            if self.faults:
+                self.faults.after_update(done, self.params)
+            if self.health is not None:
+                self.health.step_time(self._t_sync - t_own)
+                to_step = self.health.after_step(
+                    done, self.params,
+                    checkpoint=done % cfg.checkpoint_interval == 0 or done == cfg.max_steps)
+                if to_step is not None:  # the replicas disagree: back to where they agreed
+                    self._resume(reason="sdc", max_step=to_step)
+                    self.guard.forget_after(self.step)
+                    self.health.rolled_back(self.step)
+                    self._event("rollback", from_step=done, to_step=self.step, anomaly="sdc",
+                                path=self.resumed_from)
+                    interval_loss = 0.0
+                    interval_steps, interval_tokens = 0, 0
+                    interval_start, paused = time.perf_counter(), 0.0
+                    continue
             if self.steps is not None:
                 self.steps.record(done, batch_index, t0, t_data, time.time())
             interval_loss += loss_value  # the global batch's (averaged over ranks)
@@ -538,6 +572,10 @@ class _Trainer:
                     loss = self.loss_fn(self.fwd, part)
                 if self.faults:
                     loss = self.faults.scale_loss(done, loss)
+                if last and self.health is not None:  # the straggler clock (tasks/train/health.py)
+                    if self.device.type == "cuda":
+                        torch.cuda.synchronize()  # the forward's kernels, not their launch
+                    self._t_sync = time.perf_counter()
                 (loss / len(micro) if len(micro) > 1 else loss).backward()
             losses.append(loss.detach())
         return losses[0] if len(losses) == 1 else torch.stack(losses).mean()

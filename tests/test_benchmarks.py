@@ -1,0 +1,103 @@
+"""The benchmarks' own code paths, run small on the CPU on every `make test`, so a benchmark that
+would fail the day it gets a GPU (or a results file that would lose its rows) fails here first."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def gpu_smoke(tmp_path_factory) -> tuple[dict, subprocess.CompletedProcess]:
+    """benchmarks/gpu_throughput.py --cpu-smoke: the same rows as on a GPU (the recipe model,
+    the 355M shape, the same under FSDP through the loop's distributed context with async
+    DCP saves, and a SIGKILLed job that resumes and publishes), on tiny models."""
+    work = tmp_path_factory.mktemp("gpu-smoke")
+    out = work / "result.json"
+    proc = subprocess.run([sys.executable, "benchmarks/gpu_throughput.py", "--cpu-smoke",
+                           "--steps", "10", "--work", str(work), "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(out.read_text()), proc
+
+
+def test_gpu_benchmark_cpu_smoke_measures_every_row(gpu_smoke):
+    report, proc = gpu_smoke
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert report["errors"] == []
+    rows = {r["config"]: r for r in report["runs"]}
+    assert list(rows) == ["gpu-recipe", "gpt-355m", "gpt-355m-fsdp"]
+    for row in rows.values():
+        assert row["tokens_per_s"] > 0 and 0 < row["mfu_of_measured_matmul"] < 1
+        # checkpoint every 10 steps and at the end: the save at step 10 is the last one here
+        assert len(row["checkpoint_blocked_s"]) >= 1
+        assert row["val_loss"] < 7.0  # ln(512) = 6.24 from random weights: it trained, not NaN
+    # FSDP: sharded by the loop, saved asynchronously through torch.distributed.checkpoint
+    assert rows["gpt-355m-fsdp"]["fsdp"] and rows["gpt-355m-fsdp"]["checkpoint_layout"] == "dcp"
+    assert rows["gpt-355m"]["checkpoint_layout"] == "pt"
+    # the same weights and data with and without FSDP: the same training, to float precision
+    assert rows["gpt-355m-fsdp"]["final_loss"] == pytest.approx(rows["gpt-355m"]["final_loss"],
+                                                                abs=1e-3)
+
+
+def test_gpu_benchmark_kill_and_resume_publishes_a_loadable_model(gpu_smoke):
+    report, _ = gpu_smoke
+    kr = report["kill_and_resume"]
+    assert kr is not None, report["errors"]
+    assert kr["restarts"] == 1 and kr["final_step"] == 20  # --steps 10: the job trains 20
+    assert 0 < kr["resumed_at_step"] <= kr["kill_at_step"]  # from a checkpoint, not step 0
+    assert kr["steps_redone"] == kr["kill_at_step"] - kr["resumed_at_step"]
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(kr["model_dir"])  # the tokenizer data prep would write
+    text = "hello world"
+    assert tokenizer.decode(tokenizer(text)["input_ids"]) == text
+
+
+def test_results_record_commit_and_load_at_both_ends(gpu_smoke):
+    report, _ = gpu_smoke
+    m = report["machine"]
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
+                          text=True).stdout.strip()
+    assert m["git_commit"].split("+")[0] == head
+    assert len(m["load_avg_1_5_15_at_start"]) == 3 and len(m["load_avg_1_5_15_at_end"]) == 3
+    assert m["started_utc"] <= m["finished_utc"] and m["torch"]
+
+
+def test_gpu_benchmark_keeps_rows_measured_before_a_failure(tmp_path, monkeypatch):
+    """A part that fails is recorded with its error, the others still run, and the rows measured
+    before it stay in the file (which is rewritten after every part)."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import gpu_throughput
+
+    measure = gpu_throughput.measure
+
+    def failing_355m(name, *args, **kwargs):
+        if name.startswith("gpt-355m"):
+            raise RuntimeError(f"CUDA out of memory in {name}")
+        return measure(name, *args, **kwargs)
+
+    def failing_kill(*args, **kwargs):
+        raise RuntimeError("the kill-and-resume job failed")
+
+    monkeypatch.setattr(gpu_throughput, "measure", failing_355m)
+    monkeypatch.setattr(gpu_throughput, "kill_and_resume", failing_kill)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    out = tmp_path / "result.json"
+    monkeypatch.setattr(sys, "argv", ["gpu_throughput.py", "--cpu-smoke", "--steps", "10",
+                                      "--work", str(tmp_path), "--out", str(out)])
+    with pytest.raises(SystemExit) as stopped:
+        gpu_throughput.main()
+    assert "3 part(s) failed" in str(stopped.value.code)
+    report = json.loads(out.read_text())
+    assert [r["config"] for r in report["runs"]] == ["gpu-recipe"]
+    assert [(e["part"], e["error"]) for e in report["errors"]] == [
+        ("gpt-355m", "RuntimeError: CUDA out of memory in gpt-355m"),
+        ("gpt-355m-fsdp", "RuntimeError: CUDA out of memory in gpt-355m-fsdp"),
+        ("kill-and-resume", "RuntimeError: the kill-and-resume job failed")]
