@@ -8,8 +8,11 @@ started with `start_new_session=True`, so everything it forks (the scheduler's L
 workers and their task supervisors and task runners; the triggerer's runner; the API server's
 workers) stays in that session and can be found, signalled and cleaned up as one.
 
-What it sets, as standalone does: SQLite metadata DB (standalone uses it with LocalExecutor in
-Airflow 3), LocalExecutor, SimpleAuthManager with a generated admin password
+Metadata DB: `database="postgresql"` starts a PostgreSQL cluster of its own in a temp dir
+(tests/chaos/postgres.py), as MWAA uses PostgreSQL, and stops it with the deployment; the default
+`"sqlite"` is what standalone uses with LocalExecutor in Airflow 3 (one writer at a time: the
+settings below keep its lock waits from crashing components). What it sets, as standalone does:
+LocalExecutor, SimpleAuthManager with a generated admin password
 (`$AIRFLOW_HOME/simple_auth_manager_passwords.json.generated`, written by the API server at
 start). What it sets that standalone does not need: one JWT secret for every component (the
 scheduler signs task tokens that the API server checks; standalone components share a generated
@@ -46,6 +49,8 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 from typing import Any, Iterable
+
+from tests.chaos.postgres import PostgresCluster, StartStop
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPONENTS = ("api-server", "scheduler", "dag-processor", "triggerer")
@@ -131,7 +136,7 @@ class AirflowError(RuntimeError):
     pass
 
 
-class AirflowDeployment:
+class AirflowDeployment(StartStop):
     """`airflow db migrate` in a fresh AIRFLOW_HOME under `workdir`, then the four components.
 
     `env` is added to (and overrides) the environment every component gets: connections
@@ -139,7 +144,13 @@ class AirflowDeployment:
     """
 
     def __init__(self, workdir: Path, *, dags_folder: Path, env: dict[str, str] | None = None,
-                 port: int | None = None, parallelism: int = 4, heartbeat_timeout: int = 30):
+                 port: int | None = None, parallelism: int = 4, heartbeat_timeout: int = 30,
+                 database: str = "sqlite"):
+        if database not in ("sqlite", "postgresql"):
+            raise ValueError(f"database={database!r}: use 'sqlite' or 'postgresql'")
+        self.database = database
+        self.postgres: Any = None                 # the PostgresCluster, once migrate() started it
+        self._migrated = False
         self.workdir = Path(workdir)
         self.home = self.workdir / "airflow"
         self.port = port or free_port()
@@ -176,8 +187,8 @@ class AirflowDeployment:
             "AIRFLOW__API__BASE_URL": self.base,
             "AIRFLOW__API_AUTH__JWT_SECRET": secrets.token_urlsafe(32),
             "AIRFLOW__API_AUTH__JWT_EXPIRATION_TIME": "36000",
-            "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{self.home / 'airflow.db'}",
-            **_connect_args_env("SQLITE_CONNECT_ARGS"),
+            **({"AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": f"sqlite:///{self.home / 'airflow.db'}",
+                **_connect_args_env("SQLITE_CONNECT_ARGS")} if database == "sqlite" else {}),
             "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "5",
             "AIRFLOW__DAG_PROCESSOR__MIN_FILE_PROCESS_INTERVAL": "5",
             # The lifecycle file imports much; on 2 busy cores its parse can pass the defaults
@@ -199,10 +210,17 @@ class AirflowDeployment:
     # -- lifecycle ---------------------------------------------------------------------------
     def migrate(self) -> None:
         self.home.mkdir(parents=True, exist_ok=True)
+        if self.database == "postgresql" and self.postgres is None:
+            self.postgres = PostgresCluster().start()
+            # Airflow derives the API server's async URL from this one (postgresql+asyncpg).
+            self.env["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"] = self.postgres.url("airflow")
         proc = subprocess.run([self.airflow, "db", "migrate"], env=self.env, capture_output=True,
                               text=True, timeout=300)
         if proc.returncode:
             raise AirflowError(f"airflow db migrate failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        self._migrated = True
+        if self.database != "sqlite":
+            return
         # SQLite in WAL mode: readers (API server, dag-processor) no longer block the scheduler's
         # and the workers' writes. The mode is stored in the file, so it holds for every process.
         import sqlite3
@@ -211,7 +229,7 @@ class AirflowDeployment:
             db.execute("PRAGMA journal_mode=WAL")
 
     def start(self, timeout: float = 240) -> "AirflowDeployment":
-        if not (self.home / "airflow.db").exists():
+        if not self._migrated and not (self.home / "airflow.db").exists():
             self.migrate()
         for component in COMPONENTS:
             self._spawn(component)
@@ -228,7 +246,7 @@ class AirflowDeployment:
             out.write(f"\n==== start {time.strftime('%H:%M:%S')} ====\n".encode())
             out.flush()
             env = self.env
-            if component == "api-server":
+            if component == "api-server" and self.database == "sqlite":
                 env = {**env, **_connect_args_env("API_SQLITE_CONNECT_ARGS")}
             self.procs[component] = subprocess.Popen(
                 args, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=self.workdir,
@@ -361,12 +379,9 @@ class AirflowDeployment:
                     pass
         for component in order:
             self._end(component, grace=0)
-
-    def __enter__(self) -> "AirflowDeployment":
-        return self.start()
-
-    def __exit__(self, *exc: Any) -> None:
-        self.stop()
+        if self.postgres is not None:
+            self.postgres.stop()
+            self.postgres = None
 
     # -- health ------------------------------------------------------------------------------
     def health(self) -> dict[str, Any]:
@@ -597,13 +612,13 @@ class AirflowDeployment:
                     return pid, _ppid(pid)
         return None
 
-    def wait_worker(self, ti_id: str, timeout: float = 60) -> tuple[int, int] | None:
+    def wait_worker(self, ti_id: str, timeout: float = 60, interval: float = 0.2) -> tuple[int, int] | None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             found = self.worker_pids(ti_id)
             if found:
                 return found
-            time.sleep(0.2)
+            time.sleep(interval)
         return None
 
 
