@@ -501,3 +501,52 @@ def test_a_lost_hyperpod_create_answer_is_resent_and_leaves_one_job_this_try_own
         assert status.state is JobState.SUCCEEDED, status.message
     finally:
         eks.shutdown()
+
+
+# -- a sustained outage of the read calls -----------------------------------------------------------
+
+OUTAGE_SECONDS = 20.0   # the issue's 10 minutes, compressed 30x (see the test's docstring)
+
+
+@pytest.mark.parametrize("which", ["sagemaker", "batch"])
+def test_a_sustained_outage_on_reads_neither_fails_nor_stops_the_job_and_the_watch_picks_up(
+        fake, chaos, batch_queue, no_backoff, which):
+    """Simulated: for OUTAGE_SECONDS every Describe* / List* call of SageMaker and Batch answers 503
+    and every CloudWatch Logs call has its connection reset; the job ends in the
+    middle of it. Compression: botocore's own budget (11 attempts, llmops.aws.retry) is spent in
+    milliseconds here (its backoff zeroed), so a 20 s outage outlasts it dozens of times, as 10
+    minutes outlast its 20 s-capped backoff on AWS; the watch's own backoff is capped at 2 s (300
+    s in production) so the test polls through the outage about as often. The real JobWatch (what
+    the worker and the trigger run) must keep waiting without stopping the job, then report the
+    job's end with its log, no line twice."""
+    from llmops.jobs.errors import Backoff
+
+    backend = sagemaker_backend() if which == "sagemaker" else batch_backend()
+    spec = sample(f"{which}-outage", seconds=3)
+    handle = backend.submit(spec if which == "sagemaker" else spec.replace(instance_type="m5.xlarge"))
+    wait_state(backend, handle, {JobState.RUNNING})
+    watch = JobWatch(backend, handle, poll_interval=0.5, max_run_seconds=3600,
+                     backoff=Backoff(base=0.5, cap=2.0))
+    since = time.time()
+    chaos.faults([{"operations": ["Describe*", "List*"], "services": ["sagemaker", "batch"], "kind": "503",
+                   "seconds": OUTAGE_SECONDS},
+                  {"operations": ["*"], "services": ["logs"], "kind": "reset", "seconds": OUTAGE_SECONDS}])
+    lines, warnings, errors = [], [], []
+    while True:
+        step = watch.poll()
+        lines += step.lines
+        warnings += step.warnings
+        errors += [step.error] if step.error else []
+        if step.done or step.error:
+            break
+        assert time.time() < since + OUTAGE_SECONDS + 60, "the watch did not pick up after the outage"
+        time.sleep(step.delay)
+    assert not errors and step.status.state is JobState.SUCCEEDED, (errors, step.status)
+    assert time.time() >= since + OUTAGE_SECONDS - 1, "the job's end was read while the reads were down"
+    assert any("could not read the job's status" in w for w in warnings)
+    reads = injections(chaos, "DescribeTrainingJob" if which == "sagemaker" else "DescribeJobs", since)
+    assert reads >= 3 * 11, f"{reads} failed describes: the outage did not outlast botocore's budget"
+    job = chaos.job(handle["job_name"])
+    assert job["stop_requests"] == [] and job["exit_code"] == 0   # never stopped: it ran to its end
+    assert sum("sample job starting" in line for line in lines) == 1
+    assert sum("working 2" in line for line in lines) == 1
