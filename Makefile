@@ -69,14 +69,16 @@ test: install browser
 	  --no-loadscope-reorder --durations=25
 	$(MAKE) --no-print-directory test-matrix
 
-# tests/test_fault_matrix.py alone: the fault matrix as a test (asserts every fault cell is zero).
+# tests/test_fault_matrix.py alone: the fault matrix as a test (asserts every fault landed where
+# its row claims and every cell is zero), on a PostgreSQL-backed deployment as MWAA's.
 test-matrix: install
 	$(PY) -m pytest tests/test_fault_matrix.py
 
-# The fault matrix alone: a real Airflow deployment against moto behind a fault-injecting proxy
-# and job simulator (tests/chaos/); prints the table, writes benchmarks/results/fault_matrix.json.
+# The fault matrix alone: a real Airflow deployment (PostgreSQL metadata DB in a temp dir)
+# against moto behind a fault-injecting proxy and job simulator (tests/chaos/); prints the table,
+# writes benchmarks/results/fault_matrix.json (a full run only; ARGS="--only ..." for a subset).
 chaos: install
-	$(PY) -m tests.chaos.matrix --out benchmarks/results/fault_matrix.json
+	$(PY) -m tests.chaos.matrix $(ARGS)
 
 up: airflow-db
 	$(PY) scripts/up.py

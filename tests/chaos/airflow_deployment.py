@@ -414,6 +414,11 @@ class AirflowDeployment(StartStop):
                     elif component and beat and _epoch(beat) < started - 2:
                         ok = False  # still the heartbeat of the process we replaced
                 if ok and (self._token or self._password_file().exists()):
+                    if component in (None, "api-server"):
+                        # The execution API's versioned app builds on its first request: warm it
+                        # here, not in the first tasks' start calls (they time out and the try
+                        # dies unrun if it takes long on busy cores).
+                        self.request("GET", "/execution/health", auth=False, retries=3, timeout=120)
                     return
             except (urllib.error.URLError, OSError, ValueError, AirflowError) as exc:
                 last = exc

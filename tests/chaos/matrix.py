@@ -1,30 +1,46 @@
 """The fault matrix: remote jobs through a real Airflow deployment while AWS misbehaves.
 
-    python -m tests.chaos.matrix [--out benchmarks/results/fault_matrix.json] [--only fault,...]
-                                 [--seconds 30] [--no-lifecycle] [--workdir DIR]
+    python -m tests.chaos.matrix [--out FILE] [--only fault,...] [--seconds 30] [--no-lifecycle]
+                                 [--workdir DIR] [--database postgresql|sqlite]
 
 SETUP     one fake AWS (tests/chaos/fake_aws.py: moto behind a fault-injecting proxy and a job
           simulator that runs each job's container entry, docker/job_entry.py, on this machine)
           and one Airflow deployment (tests/chaos/airflow_deployment.py: api-server, scheduler,
-          dag-processor, triggerer as separate processes, LocalExecutor, parallelism 4, SQLite)
-          whose `llmops_aws` connection points at the proxy. Bucket, Batch compute environment
-          and queue are created through the proxy with no faults set.
-BODY      one row per fault. Faults that hit every client (throttling, 5xx, resets, a component
-          restart) run one row at a time; faults aimed at one run's jobs or tasks (a worker
-          killed, a task cleared, a job failed on the service side...) run side by side, and
-          with them the lifecycle row, whose throttle rule is narrowed to its own jobs (fault
-          rule `jobs`: the `llmops:stage` tags pretrain and finetune; the small DAG's are
-          `sample`).
+          dag-processor, triggerer as separate processes, LocalExecutor, parallelism 4) on a
+          PostgreSQL metadata DB as MWAA's (tests/chaos/postgres.py: a cluster of its own in a
+          temp dir; `--database sqlite` for standalone's), whose `llmops_aws` connection points
+          at the proxy. Bucket, Batch compute environment and queue are created through the
+          proxy with no faults set.
+BODY      one row per fault. "global" rows run alone, one after another: 5xx and connection
+          resets (they hit every client's calls, S3 and creates included, which no job tag
+          narrows) and the component kills/restarts (they hit every run). Then the "scoped" rows
+          all side by side: faults aimed at one run's jobs or tasks (a worker killed, a task
+          cleared, a job failed on the service side...), the user's mark-failed control, and the
+          two throttle storms, whose rules are narrowed to their own runs' jobs (fault rule
+          `jobs`: the `run_id=<run id>` tag every job carries). The simulator holds one rule
+          list: each row's rules are added to and removed from the union (Matrix.add_faults), and
+          every injection is attributed to the row whose rule fired.
           The small rows run tests/dags/chaos_dags.py: `pretrain` on SageMaker and `finetune` on
           Batch, each a `tests.chaos.numbered_job` of `--seconds` seconds, in `chaos_remote`
           (deferred: the triggerer waits) and/or `chaos_remote_worker` (the worker waits).
           The lifecycle row runs dags/llm_lifecycle.py (recipe tiny, one sweep trial) with
           pretraining on SageMaker and fine-tuning on Batch under the throttle storm.
+LANDING   a row claims the halves its fault must hit (each task; for a component row each run's
+          task) and records, for each, that it landed (what, when, how long the row waited for
+          its moment: `fault_landed`) or why not (`fault_missed`). A missed half is an error:
+          the row measured nothing there. What counts as landed: a worker signalled while its
+          process was alive (right after submit: once its log names the submitted job, both
+          tasks watched at once from the moment their task runner exists); a job failed/stopped
+          on the service side while it ran; a component hit while the task's job ran (the
+          triggerer: and the task deferred); a task cleared while its job ran, or after it
+          succeeded; both same-conf runs submitting; a task marked failed while deferred with
+          its trigger polling; for fault rules, at least one injection of the row's own rules
+          into that task's service (SageMaker: pretrain, Batch: finetune). Waits for a moment
+          are bounded (600 s) and their length is recorded.
 MEASURE   after every row has ended and a settle time, from the simulator's report (every job
           it ran, with creation/start/end times, status, stop requests) and Airflow's REST API
           (task instance states and end times, XComs) and task log files (every try, the worker's
           and every triggerer's part). Per row:
-
   runs                  DAG runs the row triggered.
   duplicate_jobs        per (run, task) the jobs of its name base (`<task>-<hash>`, `-r2`,
                         `-r3`... for later attempts), in creation order: a job counts when, at
@@ -58,16 +74,19 @@ MEASURE   after every row has ended and a settle time, from the simulator's repo
                         loop's `step <n>/<N>` lines are counted the same way. Error records (the
                         operator's failure message quotes the log's tail) are not counted.
 
-The table is printed; `--out` writes the rows (exactly these keys plus `seconds` and `notes`)
-with machine information. What is simulated (and not): see tests/chaos/fake_aws.py.
+The table is printed (`landed`: halves landed / claimed); the full run (every row, 30 s jobs,
+PostgreSQL) is written to benchmarks/results/fault_matrix.json, a subset only where `--out` says:
+the rows (exactly these keys plus `seconds`, `fault_landed`, `fault_missed` and `notes`) with
+machine information and load. What is simulated (and not): see tests/chaos/fake_aws.py.
 
 KNOWN LIMITS  the control row marks a task failed once it is deferred and its trigger runs (its
           trigger log part shows a poll: a job line it forwarded), which is what a user does to a
-          multi-day job. A mark-failed that lands while a task hands over from the worker to the
-          triggerer is seen by nobody: the worker has exited deferred, the trigger has not
-          started (or only logged "starting"), and the job runs on (until its max_run_seconds)
-          with no one to stop it. Measured once (2 busy cores, 13 rows at once): marked 0.6 s and
-          5.5 s after the trigger's "starting" line, both jobs ran to their end. Not counted here.
+          multi-day job. A running trigger whose task was ended without Airflow calling its
+          on_kill stops the job itself (llmops.triggers.job: it asks the task's state every 30
+          s). A mark-failed that lands while a task hands over from the worker to the triggerer,
+          before the triggerer has picked the trigger up, is seen by nobody (Airflow deletes
+          the unused trigger unrun; the worker has exited) and the job runs on until its
+          max_run_seconds: not exercised here.
 """
 
 from __future__ import annotations
@@ -78,7 +97,7 @@ import json
 import os
 import platform
 import re
-import shutil
+import secrets
 import signal
 import subprocess
 import sys
@@ -145,6 +164,13 @@ class Row:
     fault: str
     runs: list[Run] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    # Where the fault must land ("pretrain", "finetune", "<dag>/<task>"...), what landed where
+    # ({"half", "what", "at", "waited_s"}) and why a half was missed: a half claimed and not
+    # landed fails the test (the row measured nothing there).
+    claims: list[str] = field(default_factory=list)
+    landed: list[dict[str, Any]] = field(default_factory=list)
+    missed: list[str] = field(default_factory=list)
+    rule_halves: dict[str, str] = field(default_factory=dict)   # half -> service its rules must hit
     marked_failed: dict[str, float] = field(default_factory=dict)   # base -> when
     service_stopped: set[str] = field(default_factory=set)          # job names stopped by us
     seconds: float = 0.0
@@ -152,10 +178,29 @@ class Row:
     started_at: float = 0.0
     ended_at: float = 0.0
 
+    def claim(self, *halves: str) -> None:
+        self.claims += [h for h in halves if h not in self.claims]
+
+    def land(self, half: str, what: str, waited: float | None = None, at: float | None = None) -> None:
+        entry: dict[str, Any] = {"half": half, "what": what, "at": round(at or time.time(), 2)}
+        if waited is not None:
+            entry["waited_s"] = round(waited, 1)
+        self.landed.append(entry)
+
+    def miss(self, half: str, why: str) -> None:
+        self.missed.append(f"{half}: {why}")
+
 
 class Matrix:
-    def __init__(self, workdir: Path, seconds: float = 30.0, pending_seconds: float = 2.0):
+    def __init__(self, workdir: Path, seconds: float = 30.0, pending_seconds: float = 2.0,
+                 database: str = "postgresql"):
         self.workdir = workdir
+        self.database = database
+        # Fault rules of the rows running now (the simulator holds one list: every change pushes
+        # the union, each rule with the seconds it has left) and, per push, which row owns each
+        # rule index: an injection is the row's whose rule fired.
+        self._rules: dict[int, tuple[Row, list[tuple[dict[str, Any], float]]]] = {}
+        self._pushes: list[tuple[float, list[Row]]] = []
         self.seconds = seconds
         self.pending_seconds = pending_seconds
         self.aws: Any = None
@@ -202,7 +247,8 @@ class Matrix:
                "MLFLOW_TRACKING_URI": f"sqlite:///{self.workdir / 'mlflow.db'}",
                **DUMMY_CREDENTIALS}
         env.pop("LLMOPS_STORAGE_ROOT", None)
-        self.dep = AirflowDeployment(self.workdir / "deployment", dags_folder=dags, env=env)
+        self.dep = AirflowDeployment(self.workdir / "deployment", dags_folder=dags, env=env,
+                                     database=self.database)
         self.dep.migrate()
         # The accelerator pool the lifecycle's sweep trials run in.
         subprocess.run([sys.executable, "-m", "llmops.sweep.pool"], env=self.dep.env, check=True,
@@ -242,13 +288,51 @@ class Matrix:
         if self.aws is not None:
             self.aws.stop()
 
+    # -- fault rules -------------------------------------------------------------------------
+    def add_faults(self, row: Row, rules: list[dict[str, Any]]) -> None:
+        now = time.time()
+        with self.lock:
+            self._rules[id(row)] = (row, [(r, now + float(r.get("seconds", 3600))) for r in rules])
+            self._push()
+
+    def remove_faults(self, row: Row) -> None:
+        with self.lock:
+            if self._rules.pop(id(row), None) is not None:
+                self._push()
+
+    def _push(self) -> None:
+        """(under self.lock) The union of the rows' rules to the simulator."""
+        now = time.time()
+        owners: list[Row] = []
+        rules: list[dict[str, Any]] = []
+        for row, entries in self._rules.values():
+            for rule, until in entries:
+                if until > now:
+                    rules.append({**rule, "seconds": round(until - now, 1)})
+                    owners.append(row)
+        self.chaos.faults(rules)
+        self._pushes.append((time.time(), owners))
+
+    def injections_of(self, row: Row, report: dict[str, Any]) -> list[dict[str, Any]]:
+        """The simulator's injections whose rule was this row's."""
+        out = []
+        for injection in report.get("injections") or []:
+            push = next((owners for at, owners in reversed(self._pushes) if at <= injection["at"]), None)
+            index = injection.get("rule", -1)
+            if push is not None and 0 <= index < len(push) and push[index] is row:
+                out.append(injection)
+        return out
+
     # -- helpers for rows --------------------------------------------------------------------
+    def new_run_id(self) -> str:
+        return f"manual__{time.strftime('%Y-%m-%dT%H:%M:%S')}-{secrets.token_hex(4)}"
+
     def conf(self, seconds: float | None = None, exit_code: int = 0) -> dict[str, Any]:
         return {"seconds": int(seconds if seconds is not None else self.seconds), "exit_code": exit_code}
 
-    def trigger(self, row: Row, dag_id: str, conf: dict[str, Any]) -> Run:
+    def trigger(self, row: Row, dag_id: str, conf: dict[str, Any], run_id: str | None = None) -> Run:
         assert self.dep is not None
-        run = Run(dag_id, self.dep.trigger(dag_id, conf))
+        run = Run(dag_id, self.dep.trigger(dag_id, conf, run_id))
         row.runs.append(run)
         return run
 
@@ -310,7 +394,7 @@ class Matrix:
             time.sleep(interval)
         return None
 
-    def wait_running(self, run: Run, task_id: str, after: float = 3.0, timeout: float = 120) -> dict | None:
+    def wait_running(self, run: Run, task_id: str, after: float = 3.0, timeout: float = 600) -> dict | None:
         """A job of the task that has run its container for `after` s and not ended."""
         return self.wait_job(run, task_id, lambda j: j.get("started_at") and not j.get("ended_at")
                              and time.time() - j["started_at"] >= after, timeout)
@@ -434,7 +518,19 @@ class Matrix:
                                      f":{j['status']}" for j in jobs)
                 details.append(f"{label}: task {ti.get('state')} after {ti.get('try_number')} tries; jobs [{row_jobs}]")
         crashes = [f"DEPLOYMENT: {text}" for at, text in self.events if row.started_at <= at <= row.ended_at]
+        if row.rule_halves:
+            injections = self.injections_of(row, report)
+            for half, service in row.rule_halves.items():
+                hits = [i for i in injections if i["service"] == service]
+                if hits:
+                    kinds = "/".join(sorted({i["kind"] for i in hits}))
+                    row.land(half, f"{len(hits)} {kinds} injections into its {service} calls "
+                                   f"{_count(i['operation'] for i in hits)}", at=hits[0]["at"])
+        landed = {entry["half"] for entry in row.landed}
+        missed = row.missed + [f"{h}: the fault never landed" for h in row.claims
+                               if h not in landed and not any(m.startswith(f"{h}: ") for m in row.missed)]
         return {"fault": row.fault, "runs": len(row.runs), **counts, "seconds": round(row.seconds, 1),
+                "fault_landed": row.landed, "fault_missed": missed,
                 "notes": row.notes + crashes + details + ([f"ERROR: {row.error}"] if row.error else [])}
 
     def _wrong_stop(self, row: Row, job: dict[str, Any]) -> bool:
@@ -461,110 +557,165 @@ def _agent(user_agent: str) -> str:
 
 
 # -- rows ------------------------------------------------------------------------------------------
-# Each row function triggers its runs, applies its fault and returns when its runs have ended.
+# Each row function triggers its runs, applies its fault, records where it landed (Row.land) or
+# why not (Row.miss) for every half it claims, and returns when its runs have ended.
 
-def row_faults(rules: list[dict[str, Any]], both: bool = True) -> Callable[[Matrix, Row], None]:
+HALVES = {"pretrain": "sagemaker", "finetune": "batch"}   # the chaos DAGs' tasks and their service
+
+
+def _each_task(body: Callable[[str], None]) -> None:
+    """`body(task_id)` for both tasks at once: a fault waited for on one task must not let the
+    other's moment pass (a worker that defers while we wait on the other task's)."""
+    with concurrent.futures.ThreadPoolExecutor(len(REMOTE_TASKS)) as pool:
+        for future in [pool.submit(body, t) for t in REMOTE_TASKS]:
+            future.result()
+
+
+def row_faults(rules: list[dict[str, Any]], both: bool = True, own_jobs: bool = False
+               ) -> Callable[[Matrix, Row], None]:
+    """Fault rules while a deferred run (and, with `both`, an in-worker one) runs. `own_jobs`:
+    the rules are narrowed to the calls about this row's jobs (by their run_id tag), so the row
+    can run beside others; otherwise they hit every call and the row runs alone."""
     def body(m: Matrix, row: Row) -> None:
-        m.chaos.faults(rules)
+        dags = [SMALL_DAG] + ([WORKER_DAG] if both else [])
+        run_ids = [m.new_run_id() for _ in dags]
+        applied = [{**r, "jobs": [f"run_id={i}" for i in run_ids]} if own_jobs else r for r in rules]
+        row.rule_halves = dict(HALVES)
+        row.claim(*HALVES)
+        m.add_faults(row, applied)
         try:
-            m.trigger(row, SMALL_DAG, m.conf())
-            if both:
-                m.trigger(row, WORKER_DAG, m.conf())
-            m.wait_runs(row, timeout=240 + 2 * m.seconds)
+            for dag_id, run_id in zip(dags, run_ids):
+                m.trigger(row, dag_id, m.conf(), run_id)
+            m.wait_runs(row, timeout=300 + 2 * m.seconds)
         finally:
-            m.chaos.clear()
-        row.notes.append(f"faults: {json.dumps(rules)}")
+            m.remove_faults(row)
+        row.notes.append(f"faults: {json.dumps(applied)}")
     return body
 
 
 def row_lifecycle_throttle(m: Matrix, row: Row) -> None:
     """The whole lifecycle, pretraining on SageMaker and fine-tuning on Batch, its jobs' describe
-    and log calls throttled (the rule narrowed to them: it runs beside the scoped rows)."""
+    and log calls throttled (the rule narrowed to its run's jobs: it runs beside other rows)."""
     conf = {"recipe": "tiny", "sweep_trials": 1, "backend_pretrain": "sagemaker",
             "backend_finetune": "batch", "storage_root": str(m.workdir / "storage"),
             "stage_resources": {"pretrain": {"instance_type": "ml.g5.2xlarge", "max_run_seconds": 3600},
                                 "finetune": {"instance_type": "p4d.24xlarge", "max_run_seconds": 3600}}}
     assert m.dep is not None
-    # Beside 12 other rows on 2 cores, a re-parse of the lifecycle file can run past the
+    # Beside other rows on 2 cores, a re-parse of the lifecycle file can run past the
     # dag-processor's timeout and the DAG be briefly gone (a 404 seen once): wait for it.
     m.dep.wait_dag(LIFECYCLE_DAG, timeout=300)
-    m.chaos.faults(LIFECYCLE_THROTTLE)
+    run_id = m.new_run_id()
+    rules = [{**THROTTLE[0], "jobs": [f"run_id={run_id}"]}]
+    row.rule_halves = dict(HALVES)
+    row.claim(*HALVES)
+    m.add_faults(row, rules)
     try:
-        m.trigger(row, LIFECYCLE_DAG, conf)
+        m.trigger(row, LIFECYCLE_DAG, conf, run_id)
         m.wait_runs(row, timeout=900)
     finally:
-        m.chaos.clear()
-    row.notes.append(f"faults: {json.dumps(LIFECYCLE_THROTTLE)}")
+        m.remove_faults(row)
+    row.notes.append(f"faults: {json.dumps(rules)}")
 
 
 def row_component(component: str, how: str) -> Callable[[Matrix, Row], None]:
     """A component killed (SIGKILL to its whole session, then started again) or restarted
-    (SIGTERM, then a new one), while both runs' jobs run."""
+    (SIGTERM, then a new one), while both runs' jobs run: it lands on each task whose job was
+    running (and, for the triggerer, whose task was deferred) at that moment."""
     def body(m: Matrix, row: Row) -> None:
         assert m.dep is not None
         runs = [m.trigger(row, SMALL_DAG, m.conf())]
         if component != "triggerer":
             runs.append(m.trigger(row, WORKER_DAG, m.conf()))
+        row.claim(*[f"{r.dag_id}/{t}" for r in runs for t in REMOTE_TASKS])
+        started = time.monotonic()
         for run in runs:
             for task_id in REMOTE_TASKS:
-                m.wait_running(run, task_id, after=5, timeout=120)
+                m.wait_running(run, task_id, after=5)
+        deferred = set()
         if component == "triggerer":
             for task_id in REMOTE_TASKS:
-                m.wait_ti(runs[0], task_id, {"deferred"}, timeout=30)
-        started = time.monotonic()
+                if m.wait_ti(runs[0], task_id, {"deferred"}, timeout=60)["state"] == "deferred":
+                    deferred.add(task_id)
+        waited = time.monotonic() - started
+        hit_at = time.time()
         if how == "kill":
             m.dep.kill(component)
             time.sleep(2)
             m.dep.restart(component, sig=None)
         else:
             m.dep.restart(component, sig=signal.SIGTERM, grace=20)
-        row.notes.append(f"{component} {how} + start took {time.monotonic() - started:.0f}s")
-        m.wait_runs(row, timeout=240 + 2 * m.seconds)
+        row.notes.append(f"{component} {how} + start took {time.time() - hit_at:.0f}s")
+        report = m.report()
+        for run in runs:
+            for task_id in REMOTE_TASKS:
+                half = f"{run.dag_id}/{task_id}"
+                live = [j for j in m.jobs_of(run, task_id, report) if j.get("started_at")
+                        and j["started_at"] <= hit_at and (not j.get("ended_at") or j["ended_at"] > hit_at)]
+                if not live:
+                    row.miss(half, f"no job of it was running when the {component} was hit")
+                elif component == "triggerer" and task_id not in deferred:
+                    row.miss(half, "its task was not deferred when the triggerer was killed")
+                else:
+                    row.land(half, f"{component} {how} while {live[0]['name']} ran", waited, at=hit_at)
+        m.wait_runs(row, timeout=300 + 2 * m.seconds)
     return body
 
 
-def _kill_workers(m: Matrix, row: Row, run: Run, sig: int, when: str) -> None:
+def _kill_worker(m: Matrix, row: Row, run: Run, task_id: str, sig: int, when: str) -> None:
+    """`sig` to the task runner of the task's first try: `mid_job` once its job has run 5 s,
+    `after_submit` as soon as its log names the submitted job (before it defers: the worker
+    is watched from the moment it exists, so the short window is not missed)."""
     assert m.dep is not None
-    for task_id in REMOTE_TASKS:
-        ti = m.wait_ti(run, task_id, {"running", "deferred"}, timeout=120)
-        if when == "after_submit":
-            pids = m.dep.wait_worker(ti["id"], timeout=60)
-            deadline = time.monotonic() + 60
-            while pids and time.monotonic() < deadline and not m.named_in_log(run, task_id):
-                time.sleep(0.02)
-        else:
-            m.wait_running(run, task_id, after=5, timeout=120)
-            pids = m.dep.worker_pids(ti["id"])
-        if not pids:
-            row.notes.append(f"{task_id}: no worker process found (state {m.ti(run, task_id)['state']})")
-            continue
-        try:
-            os.kill(pids[0], sig)
-        except ProcessLookupError:
-            row.notes.append(f"{task_id}: the worker had exited before the signal")
-            continue
-        time.sleep(1.5)
-        state = m.ti(run, task_id)["state"]
-        row.notes.append(f"{task_id}: sent {signal.Signals(sig).name} to task runner {pids[0]} "
-                         f"({when}); task then {state}")
+    started = time.monotonic()
+    ti_id = m.ti(run, task_id)["id"]      # the task instance exists from the run's creation
+    if when == "after_submit":
+        pids = m.dep.wait_worker(ti_id, timeout=600, interval=0.05)
+        deadline = time.monotonic() + 120
+        while pids and time.monotonic() < deadline and not m.named_in_log(run, task_id):
+            time.sleep(0.02)
+    else:
+        m.wait_running(run, task_id, after=5)
+        pids = m.dep.worker_pids(ti_id)
+    waited = time.monotonic() - started
+    if not pids:
+        row.miss(task_id, f"no worker process found in {waited:.0f}s (state {m.ti(run, task_id)['state']})")
+        return
+    try:
+        os.kill(pids[0], sig)
+    except ProcessLookupError:
+        row.miss(task_id, f"the worker had exited before the signal (state {m.ti(run, task_id)['state']})")
+        return
+    named = sorted(m.named_in_log(run, task_id))
+    row.land(task_id, f"{signal.Signals(sig).name} to task runner {pids[0]} ({when}, job {named})", waited)
+    time.sleep(1.5)
+    row.notes.append(f"{task_id}: sent {signal.Signals(sig).name} to task runner {pids[0]} "
+                     f"({when}); task then {m.ti(run, task_id)['state']}")
 
 
 def row_worker(sig: int, when: str, dag_id: str) -> Callable[[Matrix, Row], None]:
     def body(m: Matrix, row: Row) -> None:
         run = m.trigger(row, dag_id, m.conf())
-        _kill_workers(m, row, run, sig, when)
-        m.wait_runs(row, timeout=240 + 2 * m.seconds)
+        row.claim(*REMOTE_TASKS)
+        _each_task(lambda t: _kill_worker(m, row, run, t, sig, when))
+        m.wait_runs(row, timeout=300 + 2 * m.seconds)
     return body
 
 
 def row_clear_after_success(m: Matrix, row: Row) -> None:
     assert m.dep is not None
     run = m.trigger(row, SMALL_DAG, m.conf(seconds=max(5, m.seconds // 3)))
-    m.wait_runs(row, timeout=240)
+    row.claim(*REMOTE_TASKS)
+    m.wait_runs(row, timeout=300)
     before = {t: len(m.jobs_of(run, t)) for t in REMOTE_TASKS}
+    states = {t: m.ti(run, t) for t in REMOTE_TASKS}
     m.dep.clear_task(run.dag_id, run.run_id, list(REMOTE_TASKS))
+    for task_id, ti in states.items():
+        if ti["state"] == "success":
+            row.land(task_id, f"cleared after success (try {ti['try_number']})")
+        else:
+            row.miss(task_id, f"it had not succeeded when cleared ({ti['state']})")
     time.sleep(3)
-    m.wait_runs(row, timeout=240)
+    m.wait_runs(row, timeout=300)
     after = {t: len(m.jobs_of(run, t)) for t in REMOTE_TASKS}
     row.notes.append(f"jobs per task before the clear {before}, after {after}")
 
@@ -572,18 +723,36 @@ def row_clear_after_success(m: Matrix, row: Row) -> None:
 def row_clear_mid_run(m: Matrix, row: Row) -> None:
     assert m.dep is not None
     run = m.trigger(row, SMALL_DAG, m.conf())
-    for task_id in REMOTE_TASKS:
-        m.wait_running(run, task_id, after=5)
+    row.claim(*REMOTE_TASKS)
+    started = time.monotonic()
+    jobs: dict[str, Any] = {}
+    _each_task(lambda t: jobs.__setitem__(t, m.wait_running(run, t, after=5)))
+    waited = time.monotonic() - started
     m.dep.clear_task(run.dag_id, run.run_id, list(REMOTE_TASKS))
+    report = m.report()
+    for task_id in REMOTE_TASKS:
+        job = next((j for j in m.jobs_of(run, task_id, report) if jobs.get(task_id)
+                    and j["job_id"] == jobs[task_id]["job_id"]), None)
+        if job is None or job.get("ended_at"):
+            row.miss(task_id, "no job of it was running when the task was cleared")
+        else:
+            row.land(task_id, f"cleared while {job['name']} ran", waited)
     time.sleep(3)
-    m.wait_runs(row, timeout=240 + 2 * m.seconds)
+    m.wait_runs(row, timeout=300 + 2 * m.seconds)
 
 
 def row_same_conf_twice(m: Matrix, row: Row) -> None:
     conf = m.conf()
-    m.trigger(row, SMALL_DAG, conf)
-    m.trigger(row, SMALL_DAG, conf)
-    m.wait_runs(row, timeout=240 + 2 * m.seconds)
+    runs = [m.trigger(row, SMALL_DAG, conf), m.trigger(row, SMALL_DAG, conf)]
+    row.claim(*REMOTE_TASKS)
+    m.wait_runs(row, timeout=300 + 2 * m.seconds)
+    report = m.report()
+    for task_id in REMOTE_TASKS:
+        jobs = [m.jobs_of(r, task_id, report) for r in runs]
+        if all(jobs):
+            row.land(task_id, f"both runs of one conf submitted: {[j[0]['name'] for j in jobs]}")
+        else:
+            row.miss(task_id, f"a run submitted no job ({[len(j) for j in jobs]} jobs)")
 
 
 def row_service(action: str) -> Callable[[Matrix, Row], None]:
@@ -592,17 +761,23 @@ def row_service(action: str) -> Callable[[Matrix, Row], None]:
     def body(m: Matrix, row: Row) -> None:
         assert m.dep is not None
         run = m.trigger(row, SMALL_DAG, m.conf())
-        for task_id in REMOTE_TASKS:
+        row.claim(*REMOTE_TASKS)
+
+        def hit(task_id: str) -> None:
+            started = time.monotonic()
             job = m.wait_running(run, task_id, after=5)
+            waited = time.monotonic() - started
             if job is None:
-                row.notes.append(f"{task_id}: no running job to {action}")
-                continue
+                row.miss(task_id, f"no running job to {action} in {waited:.0f}s")
+                return
             target = job["job_id"] if job["service"] == "batch" else job["name"]
-            (m.chaos.fail if action == "fail" else m.chaos.stop)(target)
             if action == "stop":
                 row.service_stopped.add(job["name"])
-            row.notes.append(f"{task_id}: {action} {job['name']} on the service side")
-        m.wait_runs(row, timeout=240 + 2 * m.seconds)
+            (m.chaos.fail if action == "fail" else m.chaos.stop)(target)
+            row.land(task_id, f"{action} {job['name']} on the service side", waited)
+
+        _each_task(hit)
+        m.wait_runs(row, timeout=300 + 2 * m.seconds)
         report = m.report()
         for task_id in REMOTE_TASKS:
             first = [j for j in m.jobs_of(run, task_id, report) if not BASE.search(j["name"])]
@@ -620,12 +795,15 @@ def row_mark_failed(m: Matrix, row: Row) -> None:
     must be left running (orphaned_jobs: within ORPHAN_AFTER s)."""
     assert m.dep is not None
     run = m.trigger(row, SMALL_DAG, m.conf(seconds=max(m.seconds, 90)))
-    for task_id in REMOTE_TASKS:
-        # Beside the other scoped rows the run can wait minutes for a slot (parallelism 4).
-        m.wait_running(run, task_id, after=5, timeout=300)
+    row.claim(*REMOTE_TASKS)
+
+    def mark(task_id: str) -> None:
+        assert m.dep is not None
+        started = time.monotonic()
+        m.wait_running(run, task_id, after=5)
         m.wait_ti(run, task_id, {"deferred"}, timeout=120)
         # The trigger runs: its log part shows a poll (a job line it forwarded), not only its
-        # "starting" line (a cancel before the first poll is the handoff race: KNOWN LIMITS).
+        # "starting" line.
         deadline, polled = time.monotonic() + 120, False
         while time.monotonic() < deadline and not polled:
             polled = any(e["source"].startswith("trigger.") and "chaos-line" in e["event"]
@@ -636,21 +814,28 @@ def row_mark_failed(m: Matrix, row: Row) -> None:
         for base in run.bases[task_id]:
             row.marked_failed[base] = time.time()
         m.dep.mark_failed(run.dag_id, run.run_id, task_id)
-        row.notes.append(f"{task_id}: marked failed at {time.strftime('%H:%M:%S')} while {state}, "
-                         f"{'its trigger polling' if polled else 'NO trigger poll seen in 120 s'}")
-    m.wait_runs(row, timeout=240 + 2 * m.seconds)
+        if state == "deferred" and polled:
+            row.land(task_id, f"marked failed while deferred, its trigger polling "
+                              f"({sorted(run.bases[task_id])})", time.monotonic() - started)
+        else:
+            row.miss(task_id, f"marked failed while {state}, "
+                              f"{'its trigger polling' if polled else 'NO trigger poll seen in 120 s'}")
+
+    _each_task(mark)
+    m.wait_runs(row, timeout=300 + 2 * m.seconds)
 
 
 THROTTLE = [{"operations": DESCRIBE_AND_LOGS, "kind": "throttle", "rate": 0.5, "seconds": 900}]
-LIFECYCLE_THROTTLE = [{**THROTTLE[0], "jobs": ["llmops:stage=pretrain", "llmops:stage=finetune"]}]
 SERVICES = ["sagemaker", "batch", "logs", "s3"]
 FIVE_XX = [{"operations": ["*"], "services": SERVICES, "kind": "500", "rate": 0.15, "seconds": 60},
            {"operations": ["*"], "services": SERVICES, "kind": "503", "rate": 0.18, "seconds": 60}]
 RESETS = [{"operations": ["*"], "services": SERVICES, "kind": "reset", "rate": 0.2, "seconds": 60}]
 
-# (fault, body, group): rows of one "global" group run one after another; "scoped" rows together.
+# (fault, body, group): "global" rows run alone, one after another (their faults hit every
+# client: 5xx and resets also hit S3 and creates, which no job tag narrows; a component restart
+# hits every run); the "scoped" rows touch only their own runs and jobs and run side by side.
 ROWS: list[tuple[str, Callable[[Matrix, Row], None], str]] = [
-    ("throttle storm 50% describe+logs", row_faults(THROTTLE), "global"),
+    ("throttle storm 50% describe+logs", row_faults(THROTTLE, own_jobs=True), "scoped"),
     ("throttle storm, full lifecycle (pretrain SageMaker, finetune Batch)", row_lifecycle_throttle, "scoped"),
     ("5xx burst 30% for 60s", row_faults(FIVE_XX), "global"),
     ("connection resets 20% for 60s", row_faults(RESETS), "global"),
@@ -684,7 +869,7 @@ def _run_row(m: Matrix, fault: str, body: Callable[[Matrix, Row], None]) -> Row:
 
 
 def run_matrix(workdir: Path | None = None, only: list[str] | None = None, seconds: float = 30.0,
-               lifecycle: bool = True) -> dict[str, Any]:
+               lifecycle: bool = True, database: str = "postgresql") -> dict[str, Any]:
     """Run the selected rows (substrings of their fault names; all by default) and measure."""
     workdir = Path(workdir or tempfile.mkdtemp(prefix="llmops-chaos-"))
     workdir.mkdir(parents=True, exist_ok=True)
@@ -692,7 +877,7 @@ def run_matrix(workdir: Path | None = None, only: list[str] | None = None, secon
                 and (lifecycle or r[1] is not row_lifecycle_throttle)]
     started = time.monotonic()
     load_before = os.getloadavg()
-    m = Matrix(workdir, seconds=seconds)
+    m = Matrix(workdir, seconds=seconds, database=database)
     rows: list[Row] = []
     setup_seconds = 0.0
     try:
@@ -742,7 +927,7 @@ def run_matrix(workdir: Path | None = None, only: list[str] | None = None, secon
         m.stop()
     total = time.monotonic() - started
     return {"rows": measured, "total_seconds": round(total, 1), "setup_seconds": round(setup_seconds, 1),
-            "job_seconds": seconds, "summary": summary, "machine": machine_info(load_before),
+            "job_seconds": seconds, "database": database, "only": only or [], "summary": summary, "machine": machine_info(load_before),
             "workdir": str(workdir)}
 
 
@@ -784,13 +969,24 @@ def table(result: dict[str, Any]) -> str:
     short = {"duplicate_jobs": "dup_jobs", "orphaned_jobs": "orphans", "wrongly_stopped_jobs": "wrong_stops",
              "lost_results": "lost", "duplicated_log_lines": "dup_lines"}
     width = max(len(r["fault"]) for r in result["rows"]) if result["rows"] else 10
-    lines = [f"{'fault':<{width}}  " + "  ".join(f"{short.get(h, h):>9}" for h in header[1:])]
+    lines = [f"{'fault':<{width}}  " + "  ".join(f"{short.get(h, h):>9}" for h in header[1:]) + "     landed"]
     for r in result["rows"]:
-        lines.append(f"{r['fault']:<{width}}  " + "  ".join(f"{r.get(h, ''):>9}" for h in header[1:]))
+        landed = len({e["half"] for e in r.get("fault_landed", [])})
+        lines.append(f"{r['fault']:<{width}}  " + "  ".join(f"{r.get(h, ''):>9}" for h in header[1:])
+                     + f"  {landed:>4}/{landed + len(r.get('fault_missed', []))}")
     lines.append(f"total {result['total_seconds']:.0f}s (setup {result['setup_seconds']:.0f}s) on "
                  f"{result['machine']['cpu_count']} CPUs, load {result['machine']['load_average_before']} -> "
                  f"{result['machine']['load_average_after']}")
     return "\n".join(lines)
+
+
+OUT = ROOT / "benchmarks" / "results" / "fault_matrix.json"   # the committed full run
+
+
+def is_full(result: dict[str, Any]) -> bool:
+    """Every row, at the default job length, on PostgreSQL: the run the committed JSON holds."""
+    return (not result.get("only") and result.get("job_seconds") == 30.0
+            and result.get("database") == "postgresql" and len(result["rows"]) == len(ROWS))
 
 
 def write(result: dict[str, Any], out: Path) -> None:
@@ -802,20 +998,29 @@ def write(result: dict[str, Any], out: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.chaos.matrix", description=__doc__.split("\n")[0])
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "fault_matrix.json")
+    parser.add_argument("--out", type=Path, default=None,
+                        help=f"where to write the result (default {OUT.relative_to(ROOT)}, for a full "
+                             "run only: a subset run is written only where --out says)")
     parser.add_argument("--only", default="", help="comma-separated substrings of fault names")
     parser.add_argument("--seconds", type=float, default=30.0, help="length of each small job")
     parser.add_argument("--no-lifecycle", action="store_true", help="skip the full lifecycle row")
     parser.add_argument("--workdir", type=Path, default=None)
+    parser.add_argument("--database", choices=("postgresql", "sqlite"), default="postgresql",
+                        help="the deployment's metadata DB (MWAA uses PostgreSQL)")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     # SIGTERM too ends the matrix through its clean-up (the deployment and the fake AWS stop).
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     only = [o.strip() for o in args.only.split(",") if o.strip()]
-    result = run_matrix(args.workdir, only or None, args.seconds, lifecycle=not args.no_lifecycle)
+    result = run_matrix(args.workdir, only or None, args.seconds, lifecycle=not args.no_lifecycle,
+                        database=args.database)
     print(table(result))
-    write(result, args.out)
-    print(f"written to {args.out}")
+    out = args.out or (OUT if is_full(result) else None)
+    if out is None:
+        print(f"a subset run: not written to {OUT.relative_to(ROOT)} (name a file with --out)")
+    else:
+        write(result, out)
+        print(f"written to {out}")
     return 0
 
 

@@ -6,8 +6,10 @@ lands while the job runs.
 - `chaos_remote`: both deferred (the triggerer waits, as on MWAA with deferrable operators);
 - `chaos_remote_worker`: both waited for in the worker (the task holds a worker slot throughout).
 
-Params: `seconds` (job length), `exit_code` (non-zero: the job fails with it). Retries 1, 5 s
-apart, so a failed try is followed by one more.
+Params: `seconds` (job length), `exit_code` (non-zero: the job fails with it). Retries 2, 5 s
+apart: a row's fault (a killed worker, a job failed on the service side) takes one, and a try
+that dies before it runs (its start call to the execution API timing out on busy cores, seen on
+PostgreSQL at load 17) must not leave the fault's try without its retry.
 """
 
 from datetime import timedelta
@@ -29,7 +31,7 @@ for dag_id, deferrable in [("chaos_remote", True), ("chaos_remote_worker", False
     with DAG(dag_id, schedule=None, start_date=pendulum.datetime(2026, 1, 1, tz="UTC"),
              catchup=False, params=PARAMS, render_template_as_native_obj=True,
              max_active_runs=4, tags=["chaos", "test"],
-             default_args={"retries": 1, "retry_delay": timedelta(seconds=5)}) as dag:
+             default_args={"retries": 2, "retry_delay": timedelta(seconds=5)}) as dag:
         for task_id, backend, instance_type in TASKS:
             JobOperator(task_id=task_id, deferrable=deferrable, poll_interval=2.0,
                         spec={"stage": "sample", "entrypoint": ENTRYPOINT, "config": CONFIG,
