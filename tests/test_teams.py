@@ -1,5 +1,5 @@
 """Teams in their lanes (plugins/llmops/teams.py) and a budget on every job
-(plugins/llmops/sweep/budget.py, `run_estimate` / `check_team`): each allowlist rule of the
+(plugins/llmops/sweep/budget.py `run_estimate`, teams.check_team): each allowlist rule of the
 `llmops_teams` Variable refuses a run in start_run with the field, the team, the rule and the fix,
 before any job and before the MLflow parent run; the backends submit with the team's role, fair
 share, namespace and queue; a run over the team's monthly budget, counting the ledger's spend, is
@@ -167,9 +167,11 @@ def test_without_the_variable_the_team_stays_a_free_label(monkeypatch, tmp_path)
 # -- the backends take the team's role, share, namespace and queue ------------------------------
 
 def spec_of(team: str, stage: str = "pretrain") -> JobSpec:
+    """A job as the run's spec builders make it: the team's settings travel on the spec."""
     return JobSpec(stage=stage, entrypoint="tasks.pretrain", name="job-1", backend="sagemaker",
                    image=NLP_IMAGES + "train:1", instance_type="ml.g5.2xlarge",
-                   output_uri="s3://llmops-validation/nlp/out", tags={"team": team})
+                   output_uri="s3://llmops-validation/nlp/out", tags={"team": team},
+                   settings_overrides=teams.settings_overrides(team))
 
 
 def test_jobs_run_with_their_teams_role_share_namespace_and_queue(team_setup):

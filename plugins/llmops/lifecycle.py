@@ -300,12 +300,15 @@ def _spec(run: dict[str, Any], stage: str, config: dict[str, Any], *,
     scheduling = {"team": run.get("team") or ""}
     if run.get("priority") is not None:
         scheduling["priority"] = str(run["priority"])
+    backend = run["backends"][stage]
     return JobSpec(
-        stage=stage, entrypoint=ENTRYPOINTS[stage], config=config, backend=run["backends"][stage],
+        stage=stage, entrypoint=ENTRYPOINTS[stage], config=config, backend=backend,
         output_uri=config.get("output_dir", ""), mlflow_experiment=run["experiment"],
         mlflow_parent_run_id=run["parent_run_id"],
         tags={"data_hash": data_hash, **(lineage or {}), **{k: v for k, v in scheduling.items() if v}},
         cache=step_cache.for_spec(run, stage, inputs),
+        # the remote backends submit with the team's role, share, namespace and queue
+        settings_overrides={} if backend == "local" else teams.settings_overrides(run.get("team") or ""),
         **(run.get("resources") or {}).get(stage, {}),
     ).to_dict()
 

@@ -48,7 +48,7 @@ A run's `team` Param must name a configured team; empty = `default_team` (no def
 team must be named). Without the Variable nothing changes: one implicit team, the team Param a
 free label as before, no allowlists beyond the deployment's, no budget. Checked in `start_run`
 (`check_run`, `check_budget`) before any job and before the MLflow parent run; the backends apply
-the team's role, share, namespace and queue at submit time (`backend_overrides`).
+the team's role, share, namespace and queue the run's job specs carry (`settings_overrides`).
 """
 
 from __future__ import annotations
@@ -245,14 +245,16 @@ def resolve(name: Any, teams: Teams | None = None) -> Team | None:
     return teams.teams[name]
 
 
-def backend_overrides(settings_class: str, team_name: str) -> dict[str, str]:
-    """Fields of a backend settings block that the job's team replaces (its role, fair share,
-    namespace, queue); {} without teams. A team tag no longer configured is refused."""
+def settings_overrides(team_name: str) -> dict[str, dict[str, str]]:
+    """The backend settings fields the team replaces (its role, fair share, namespace, queue),
+    per settings class, for JobSpec.settings_overrides; {} without teams. A team no longer
+    configured is refused."""
     team = resolve(team_name)
     if team is None:
         return {}
-    return {setting: getattr(team, key) for setting, key in BACKEND_FIELDS.get(settings_class, {}).items()
-            if getattr(team, key)}
+    overrides = {cls: {setting: getattr(team, key) for setting, key in keys.items() if getattr(team, key)}
+                 for cls, keys in BACKEND_FIELDS.items()}
+    return {cls: fields for cls, fields in overrides.items() if fields}
 
 
 # -- a run inside its team's lane -----------------------------------------------------------

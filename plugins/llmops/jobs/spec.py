@@ -47,6 +47,10 @@ class JobSpec:
     # The step cache (llmops.step_cache.for_spec): the index's root, each input's path and content
     # hash, whether to look up, and a record taken from an earlier run. {}: never cached.
     cache: dict = field(default_factory=dict)
+    # Backend settings this job must run with, over the deployment's blocks and their stage
+    # overrides (the run's policy decides them: its team's role, fair share, namespace, queue):
+    # settings class name -> field -> value, e.g. {"BatchSettings": {"job_role_arn": "arn:..."}}.
+    settings_overrides: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.stage:
@@ -61,6 +65,9 @@ class JobSpec:
         for key, value in self.env.items():
             if not ENV_NAME_RE.match(str(key)) or not isinstance(value, str):
                 raise JobSpecError(f"JobSpec.env entry {key!r} must map a valid name to a string.")
+        if not all(isinstance(v, dict) for v in self.settings_overrides.values()):
+            raise JobSpecError("JobSpec.settings_overrides must map a settings class name to "
+                               "{field: value}, e.g. {'BatchSettings': {'job_role_arn': '...'}}.")
         for label, number in (("instance_count", self.instance_count),
                               ("nproc_per_node", self.nproc_per_node),
                               ("max_run_seconds", self.max_run_seconds)):

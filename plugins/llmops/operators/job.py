@@ -39,7 +39,8 @@ NOT_ENDED_BY_USER = frozenset({"running", "queued", "scheduled", "deferred", "up
 CLEARED = frozenset({"restarting", None})
 STATE_LOOKUP_SECONDS = 3.0
 # Spec fields that do not change what the job computes: left out of the job's identity.
-NOT_IDENTITY = ("name", "tags", "mlflow_experiment", "mlflow_parent_run_id")
+# settings_overrides: the backend's fingerprint hashes the settings they produce
+NOT_IDENTITY = ("name", "tags", "mlflow_experiment", "mlflow_parent_run_id", "settings_overrides")
 
 
 class JobOperator(BaseOperator):

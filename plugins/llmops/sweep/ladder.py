@@ -19,7 +19,7 @@ import re
 import tempfile
 from typing import Any
 
-from llmops import lifecycle, paths, tracking
+from llmops import lifecycle, paths, teams, tracking
 from llmops import params as knobs
 from llmops.jobs.spec import JobSpec
 from llmops.sweep import budget
@@ -92,7 +92,10 @@ def _spec(run: dict[str, Any], entrypoint: str, config: dict[str, Any], *, stage
     return JobSpec(stage=stage, entrypoint=entrypoint, config=config,
                    backend=run["backends"]["ladder"], output_uri=config.get("output_dir", ""),
                    mlflow_experiment=run["experiment"], mlflow_parent_run_id=run["parent_run_id"],
-                   tags={"data_hash": data_hash, **tags}).to_dict()
+                   tags={"data_hash": data_hash, **tags},
+                   # the remote backends submit with the (default) team's role, share, namespace, queue
+                   settings_overrides={} if run["backends"]["ladder"] == "local"
+                   else teams.settings_overrides(run.get("team") or "")).to_dict()
 
 
 def plan_rungs(run: dict[str, Any], data: dict[str, Any]) -> list[dict[str, Any]]:

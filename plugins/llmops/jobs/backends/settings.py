@@ -113,12 +113,11 @@ class RemoteSettings:
             raise BackendSettingsError(str(exc)) from None
 
     def for_job(self: S, spec: Any) -> S:
-        """for_stage, then the job's team's role, fair share, namespace and queue from the
-        `llmops_teams` Variable (plugins/llmops/teams.py): no stage override replaces them."""
-        from llmops import teams
-
+        """for_stage, then the job's own settings_overrides for this class (the run's team's
+        role, fair share, namespace and queue, put on the spec by whoever built it): no stage
+        override replaces them."""
         block = self.for_stage(spec.stage)
-        overrides = teams.backend_overrides(type(self).__name__, spec.tags.get("team", ""))
+        overrides = spec.settings_overrides.get(type(self).__name__) or {}
         return dataclasses.replace(block, **overrides) if overrides else block
 
     def require(self, *names: str, backend: str) -> None:
