@@ -279,7 +279,13 @@ class TrainConfig:
     eval_batches: int = bounded(8, minimum=1, maximum=100_000, help="Batches per val eval.")
     checkpoint_interval: int = bounded(50, minimum=1, maximum=10_000_000,
                                        help="Steps between checkpoints.")
-    keep_checkpoints: int = bounded(2, minimum=1, maximum=1000, help="Checkpoints kept on disk.")
+    keep_checkpoints: int = bounded(2, minimum=1, maximum=1000,
+                                    help="The newest checkpoints kept, on disk and under "
+                                         "checkpoint_uri (besides those keep_every keeps).")
+    keep_every: int = bounded(0, minimum=0, maximum=10_000_000,
+                              help="Also keep every checkpoint whose step is a multiple of this, "
+                                   "to go back to or fork from; a multiple of "
+                                   "checkpoint_interval; 0 = only the newest keep_checkpoints.")
     log_interval: int = bounded(10, minimum=1, maximum=10_000_000, help="Steps between metric logs.")
     seed: int = bounded(1337, minimum=0, maximum=2**31 - 1)
     # Scale-out and resilience (tasks/train/supervisor.py, loop.py, checkpoint.py)
@@ -326,10 +332,39 @@ class TrainConfig:
                                           "own (benchmarks/results/spike_guard.json).")
     spike_skip_batches: int = bounded(1, minimum=1, maximum=1_000_000,
                                       help="Batches up to and including a spike skipped after rollback.")
+    # Cluster health inside the job (tasks/train/health.py); none of it runs on one process
+    # except the burn-in's matmul
+    burn_in: bool = bounded(True, help="Before training, every rank checks an exact matmul and an "
+                                       "all-reduce; a wrong result stops the job, naming the node.")
+    burn_in_min_gbps: float = bounded(0.0, minimum=0.0, maximum=100_000.0,
+                                      help="The burn-in's all-reduce must reach this bus bandwidth "
+                                           "(Gb/s) or the job refuses to start; 0 = timed only.")
+    straggler_check_every: int = bounded(10, minimum=0, maximum=10_000_000,
+                                         help="Steps between comparisons of the ranks' step times "
+                                              "(one small all_gather); 0 = off.")
+    straggler_factor: float = bounded(1.5, minimum=1.0, maximum=1000.0,
+                                      help="A rank this many times the other ranks' median step "
+                                           "time is slow.")
+    straggler_steps: int = bounded(3, minimum=1, maximum=1_000_000,
+                                   help="Consecutive slow checks before a rank is named a straggler.")
+    straggler_action: str = bounded("warn", choices=("warn", "restart"),
+                                    help="warn: name it in the log, MLflow and the result; restart: "
+                                         "also stop the job (exit 76) for its node to be replaced.")
+    sdc_check: bool = bounded(True, help="Compare the data-parallel replicas' parameter checksums "
+                                         "before each checkpoint: a mismatch rolls back, a repeat "
+                                         "on the same rank stops the job (exit 76).")
+    sdc_check_every: int = bounded(0, minimum=0, maximum=10_000_000,
+                                   help="Also compare them every this many steps; 0 = before each "
+                                        "checkpoint only.")
 
     def __post_init__(self) -> None:
         _check_bounds(self)
         _check(bool(self.data_dir), "TrainConfig.data_dir is required: the data prep output.")
+        _check(self.keep_every % self.checkpoint_interval == 0,
+               f"TrainConfig.keep_every ({self.keep_every}) must be 0 or a multiple of "
+               f"checkpoint_interval ({self.checkpoint_interval}): only those steps are saved. Set "
+               f"keep_every to "
+               f"{max(1, round(self.keep_every / self.checkpoint_interval)) * self.checkpoint_interval}.")
         _check(bool(self.output_dir), "TrainConfig.output_dir is required: where checkpoints go.")
         _check(not self.checkpoint_uri or self.checkpoint_uri.startswith("s3://"),
                f"TrainConfig.checkpoint_uri must be empty or an s3://bucket/prefix URI, got "

@@ -138,6 +138,7 @@ def _train(cfg: TrainConfig, setup: _Setup, env: WorkerEnv, *, stage: str, publi
     from tasks.train.distributed import DistContext
     from tasks.train.export import publish_model
     from tasks.train.faults import FaultInjector
+    from tasks.train.health import JobHealth, health_settings
     from tasks.train.losses import cross_entropy
     from tasks.train.loop import LoopOptions, train
     from tasks.causal_lm import position_params
@@ -161,6 +162,8 @@ def _train(cfg: TrainConfig, setup: _Setup, env: WorkerEnv, *, stage: str, publi
 
         mirror = S3Mirror(cfg.checkpoint_uri)
     faults = FaultInjector.from_env(rank, events)
+    health = JobHealth(health_settings(cfg), state_file=run_dir / "health.json",
+                       faults=faults if faults else None)
     options = LoopOptions(
         dist=dist, async_checkpoint=cfg.async_checkpoint, checkpoint_mirror=mirror,
         spike_sigma=cfg.spike_sigma, spike_window=cfg.spike_window,
@@ -174,7 +177,7 @@ def _train(cfg: TrainConfig, setup: _Setup, env: WorkerEnv, *, stage: str, publi
                                             data.seq_len, position_params(model)),
         peak_flops=setup.peak_flops, compile=cfg.compile, accumulation=setup.accumulation,
         global_batch=cfg.batch_size * world * setup.accumulation,
-        init_weights=lambda: _initial_weights(cfg))
+        init_weights=lambda: _initial_weights(cfg), keep_every=cfg.keep_every, health=health)
     val_rows = setup.val_rows
 
     tracked = stage_run(stage, cfg) if rank == 0 else contextlib.nullcontext(None)
@@ -204,12 +207,16 @@ def _train(cfg: TrainConfig, setup: _Setup, env: WorkerEnv, *, stage: str, publi
                     "rank": rank}
 
         report = _report(run_dir, result)
+        named = health.report()
         out: dict[str, Any] = {
             "metrics": {"val_loss": result.val["val_loss"], "train_loss": result.train_loss,
                         "tokens_per_s": result.tokens_per_s, "params": model.num_params(),
                         "lr": cfg.optim.lr, "step": result.step,
                         "goodput": report["goodput"], "rollbacks": result.rollbacks,
-                        "skipped_batches": len(result.skipped_batches)},
+                        "skipped_batches": len(result.skipped_batches),
+                        "stragglers": len(named["stragglers"]),
+                        "sdc_mismatches": len(named["sdc_mismatches"])},
+            "health": named,  # the ranks and hosts named, with their numbers, for the ledger
             "outputs": {"checkpoint": result.checkpoint},
             "resumed_from": result.resumed_from,
             "mlflow_run_id": run.info.run_id,
@@ -267,7 +274,8 @@ def _report(run_dir: Path, result: Any) -> dict[str, Any]:
     counts = {name: sum(e["kind"] == kind for e in events)
               for kind, name in (("restart", "restarts"), ("hang", "hangs"),
                                  ("rollback", "rollbacks"), ("peer_failure", "peer_failures"),
-                                 ("anomaly", "anomalies"))}
+                                 ("anomaly", "anomalies"), ("straggler", "stragglers"),
+                                 ("sdc_mismatch", "sdc_mismatches"))}
     # one chart section, after the loss curves (see tasks.common.tracking.CHART_NAMES)
     metrics = {"resilience/goodput": report["goodput"],
                "resilience/goodput_excluding_hang_wait": report["goodput_excluding_hang_wait"],
@@ -319,6 +327,7 @@ def _worker(cfg: TrainConfig, env: WorkerEnv) -> dict[str, Any]:
                     source="spare").emit("spare_ready")
         env.wait_for_promotion()
     from tasks.train.guard import UnrecoverableAnomaly
+    from tasks.train.health import NODE_UNHEALTHY_EXIT, NodeUnhealthy
 
     try:
         result = _train(cfg, setup, env, stage="pretrain", publish=True, on_eval=None)
@@ -326,6 +335,10 @@ def _worker(cfg: TrainConfig, env: WorkerEnv) -> dict[str, Any]:
         # the rollback budget is the job's (skipped_batches.json): a restart would fail again
         log.error("training stopped: %s", exc)
         sys.exit(FATAL_EXIT)
+    except NodeUnhealthy as exc:
+        # a restart here would run on the same hardware: the job stops for the node's replacement
+        log.error("training stopped, a node is unhealthy: %s", exc)
+        sys.exit(NODE_UNHEALTHY_EXIT)
     result.pop("seconds", None)
     return result
 
@@ -338,6 +351,8 @@ def _supervise(cfg: TrainConfig, env: WorkerEnv) -> dict[str, Any] | None:
     result_path.unlink(missing_ok=True)
     if env.rank == 0:
         (run_dir / "mlflow_run_id").unlink(missing_ok=True)  # a new job opens (or gets) its own
+        # health strikes name ranks of this job's nodes; a new job may run on other nodes
+        (run_dir / "health.json").unlink(missing_ok=True)
     supervisor = Supervisor(
         run_dir=run_dir, rank=env.rank, max_restarts=cfg.max_restarts,
         hang_timeout_s=cfg.hang_timeout_s, phase_timeouts=phase_timeouts(cfg),

@@ -20,6 +20,11 @@ optimizer step N runs there (steps count from 1, as in the logs and checkpoint n
                   throttled S3 would: the save must not trip the watchdog within its budget
     slow_restore  the first restore of a checkpoint of step >= N stalls for D seconds before
                   loading it (`slow_restore@N+Ds`, default 30 s)
+    slow_rank     from step N on, every step of the rank sleeps D seconds before its forward
+                  pass (`slow_rank@N+0.2s:1`), as a degraded node would: a straggler
+    flip_bit      after step N's update, one bit of one of the rank's parameters flips, as a
+                  device with silent data corruption would (tasks/train/health.py)
+    bad_burnin    the rank's burn-in matmul returns a wrong element (`bad_burnin@1:1`; N unused)
 
 "Once per job": a fault is recorded in events.jsonl (fsynced) before it acts, and a restarted
 worker reads which faults already fired, so the replayed step N does not fail again.
@@ -41,8 +46,9 @@ from tasks.train.telemetry import EventLog, read_events
 log = logging.getLogger(__name__)
 
 ENV = "LLMOPS_FAULTS"
-KINDS = ("kill", "hang", "spike", "nan", "corrupt_ckpt", "slow_save", "slow_restore")
-SLOW_KINDS = ("slow_save", "slow_restore")  # the ones that take a duration, kind@N+Ds
+KINDS = ("kill", "hang", "spike", "nan", "corrupt_ckpt", "slow_save", "slow_restore", "slow_rank",
+         "flip_bit", "bad_burnin")
+SLOW_KINDS = ("slow_save", "slow_restore", "slow_rank")  # the ones that take a duration, kind@N+Ds
 SLOW_S = 30.0
 SPIKE_FACTOR = 100.0
 _FAULT = re.compile(r"^(?P<kind>[a-z_]+)@(?P<step>\d+)(?:\*(?P<factor>\d+(?:\.\d*)?))?"
@@ -101,13 +107,16 @@ class FaultInjector:
                      if e.get("kind") == "fault_injected"}
         self.pending = {f.id: f for f in faults if f.rank == rank and f.id not in fired}
         self._by_step = {(f.kind, f.step): f for f in self.pending.values()}
+        # a slow_rank that fired before a restart still slows this worker down
+        self._slow_rank: Fault | None = next(
+            (f for f in faults if f.kind == "slow_rank" and f.rank == rank and f.id in fired), None)
 
     @classmethod
     def from_env(cls, rank: int, events: EventLog | None, spec: str | None = None) -> "FaultInjector":
         return cls(parse_faults(spec if spec is not None else os.environ.get(ENV, "")), rank, events)
 
     def __bool__(self) -> bool:
-        return bool(self.pending)
+        return bool(self.pending) or self._slow_rank is not None
 
     def _take(self, kind: str, step: int) -> Fault | None:
         fault = self._by_step.get((kind, step))
@@ -123,8 +132,13 @@ class FaultInjector:
 
     def before_compute(self, step: int) -> None:
         """Called once the step's batch is ready, before its forward pass."""
-        if not self._by_step:
+        if not self._by_step and self._slow_rank is None:
             return
+        slow = self._slow_rank
+        if slow is None:
+            slow = self._slow_rank = self._take_due("slow_rank", step) or None
+        if slow:  # not once: a degraded node stays slow
+            time.sleep(slow.seconds)
         if self._take("kill", step):
             os.kill(os.getpid(), signal.SIGKILL)
         if self._take("hang", step):
@@ -139,6 +153,18 @@ class FaultInjector:
         if self._take("nan", step):
             return loss * float("nan")
         return loss
+
+    def after_update(self, step: int, params: list[Any]) -> None:
+        """Called after step's optimizer update."""
+        if self._by_step and self._take("flip_bit", step):
+            from tasks.train.health import flip_bit
+
+            log.warning("fault injection: flipped %s", flip_bit(params))
+
+    def corrupt_burn_in(self) -> bool:
+        """Whether this rank's burn-in result is made wrong."""
+        due = [f for f in list(self.pending.values()) if f.kind == "bad_burnin"]
+        return bool(due) and self._take("bad_burnin", due[0].step) is not None
 
     def after_checkpoint(self, step: int, path: Path) -> None:
         """Called when checkpoint `step` is committed (and uploaded, when mirrored)."""

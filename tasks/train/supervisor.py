@@ -55,6 +55,8 @@ ROLE_ENV = "LLMOPS_TRAIN_ROLE"  # "worker" or "spare" in a child; unset in the s
 ATTEMPT_ENV = "LLMOPS_TRAIN_ATTEMPT"
 RUN_DIR_ENV = "LLMOPS_TRAIN_RUN_DIR"
 FATAL_EXIT = 3  # a failure a restart would repeat (bad config or data, the guard gave up)
+# a node failed a health check (tasks/train/health.py): restarting on it would repeat the failure
+NODE_UNHEALTHY_EXIT = 76
 STOP_GRACE_S = 10.0
 
 
@@ -199,10 +201,12 @@ class Supervisor:
                 self.events.emit("worker_exit", code=code, attempt=worker.attempt, step=step)
                 if code == 0:
                     return 0
-                if code == FATAL_EXIT:
+                if code in (FATAL_EXIT, NODE_UNHEALTHY_EXIT):
                     self.events.emit("fatal", attempt=worker.attempt,
                                      reason="the worker stopped on an error a restart would "
-                                            "repeat (its log says which)")
+                                            "repeat (its log says which)" if code == FATAL_EXIT
+                                     else "a node failed a health check: the job stops for it "
+                                          "to be replaced (its log names the rank and host)")
                     return code
                 if self.restarts >= self.max_restarts:
                     self.events.emit("budget_exhausted", restarts=self.restarts)
