@@ -7,6 +7,9 @@ from typing import Any
 
 from botocore.exceptions import ClientError
 
+FULL_PAGE = 1000   # events: a GetLogEvents page this full may have more behind it
+MAX_PAGES = 10     # pages read per stream per call; a backlog beyond comes with the next call
+
 
 def stream_names(logs: Any, group: str, prefix: str) -> list[str]:
     """Every stream of `group` whose name starts with `prefix`, across all pages (DescribeLogStreams
@@ -29,7 +32,12 @@ def _prefix(stream: str, streams: list[str]) -> str:
 def follow(logs: Any, group: str, streams: list[str], cursor: dict[str, str] | None
            ) -> tuple[list[str], dict[str, str]]:
     """New lines of `streams` since `cursor`; lines are prefixed with their stream's last part
-    when there are several (one per instance or node)."""
+    when there are several (one per instance or node).
+
+    One GetLogEvents per stream per call when the page is not full: asking again only to hear
+    "no more" doubled every poll's log calls. A page of FULL_PAGE events or more may have more
+    behind it and is followed by the next, at most MAX_PAGES a stream; whatever is left comes with
+    the next call, from the cursor (nothing is skipped, it only comes a poll later)."""
     cursor = dict(cursor or {})
     lines: list[str] = []
     for stream in streams:
@@ -37,13 +45,16 @@ def follow(logs: Any, group: str, streams: list[str], cursor: dict[str, str] | N
         if stream in cursor:
             kwargs["nextToken"] = cursor[stream]
         try:
-            while True:
+            for _ in range(MAX_PAGES):
                 page = logs.get_log_events(**kwargs)
-                lines += [_prefix(stream, streams) + event["message"] for event in page.get("events", [])]
+                events = page.get("events", [])
+                lines += [_prefix(stream, streams) + event["message"] for event in events]
                 token = page.get("nextForwardToken")
                 if not token or token == kwargs.get("nextToken"):
                     break
                 kwargs["nextToken"] = token
+                if len(events) < FULL_PAGE:
+                    break
         except ClientError as exc:
             if exc.response["Error"]["Code"] != "ResourceNotFoundException":
                 raise
@@ -53,9 +64,11 @@ def follow(logs: Any, group: str, streams: list[str], cursor: dict[str, str] | N
     return lines, cursor
 
 
-def tail(logs: Any, group: str, streams: list[str], lines: int = 40) -> list[str]:
+def tail(logs: Any, group: str, streams: list[str], lines: int = 40,
+         cursor: dict[str, str] | None = None) -> list[str]:
     """The last `lines` lines over `streams`, oldest first: one GetLogEvents call per stream,
-    reading from the end (startFromHead=False), never the whole log."""
+    reading from the end (startFromHead=False), never the whole log. With `cursor`, each stream's
+    forward token is put in it, so `follow` goes on after these lines."""
     limit = max(1, min(int(lines), 10_000))   # GetLogEvents' own bounds
     events: list[tuple[int, int, str]] = []
     for stream in streams:
@@ -66,6 +79,8 @@ def tail(logs: Any, group: str, streams: list[str], lines: int = 40) -> list[str
             if exc.response["Error"]["Code"] != "ResourceNotFoundException":
                 raise
             continue
+        if cursor is not None and page.get("nextForwardToken"):
+            cursor[stream] = page["nextForwardToken"]
         found = page.get("events", [])[-limit:]
         events += [(e.get("timestamp", 0), i, _prefix(stream, streams) + e["message"])
                    for i, e in enumerate(found)]

@@ -51,14 +51,15 @@ def sse_args(hook_or_key: Any) -> dict[str, str]:
 
 def s3_hook(aws_conn_id: str | None, region_name: str | None = None, kms_key_id: str | None = None):
     """The provider's S3Hook, retrying throttling (SlowDown) and 5xx adaptively, encrypting every
-    object it writes with `kms_key(kms_key_id)` when there is one."""
+    object it writes with `kms_key(kms_key_id)` when there is one: one per connection, region and
+    key in the process (llmops.aws.clients), shared by every poll and trigger."""
     from airflow.providers.amazon.aws.hooks.s3 import S3Hook
 
+    from llmops.aws import clients
     from llmops.aws.retry import with_retries
 
     key = kms_key(kms_key_id)
-    hook = with_retries(S3Hook)(aws_conn_id=aws_conn_id, region_name=region_name or None,
-                                extra_args=sse_args(key))
+    hook = clients.hook(with_retries(S3Hook), aws_conn_id, region_name, extra_args=sse_args(key))
     hook.llmops_kms_key_id = key
     return hook
 
@@ -70,11 +71,18 @@ def write_json(hook: Any, uri: str, data: Any) -> None:
 
 
 def read_json(hook: Any, uri: str) -> Any | None:
-    """The JSON object at `uri`, or None if there is none."""
+    """The JSON object at `uri`, or None if there is none: one GetObject (not a HeadObject first),
+    with the client, which threads may share (the hook's S3 resource must not be)."""
+    from botocore.exceptions import ClientError
+
     bucket, key = split_s3(uri)
-    if not hook.check_for_key(key, bucket_name=bucket):
-        return None
-    return json.loads(hook.read_key(key, bucket_name=bucket))
+    try:
+        body = hook.get_conn().get_object(Bucket=bucket, Key=key)["Body"].read()
+    except ClientError as exc:
+        if exc.response.get("Error", {}).get("Code") in ("NoSuchKey", "404", "NotFound"):
+            return None
+        raise
+    return json.loads(body)
 
 
 def upload_path(hook: Any, local: str | os.PathLike, uri: str) -> int:

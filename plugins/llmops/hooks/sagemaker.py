@@ -6,7 +6,8 @@ Here a job is looked up by name (None when absent), stopped only while it runs, 
 log is read from a cursor that survives deferral, or only its end (`log_tail`). Every client
 (SageMaker, CloudWatch Logs, S3) retries throttling adaptively (llmops.aws.retry); the provider
 builds its S3 and Logs hooks without the hook's region, these get it, and the S3 one encrypts what
-it writes with `kms_key_id` (llmops.aws.s3).
+it writes with `kms_key_id` (llmops.aws.s3). `jobs_hook()` is the process's one hook per
+connection, region and key (llmops.aws.clients): a poll reuses its clients.
 
 A job is absent only when SageMaker says so: a ValidationException whose message says the job
 was not found. Any other ValidationException (a malformed name, a request SageMaker refuses) is
@@ -22,7 +23,7 @@ from airflow.providers.amazon.aws.hooks.logs import AwsLogsHook
 from airflow.providers.amazon.aws.hooks.sagemaker import SageMakerHook
 from botocore.exceptions import ClientError
 
-from llmops.aws import s3
+from llmops.aws import clients, s3
 from llmops.aws.logs import follow, stream_names, tail
 from llmops.aws.retry import with_retries
 
@@ -51,8 +52,9 @@ class SageMakerJobsHook(with_retries(SageMakerHook)):
     def __init__(self, *args: Any, kms_key_id: str = "", **kwargs: Any):
         super().__init__(*args, **kwargs)
         region = kwargs.get("region_name")
+        # The process's S3 and Logs hooks for this connection and region (llmops.aws.clients).
         self.s3_hook = s3.s3_hook(self.aws_conn_id, region, kms_key_id)
-        self.logs_hook = with_retries(AwsLogsHook)(aws_conn_id=self.aws_conn_id, region_name=region)
+        self.logs_hook = clients.hook(with_retries(AwsLogsHook), self.aws_conn_id, region)
 
     def describe_job(self, kind: str, name: str) -> dict[str, Any] | None:
         """The job's description, or None if no job has this name."""
@@ -101,10 +103,26 @@ class SageMakerJobsHook(with_retries(SageMakerHook)):
         the end of every instance's stream (log_tail)."""
         group = KINDS[kind][4]
         logs = self.logs_hook.get_conn()
-        return follow(logs, group, stream_names(logs, group, f"{name}/algo-1-"), cursor)
+        prefix = f"{name}/algo-1-"
+        # The streams the cursor knows are read without listing them again: DescribeLogStreams
+        # has a far lower account-wide rate than GetLogEvents. Only a quiet poll lists them (a
+        # stream appears with the container's first line, and a restarted instance logs to a new
+        # one, leaving the old one quiet).
+        known = sorted(k for k in (cursor or {}) if k.startswith(prefix))
+        if known:
+            lines, cursor = follow(logs, group, known, cursor)
+            if lines:
+                return lines, cursor
+        fresh = [s for s in stream_names(logs, group, prefix) if s not in known]
+        return follow(logs, group, fresh, cursor) if fresh else ([], dict(cursor or {}))
 
     def log_tail(self, kind: str, name: str, lines: int = 40) -> list[str]:
         """The last `lines` lines over the job's streams, read from their ends."""
         group = KINDS[kind][4]
         logs = self.logs_hook.get_conn()
         return tail(logs, group, stream_names(logs, group, f"{name}/"), lines)
+
+
+def jobs_hook(aws_conn_id: str | None, region_name: str | None = None, kms_key_id: str = "") -> SageMakerJobsHook:
+    """The process's SageMakerJobsHook for this connection, region and KMS key."""
+    return clients.hook(SageMakerJobsHook, aws_conn_id, region_name, kms_key_id=kms_key_id)

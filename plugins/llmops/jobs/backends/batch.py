@@ -23,7 +23,8 @@
                                             cannot run multi-node parallel jobs on Spot)
 
 Submitted through the provider's BatchClientHook, with the arguments of BatchOperator, its
-clients retrying throttling adaptively (llmops.aws.retry). One live job per attempt, whatever the
+clients retrying throttling adaptively (llmops.aws.retry), one hook per connection and region in
+the process (llmops.hooks.batch). One live job per attempt, whatever the
 network loses: see BatchBackend.submit (a claim per attempt, a token on the job, copies of a
 resent SubmitJob terminated after every submit and while the handle is young). A status's details
 carry `started_at` (the current attempt's startedAt) once the job runs; the handle carries
@@ -43,7 +44,6 @@ from typing import Any
 
 from llmops.aws import s3
 from llmops.aws.logs import follow, tail
-from llmops.aws.retry import with_retries
 from llmops.aws.validation import validate_request
 from llmops.jobs.backends import remote
 from llmops.jobs.backends.base import Backend, JobState, JobStatus
@@ -72,6 +72,8 @@ DEFAULT_PRIORITY = 0    # a fair-share queue needs a scheduling priority; runs w
 FINISHED = ("SUCCEEDED", "FAILED")
 DESCRIBE_BATCH = 100    # DescribeJobs takes at most 100 job ids a call
 NOT_FOUND_RETRIES = 4   # a job just submitted may not be visible to DescribeJobs yet
+MAIN_NODE = 0           # job_definition's mainNode: rank 0, which logs the steps
+FAILED_NODE_LINES = 40  # the end of a node that failed while the others ran, shown once
 
 
 def batch_tags(tags: dict[str, str]) -> dict[str, str]:
@@ -198,10 +200,9 @@ class BatchBackend(Backend):
         self._settings = settings
 
     def _hook(self, aws_conn_id: str, region_name: str = ""):
-        from airflow.providers.amazon.aws.hooks.batch_client import BatchClientHook
+        from llmops.hooks.batch import jobs_hook
 
-        return with_retries(BatchClientHook)(aws_conn_id=aws_conn_id or None,
-                                             region_name=region_name or None)
+        return jobs_hook(aws_conn_id, region_name)   # one per process (llmops.aws.clients)
 
     def _find(self, hook: Any, queue: str, name: str) -> dict[str, Any] | None:
         """The newest job of this name in the queue (Batch names are not unique), or None."""
@@ -550,28 +551,66 @@ class BatchBackend(Backend):
         streams = list(dict.fromkeys(c["logStreamName"] for c in containers if c.get("logStreamName")))
         if not streams:
             return None, "", []   # no container has started yet
-        from airflow.providers.amazon.aws.hooks.logs import AwsLogsHook
+        from llmops.hooks.batch import logs_client
 
-        logs = with_retries(AwsLogsHook)(
-            aws_conn_id=handle["aws_conn_id"] or None,
-            region_name=options.get("awslogs-region") or handle.get("region_name") or None).get_conn()
+        logs = logs_client(handle["aws_conn_id"], options.get("awslogs-region") or handle.get("region_name"))
         return logs, options.get("awslogs-group", "/aws/batch/job"), streams
 
     def read_logs(self, handle: dict[str, Any], cursor: Any = None) -> tuple[list[str], Any]:
-        """The main node's new lines: rank 0 logs the steps, and reading every node's stream on
-        every poll cost a 64-node job 64 GetLogEvents calls each time, against CloudWatch's
-        account-wide limits. A failure's message reads the end of every node's (log_tail)."""
+        """The main node's new lines, and the end of any node that failed while the others run.
+
+        Rank 0 logs the steps on the main node: reading every node's stream on every poll cost a
+        64-node job 64 GetLogEvents calls each time, against CloudWatch's account-wide limits.
+        A node that failed on its own is what the user needs to see, so its last
+        FAILED_NODE_LINES lines are read once, when its node job says so, and its stream is
+        followed from there (lines CloudWatch delivers late). Node jobs are described directly
+        by id (`<id>#<node>`, at most DESCRIBE_BATCH a call: one DescribeJobs up to 100 nodes),
+        not through their parent, whose describe status() makes anyway. A failure's message
+        reads the end of every node's stream (log_tail)."""
         # A cursor is {stream: forward token}; keys with a leading "_" came from older releases.
         tokens = {k: v for k, v in cursor.items() if not k.startswith("_")} if isinstance(cursor, dict) else {}
-        logs, group, streams = self._log_streams(handle, main_only=True)
-        if not streams:
-            return [], tokens
-        return follow(logs, group, streams, tokens)
+        count = int(handle.get("instance_count") or 0)
+        if not count:   # a handle from before it carried its node count: ask the parent
+            logs, group, streams = self._log_streams(handle, main_only=True)
+            return follow(logs, group, streams, tokens) if streams else ([], tokens)
+        hook = self._hook(handle["aws_conn_id"], handle.get("region_name", ""))
+        nodes = {}
+        ids = [f"{handle['job_id']}#{i}" for i in range(count)]
+        for start in range(0, len(ids), DESCRIBE_BATCH):
+            for job in hook.client.describe_jobs(jobs=ids[start:start + DESCRIBE_BATCH]).get("jobs", []):
+                index = (job.get("nodeDetails") or {}).get("nodeIndex")
+                if index is not None:
+                    nodes[int(index)] = job
+        main = (nodes.get(MAIN_NODE) or {}).get("container") or {}
+        config = main.get("logConfiguration") or {}
+        if not main.get("logStreamName") or config.get("logDriver", "awslogs") != "awslogs":
+            return [], tokens   # not started yet, or its logs go elsewhere (splunk, fluentd, ...)
+        from llmops.hooks.batch import logs_client
+
+        options = config.get("options") or {}
+        logs = logs_client(handle["aws_conn_id"], options.get("awslogs-region") or handle.get("region_name"))
+        group = options.get("awslogs-group", "/aws/batch/job")
+        failed = [((job.get("container") or {}).get("logStreamName"), index)
+                  for index, job in sorted(nodes.items()) if index != MAIN_NODE and _node_failed(job)]
+        failed = [(stream, index) for stream, index in failed if stream]
+        lines = []
+        for stream, index in failed:
+            if stream not in tokens:
+                lines += [f"[node {index} failed] {line}"
+                          for line in tail(logs, group, [stream], FAILED_NODE_LINES, cursor=tokens)]
+        more, tokens = follow(logs, group, [main["logStreamName"], *(s for s, _ in failed)], tokens)
+        return lines + more, tokens
 
     def log_tail(self, handle: dict[str, Any], lines: int = 40) -> list[str]:
         """The job's last `lines` log lines, reading only the end of each node's stream."""
         logs, group, streams = self._log_streams(handle)
         return tail(logs, group, streams, lines) if streams else []
+
+
+def _node_failed(job: dict[str, Any]) -> bool:
+    """Whether a node job has failed (its container exited non-zero), whatever the parent says."""
+    code = (job.get("container") or {}).get("exitCode")
+    return job.get("status") == "FAILED" or (code is not None and code != 0)
 
 
 def _intent_uri(prefix: str) -> str:

@@ -299,8 +299,7 @@ class KubeClient:
         return fn(**kwargs)
 
 
-_CLIENTS: dict[tuple[str, ...], KubeClient] = {}
-_CLIENTS_LOCK = threading.Lock()
+_CLIENTS: dict[tuple[str, ...], Any] = {}   # kube_client's entries (llmops.aws.clients)
 
 
 def _field(source: Any) -> Callable[[str], str]:
@@ -310,13 +309,15 @@ def _field(source: Any) -> Callable[[str], str]:
 
 
 def kube_client(source: Any) -> KubeClient:
-    """The process's client for the cluster of `source` (settings or a handle), made once."""
+    """The process's client for the cluster of `source` (settings or a handle), made once and
+    made again when its connection's definition changes (llmops.aws.clients); its token renews
+    itself (KubeClient)."""
+    from llmops.aws import clients
+
     get = _field(source)
     key = (get("eks_cluster_name"), get("kubernetes_conn_id"), get("aws_conn_id"), get("region_name"))
-    with _CLIENTS_LOCK:
-        if key not in _CLIENTS:
-            _CLIENTS[key] = connect(*key)
-        return _CLIENTS[key]
+    return clients.cached(("kube", *key), lambda: connect(*key),
+                          (get("kubernetes_conn_id") or get("aws_conn_id"),), store=_CLIENTS)
 
 
 def connect(eks_cluster_name: str, kubernetes_conn_id: str, aws_conn_id: str,

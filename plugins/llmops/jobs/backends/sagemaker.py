@@ -426,10 +426,9 @@ class _SageMakerBackend(Backend):
         self._settings = settings  # None: read the Airflow Variable at submit time
 
     def _hook(self, aws_conn_id: str, region_name: str = "", kms_key_id: str = ""):
-        from llmops.hooks.sagemaker import SageMakerJobsHook
+        from llmops.hooks.sagemaker import jobs_hook
 
-        return SageMakerJobsHook(aws_conn_id=aws_conn_id or None, region_name=region_name or None,
-                                 kms_key_id=kms_key_id)
+        return jobs_hook(aws_conn_id, region_name, kms_key_id)   # one per process (llmops.aws.clients)
 
     def render(self, spec: JobSpec, settings: Any, staged: remote.Staged, job_name: str,
                region: str) -> tuple[dict[str, Any], dict[str, str]]:
