@@ -41,6 +41,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.pretrain_common import machine  # noqa: E402 - at start: the load then
+
 CONFIGS = (  # name, pipeline, cores, workers
     ("ours-1core", "ours", 1, 1),
     ("datatrove-1core", "datatrove", 1, 1),
@@ -318,6 +320,7 @@ def main() -> None:
         print(f"{name}: agreement {summary['agreement']}\n")
 
     results["load_average_end"] = os.getloadavg()
+    results["machine"] = {**results["machine"], **machine()}  # commit, versions, load
     if args.out:
         args.out.write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
     print(json.dumps(results, sort_keys=True))

@@ -38,6 +38,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.pretrain_common import machine  # noqa: E402 - at start: the load then
 from benchmarks.data_prep_bench import bench_env, fit, pinned, timed, versions  # noqa: E402
 
 
@@ -226,6 +227,7 @@ def main() -> None:
     if not args.skip_scaling:
         results["scaling"] = scaling_section({s: corpora[s] for s in args.scaling_sizes}, args.work, args.rounds)
     results["load_average_end"] = os.getloadavg()
+    results["machine"] = {**results["machine"], **machine()}  # commit, versions, load
     if args.out:
         args.out.write_text(json.dumps(results, indent=2, sort_keys=True, default=int) + "\n")
     print(json.dumps(results, sort_keys=True, default=int))

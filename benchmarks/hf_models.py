@@ -27,6 +27,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT)]
 
+from benchmarks.pretrain_common import machine  # noqa: E402 - at start: the load then
+
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
@@ -109,7 +111,8 @@ def main() -> None:
                       "transformers": transformers.__version__, "torch_threads": 1,
                       "load_avg_1_5_15_at_start": [round(v, 2) for v in loads[0]],
                       "load_avg_1_5_15_at_end": [round(v, 2) for v in loads[1]],
-                      "finished_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+                      "finished_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                      "git_commit": machine()["git_commit"]}
     path = ROOT / "benchmarks" / "results" / "hf_models.json"
     path.write_text(json.dumps(out, indent=2) + "\n")
     print(f"wrote {path}")

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import shutil
 import statistics
@@ -31,7 +30,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.data_prep_bench import _pinned, train_shared_tokenizer  # noqa: E402
+from benchmarks.pretrain_common import machine  # noqa: E402 - at start: the load then
+from benchmarks.data_prep_bench import pinned, train_shared_tokenizer  # noqa: E402
 
 
 def snapshot(work: Path, name: str, pii_source: str | None) -> Path:
@@ -51,7 +51,7 @@ def prep_run(tree: Path, corpus: Path, work: Path, tokenizer: Path) -> dict:
     config.write_text(json.dumps({"engine": "local", "tokenizer_path": str(tokenizer), "seq_len": 1024,
                                   "vocab_size": 8192, "demo_sft_examples": 100}))
     load, cpu_before, started = os.getloadavg()[0], _children_cpu(), time.perf_counter()
-    stdout = _run_in(tree, [*_pinned(1), sys.executable, "-m", "tasks.data.prep",
+    stdout = _run_in(tree, [*pinned(1), sys.executable, "-m", "tasks.data.prep",
                             "--input", str(corpus / "*.jsonl"), "--output", str(out),
                             "--config", str(config), "--workers", "1"])
     seconds = time.perf_counter() - started
@@ -99,7 +99,7 @@ def _children_cpu() -> float:
 
 
 def pii_only_run(tree: Path, corpus: Path) -> float:
-    stdout = _run_in(tree, [*_pinned(1), sys.executable, "-c", PII_ONLY, str(corpus), str(tree)])
+    stdout = _run_in(tree, [*pinned(1), sys.executable, "-c", PII_ONLY, str(corpus), str(tree)])
     return round(json.loads(stdout.strip().splitlines()[-1])["cpu_seconds"], 3)
 
 
@@ -161,7 +161,7 @@ def main() -> None:
         "what": "python -m tasks.data.prep (engine local, 1 core, taskset) on the benchmark corpus, "
                 "baseline pii.py vs this tree's, alternating rounds, CPU and wall seconds; plus the "
                 "PII step alone in-process (CPU seconds, every document)",
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
+        "machine": machine(),  # platform, commit, versions, load at start and end
         "versions": {"phonenumbers": _version("phonenumbers")},
         "baseline_pii_revision": args.baseline_pii,
         "corpus": {"documents": stats["documents"], "text_mb": stats["text_mb"]},

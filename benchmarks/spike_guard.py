@@ -28,8 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import platform
 import shutil
 import statistics
 import sys
@@ -40,6 +38,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "plugins")]
+
+from benchmarks.pretrain_common import machine  # noqa: E402 - at start: the load then
 
 import torch  # noqa: E402
 
@@ -194,7 +194,7 @@ def main() -> None:
     import logging
 
     logging.disable(logging.WARNING)  # the loop logs every checkpoint
-    t_start, load_start = time.time(), os.getloadavg()
+    t_start = time.time()
     data_dir = prepared_data(args.work)
 
     clean = []
@@ -304,9 +304,7 @@ def main() -> None:
               f"{row['grad_norm_max_ratio']:.1f}x")
 
     result = {
-        "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count(),
-                    "torch_threads": torch.get_num_threads(), "loadavg_start": load_start,
-                    "loadavg_end": os.getloadavg()},
+        "machine": {**machine(), "torch_threads": torch.get_num_threads()},  # commit, load
         "torch": torch.__version__,
         "settings": {"steps": args.steps, "seeds": args.seeds, "models": {k: to_dict(v) for k, v in models().items()},
                      "dropout": [0.0, 0.1], "lr_factors": [1.0, 2.0], "recipe_lr": tiny().pretrain.optim.lr,

@@ -354,7 +354,10 @@ def render(summary: dict[str, Any], airflow: dict[str, Any] | None = None) -> st
                                  f"{figure('gate.version', gate.get('version'))}"],
             ["aliases", _e(", ".join(gate.get("aliases") or []) or "none")],
             ["reasons", _e(gate.get("reasons") or "none")],
-            ["compared to", _e(gate.get("compared_to") or "–")]], "gate"))
+            ["compared to", _e(gate.get("compared_to") or "–")],
+            # paired against the champion: difference [interval] items p policy: verdict
+            *[[f"paired: {_e(metric)}", figure(f"gate.paired.{metric}", verdict)]
+              for metric, verdict in (gate.get("paired") or {}).items()]], "gate"))
     else:
         body.append('<div class="empty">the gate has not decided yet</div>')
     return _page(f"{s['dag_id']} {s['run_id']}", "".join(body))
