@@ -46,6 +46,57 @@ def test_thresholds_and_champion_margins_name_each_reason():
     assert promotion.gate_decisions(gate, alone, ("good",)) == {"good": []}
 
 
+def per_item(correct: list[int], items: str = "sft-eval") -> dict:
+    """Evaluation's per-item results (tasks/eval/suites.item_results) for `correct`."""
+    import hashlib
+
+    return {"n": len(correct), "items": hashlib.sha256(items.encode()).hexdigest()[:16],
+            "correct": "".join(map(str, correct))}
+
+
+def paired_evaluation(ours: list[int], theirs: list[int], items_theirs: str = "sft-eval") -> dict:
+    n = len(ours)
+    return {"metrics": {**metrics("champion", sum(theirs) / n, 40.0, 1.50),
+                        **metrics("challenger", sum(ours) / n, 40.0, 1.50)},
+            "models": {"challenger": {"per_item": {"task_accuracy": per_item(ours)}},
+                       "champion": {"per_item": {"task_accuracy": per_item(theirs, items_theirs)}}}}
+
+
+def discordant(n: int, both: int, only_ours: int, only_theirs: int) -> tuple[list[int], list[int]]:
+    ours = [1] * both + [1] * only_ours + [0] * only_theirs
+    theirs = [1] * both + [0] * only_ours + [1] * only_theirs
+    return ours + [0] * (n - len(ours)), theirs + [0] * (n - len(theirs))
+
+
+def test_paired_policies_judge_by_the_interval_not_the_point_estimate():
+    """0.812 against 0.809 on 1000 items is not a win a `superior` policy accepts; a student 0.3
+    points worse passes `non_inferior` within 0.02, where a zero margin on the point estimates
+    would refuse it; a champion scored on other items falls back to champion_margins."""
+    superior = gate_cfg(paired={"task_accuracy": {"policy": "superior"}})
+    noise = paired_evaluation(*discordant(1000, 792, 20, 17))
+    (reason,) = promotion.gate_decisions(superior, noise, ("challenger",))["challenger"]
+    assert reason.startswith("task_accuracy: challenger 0.812 vs champion 0.809, difference +0.003 "
+                             "with 95% interval [") and "on 1000 items does not lie above 0" in reason
+    clear = paired_evaluation(*discordant(1000, 700, 120, 20))
+    assert promotion.gate_decisions(superior, clear, ("challenger",)) == {"challenger": []}
+
+    worse_by_a_little = paired_evaluation(*discordant(1000, 792, 17, 20))   # 0.809 vs 0.812
+    point = GateConfig(champion_margins={"task_accuracy": 0.0})
+    assert promotion.gate_decisions(point, worse_by_a_little, ("challenger",))["challenger"]
+    cheaper = GateConfig(champion_margins={"task_accuracy": 0.0},
+                         paired={"task_accuracy": {"policy": "non_inferior", "margin": 0.02}})
+    reasons, compared = promotion.judge(cheaper, worse_by_a_little, ("challenger",))
+    assert reasons == {"challenger": []}
+    c = compared["challenger"]["task_accuracy"]
+    assert c.n == 1000 and c.low > -0.02 and c.diff == pytest.approx(-0.003) and c.passed
+
+    other_items = paired_evaluation(*discordant(1000, 792, 17, 20), items_theirs="older-suite")
+    reasons, compared = promotion.judge(cheaper, other_items, ("challenger",))
+    assert compared == {"challenger": {}}
+    assert reasons["challenger"] == ["task_accuracy 0.809 is worse than the champion's 0.812 "
+                                     "(at most -0 allowed)"]
+
+
 @pytest.fixture(scope="module")
 def model_uri(tiny_data_dir) -> str:
     """One real logged model (a tiny GPT with the tiny data's tokenizer, logged as every training
@@ -146,6 +197,23 @@ def test_gate_registers_promotes_refuses_and_waits_for_approval(model_uri):
     finished = retraining.finish(run, decision, approval, crowned)
     assert finished == {"outcome": "promoted", "version": "3"}
     assert client.get_run(run["parent_run_id"]).info.status == "FINISHED"
+
+
+def test_the_paired_verdict_is_on_the_registered_version_and_before_the_approver(model_uri):
+    client = tracking.client()
+    ours, theirs = discordant(400, 250, 60, 10)
+    found = evaluation(model_uri, sum(ours) / 400, 38.0, 1.48, (sum(theirs) / 400, 40.0, 1.50))
+    found["models"]["challenger"]["per_item"] = {"task_accuracy": per_item(ours)}
+    found["models"]["champion"]["per_item"] = {"task_accuracy": per_item(theirs)}
+    run = lifecycle_run("p1", require_approval=True, paired={"task_accuracy": {"policy": "superior"}})
+    decision = promotion.gate(run, found, {"data_hash": "d" * 64}, candidates=("challenger",))
+    assert decision["passed"]
+    tag = client.get_model_version(NAME, decision["version"]).tags["gate.paired.task_accuracy"]
+    # McNemar on 60 vs 10 discordant items: scipy.stats.binomtest(10, 70).pvalue = 8.0048e-10
+    assert tag.startswith("+0.1250 [") and tag.endswith("n=400 p=8e-10 superior: pass")
+    body = promotion.approval_body(decision)
+    assert "| metric | difference | interval | items | p | policy | verdict |" in body
+    assert "| task_accuracy | +0.1250 | [+0.0" in body and "| 400 | 8e-10 | superior | pass |" in body
 
 
 def test_lifecycle_promote_prefers_the_student_and_falls_back_to_the_teacher(model_uri):

@@ -72,7 +72,8 @@ def lifecycle_run():
     client.create_registered_model(name)
     mv = client.create_model_version(name, source="file:///nonexistent/model", tags={
         "lifecycle_run_id": parent, "candidate": "student", "gate.passed": "true",
-        "gate.reasons": "none", "gate.compared_to": "no champion yet"})
+        "gate.reasons": "none", "gate.compared_to": "no champion yet",
+        "gate.paired.task_accuracy": "+0.1250 [+0.0875, +0.1650] n=400 p=8e-10 superior: pass"})
     client.set_registered_model_alias(name, "champion", mv.version)
     client.set_tag(parent, "gate", "passed")
     client.set_tag(parent, "champion", f"{name}/{mv.version}")
@@ -155,6 +156,8 @@ def test_the_page_shows_mlflows_numbers(lifecycle_run, airflow_db):
     assert float(figures["trial.1.val_loss"]) == 6.1 and float(figures["trial.0.lr"]) == 0.0035
     assert float(figures["goodput"]) == 0.8
     assert figures["gate.outcome"] == "passed" and figures["gate.version"] == ids["version"]
+    assert figures["gate.paired.task_accuracy"] == ("+0.1250 [+0.0875, +0.1650] n=400 p=8e-10 "
+                                                    "superior: pass")   # as the version's tag says
     assert resp.text.count("<svg") >= 6  # timeline, drops, trials, two loss charts, goodput
     assert "<script" not in resp.text and "http://" not in resp.text.replace(
         'xmlns="http://www.w3.org/2000/svg"', "")  # nothing for the browser to fetch

@@ -7,6 +7,9 @@ not worse than the champion it would replace.
                      worse than the champion a challenger may be (0 = at least as good, negative
                      = must beat it by that much). Metrics named *loss, *perplexity or
                      *bits_per_byte are lower-is-better, every other one higher-is-better.
+                     GateConfig.paired replaces a metric's margin by a paired comparison on the
+                     items both models were scored on (plugins/llmops/paired.py): superior, or
+                     non-inferior within a margin, at GateConfig.confidence.
     gate             registers the candidate as a model version with its lineage (data manifest,
                      checkpoint, parent runs, evaluation run) and the gate's verdict as tags; it
                      holds the alias `challenger` until crowned. A refused version keeps it, with
@@ -24,7 +27,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from llmops import tracking
+from llmops import paired, tracking
 from tasks import configs
 
 log = logging.getLogger(__name__)
@@ -60,11 +63,11 @@ def threshold_reasons(gate: configs.GateConfig, metrics: dict[str, float], name:
 
 
 def champion_reasons(gate: configs.GateConfig, metrics: dict[str, float], name: str,
-                     champion: str = CHAMPION) -> list[str]:
-    """Why `name` is worse than `champion` beyond the allowed margins; empty when no champion
-    was evaluated (the first model has nothing to beat)."""
+                     champion: str = CHAMPION, margins: dict[str, float] | None = None) -> list[str]:
+    """Why `name` is worse than `champion` beyond the allowed margins (GateConfig's, or
+    `margins`); empty when no champion was evaluated (the first model has nothing to beat)."""
     reasons = []
-    for metric, margin in gate.champion_margins.items():
+    for metric, margin in (gate.champion_margins if margins is None else margins).items():
         theirs = metrics.get(f"{champion}.{metric}")
         if theirs is None:
             continue
@@ -80,12 +83,44 @@ def champion_reasons(gate: configs.GateConfig, metrics: dict[str, float], name: 
     return reasons
 
 
+def paired_comparisons(gate: configs.GateConfig, evaluation: dict[str, Any], name: str,
+                       champion: str = CHAMPION) -> dict[str, paired.Comparison]:
+    """GateConfig.paired's comparisons of `name` with `champion`, for each metric both were
+    scored on item by item on the same items (none when no champion was evaluated)."""
+    models = evaluation.get("models", {})
+    ours = (models.get(name) or {}).get("per_item") or {}
+    theirs = (models.get(champion) or {}).get("per_item") or {}
+    return {metric: paired.compare(metric, ours[metric], theirs[metric], policy=rule["policy"],
+                                   margin=float(rule.get("margin", 0.0)),
+                                   confidence=gate.confidence, resamples=gate.bootstrap_resamples,
+                                   seed=gate.bootstrap_seed)
+            for metric, rule in gate.paired.items()
+            if paired.same_items(ours.get(metric), theirs.get(metric))}
+
+
+def judge(gate: configs.GateConfig, evaluation: dict[str, Any],
+          candidates: tuple[str, ...] = ("teacher", "student")
+          ) -> tuple[dict[str, list[str]], dict[str, dict[str, paired.Comparison]]]:
+    """Per candidate, the reasons it may not ship and its paired comparisons. A metric compared
+    item by item is judged by its policy alone; one GateConfig.paired names that could not be
+    compared (an older champion's evaluation without per-item results, other items) falls back to
+    its champion_margins entry, if any."""
+    metrics = evaluation["metrics"]
+    reasons, comparisons = {}, {}
+    for name in candidates:
+        compared = paired_comparisons(gate, evaluation, name)
+        margins = {m: v for m, v in gate.champion_margins.items() if m not in compared}
+        reasons[name] = (threshold_reasons(gate, metrics, name)
+                         + champion_reasons(gate, metrics, name, margins=margins)
+                         + [c.reason() for c in compared.values() if not c.passed])
+        comparisons[name] = compared
+    return reasons, comparisons
+
+
 def gate_decisions(gate: configs.GateConfig, evaluation: dict[str, Any],
                    candidates: tuple[str, ...] = ("teacher", "student")) -> dict[str, list[str]]:
     """For each candidate, the reasons it may not ship (an empty list means it passes)."""
-    metrics = evaluation["metrics"]
-    return {name: threshold_reasons(gate, metrics, name) + champion_reasons(gate, metrics, name)
-            for name in candidates}
+    return judge(gate, evaluation, candidates)[0]
 
 
 def _order(gate: configs.GateConfig, candidates: tuple[str, ...]) -> list[str]:
@@ -133,12 +168,14 @@ def gate(run: dict[str, Any], evaluation: dict[str, Any], data: dict[str, Any],
     """Decide, register the chosen candidate (the preferred passing one, else the preferred one)
     with its lineage and verdict, and give it the alias `challenger`. Returns the decision."""
     gate_cfg = configs.from_dict(configs.GateConfig, run["config"]["gate"])
-    decisions = gate_decisions(gate_cfg, evaluation, candidates)
+    decisions, comparisons = judge(gate_cfg, evaluation, candidates)
     order = _order(gate_cfg, candidates)
     passing = [n for n in order if not decisions[n]]
     evaluated = [n for n in order if n in evaluation.get("models", {})]
     chosen = passing[0] if passing else (evaluated[0] if evaluated else None)
     decision: dict[str, Any] = {"passed": bool(passing), "candidate": chosen, "gate": decisions,
+                                "comparisons": {n: {m: c.to_dict() for m, c in cs.items()}
+                                                for n, cs in comparisons.items()},
                                 "model_name": run["model_name"], "version": None,
                                 "champion_before": _champion_version(evaluation)}
     if chosen is None:
@@ -159,7 +196,9 @@ def gate(run: dict[str, Any], evaluation: dict[str, Any], data: dict[str, Any],
     tags = {"gate.passed": str(bool(passing)).lower(), "gate.reasons": reasons or "none",
             "gate.compared_to": decision["champion_before"] or "no champion yet",
             **{k: str(v) for k, v in metrics.items()
-               if k.split(".", 1)[1] in TAGGED_METRICS or ".suite." in k}}
+               if k.split(".", 1)[1] in TAGGED_METRICS or ".suite." in k},
+            # the paired comparisons against the champion: difference [interval] n p policy: verdict
+            **{f"gate.paired.{m}": c.summary() for m, c in comparisons[chosen].items()}}
     for key, value in tags.items():
         client.set_model_version_tag(name, version, key, value)
     client.set_registered_model_alias(name, CHALLENGER, version)
@@ -237,7 +276,21 @@ def approval_body(decision: dict[str, Any]) -> str:
         rows.append(f"| {metric} | {metrics[key]:.4g} | "
                     f"{_fmt((decision.get('champion_metrics') or {}).get(metric))} |")
     table = "\n".join(["| metric | challenger | champion |", "|---|---|---|", *rows])
+    compared = (decision.get("comparisons") or {}).get(decision.get("candidate")) or {}
+    if compared:   # the evidence: item by item against the champion, with its uncertainty
+        rows = [_comparison_row(m, c) for m, c in sorted(compared.items())]
+        conf = next(iter(compared.values()))["confidence"]
+        table += ("\n\nPaired against the champion on the same items "
+                  f"({conf:.0%} bootstrap interval, exact McNemar p):\n\n"
+                  "| metric | difference | interval | items | p | policy | verdict |\n"
+                  "|---|---|---|---|---|---|---|\n" + "\n".join(rows))
     return f"{summary(decision)}\n\n{table}\n"
+
+
+def _comparison_row(metric: str, c: dict[str, Any]) -> str:
+    policy = "superior" if c["policy"] == "superior" else f"non-inferior (margin {c['margin']:g})"
+    return (f"| {metric} | {c['diff']:+.4f} | [{c['low']:+.4f}, {c['high']:+.4f}] | {c['n']} | "
+            f"{c['p_value']:.3g} | {policy} | {'pass' if c['passed'] else 'fail'} |")
 
 
 def _fmt(value: Any) -> str:

@@ -177,7 +177,9 @@ def _gate(client: Any, parent: Any) -> dict[str, Any]:
     aliases = list(getattr(client.get_model_version(mv.name, mv.version), "aliases", []) or [])
     gate.update(model_name=mv.name, version=str(mv.version), candidate=mv.tags.get("candidate"),
                 reasons=mv.tags.get("gate.reasons"), compared_to=mv.tags.get("gate.compared_to"),
-                aliases=sorted(aliases))
+                aliases=sorted(aliases),
+                paired={k.removeprefix("gate.paired."): v for k, v in sorted(mv.tags.items())
+                        if k.startswith("gate.paired.")})
     if gate["outcome"] is None and "gate.passed" in mv.tags:
         gate["outcome"] = "passed" if mv.tags["gate.passed"] == "true" else "refused"
     return gate
