@@ -550,3 +550,35 @@ def test_a_sustained_outage_on_reads_neither_fails_nor_stops_the_job_and_the_wat
     assert job["stop_requests"] == [] and job["exit_code"] == 0   # never stopped: it ran to its end
     assert sum("sample job starting" in line for line in lines) == 1
     assert sum("working 2" in line for line in lines) == 1
+
+
+# -- log lines that arrive after the job's end -------------------------------------------------------
+
+@pytest.mark.parametrize("which", ["sagemaker", "batch"])
+def test_log_lines_delivered_after_the_end_still_close_the_task_log_once(fake, chaos, batch_queue, which):
+    """Simulated (`log_delay_seconds`): every line reaches CloudWatch 2 s after the container printed
+    it, so when Describe* first says the job ended its last lines are not there yet. The watch
+    (what the worker and the trigger run) reads once more before it reports the end: the lines it
+    showed are the job's whole stream, in order, none twice, and the log tail a failure's message
+    quotes ends with the job's last line."""
+    backend = sagemaker_backend() if which == "sagemaker" else batch_backend()
+    chaos.config(log_delay_seconds=2)
+    try:
+        for spec, last in ((sample(f"{which}-late-ok", seconds=1), "result written to s3://"),
+                           (sample(f"{which}-late-bad", seconds=1, exit_code=3), "sample job failing on purpose")):
+            handle = backend.submit(spec if which == "sagemaker" else spec.replace(instance_type="m5.xlarge"))
+            watch = JobWatch(backend, handle, poll_interval=5, max_run_seconds=3600)
+            shown = []
+            while not (step := watch.poll()).done:
+                shown += step.lines
+                time.sleep(step.delay)
+            shown += step.lines
+            tail = backend.log_tail(handle, 40)   # what the failure message quotes, read now
+            assert chaos.job(handle["job_name"])["ended_at"] is not None
+            assert any(last in line for line in shown), (step.status, shown[-3:])
+            time.sleep(3)   # every line is in CloudWatch by now
+            everything, _ = backend.read_logs(handle, None)
+            assert shown == everything, "the task log is the job's whole stream, once"
+            assert tail == everything[-40:]
+    finally:
+        chaos.config(log_delay_seconds=0)

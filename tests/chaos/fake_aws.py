@@ -42,6 +42,9 @@ What is simulated here, because moto does not do it:
 - CloudWatch Logs lines: the containers' stdout/stderr are written, as they come, into moto's
   Logs (`/aws/sagemaker/TrainingJobs` `<job>/algo-1-<epoch>`; `/aws/batch/job`
   `<definition>/default/<job id>-node<i>`), so GetLogEvents through the proxy sees them live.
+- Late log lines (`log_delay_seconds`, config): each line reaches CloudWatch that long after the
+  container printed it, so a job's last lines arrive after Describe* already says it ended, as
+  the awslogs driver's and SageMaker's batched delivery do.
 - Capacity waits (`capacity_wait_seconds`): a job first stays queued that long for want of
   instances, saying so as the services do (Batch RUNNABLE with statusReason
   `CAPACITY:INSUFFICIENT_INSTANCE_CAPACITY - ...`, SageMaker Starting with the StatusMessage
@@ -101,7 +104,8 @@ DEFAULT_CONFIG = {"pending_seconds": 2.0,      # Starting / RUNNABLE before a co
                   "fail_first_attempt": False,  # the first job of each name (without -rN) dies
                   "fail_after_seconds": 1.0,   # ... this long after it started running
                   "capacity_wait_seconds": 0.0,  # queued this long first, held for capacity
-                  "consistency_seconds": 0.0}  # Describe*/List* do not see a new job this long
+                  "consistency_seconds": 0.0,  # Describe*/List* do not see a new job this long
+                  "log_delay_seconds": 0.0}  # a log line reaches CloudWatch this long after it was printed
 # What the services say while a job waits for instances (AWS Batch's statusReason on RUNNABLE,
 # SageMaker's StatusMessage on the Starting transition).
 BATCH_CAPACITY = ("CAPACITY:INSUFFICIENT_INSTANCE_CAPACITY - Service cannot fulfill the capacity "
@@ -340,6 +344,7 @@ class LogSink:
     def __init__(self, logs: Any, group: str, stream: str):
         self.logs, self.group, self.stream = logs, group, stream
         self.buffer: list[dict[str, Any]] = []
+        self.closed = False   # its container has exited: nothing more will be added
         self.lock = threading.Lock()
         try:
             logs.create_log_group(logGroupName=group)
@@ -351,9 +356,12 @@ class LogSink:
         with self.lock:  # CloudWatch refuses empty messages
             self.buffer.append({"timestamp": int(time.time() * 1000), "message": line.rstrip("\n") or " "})
 
-    def flush(self) -> None:
+    def flush(self, min_age: float = 0.0) -> None:
+        """Put the lines printed at least `min_age` seconds ago into CloudWatch."""
+        cut = int((time.time() - min_age) * 1000)
         with self.lock:
-            events, self.buffer = self.buffer, []
+            events = [e for e in self.buffer if e["timestamp"] <= cut]
+            self.buffer = self.buffer[len(events):]
         for start in range(0, len(events), 1000):
             self.logs.put_log_events(logGroupName=self.group, logStreamName=self.stream,
                                      logEvents=events[start:start + 1000])
@@ -869,18 +877,25 @@ class Simulator:
                 sinks = list(self.sinks)
             for sink in sinks:
                 try:
-                    sink.flush()
+                    sink.flush(self.config["log_delay_seconds"])
                 except Exception:
                     log.exception("writing log lines to %s failed", sink.stream)
+            with self.lock:   # an ended job's lines are all in: its sink is done
+                self.sinks = [s for s in self.sinks if not (s.closed and not s.buffer)]
 
     def _finish(self, job: Job) -> None:
         for pump in job.pumps:   # they end when the container's output closes: its last lines
             pump.join(10)
         with self.lock:
             sinks = [s for s in self.sinks if s.stream in job.streams]
-            self.sinks = [s for s in self.sinks if s not in sinks]
-        for sink in sinks:
-            sink.flush()
+            for sink in sinks:
+                sink.closed = True
+            if not self.config["log_delay_seconds"]:
+                self.sinks = [s for s in self.sinks if s not in sinks]
+        if not self.config["log_delay_seconds"]:
+            for sink in sinks:
+                sink.flush()
+        # else: the job's last lines reach CloudWatch after its status says it ended (_flush_logs)
         why, given = job.end_request or ("exit", "")
         tail = "\n".join(job.tail)
         sagemaker = job.service == "sagemaker"

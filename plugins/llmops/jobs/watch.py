@@ -26,6 +26,10 @@ Rules it implements, so both places keep them alike:
   StatusMessage, Kueue's Suspended message) is reported once as `Step.waiting`, with the time
   queued so far; the worker wait and the trigger log it. `waiting` (the last reported state and
   reason) travels with a trigger's checkpoints, so a triggerer restart repeats at most one line.
+- a job's end is reported after one more log read, `min(poll interval, backend.log_lag_seconds)`
+  later, when its backend's log service delivers lines late (CloudWatch: seconds after Describe*
+  says the job ended); the task log then ends with the job's own last lines, and the failure
+  message's log tail (read after the wait) has them too.
 - waiting is bounded: with `max_queue_seconds` (None or 0: no bound), a job that has not started
   that long after its submission (`JobStatus.details["submitted_at"]`, else the time the caller
   recorded, else this watch's first poll) is stopped and the wait ends with the service's last
@@ -88,6 +92,7 @@ class JobWatch:
         self._stop_message = ""
         self._stopping = False
         self._cursor_loaded = False
+        self._ended: JobStatus | None = None   # the job's end, held for one more log read
 
     @property
     def deadline(self) -> float | None:
@@ -111,6 +116,10 @@ class JobWatch:
 
     def _poll(self) -> Step:
         step = Step()
+        if self._ended is not None:   # the read of the lines that arrived after the job's end
+            self._read_logs(step)
+            step.status = self._ended
+            return step
         if self._stopping:  # an earlier stop at the deadline hit a transient error: try again
             return self._stop(step)
         self._read_logs(step)
@@ -123,6 +132,13 @@ class JobWatch:
         self._note_waiting(step, status)
         if status.state.terminal:
             self._read_logs(step)  # the last lines the job wrote before it ended
+            lag = min(self.poll_interval, float(getattr(self.backend, "log_lag_seconds", 0.0)))
+            if lag > 0:
+                # Its log service delivers the last lines seconds after the job's status says it
+                # ended (CloudWatch): one more read a little later, then the end.
+                self._ended = status
+                step.delay = lag
+                return step
             step.status = status
             return step
         deadline = self.deadline

@@ -195,6 +195,7 @@ def submit_request(spec: JobSpec, settings: BatchSettings, staged: remote.Staged
 class BatchBackend(Backend):
     name = "batch"
     poll_interval = 30.0     # seconds; the handle's `poll_interval` (settings) takes precedence
+    log_lag_seconds = 10.0   # CloudWatch: a job's last lines can arrive this long after its end
 
     def __init__(self, settings: dict[str, Any] | None = None):
         self._settings = settings

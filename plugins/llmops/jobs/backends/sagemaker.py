@@ -418,6 +418,7 @@ def processing_request(spec: JobSpec, settings: ProcessingSettings, staged: remo
 class _SageMakerBackend(Backend):
     kind = ""
     poll_interval = 30.0     # seconds; the handle's `poll_interval` (settings) takes precedence
+    log_lag_seconds = 10.0   # CloudWatch: a job's last lines can arrive this long after its end
     settings_key = ""
     settings_cls: type = SageMakerSettings
     operation = ""
