@@ -101,3 +101,27 @@ def test_gpu_benchmark_keeps_rows_measured_before_a_failure(tmp_path, monkeypatc
         ("gpt-355m", "RuntimeError: CUDA out of memory in gpt-355m"),
         ("gpt-355m-fsdp", "RuntimeError: CUDA out of memory in gpt-355m-fsdp"),
         ("kill-and-resume", "RuntimeError: the kill-and-resume job failed")]
+
+
+def test_loop_refuses_a_model_sharded_outside_it(tmp_path):
+    """The GPU benchmark's FSDP row used to call fully_shard itself: the loop then saved a plain
+    state dict of DTensors and the async snapshot failed mid-run. Now it is refused up front."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from tasks.configs import ModelConfig, TrainConfig
+    from tasks.model import GPT
+    from tasks.train.loop import train
+
+    model_cfg = ModelConfig(vocab_size=64, block_size=8, n_layer=1, n_head=2, n_embd=16)
+    cfg = TrainConfig(data_dir=str(tmp_path), output_dir=str(tmp_path / "out"), model=model_cfg)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = GPT(model_cfg)
+        fully_shard(model)
+        with pytest.raises(ValueError, match=r"DTensors .* LoopOptions\(dist=DistContext"):
+            train(model=model, cfg=cfg, get_batch=None, loss_fn=None, evaluate=None,
+                  device=torch.device("cpu"), resolved_config={}, tracking=False)
+    finally:
+        dist.destroy_process_group()
