@@ -5,22 +5,27 @@ AdamW, pinned-memory checkpoint snapshots written in the background) on
 
   gpu-recipe   the `gpu` recipe's model (12 x 768, ~91M parameters, 1024-token context)
   gpt-355m     24 x 1024, vocabulary 50304 (~355M parameters), the size the MFU target is set at
-  gpt-355m-fsdp the same wrapped in FSDP2 (fully_shard per block) on a one-rank process group:
-               what sharding costs on one device
+  gpt-355m-fsdp the same through the loop's own FSDP path (a one-rank DistContext: the loop
+               shards it, fully_shard per block, and saves asynchronously through
+               torch.distributed.checkpoint): what sharding costs on one device
 
 and a kill-and-resume of the gpu-recipe model through `python -m tasks.pretrain` (supervisor, hot
-spare, checkpoint every 50 steps, SIGKILL at step 120): seconds from the kill to the first step
-after it, and the steps redone.
+spare, checkpoints every quarter of the run, SIGKILL at 60% of it): seconds from the kill to the
+first step after it, the steps redone, and the model it publishes.
 
 Tokens/s and MFU exclude the first step of every start (the compile) and the time spent saving;
-the peak comes from tasks/hardware.py by the device's exact name. Data are random token rows in
-data prep's format (throughput does not depend on what the tokens say), so the script needs no
-corpus and no network.
+MFU is given against the data sheet's peak (tasks/hardware.py, by the device's exact name) and
+against a bf16 matmul measured here. Data are random token rows in data prep's format
+(throughput does not depend on what the tokens say) beside a real BPE tokenizer, so the script
+needs no corpus and no network.
 
     python benchmarks/gpu_throughput.py [--steps 60] [--out benchmarks/results/gpu_throughput.json]
 
-Without a CUDA device it prints why and exits 0 without writing a result (`--cpu-smoke` runs the
-same code on a tiny model on the CPU, to check the script itself).
+Each part is written to the results file as it finishes (a failed part with its error, the rest
+kept); the exit status is non-zero if any part failed. Without a CUDA device it prints why and
+exits 0 without writing a result; `--cpu-smoke` runs the same code on tiny models on the CPU
+(tests/test_benchmarks.py does, on every `make test`) and writes to <work>, not to
+benchmarks/results/.
 """
 
 from __future__ import annotations
