@@ -20,6 +20,12 @@ from llmops.jobs.watch import JobWatch, call_with_retries, log_cursor_uri
 # throttled poll holds its thread through its retries), and Airflow bounds on_kill to 30 s.
 _ON_KILL_THREADS = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="llmops-on-kill")
 STATE_TIMEOUT = 20.0   # s to ask Airflow for the task's state (the triggerer's supervisor answers)
+# A running trigger asks this often whether its task still waits on it. A user's mark-failed
+# does not always reach on_kill: seen in the fault matrix with the trigger polling and no
+# "invoking on_kill" from the triggerer, the job left running to its max_run_seconds. One state
+# read per job every 30 s, against polls every poll_interval.
+TASK_CHECK_SECONDS = 30.0
+ENDED = {"failed", "success", "skipped", "upstream_failed", "removed"}   # no try will take our event
 
 # A checkpoint hands the log cursor back to the task, which defers again from it at once: a
 # triggerer restart replays at most the lines since the last one. It costs the task a worker slot
@@ -107,6 +113,7 @@ class JobTrigger(BaseTrigger):
                          max_queue_seconds=self.max_queue_seconds, submitted_at=self.submitted_at,
                          waiting=self.waiting)
         checkpoint_at, lines_since = time.monotonic(), 0
+        checked_at = time.monotonic()
         cursor_is_saved = bool(log_cursor_uri(self.handle))
         while True:
             step = await asyncio.to_thread(watch.poll)
@@ -140,6 +147,15 @@ class JobTrigger(BaseTrigger):
                                                        submitted_at=watch.submitted_at,
                                                        waiting=watch.waiting))
                 return
+            if time.monotonic() - checked_at >= TASK_CHECK_SECONDS:
+                checked_at = time.monotonic()
+                known, state = await self._task_state()
+                if known and state in ENDED:
+                    self.log.warning("The task is %s in Airflow, yet this trigger was not cancelled "
+                                     "(Airflow did not call on_kill).", state)
+                    await self._end_for_user(state)
+                    yield self._event(watch, "stopped", f"the task was set to {state}")
+                    return
             await asyncio.sleep(step.delay)
 
     def _event(self, watch: JobWatch, state: str, message: str, **extra: Any) -> TriggerEvent:
@@ -179,6 +195,10 @@ class JobTrigger(BaseTrigger):
             self.log.warning("The task was cleared (now %s): job %s keeps running and the next try "
                              "reattaches to it.", state, self.handle["name"])
             return
+        await self._end_for_user(state)
+
+    async def _end_for_user(self, state: str | None) -> None:
+        """A user ended the task (mark failed or success): stop the job and record its end."""
         self.log.info("The task was ended by a user (now %s): stopping job %s",
                       state or "unknown", self.handle["name"])
         await self._stop()
