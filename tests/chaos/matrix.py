@@ -42,6 +42,9 @@ MEASURE   after every row has ended and a settle time, from the simulator's repo
           (task instance states and end times, XComs) and task log files (every try, the worker's
           and every triggerer's part). Per row:
   runs                  DAG runs the row triggered.
+  live_jobs_max         (run, task) pairs that had more than one job alive at one moment (each
+                        job from its creation to its end or first stop request), whatever the
+                        cause: the issue's "exactly one live job". The notes say how many.
   duplicate_jobs        per (run, task) the jobs of its name base (`<task>-<hash>`, `-r2`,
                         `-r3`... for later attempts), in creation order: a job counts when, at
                         its creation, another job of the same base was still running (created and
@@ -125,7 +128,7 @@ ENTRYPOINT = "tests.chaos.numbered_job"
 MAX_RUN_SECONDS = 900            # the chaos DAG's jobs (tests/dags/chaos_dags.py)
 SETTLE = 15.0                    # s after the last row before measuring
 ORPHAN_AFTER = 60.0              # s after a task's end by which its job must have ended or got a stop
-COLUMNS = ("duplicate_jobs", "orphaned_jobs", "wrongly_stopped_jobs", "lost_results",
+COLUMNS = ("duplicate_jobs", "live_jobs_max", "orphaned_jobs", "wrongly_stopped_jobs", "lost_results",
            "duplicated_log_lines")
 DESCRIBE_AND_LOGS = ["DescribeTrainingJob", "DescribeJobs", "ListJobs", "ListTrainingJobs",
                      "GetLogEvents", "DescribeLogStreams", "FilterLogEvents"]
@@ -442,6 +445,12 @@ class Matrix:
                 jobs = sorted(self.jobs_of(run, task_id, report), key=lambda j: j["created_at"])
                 ti = self.dep.task_instance(run.dag_id, run.run_id, task_id)
                 label = f"{run.dag_id}/{task_id}"
+                # live jobs at once (a stop request counts as the job's end: that is the
+                # duplicate's removal the operator asked for)
+                most = _most_at_once(jobs)
+                if most > 1:
+                    counts["live_jobs_max"] += 1
+                    details.append(f"{label}: {most} jobs of one task alive at once")
                 # duplicate jobs
                 for index, job in enumerate(jobs):
                     at = job["created_at"]
@@ -548,6 +557,20 @@ class Matrix:
                 continue
             return True
         return False
+
+
+def _most_at_once(jobs: list[dict[str, Any]]) -> int:
+    """The most jobs alive at one moment: each from its creation to its end or its first stop
+    request, whichever came first."""
+    edges = []
+    for job in jobs:
+        ends = [t for t in [job.get("ended_at"), *(s["at"] for s in job.get("stop_requests") or [])] if t]
+        edges += [(job["created_at"], 1), (min(ends) if ends else float("inf"), -1)]
+    alive = most = 0
+    for _, step in sorted(edges):       # at a tie the end (-1) sorts first: a hand-over, not two
+        alive += step
+        most = max(most, alive)
+    return most
 
 
 def _agent(user_agent: str) -> str:
@@ -966,7 +989,7 @@ def _git_commit() -> str:
 
 def table(result: dict[str, Any]) -> str:
     header = ["fault", "runs", *COLUMNS, "seconds"]
-    short = {"duplicate_jobs": "dup_jobs", "orphaned_jobs": "orphans", "wrongly_stopped_jobs": "wrong_stops",
+    short = {"duplicate_jobs": "dup_jobs", "live_jobs_max": "live>1", "orphaned_jobs": "orphans", "wrongly_stopped_jobs": "wrong_stops",
              "lost_results": "lost", "duplicated_log_lines": "dup_lines"}
     width = max(len(r["fault"]) for r in result["rows"]) if result["rows"] else 10
     lines = [f"{'fault':<{width}}  " + "  ".join(f"{short.get(h, h):>9}" for h in header[1:]) + "     landed"]
