@@ -611,6 +611,24 @@ def test_trigger_on_kill_stops_the_job_when_the_user_ended_the_task(use_backend,
     assert backend.stops == (["job-1"] if stopped else [])
 
 
+def test_a_trigger_whose_task_was_ended_without_on_kill_stops_the_job(use_backend, monkeypatch, clock):
+    """Airflow does not always call on_kill when a user marks a deferred task failed (seen in the
+    fault matrix): the running trigger asks the task's state itself and stops the job."""
+    from airflow.sdk.execution_time.task_runner import RuntimeTaskInstance
+
+    answers = iter(["deferred", "deferred", "failed"])
+    monkeypatch.setattr(RuntimeTaskInstance, "get_task_states",
+                        staticmethod(lambda **query: {"manual__1": {"pretrain": next(answers)}}))
+    monkeypatch.setattr(job_trigger, "TASK_CHECK_SECONDS", 0.0)
+    backend = use_backend(ScriptedBackend([RUNNING]))
+    running = trigger(started_at=clock.now)
+    running.task_instance = FakeTI()
+    running._log = Recorder()
+    [event] = run_trigger(running)
+    assert event["state"] == "stopped" and backend.stops == ["job-1"]
+    assert next(answers, "asked no more") == "asked no more"   # stopped at the first "failed"
+
+
 # -- execute_complete -----------------------------------------------------------------------------
 
 def event(state: str, **extra) -> dict[str, Any]:
