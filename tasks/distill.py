@@ -18,7 +18,6 @@ against its float self.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 from pathlib import Path
@@ -38,34 +37,11 @@ FINAL_NAMES = {"val_loss": "loss/val", "prose_perplexity": "prose/perplexity",
                "teacher_task_accuracy": "teacher/task_accuracy"}
 
 
-def vocab_and_context(model_dir: Path) -> tuple[int, int]:
-    """(vocab_size, context length) of a model directory, from its config alone."""
-    from tasks.common.io import read_json
-
-    model_dir = Path(model_dir)
-    if (model_dir / "config.json").is_file():
-        from types import SimpleNamespace
-
-        from tasks.causal_lm import context_length
-
-        config = read_json(model_dir / "config.json")
-        return config["vocab_size"], context_length(SimpleNamespace(**config))
-    config = read_json(model_dir / "model_config.json")  # the format before HF directories
-    return config["vocab_size"], config["block_size"]
-
-
-def student_config(student, teacher_dir: Path):
-    """cfg.student with the teacher's vocabulary and context (capped at what ModelConfig allows:
-    a long-context RoPE teacher does not need a GPT student with 128k learned positions)."""
-    vocab, block = vocab_and_context(teacher_dir)
-    return dataclasses.replace(student, vocab_size=vocab, block_size=min(block, 1 << 16))
-
-
 def student_block_size(cfg: DistillConfig, teacher_dir: Path) -> int:
     """The context the student trains with (what the teacher cache is computed for)."""
-    if cfg.student_model:
-        from tasks.posttrain.sources import resolve_model_dir
+    from tasks.posttrain.sources import resolve_model_dir, student_config, vocab_and_context
 
+    if cfg.student_model:
         return vocab_and_context(resolve_model_dir(cfg.student_model,
                                                    Path(cfg.output_dir) / "sources"))[1]
     return student_config(cfg.student, teacher_dir).block_size
@@ -89,7 +65,7 @@ def build_student(cfg: DistillConfig, teacher_dir: Path, device):
     """The student: cfg.student_model (tokenizer checked against the teacher's), else a fresh
     model of cfg.student with the teacher's vocabulary and context."""
     from tasks.causal_lm import build_model
-    from tasks.posttrain.sources import resolve_model_dir
+    from tasks.posttrain.sources import resolve_model_dir, student_config
     from tasks.train.export import load_model
 
     if cfg.student_model:

@@ -23,7 +23,8 @@ from tasks.configs import DATA_QUALITY_FILTERS, DataPrepConfig
 from tasks.data.dedup import MinHasher
 from tasks.data.engine import host_share
 from tasks.data.prep import EOS, load_manifest, normalize_text, open_token_rows, prepare, split_score
-from tasks.data.steps import Doc, build_pipeline, run_steps
+from tasks.data.pipeline import build_pipeline
+from tasks.data.steps import Doc, run_steps
 
 REPO = Path(__file__).resolve().parents[1]
 MANIFEST_KEYS = {"config", "tokenizer", "tokenizer_sha256", "vocab_size", "eos_id", "dtype",

@@ -16,7 +16,8 @@ from tasks.data.dedup import EXACT, NEAR, MinHasher, UnionFind, content_hash, fi
 from tasks.data.filters import (Blocklist, BlocklistParams, C4Quality, FineWebQuality, GopherQuality,
                                 GopherRepetition, ngram_repetition)
 from tasks.data.pii import RedactPII
-from tasks.data.steps import Doc, build_pipeline, run_steps
+from tasks.data.pipeline import build_pipeline
+from tasks.data.steps import Doc, run_steps
 from tasks.data.text import count_sentences, split_words
 
 # Fifty distinct words of three to ten letters, with two of Gopher's stop words among them.

@@ -19,7 +19,8 @@ from tasks.data.dedup import (MinHasher, bucket_pairs, content_hash, find_duplic
                               resolve_pairs, shard_index)
 from tasks.data.prep import choose_engine, prepare
 from tasks.data.readers import plan_splits
-from tasks.data.steps import Doc, build_pipeline, run_steps
+from tasks.data.pipeline import build_pipeline
+from tasks.data.steps import Doc, run_steps
 from tests.test_data_prep import PROSE, read_rows, small_config, write_jsonl
 
 

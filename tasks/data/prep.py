@@ -94,7 +94,8 @@ from tasks.common.io import atomic_write, read_json, sha256_file, write_json
 from tasks.configs import ConfigError, DataPrepConfig, from_dict, to_dict
 from tasks.data.readers import InputFile, default_id, dropped_record, fingerprint, plan_splits, read_bytes, \
     read_shard, resolve_inputs
-from tasks.data.steps import build_pipeline, merge_stats, normalize_text, run_batch
+from tasks.data.pipeline import build_pipeline
+from tasks.data.steps import merge_stats, normalize_text, run_batch
 from tasks.data.tokens import EOS, EOS_ID, check_tokenizer, encode_stream, pack_split, token_dtype, \
     train_tokenizer, write_index
 from tasks.data.tokens import declared_eos

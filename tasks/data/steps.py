@@ -1,4 +1,4 @@
-"""The per-document steps of data prep: a document, two small base classes, and the pipeline.
+"""The per-document steps of data prep: a document, two small base classes, and running them.
 
 A step is a *filter* (implements `filter(doc) -> True | (False, reason)`) or a *formatter*
 (implements `format(doc) -> new text`). The base classes do the rest: counting what went in,
@@ -11,7 +11,6 @@ overrides them by name (`DataPrepConfig.filter_params`), and an unknown name or 
 
 from __future__ import annotations
 
-import dataclasses
 import re
 import unicodedata
 from collections import Counter
@@ -19,7 +18,6 @@ from itertools import chain
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from tasks.configs import ConfigError
 from tasks.data.text import TABLE, split_lines, split_words
 
 
@@ -237,46 +235,7 @@ class MinChars(Filter):
 
 
 # --------------------------------------------------------------------------------------------
-# The pipeline of a run, built from its config.
-
-
-def make_params(step_cls: type[Step], overrides: dict) -> Any:
-    """The step's params with `overrides` applied; unknown keys are refused by name."""
-    known = {f.name for f in dataclasses.fields(step_cls.Params)}
-    unknown = sorted(set(overrides) - known)
-    if unknown:
-        raise ConfigError(f"DataPrepConfig.filter_params[{step_cls.name!r}]: unknown key(s) {unknown}. "
-                          f"Known keys: {sorted(known)}.")
-    return step_cls.Params(**overrides)
-
-
-def build_pipeline(config: Any) -> list[Step]:
-    """The ordered steps for `config` (a DataPrepConfig). Raises ConfigError on bad params."""
-    from tasks.data.filters import QUALITY_FILTERS, Blocklist
-    from tasks.data.pii import RedactPII
-
-    overrides = dict(config.filter_params)
-    optional = {**QUALITY_FILTERS, "blocklist": Blocklist, "pii": RedactPII}
-    unknown = sorted(set(overrides) - set(optional) - {"binary"})
-    if unknown:
-        raise ConfigError(f"DataPrepConfig.filter_params: unknown step(s) {unknown}. "
-                          f"Known: {sorted({*optional, 'binary'})}.")
-    for name, value in overrides.items():
-        if not isinstance(value, dict):
-            raise ConfigError(f"DataPrepConfig.filter_params[{name!r}] must be an object of "
-                              f"threshold overrides, got {type(value).__name__}.")
-
-    def make(cls: type[Step]) -> Step:
-        return cls(make_params(cls, overrides.get(cls.name, {})))
-
-    steps: list[Step] = [make(BinaryJunk), Normalize(), MinChars(MinCharsParams(min_chars=config.min_chars))]
-    steps += [make(QUALITY_FILTERS[name]) for name in config.filters]
-    if config.blocklist:
-        steps.append(Blocklist(make_params(Blocklist, {"words": list(config.blocklist),
-                                                       **overrides.get("blocklist", {})})))
-    if config.redact_pii:
-        steps.append(make(RedactPII))
-    return steps
+# Running steps over documents (a run's list of steps: tasks/data/pipeline.py).
 
 
 def run_steps(steps: list[Step], doc: Doc) -> tuple[str, str] | None:

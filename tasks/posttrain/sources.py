@@ -22,6 +22,7 @@ resolved from, which becomes the parent in the new model's lineage.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import re
@@ -240,6 +241,27 @@ def merge_lora_state(state: dict[str, torch.Tensor], scaling: float) -> dict[str
     return out
 
 
+def vocab_and_context(model_dir: Path) -> tuple[int, int]:
+    """(vocab_size, context length) of a model directory, from its config alone."""
+    model_dir = Path(model_dir)
+    if (model_dir / "config.json").is_file():
+        from types import SimpleNamespace
+
+        from tasks.causal_lm import context_length
+
+        config = read_json(model_dir / "config.json")
+        return config["vocab_size"], context_length(SimpleNamespace(**config))
+    config = read_json(model_dir / "model_config.json")  # the format before HF directories
+    return config["vocab_size"], config["block_size"]
+
+
+def student_config(student, teacher_dir: Path):
+    """cfg.student with the teacher's vocabulary and context (capped at what ModelConfig allows:
+    a long-context RoPE teacher does not need a GPT student with 128k learned positions)."""
+    vocab, block = vocab_and_context(teacher_dir)
+    return dataclasses.replace(student, vocab_size=vocab, block_size=min(block, 1 << 16))
+
+
 def _checkpoint_path(path: Path) -> Path:
     from tasks.train import checkpoint as ckpt
 
@@ -281,8 +303,6 @@ def _from_checkpoint(path: Path, work_dir: Path) -> Path:
         tokenizer = DataDir(config["data_dir"]).tokenizer_path
         model = build_model(_gpt_sizes(arch, weights))
     elif "student" in config:  # distillation
-        from tasks.distill import student_config
-
         teacher_dir = resolve_model_dir(config["teacher_model"], work_dir)
         stage, tokenizer, parent = "distill", teacher_dir / "tokenizer.json", read_meta(teacher_dir)
         if config.get("student_model"):
@@ -307,8 +327,6 @@ def _from_checkpoint(path: Path, work_dir: Path) -> Path:
 def _gpt_sizes(arch, weights: dict[str, torch.Tensor]):
     """A GPT's sizes as its weights fix them (vocab, width, context, depth); n_head and dropout
     come from the config. Other architectures are built as configured."""
-    import dataclasses
-
     if arch.arch != "gpt":
         return arch
     return dataclasses.replace(
