@@ -192,3 +192,40 @@ def test_a_batch_poll_reads_the_main_node_and_the_end_of_a_failed_node_only(moto
     lines, cursor = BatchBackend().read_logs(handle, cursor)
     assert lines == ["[clients-0] node 0 step 101"], "the failed node's end is shown once"
     assert sorted(reads) == sorted([streams[0], streams[2]]) and len(nodes.calls) == 2
+
+
+def test_a_sagemaker_poll_reads_algo_1_with_one_call_and_lists_streams_only_when_quiet(conn, moto_server):
+    from llmops.hooks.batch import logs_client
+    from llmops.hooks.sagemaker import KINDS
+    from llmops.jobs.backends.sagemaker import SageMakerTrainingBackend
+
+    group, name = KINDS["training"][4], "clients-sm-logs"
+    direct = moto_server.client("logs")
+    try:
+        direct.create_log_group(logGroupName=group)
+    except direct.exceptions.ResourceAlreadyExistsException:
+        pass
+    now = int(time.time() * 1000)
+    for stream in (f"{name}/algo-1-1767614400", f"{name}/algo-2-1767614400"):
+        direct.create_log_stream(logGroupName=group, logStreamName=stream)
+        direct.put_log_events(logGroupName=group, logStreamName=stream, logEvents=[
+            {"timestamp": now - 1000 + n, "message": f"{stream[-17:-11]} line {n}"} for n in range(3)])
+    client = logs_client(CONN, REGION)   # the process's client, which the backend's hook shares
+    calls = []
+    for op in ("get_log_events", "get_paginator"):
+        real = getattr(client, op)
+        setattr(client, op, lambda *a, _op=op, _real=real, **k: calls.append(_op) or _real(*a, **k))
+    backend, handle = SageMakerTrainingBackend(), {"aws_conn_id": CONN, "region_name": REGION, "job_name": name}
+    try:
+        lines, cursor = backend.read_logs(handle, None)
+        assert lines == ["algo-1 line 0", "algo-1 line 1", "algo-1 line 2"], "rank 0's stream alone"
+        direct.put_log_events(logGroupName=group, logStreamName=f"{name}/algo-1-1767614400",
+                              logEvents=[{"timestamp": now, "message": "algo-1 step 4"}])
+        calls.clear()
+        lines, cursor = backend.read_logs(handle, cursor)
+        assert lines == ["algo-1 step 4"] and calls == ["get_log_events"], calls   # no listing
+        calls.clear()
+        lines, cursor = backend.read_logs(handle, cursor)
+        assert lines == [] and calls == ["get_log_events", "get_paginator"], calls   # quiet: look again
+    finally:
+        del client.get_log_events, client.get_paginator
