@@ -78,6 +78,11 @@ def test_a_slow_rank_is_named_and_a_flipped_bit_is_rolled_back_without_false_ala
     assert all(s["ratio"] >= 1.5 and s["step_s"] >= 0.25 for s in stragglers)
     assert "straggler: rank 1 on" in out
     assert result["metrics"]["stragglers"] == len(stragglers)
+    import mlflow
+
+    history = mlflow.MlflowClient().get_metric_history(result["mlflow_run_id"],
+                                                       "health/straggler_rank1")
+    assert sorted(m.step for m in history) == sorted(s["step"] for s in stragglers)
 
     [mismatch] = result["health"]["sdc_mismatches"]
     assert mismatch["step"] == 8 and mismatch["ranks"] == [2] and mismatch["repeat"] == []
@@ -106,6 +111,19 @@ def test_the_same_rank_corrupt_twice_stops_the_job_for_its_node(tiny_data_dir, t
     assert [e["step"] for e in kinds(events, "sdc_mismatch", rank=0)] == [6, 8]
     assert not kinds(events, "restart")  # the supervisors did not restart on the bad node
     assert kinds(events, "worker_exit", code=NODE_UNHEALTHY_EXIT)
+
+
+def test_straggler_action_restart_stops_the_job_naming_the_slow_rank(tiny_data_dir, tmp_path):
+    cfg = tiny_cfg(tiny_data_dir, tmp_path / "job", **{**HEALTH, "straggler_action": "restart"})
+    proc, result_file = run_pretrain(cfg, tmp_path, nproc=2, timeout=600,
+                                     faults="slow_rank@1+0.25s:1")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and not result_file.exists(), out[-8000:]
+    assert "straggler: rank 1 on" in out and "(straggler_action restart)" in out
+    assert f"exitcode  : {NODE_UNHEALTHY_EXIT}" in out
+    events = _events(cfg)
+    assert [(e["step"], e["straggler_rank"]) for e in kinds(events, "straggler", rank=0)] == [(4, 1)]
+    assert not kinds(events, "restart")
 
 
 def test_a_node_that_fails_burn_in_refuses_to_join(tiny_data_dir, tmp_path):

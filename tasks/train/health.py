@@ -273,7 +273,9 @@ class JobHealth:
                         "%.4fs (%.2fx) for %d checks in a row (straggler_action %s)", f["rank"],
                         f["host"], f["step_s"], f["median_s"], f["ratio"], f["checks"],
                         self.s.straggler_action)
-            self.emit("straggler", **f)
+            # the event's own "rank" is the rank that writes it
+            self.emit("straggler", **{"straggler_rank" if k == "rank" else k: v
+                                      for k, v in f.items()})
             self.log_metrics({f"health/straggler_rank{f['rank']}": f["ratio"]}, step)
         if found and self.s.straggler_action == "restart":
             raise NodeUnhealthy(
