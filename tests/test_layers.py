@@ -25,7 +25,8 @@ TOPS = ("plugins/llmops", "tasks", "docker", "dags", "scripts")
 # The packages "tasks" and "llmops" name their __init__ only, so a new module gets a layer.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # the workload's config schema and small stdlib helpers: the only tasks the layers above use
-    ("tasks.schema", ("tasks.configs", "tasks.hardware", "tasks.common", "tasks.scaling")),
+    ("tasks.schema", ("tasks.configs", "tasks.hardware", "tasks.common", "tasks.scaling",
+                      "tasks.uris")),
     # model code, the data pipeline, training, post-training and evaluation libraries
     ("tasks.library", ("tasks.model", "tasks.causal_lm", "tasks.data", "tasks.train",
                        "tasks.posttrain", "tasks.eval")),

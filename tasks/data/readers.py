@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from tasks.data.steps import Doc
+from tasks.uris import split_s3
 
 TEXT_SUFFIXES = (".txt", ".text", ".md")
 JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
@@ -67,11 +68,6 @@ def s3_client() -> Any:
 
     # "adaptive" retries back off on 503 Slow Down as well as on network errors.
     return boto3.client("s3", config=Config(retries={"max_attempts": 10, "mode": "adaptive"}))
-
-
-def split_s3(uri: str) -> tuple[str, str]:
-    bucket, _, key = uri[len("s3://"):].partition("/")
-    return bucket, key
 
 
 def _list_s3(pattern: str) -> list[str]:

@@ -34,6 +34,7 @@ import torch
 
 from tasks.common.hf_dir import CONFIG, config_problem, files_problem
 from tasks.common.io import read_json, write_json
+from tasks.uris import split_s3
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +86,7 @@ def _from_s3(uri: str, work_dir: Path) -> Path:
     import hashlib
 
     from tasks.common.io import publish_dir
-    from tasks.data.readers import s3_client, split_s3
+    from tasks.data.readers import s3_client
 
     uri = uri.rstrip("/")  # one prefix, however it is written
     target = work_dir / f"s3-{hashlib.sha256(uri.encode()).hexdigest()[:16]}"
