@@ -217,13 +217,15 @@ class JobHealth:
         self.emit, self.log_metrics = emit, log_metrics
 
     def connect(self, *, rank: int, world: int, device: torch.device, share: Any,
-                replicas: bool) -> None:
-        """A process group formed (the first or a rejoined one): learn the hosts; burn in once
-        per process. replicas: the ranks hold whole copies of the weights (DDP, not FSDP)."""
+                replicas: bool, first_round: bool) -> None:
+        """A process group formed (the first or a rejoined one): learn the hosts; burn in in
+        the job's first round only, where every rank is new (a rank restarted into a later
+        round meets peers that burned in already and would wait for its collectives in vain).
+        replicas: the ranks hold whole copies of the weights (DDP, not FSDP)."""
         self.rank, self.world, self.device, self.share = rank, world, device, share
         self.replicas = replicas and world > 1
         self.hosts = gather_hosts(world)
-        if self.s.burn_in and not self._burnt_in:
+        if self.s.burn_in and first_round and not self._burnt_in:
             corrupt = bool(self.faults and self.faults.corrupt_burn_in())
             try:
                 report = burn_in(rank=rank, world=world, device=device,

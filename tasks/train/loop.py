@@ -280,7 +280,8 @@ class _Trainer:
         if self.health is not None:  # burn-in (first group only) and every rank's host
             self.health.connect(rank=self.rank, world=self.world, device=self.device,
                                 share=self.dist.share if self.dist else None,
-                                replicas=not self.fsdp)
+                                replicas=not self.fsdp,
+                                first_round=self.dist is None or self.dist.round == 0)
         if self.optimizer is None:
             self.optimizer = build_optimizer(self.model, self.cfg.optim, self.device)
             self.params = [p for g in self.optimizer.param_groups for p in g["params"]]
