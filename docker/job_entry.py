@@ -167,10 +167,17 @@ def launch_command(args: argparse.Namespace, stage_argv: list[str]) -> list[str]
 
 # -- storage -----------------------------------------------------------------------------------
 
+S3_RETRIES = {"mode": "standard", "total_max_attempts": 20}
+
+
 def _s3():
     import boto3  # in the job images; not needed for jobs that only touch shared paths
+    from botocore.config import Config
 
-    return boto3.client("s3")
+    # S3 answers 503 SlowDown for a while when a prefix's request rate climbs. botocore's default
+    # (legacy mode, 5 tries within about 15 s) gave up on such a burst and failed the job after
+    # its training; standard mode's 20 tries wait up to 20 s apart (minutes in all).
+    return boto3.client("s3", config=Config(retries=S3_RETRIES))
 
 
 def sse_args() -> dict[str, str]:

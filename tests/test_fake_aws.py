@@ -4,7 +4,11 @@ clean passthrough without rules, and the job simulator takes our own SageMaker a
 through InProgress/RUNNING to Completed/SUCCEEDED with the result in S3 and the log lines in
 CloudWatch, a client stop to Stopped with the process group gone, a crash to Failed, a deadline
 to MaxRuntimeExceeded; a lost response (the request took effect, botocore resends it) leaves one
-live job after CreateTrainingJob and after a multi-node SubmitJob."""
+live job after CreateTrainingJob, a multi-node SubmitJob and a HyperPod create (simulated EKS).
+The unkinder faults, each with what our code must do: reads that do not show a new job yet
+(waited for, no second job), a 20 s outage of every read (neither failed nor stopped), log lines
+that reach CloudWatch after the job's end (still in the task log, once), and 503 SlowDown on the
+jobs' own S3 writes (waited out, no checkpoint lost, no step blocked)."""
 
 from __future__ import annotations
 
@@ -582,3 +586,58 @@ def test_log_lines_delivered_after_the_end_still_close_the_task_log_once(fake, c
             assert tail == everything[-40:]
     finally:
         chaos.config(log_delay_seconds=0)
+
+
+# -- 503 SlowDown on the containers' own S3 traffic ----------------------------------------------------
+
+SLOWDOWN = {"operations": ["PutObject", "UploadPart", "CreateMultipartUpload", "CompleteMultipartUpload"],
+            "kind": "throttle", "origin": "jobs"}   # S3's throttle: 503 SlowDown
+
+
+def test_slow_down_on_a_jobs_own_writes_is_waited_out_and_touches_only_the_job(fake, chaos, batch_queue):
+    """Simulated: the container's S3 calls go through the jobs' proxy port, and for 25 s every
+    write there is answered 503 SlowDown (rules with origin "jobs"; the clients' port is left
+    alone). The entry's result write must wait it out: botocore's default (5 tries, about 15 s at
+    most) gave up inside the window and failed a job whose work was done."""
+    backend = batch_backend()
+    handle = backend.submit(sample("batch-slowdown", seconds=3, print_env=["AWS_ENDPOINT_URL_S3"])
+                            .replace(instance_type="m5.xlarge"))
+    deadline = time.monotonic() + 120
+    while not any("working 0" in line for line in backend.read_logs(handle, None)[0]):
+        assert time.monotonic() < deadline, "the job did not start working"
+        time.sleep(0.3)
+    chaos.faults([{**SLOWDOWN, "seconds": 25}])   # from before its result is written to its end
+    since = time.time()
+    status, _ = wait_state(backend, handle, {JobState.SUCCEEDED, JobState.FAILED, JobState.STOPPED}, timeout=120)
+    assert status.state is JobState.SUCCEEDED, status.message
+    lines, _ = backend.read_logs(handle, None)
+    assert f"env AWS_ENDPOINT_URL_S3={fake.jobs_url}" in lines   # the job's S3 goes through the faults
+    report = chaos.report()
+    faulted = [i for i in report["injections"] if i["at"] >= since]
+    assert faulted and {i["origin"] for i in faulted} == {"jobs"}, (faulted, report["job_operations"])
+    assert chaos.job(handle["job_id"])["ended_at"] >= since + 20   # it waited the storm out
+
+
+def test_slow_down_on_checkpoint_uploads_loses_no_checkpoint_and_blocks_no_step(fake, chaos, monkeypatch,
+                                                                                  tmp_path):
+    """The container's checkpoint mirror (tasks/train/s3.py) through the jobs' port, with every
+    upload answered SlowDown for 30 s, longer than its fixed 8 tries (about 19 s of backoff): the
+    save returns at once (the upload runs beside training), the upload waits the storm out, and
+    the checkpoint is complete in S3 afterwards."""
+    import torch
+
+    from tasks.train import checkpoint as ckpt
+    from tasks.train.s3 import S3Mirror
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", fake.jobs_url)
+    monkeypatch.setenv("AWS_DEFAULT_REGION", REGION)
+    chaos.faults([{**SLOWDOWN, "seconds": 30}])
+    since = time.time()
+    mirror = S3Mirror(f"s3://{BUCKET}/slowdown/checkpoints")
+    saver = ckpt.Checkpointer(tmp_path / "local", keep=2, config={"run": 1}, mirror=mirror)
+    blocked = saver.save(1, {"model": {"w": torch.arange(1000.0)}, "trainer": {"step": 1, "data_cursor": 1}})
+    assert blocked < 5, f"training was blocked {blocked:.1f} s by a save"
+    saver.wait()
+    assert time.time() >= since + 25 and mirror.retries >= 8
+    assert mirror.steps() == [1]
+    assert {i["origin"] for i in chaos.report()["injections"] if i["at"] >= since} == {"jobs"}

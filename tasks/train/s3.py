@@ -10,6 +10,10 @@ one uploader per job, hence at most one per node: the per-prefix request rate S3
 (3,500 writes/s) is never the limit, but 503 Slow Down still happens under load on a shared
 prefix, so every request is retried with exponential backoff and jitter — here, at the network
 boundary, and nowhere else. botocore's own retries are turned off so the two do not multiply.
+A request is tried `max_attempts` times and then on for as long as `retry_seconds` since its
+first try: S3 can answer SlowDown for minutes while it scales a prefix, and an upload that gave
+up after half a minute would fail the training job (the upload runs beside training, which waits
+for it only at the next checkpoint).
 
 The endpoint comes from boto3's usual settings (AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL, a local
 moto server in tests), credentials from the usual chain.
@@ -65,13 +69,15 @@ def _retryable(exc: Exception) -> bool:
 
 class S3Mirror:
     def __init__(self, uri: str, *, part_size: int = 8 << 20, max_attempts: int = 8,
-                 base_delay: float = 0.2, max_delay: float = 20.0, parallel_parts: int = 4) -> None:
+                 base_delay: float = 0.2, max_delay: float = 20.0, parallel_parts: int = 4,
+                 retry_seconds: float = 900.0) -> None:
         if part_size < 5 << 20:
             raise ValueError("S3 multipart parts must be at least 5 MiB (all but the last).")
         self.uri = uri
         self.bucket, self.prefix = split_uri(uri)
         self.part_size, self.max_attempts = part_size, max_attempts
         self.base_delay, self.max_delay, self.parallel_parts = base_delay, max_delay, parallel_parts
+        self.retry_seconds = retry_seconds
         self.retries = 0  # requests that were retried, for the log and the tests
         self._client = None
         # SSE-KMS on every object written, when the backend named a key (a bucket policy may
@@ -95,21 +101,24 @@ class S3Mirror:
 
     def call(self, what: str, fn: Callable[..., Any], **kwargs: Any) -> Any:
         """fn(**kwargs), retried with exponential backoff and equal jitter on throttling and
-        transient server or connection errors."""
-        for attempt in range(1, self.max_attempts + 1):
+        transient server or connection errors: `max_attempts` tries, then on until
+        `retry_seconds` have passed since the first."""
+        give_up_at = time.monotonic() + self.retry_seconds
+        attempt = 0
+        while True:
+            attempt += 1
             try:
                 return fn(**kwargs)
             except Exception as exc:  # noqa: BLE001 - classified just below
-                if not _retryable(exc) or attempt == self.max_attempts:
+                if not _retryable(exc) or (attempt >= self.max_attempts and time.monotonic() >= give_up_at):
                     raise
-                cap = min(self.max_delay, self.base_delay * 2 ** (attempt - 1))
+                cap = min(self.max_delay, self.base_delay * 2 ** min(attempt - 1, 30))
                 delay = cap / 2 + random.uniform(0, cap / 2)
                 self.retries += 1
-                log.warning("s3 %s failed (%s); retry %d/%d in %.2fs", what,
-                            getattr(exc, "response", {}).get("Error", {}).get("Code", exc),
-                            attempt, self.max_attempts - 1, delay)
+                log.warning("s3 %s failed (%s); retry %d in %.2fs (giving up after %d tries and %.0fs)",
+                            what, getattr(exc, "response", {}).get("Error", {}).get("Code", exc),
+                            attempt, delay, self.max_attempts, self.retry_seconds)
                 time.sleep(delay)
-        raise AssertionError("unreachable")
 
     # -- write -------------------------------------------------------------------------------
     def upload_checkpoint(self, local: Path, progress: BytesMoved | None = None,

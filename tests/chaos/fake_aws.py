@@ -18,6 +18,7 @@ What is simulated here, because moto does not do it:
   handled, a job is created, submitted or stopped, then the connection is reset without an
   answer, so botocore sends the same request again, as after a read timeout on AWS), on
   operations picked by name or glob, with a rate, a window and a count;
+  `origin` ("clients", the default; "jobs"; "*") says whose calls it touches (see below);
   `jobs` (globs) narrows a rule to calls about jobs whose name or a tag `key=value` matches
   (`"llmops:stage=pretrain"`): the job a Describe/Stop/Terminate names, the jobs a Batch
   DescribeJobs lists, the job whose log stream GetLogEvents reads; a call about no known job
@@ -58,11 +59,20 @@ What is simulated here, because moto does not do it:
   `fail_first_attempt` (the host of a job's first attempt dies).
 - Disks: every node of a job (Batch node, SageMaker instance) has its own work dir and TMPDIR,
   and every new attempt starts on empty ones: only S3 (and MLflow) outlive a node.
-The containers reach moto directly (AWS_ENDPOINT_URL), never through the faults. Jobs belong to
+The containers' own AWS calls (their checkpoint uploads, result writes) go through a second proxy
+port (`FakeAws.jobs_url`, their AWS_ENDPOINT_URL): a rule touches them only when its `origin` is
+"jobs" (or "*"), e.g. `{"operations": ["PutObject", "UploadPart"], "kind": "throttle",
+"origin": "jobs", "seconds": 30}` answers S3's 503 SlowDown to their uploads; rules without an
+origin touch only the clients' port, as before. Their calls are counted apart (the report's
+`job_operations`). SageMaker's own checkpoint sync (the service's traffic) reaches moto directly.
+HyperPod pods (fake_eks) get the endpoint their harness passes. Jobs belong to
 this process, not to the client: they keep running when Airflow dies, and end when this stops.
 
-Not simulated: SageMaker Processing jobs (moto's Completed-at-once), RetryStrategy/retryStrategy, spot, warm pools,
-model.tar.gz upload, Batch fair-share scheduling, SecondaryStatusTransitions, pagination changes.
+Not simulated: SageMaker Processing jobs (moto's Completed-at-once), RetryStrategy/retryStrategy,
+spot reclaims as events (managed spot's Interrupted and restart inside the job; `/host` stands in
+for a Batch host lost), warm pools, model.tar.gz upload, Batch fair-share scheduling, pagination
+changes, eventual consistency of Stop/Terminate/ListTags (they see a new job at once), a lag on
+the jobs' own S3 reads after their writes.
 """
 
 from __future__ import annotations
@@ -98,6 +108,7 @@ from tests.aws_fixtures import (CONTAINER_ENV, ENTRY, REGION, ROOT, free_port, i
 
 log = logging.getLogger("fake_aws")
 KINDS = ("throttle", "500", "503", "reset", "timeout", "lost")
+ORIGINS = ("clients", "jobs", "*")   # whose calls a rule touches (see FakeAws.jobs_url)
 DEFAULT_CONFIG = {"pending_seconds": 2.0,      # Starting / RUNNABLE before a container runs
                   "stop_grace_seconds": 5.0,   # SIGTERM, then SIGKILL after this
                   "stopping_seconds": 1.0,     # Stopping lasts this long after the container ended
@@ -225,30 +236,35 @@ class Rule:
     services: list[str] | None = None   # optional: only these services (signing names)
     jobs: list[str] | None = None       # optional: only calls about jobs whose name or tag matches
     hold_seconds: float = 70.0          # "timeout": how long the connection is held
+    origin: str = "clients"             # whose calls: clients (the proxy port), jobs (the jobs' port), *
     rng: random.Random = field(default_factory=random.Random)
 
     @classmethod
     def parse(cls, raw: dict[str, Any]) -> Rule:
         allowed = {"operations", "kind", "rate", "seconds", "count", "seed", "services", "hold_seconds",
-                   "jobs"}
+                   "jobs", "origin"}
         if unknown := set(raw) - allowed:
             raise ValueError(f"unknown fault rule keys {sorted(unknown)}; allowed: {sorted(allowed)}")
         if str(raw.get("kind")) not in KINDS:
             raise ValueError(f"fault kind {raw.get('kind')!r} is not one of {list(KINDS)}")
         if not raw.get("operations"):
             raise ValueError('a fault rule needs "operations": names or globs, "*" for all')
+        if raw.get("origin", "clients") not in ORIGINS:
+            raise ValueError(f"fault origin {raw.get('origin')!r} is not one of {list(ORIGINS)}")
         return cls(operations=list(raw["operations"]), kind=str(raw["kind"]),
                    rate=float(raw.get("rate", 1.0)),
                    until=time.time() + float(raw["seconds"]) if raw.get("seconds") is not None else None,
                    remaining=int(raw["count"]) if raw.get("count") is not None else None,
                    services=raw.get("services"), hold_seconds=float(raw.get("hold_seconds", 70.0)),
                    jobs=list(raw["jobs"]) if raw.get("jobs") else None,
-                   rng=random.Random(raw.get("seed")))
+                   origin=str(raw.get("origin", "clients")), rng=random.Random(raw.get("seed")))
 
-    def fires(self, call: Call, keys: Callable[[], set[str]] = set) -> bool:
+    def fires(self, call: Call, keys: Callable[[], set[str]] = set, origin: str = "clients") -> bool:
         """`keys`: the names and `tag=value`s of the jobs the call is about (asked only when
-        the rule has `jobs`)."""
+        the rule has `jobs`); `origin`: whose call it is (clients or jobs)."""
         if self.until is not None and time.time() > self.until or self.remaining == 0:
+            return False
+        if self.origin not in ("*", origin):
             return False
         if self.services and call.service not in self.services:
             return False
@@ -270,16 +286,17 @@ class Faults:
         with self.lock:
             self.rules = rules
 
-    def pick(self, call: Call, keys: Callable[[], set[str]] = set) -> Rule | None:
+    def pick(self, call: Call, keys: Callable[[], set[str]] = set, origin: str = "clients") -> Rule | None:
         """The first rule that fires for this call (counted and recorded), or None."""
         keys = functools.cache(keys)
         with self.lock:
             for index, rule in enumerate(self.rules):
-                if rule.fires(call, keys):
+                if rule.fires(call, keys, origin):
                     if rule.remaining is not None:
                         rule.remaining -= 1
                     self.injections.append({"at": time.time(), "service": call.service,
-                                            "operation": call.operation, "kind": rule.kind, "rule": index})
+                                            "operation": call.operation, "kind": rule.kind, "rule": index,
+                                            "origin": origin})
                     log.info("injecting %s into %s %s", rule.kind, call.service, call.operation)
                     return rule
         return None
@@ -380,6 +397,7 @@ class Simulator:
         self.jobs: dict[str, Job] = {}           # SageMaker name or Batch jobId -> Job
         self.first_attempts: set[str] = set()    # names whose first attempt was seen
         self.sinks: list[LogSink] = []
+        self.jobs_url = ""   # the proxy port the containers use (FakeAws.jobs_url)
         self.closing = threading.Event()
         threading.Thread(target=self._flush_logs, daemon=True, name="fake-aws-logs").start()
 
@@ -778,8 +796,10 @@ class Simulator:
         return out
 
     def _aws_env(self) -> dict[str, str]:
-        # The container talks to moto itself: no faults on its S3 and MLflow traffic.
-        return {**CREDENTIALS, "AWS_ENDPOINT_URL": self.moto_url, "AWS_ENDPOINT_URL_S3": self.moto_url}
+        # The containers' own calls (their checkpoints' S3 traffic) go through the jobs' proxy
+        # port, where only rules with origin "jobs" touch them.
+        url = self.jobs_url or self.moto_url
+        return {**CREDENTIALS, "AWS_ENDPOINT_URL": url, "AWS_ENDPOINT_URL_S3": url}
 
     def _sink(self, job: Job, group: str, stream: str) -> LogSink:
         sink = LogSink(self.logs, group, stream)
@@ -956,6 +976,7 @@ class ProxyHandler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"   # keep-alive, as botocore's connection pool expects
     timeout = 300                   # an idle keep-alive connection gives its thread back
     fake: FakeAws
+    origin = "clients"   # "jobs" on the port the containers use
 
     def log_message(self, fmt: str, *args: Any) -> None:
         log.debug(fmt, *args)
@@ -966,8 +987,8 @@ class ProxyHandler(BaseHTTPRequestHandler):
         if url.path.startswith("/_chaos/"):
             return self._send(self._control(url.path, body))
         call = identify(self.command, url.path, url.query, self.headers, body)
-        self.fake.count(call)
-        rule = self.fake.faults.pick(call, lambda: self.fake.sim.keys(call, body))
+        self.fake.count(call, self.origin)
+        rule = self.fake.faults.pick(call, lambda: self.fake.sim.keys(call, body), self.origin)
         if rule is None:
             answer = self.fake.sim.handle(call, body, self._forward, self.headers.get("User-Agent", ""))
             return self._send(answer)
@@ -1090,6 +1111,8 @@ class FakeAws:
         self.config = config
         self.faults = Faults()
         self.operations: collections.Counter[str] = collections.Counter()
+        self.job_operations: collections.Counter[str] = collections.Counter()   # the containers' calls
+        self.jobs_port = free_port()
         self.lock = threading.Lock()
         self.releasing = threading.Event()   # set at stop: held connections let go
 
@@ -1101,19 +1124,27 @@ class FakeAws:
     def moto_url(self) -> str:
         return f"http://127.0.0.1:{self.moto_port}"
 
+    @property
+    def jobs_url(self) -> str:
+        """The proxy port the simulated containers use (their AWS_ENDPOINT_URL): only rules with
+        `origin` "jobs" (or "*") touch their calls, so the clients' rules never hit a job."""
+        return f"http://127.0.0.1:{self.jobs_port}"
+
     def connection(self) -> dict[str, Any]:
         """The Airflow AWS connection that points a process at the proxy."""
         return {"conn_type": "aws", "login": "testing", "password": "testing",
                 "extra": {"region_name": REGION, "endpoint_url": self.url}}
 
-    def count(self, call: Call) -> None:
+    def count(self, call: Call, origin: str = "clients") -> None:
         with self.lock:
-            self.operations[call.operation] += 1
+            (self.job_operations if origin == "jobs" else self.operations)[call.operation] += 1
 
     def report(self) -> dict[str, Any]:
         with self.faults.lock, self.lock:
             injections, operations = list(self.faults.injections), dict(self.operations)
-        return {"jobs": self.sim.report(), "injections": injections, "operations": operations}
+            job_operations = dict(self.job_operations)
+        return {"jobs": self.sim.report(), "injections": injections, "operations": operations,
+                "job_operations": job_operations}
 
     def start(self) -> FakeAws:
         from moto.server import ThreadedMotoServer
@@ -1134,14 +1165,19 @@ class FakeAws:
         self.sim.configure(**self.config)
         self.server = _Server(("127.0.0.1", self.port), type("Handler", (ProxyHandler,), {"fake": self}))
         threading.Thread(target=self.server.serve_forever, daemon=True, name="fake-aws-proxy").start()
+        self.jobs_server = _Server(("127.0.0.1", self.jobs_port),
+                                   type("JobsHandler", (ProxyHandler,), {"fake": self, "origin": "jobs"}))
+        threading.Thread(target=self.jobs_server.serve_forever, daemon=True, name="fake-aws-jobs-proxy").start()
+        self.sim.jobs_url = self.jobs_url
         log.info("fake AWS on %s (moto on %s), workdir %s", self.url, self.moto_url, self.workdir)
         return self
 
     def stop(self) -> None:
         self.releasing.set()
         self.sim.shutdown()          # the jobs' process groups end with the server
-        self.server.shutdown()
-        self.server.server_close()
+        for server in (self.server, self.jobs_server):
+            server.shutdown()
+            server.server_close()
         self.moto.stop()
 
 
@@ -1164,7 +1200,14 @@ class ChaosClient:
             raise RuntimeError(f"fake AWS refused {method} /_chaos/{path}: {exc.read().decode()}") from None
 
     def faults(self, rules: list[dict[str, Any]]) -> Any:
-        """Replace the fault rules (see Rule.parse for the keys)."""
+        """Replace the fault rules (see Rule.parse for the keys). Examples, one per fault:
+        a lost answer after the request took effect, `{"operations": ["SubmitJob"], "kind":
+        "lost", "count": 1}` (also CreateTrainingJob, StopTrainingJob, TerminateJob); a
+        sustained outage of the reads, `{"operations": ["Describe*", "List*"], "services":
+        ["sagemaker", "batch"], "kind": "503", "seconds": 600}` plus `{"operations": ["*"],
+        "services": ["logs"], "kind": "timeout", "seconds": 600}`; SlowDown on the jobs' own
+        checkpoint uploads, `{"operations": ["PutObject", "UploadPart", "CreateMultipartUpload",
+        "CompleteMultipartUpload"], "kind": "throttle", "origin": "jobs", "seconds": 60}`."""
         return self._call("POST", "faults", {"rules": rules})
 
     def clear(self) -> Any:
@@ -1183,6 +1226,10 @@ class ChaosClient:
         return self._call("POST", f"jobs/{name}/host", {"node": node})
 
     def config(self, **changes: Any) -> Any:
+        """Change the simulator's settings (DEFAULT_CONFIG), e.g. `consistency_seconds=10`
+        (Describe*/List* do not show a job that long after its create), `log_delay_seconds=5`
+        (log lines reach CloudWatch that late: after the job's end), `capacity_wait_seconds`,
+        `pending_seconds`, `fail_first_attempt`. They apply to jobs from then on."""
         return self._call("POST", "config", changes)
 
     def report(self) -> dict[str, Any]:
