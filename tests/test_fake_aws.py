@@ -641,3 +641,37 @@ def test_slow_down_on_checkpoint_uploads_loses_no_checkpoint_and_blocks_no_step(
     assert time.time() >= since + 25 and mirror.retries >= 8
     assert mirror.steps() == [1]
     assert {i["origin"] for i in chaos.report()["injections"] if i["at"] >= since} == {"jobs"}
+
+
+# -- spot reclaims ---------------------------------------------------------------------------------
+
+def test_a_reclaimed_managed_spot_job_is_interrupted_and_restarts_inside_the_same_job(fake, chaos, tmp_path):
+    """Simulated (`/reclaim`): EC2 takes a managed spot job's capacity back; SageMaker shows
+    SecondaryStatus Interrupted and starts the job again on a fresh instance, inside the same job
+    (MaxWaitTimeInSeconds allows it). Our backend reads the interruption as a wait after the start,
+    not as an end: no new attempt, no failure, and the same job completes."""
+    backend = SageMakerTrainingBackend(settings={"sagemaker": sagemaker_settings(
+        BUCKET, aws_conn_id=CONN, spot=True)})
+    marker = tmp_path / "marker"
+    handle = backend.submit(sample("sm-spot", seconds=4, marker_dir=str(marker)))
+    wait_state(backend, handle, {JobState.RUNNING})
+    while not (marker / "starts").exists():
+        time.sleep(0.2)
+    assert chaos.reclaim(handle["job_name"])["reclaimed"] is True
+    seen, messages = [], []
+    deadline = time.monotonic() + 90
+    while (status := backend.status(handle)).state not in (JobState.SUCCEEDED, JobState.FAILED, JobState.STOPPED):
+        if not seen or seen[-1] != status.state:
+            seen.append(status.state)
+            messages.append(status.message)
+        assert time.monotonic() < deadline, status.message
+        time.sleep(0.3)
+    assert status.state is JobState.SUCCEEDED, status.message
+    assert JobState.PENDING in seen and any("Interrupted" in m or "Starting" in m for m in messages), messages
+    assert len((marker / "starts").read_text().split()) == 2   # its container ran twice, one job
+    job = chaos.job(handle["job_name"])
+    assert job["reclaims"] == 1 and [j["name"] for j in chaos.report()["jobs"]].count(handle["job_name"]) == 1
+    described = client(fake, "sagemaker").describe_training_job(TrainingJobName=handle["job_name"])
+    statuses = [t["Status"] for t in described["SecondaryStatusTransitions"]]
+    assert statuses[statuses.index("Interrupted"):] == ["Interrupted", "Starting", "Downloading", "Training",
+                                                         "Uploading", "Completed"], statuses

@@ -54,6 +54,10 @@ What is simulated here, because moto does not do it:
   job is unknown to DescribeTrainingJob (ValidationException "Requested resource not found."),
   left out of Batch DescribeJobs (as an unknown id is: an empty list) and missing from
   ListTrainingJobs / ListJobs. Its Stop/Terminate and the create's name check see it at once.
+- Spot reclaims (`/_chaos/jobs/<name>/reclaim`): a SageMaker managed spot job gets SIGTERM,
+  shows SecondaryStatus Interrupted and restarts inside the same job on fresh disks with its
+  synced checkpoints, while MaxWaitTimeInSeconds allows (else Stopped, MaxWaitTimeExceeded); a
+  Batch job's main node's host is terminated (Batch runs multi-node jobs on on-demand only).
 - Service-side events: `/_chaos/jobs/<name>/fail` (the container crashes), `/stop` (stopped from
   the console), `/host` (node N's host dies: its container killed, the attempt failed),
   `fail_first_attempt` (the host of a job's first attempt dies).
@@ -69,8 +73,7 @@ HyperPod pods (fake_eks) get the endpoint their harness passes. Jobs belong to
 this process, not to the client: they keep running when Airflow dies, and end when this stops.
 
 Not simulated: SageMaker Processing jobs (moto's Completed-at-once), RetryStrategy/retryStrategy,
-spot reclaims as events (managed spot's Interrupted and restart inside the job; `/host` stands in
-for a Batch host lost), warm pools, model.tar.gz upload, Batch fair-share scheduling, pagination
+waiting for spot capacity after a reclaim (the restart follows at once), warm pools, model.tar.gz upload, Batch fair-share scheduling, pagination
 changes, eventual consistency of Stop/Terminate/ListTags (they see a new job at once), a lag on
 the jobs' own S3 reads after their writes.
 """
@@ -330,6 +333,7 @@ class Job:
     transitions: list[dict[str, Any]] = field(default_factory=list)   # SageMaker's secondary ones
     synced: dict = field(default_factory=dict)   # checkpoint files already synced to S3 (SageMaker)
     node_ended_at: dict = field(default_factory=dict)   # node index -> when its container exited
+    reclaims: int = 0                    # spot interruptions (SageMaker: the job restarted inside)
 
     def move(self, status: str, secondary: str = "") -> None:
         """Change the status (the simulator's lock held), keeping SecondaryStatusTransitions."""
@@ -351,7 +355,7 @@ class Job:
                 "secondary": self.secondary, "reason": self.reason, "created_at": self.created_at,
                 "started_at": self.started_at, "ended_at": self.ended_at, "exit_code": self.exit_code,
                 "stop_requests": list(self.stop_requests), "stopped_by": self.stopped_by,
-                "log_lines": self.log_lines, "streams": list(self.streams),
+                "log_lines": self.log_lines, "streams": list(self.streams), "reclaims": self.reclaims,
                 "node_ended_at": [self.node_ended_at.get(i) for i in range(len(self.procs))]}
 
 
@@ -439,6 +443,25 @@ class Simulator:
             raise ValueError(f"job {job.name} has {len(procs)} running nodes, not node {node}")
         _kill_group(procs[node], 0)
         return self.end(job, "host", f"node {node}'s host terminated")
+
+    def reclaim(self, job: Job) -> bool:
+        """EC2 takes the job's spot capacity back now. SageMaker managed spot: the containers get
+        SIGTERM (the two-minute notice, here stop_grace_seconds), what they checkpointed is synced,
+        the job shows SecondaryStatus Interrupted and restarts inside the same job on fresh disks
+        with its checkpoints downloaded, while MaxWaitTimeInSeconds (from its creation) allows;
+        else it ends Stopped, MaxWaitTimeExceeded. Batch (on-demand only: multi-node parallel
+        jobs cannot run on Spot): the main node's host is terminated (lose_host)."""
+        if job.service == "batch":
+            return self.lose_host(job, 0)
+        if not job.request.get("EnableManagedSpotTraining"):
+            raise ValueError(f"training job {job.name} is not a managed spot job: nothing to reclaim")
+        with self.lock:
+            if job.ended or job.end_request or not job.procs:
+                return False
+            job.end_request = ("reclaim", "")
+            job.reclaims += 1
+        job.wake.set()
+        return True
 
     def report(self) -> list[dict[str, Any]]:
         with self.lock:
@@ -720,11 +743,13 @@ class Simulator:
                 self._hold_for_capacity(job, True)
                 woke = job.wake.wait(held)
                 self._hold_for_capacity(job, False)
-            if not woke and not job.wake.wait(self.config["pending_seconds"]):
+            while not woke and not job.wake.wait(self.config["pending_seconds"]):
                 self._set(job, *(("InProgress", "Downloading") if sagemaker else ("STARTING",)))
                 commands = self._prepare_sagemaker(job) if sagemaker else self._prepare_batch(job)
                 if not job.end_request:
                     self._execute(job, commands)
+                if not self._restart_after_reclaim(job):
+                    break
         except Exception as exc:  # a broken request or S3 layout: the job fails, the server lives
             log.exception("%s job %s could not run", job.service, job.name)
             job.tail.append(f"{type(exc).__name__}: {exc}")
@@ -737,6 +762,25 @@ class Simulator:
             except Exception:
                 log.exception("checkpoint sync of %s failed", job.name)
         self._finish(job)
+
+    def _restart_after_reclaim(self, job: Job) -> bool:
+        """After a spot reclaim (SageMaker): Interrupted, then True when the job starts again
+        (fresh disks, Starting), False when MaxWaitTimeInSeconds is spent (it ends Stopped)."""
+        if not job.end_request or job.end_request[0] != "reclaim":
+            return False
+        sync_checkpoints(self.s3, job.request, job.workdir, job.synced)   # what it saved goes up
+        wait = job.request.get("StoppingCondition", {}).get("MaxWaitTimeInSeconds") or 0
+        with self.lock:
+            job.move("InProgress", "Interrupted")
+            if time.time() >= job.created_at + wait:
+                return False
+            job.end_request, job.procs, job.pumps, job.synced, job.node_ended_at = None, [], [], {}, {}
+            job.workdir = job.workdir.parent / f"{job.name}-spot{job.reclaims}"   # a new instance's disk
+            job.workdir.mkdir(parents=True, exist_ok=True)
+            job.wake.clear()
+            job.move("InProgress", "Starting")
+        log.info("sagemaker job %s: spot capacity reclaimed, restarting (%d)", job.name, job.reclaims)
+        return True
 
     def _hold_for_capacity(self, job: Job, held: bool) -> None:
         """The service's own words while a job waits for instances (Batch's statusReason on a
@@ -755,7 +799,10 @@ class Simulator:
         for host in range(job.request["ResourceConfig"]["InstanceCount"]):
             cmd, env = training_container(self.s3, job.request, job.workdir, self.moto_url,
                                           self._aws_env(), host=host, master_port=port)
-            stream = f"{job.name}/algo-{host + 1}-{int(time.time())}"
+            epoch = int(time.time())
+            while any(s.endswith(f"/algo-{host + 1}-{epoch}") for s in job.streams):
+                epoch += 1   # a restart within the same second (a spot reclaim)
+            stream = f"{job.name}/algo-{host + 1}-{epoch}"
             out.append((cmd, env, self._sink(job, SM_GROUP, stream)))
         return out
 
@@ -931,6 +978,8 @@ class Simulator:
                     "crash": ("Failed", "Failed", "AlgorithmError: " + (given or "the training container crashed")),
                     "host": ("Failed", "Failed", "InternalServerError: We encountered an internal error. "
                                                  "Please try again."),
+                    "reclaim": ("Stopped", "MaxWaitTimeExceeded",
+                                "MaxWaitTimeExceeded: Training job exceeded MaxWaitTimeInSeconds provided"),
                 }.get(why) or (("Completed", "Completed", "") if job.exit_code == 0 else
                                ("Failed", "Failed", f"AlgorithmError: exit code {job.exit_code}: {tail}"[:1024]))
                 job.move(status, secondary)
@@ -1073,6 +1122,12 @@ class ProxyHandler(BaseHTTPRequestHandler):
                     return json_answer(call, {"error": f"no simulated job {match.group(1)!r}"}, 404)
                 ended = fake.sim.lose_host(job, int(payload.get("node", 0)))
                 return json_answer(call, {"ended": ended, "job": job.report()})
+            match = re.fullmatch(r"/_chaos/jobs/(.+)/reclaim", path)
+            if match and method == "POST":
+                job = fake.sim.find(match.group(1))
+                if job is None:
+                    return json_answer(call, {"error": f"no simulated job {match.group(1)!r}"}, 404)
+                return json_answer(call, {"reclaimed": fake.sim.reclaim(job), "job": job.report()})
             match = re.fullmatch(r"/_chaos/jobs/(.+)/(fail|stop)", path)
             if match and method == "POST":
                 job = fake.sim.find(match.group(1))
@@ -1224,6 +1279,12 @@ class ChaosClient:
     def lose_host(self, name: str, node: int = 0) -> Any:
         """Node `node`'s host dies (its disk with it); the attempt fails as the service fails it."""
         return self._call("POST", f"jobs/{name}/host", {"node": node})
+
+    def reclaim(self, name: str) -> Any:
+        """EC2 reclaims the job's spot capacity now (see Simulator.reclaim): a SageMaker managed
+        spot job is Interrupted and restarts inside the same job while MaxWaitTimeInSeconds
+        allows; a Batch job's host is terminated."""
+        return self._call("POST", f"jobs/{name}/reclaim")
 
     def config(self, **changes: Any) -> Any:
         """Change the simulator's settings (DEFAULT_CONFIG), e.g. `consistency_seconds=10`
