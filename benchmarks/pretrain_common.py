@@ -87,11 +87,6 @@ def run_job(cfg: TrainConfig, name: str, *, faults: str = "", retries: int = 0,
 RESULTS = ROOT / "benchmarks" / "results"
 
 
-# when this benchmark process started, and the machine's load then: a result records both ends
-STARTED = {"started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-           "load_avg_1_5_15_at_start": [round(x, 2) for x in os.getloadavg()]}
-
-
 def git_commit() -> str:
     """The checkout's commit, with '+changes' when the code measured differs from it."""
     import subprocess
@@ -104,6 +99,13 @@ def git_commit() -> str:
     # a results file being rewritten is not a change to what is measured
     changed = [line for line in changed.splitlines() if "benchmarks/results/" not in line]
     return commit + ("+changes" if changed else "")
+
+
+# when this benchmark process started, the code it started with and the machine's load then: a
+# result records both ends (a checkout shared with other work may move on while it runs)
+STARTED = {"started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+           "git_commit_at_start": git_commit(),
+           "load_avg_1_5_15_at_start": [round(x, 2) for x in os.getloadavg()]}
 
 
 def machine() -> dict[str, Any]:

@@ -66,6 +66,7 @@ def test_results_record_commit_and_load_at_both_ends(gpu_smoke):
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
                           text=True).stdout.strip()
     assert m["git_commit"].split("+")[0] == head
+    assert m["git_commit_at_start"].split("+")[0] == head  # nothing was committed meanwhile
     assert len(m["load_avg_1_5_15_at_start"]) == 3 and len(m["load_avg_1_5_15_at_end"]) == 3
     assert m["started_utc"] <= m["finished_utc"] and m["torch"]
 
