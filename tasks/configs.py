@@ -695,6 +695,11 @@ class GateConfig:
                                        help="Bootstrap resamples per paired comparison.")
     bootstrap_seed: int = bounded(0, minimum=0, maximum=2**31 - 1,
                                   help="Seed of the paired bootstrap (a decision can be recomputed).")
+    exclude_contaminated: bool = bounded(True, help="Leave evaluation items found in the training "
+                                                    "data out of every score the gate reads.")
+    max_contaminated_share: float = bounded(0.05, minimum=0.0, maximum=1.0,
+                                            help="Refuse when a larger share of any metric's items "
+                                                 "appears in the training data.")
 
     def __post_init__(self) -> None:
         _check_bounds(self)

@@ -10,6 +10,8 @@ every task suite (tasks/eval/suites.py: multiple choice by log-likelihood, gener
 match), with whether each item was right (`per_item`, for the gate's paired comparisons), and,
 with lm_eval (the default), the same suites through lm-evaluation-harness's own Hugging Face
 model type (tasks/eval/harness.py).
+Every item is first looked up in the training data's N-word runs (tasks/data/contamination.py):
+items seen there are marked in `per_item` (`seen`) and listed in output_dir/contamination.json.
 Writes output_dir/report.json and report.md; logs "<name>.<metric>" metrics, the table as an
 MLflow table, and plots.
 """
@@ -31,7 +33,16 @@ LINEAGE_KEYS = ("stage", "step", "source_checkpoint", "data_content_hash", "sft_
                 "registered_model", "registered_version")
 
 
-def evaluate_model(name: str, ref: str, cfg: EvalConfig, suites: list, device) -> dict[str, Any]:
+def item_texts(examples: list, suite=None) -> list[str]:
+    """Each item's text as the contamination audit reads it: the question with its gold answer."""
+    if suite is None:
+        return [f"{ex.prompt} {ex.completion}" for ex in examples]
+    return ([f"{i['query']} {i['choices'][i['gold']]}" for i in suite.choice_items]
+            + [f"{i['prompt']} {i['answer']}" for i in suite.generation_items])
+
+
+def evaluate_model(name: str, ref: str, cfg: EvalConfig, suites: list, device,
+                   ngrams=None) -> dict[str, Any]:
     import torch
 
     from tasks.eval.harness import run_harness
@@ -70,11 +81,20 @@ def evaluate_model(name: str, ref: str, cfg: EvalConfig, suites: list, device) -
     # (plugins/llmops/paired.py), which needs both scored on the same items.
     per_item = {"task_accuracy": item_results(
         [item_id(ex.prompt + "\x00" + ex.completion) for ex in examples], task["correct"])}
+    texts = {"task_accuracy": item_texts(examples)}
     for suite in suites:
         scores, correct = score_suite_items(model, tokenizer, eos_id, suite, device)
         for key, value in scores.items():
             metrics[f"suite.{suite.name}.{key}"] = value
         per_item[f"suite.{suite.name}.accuracy"] = item_results(suite_item_ids(suite), correct)
+        texts[f"suite.{suite.name}.accuracy"] = item_texts([], suite)
+    contamination = {}
+    if ngrams is not None:   # which items the training data holds: the gate leaves them out
+        from tasks.data.contamination import audit, seen_mask
+
+        for metric, items in texts.items():
+            contamination[metric] = audit(ngrams, items)
+            per_item[metric]["seen"] = seen_mask(contamination[metric])
     if cfg.lm_eval and suites and not (model_dir / "model_int8.pt").is_file():
         metrics.update(run_harness(model, model_dir, eos_id, [s.path for s in suites], device,
                                    limit=cfg.suite_examples, batch_size=cfg.batch_size))
@@ -98,7 +118,19 @@ def evaluate_model(name: str, ref: str, cfg: EvalConfig, suites: list, device) -
         "samples": task["samples"],
         "metrics": metrics,
         "per_item": per_item,
+        "contamination": contamination,
     }
+
+
+def contamination_summary(models: dict[str, Any]) -> dict[str, Any]:
+    """One audit per metric: the items are the same for every model scored on the same data and
+    tokenizer; where a model's tokenizer kept other SFT examples, the larger count is kept."""
+    out: dict[str, Any] = {}
+    for model in models.values():
+        for metric, found in (model.get("contamination") or {}).items():
+            if metric not in out or found["contaminated"] > out[metric]["contaminated"]:
+                out[metric] = found
+    return out
 
 
 def load_suites(cfg: EvalConfig) -> list:
@@ -127,9 +159,12 @@ def main(cfg: EvalConfig) -> dict[str, Any]:
         suites = load_suites(cfg)
         from tasks.train.telemetry import Progress
 
+        from tasks.data.contamination import open_index
+
+        ngrams = open_index(cfg.data_dir, Path(cfg.output_dir) / "contamination")
         progress, models = Progress(len(cfg.models)), {}
         for i, (name, ref) in enumerate(cfg.models.items(), 1):
-            models[name] = evaluate_model(name, str(ref), cfg, suites, device)
+            models[name] = evaluate_model(name, str(ref), cfg, suites, device, ngrams)
             log.info("evaluated model %d/%d (%s) | %s", i, len(cfg.models), name, progress.line(i))
         metrics = {f"{name}.{key}": value for name, m in models.items()
                    for key, value in m["metrics"].items()}
@@ -140,6 +175,12 @@ def main(cfg: EvalConfig) -> dict[str, Any]:
                                   "suites": {s.name: str(s.path) for s in suites},
                                   "data_dir": cfg.data_dir, "mlflow_run_id": run.info.run_id})
         mlflow.log_artifact(str(report_path))
+        audit = contamination_summary(models)
+        audit_path = write_json(Path(cfg.output_dir) / "contamination.json", audit)
+        mlflow.log_artifact(str(audit_path))
+        for metric, found in audit.items():
+            log.info("contamination audit, %s: %d of %d items seen in training data (%d too short "
+                     "to check)", metric, found["contaminated"], found["items"], found["too_short"])
         for suite in suites:
             mlflow.log_artifact(str(suite.path), artifact_path="suites")
         markdown = log_report(models, cfg.output_dir)
@@ -148,7 +189,9 @@ def main(cfg: EvalConfig) -> dict[str, Any]:
             "models": {name: {k: m[k] for k in ("model_ref", "model_dir", "model_uri", "params",
                                                 "mlflow_run_id", "stage", "lineage", "per_item")}
                        for name, m in models.items()},
-            "outputs": {"report": str(report_path), "report_md": str(markdown)},
+            "contamination": {m: {k: v for k, v in a.items() if k != "seen"} for m, a in audit.items()},
+            "outputs": {"report": str(report_path), "report_md": str(markdown),
+                        "contamination": str(audit_path)},
             "mlflow_run_id": run.info.run_id,
         }
 

@@ -17,6 +17,7 @@ resamples are part of the result, so a decision can be recomputed exactly.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import random
 from dataclasses import asdict, dataclass
@@ -75,6 +76,31 @@ def bits(result: dict[str, Any]) -> list[int]:
 def same_items(a: dict[str, Any] | None, b: dict[str, Any] | None) -> bool:
     return bool(a and b and a.get("items") and a.get("items") == b.get("items")
                 and a.get("n") == b.get("n"))
+
+
+def seen(result: dict[str, Any] | None) -> set[int]:
+    """The items the contamination audit found in the training data (evaluation's `seen`)."""
+    return {i for i, c in enumerate(str((result or {}).get("seen", ""))) if c == "1"}
+
+
+def without(result: dict[str, Any], drop: set[int]) -> dict[str, Any]:
+    """`result` without the items in `drop`; the digest says which were dropped, so two results
+    stay comparable exactly when both dropped the same items."""
+    if not drop:
+        return result
+    kept = "".join(c for i, c in enumerate(bits_text(result)) if i not in drop)
+    tag = ",".join(map(str, sorted(drop)))
+    return {"n": len(kept), "correct": kept,
+            "items": f"{result.get('items')}-{hashlib.sha256(tag.encode()).hexdigest()[:8]}"}
+
+
+def bits_text(result: dict[str, Any]) -> str:
+    return "".join(map(str, bits(result)))
+
+
+def accuracy(result: dict[str, Any]) -> float | None:
+    values = bits(result)
+    return sum(values) / len(values) if values else None
 
 
 def bootstrap_interval(diffs: list[float], confidence: float, resamples: int, seed: int

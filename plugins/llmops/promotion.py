@@ -9,7 +9,10 @@ not worse than the champion it would replace.
                      *bits_per_byte are lower-is-better, every other one higher-is-better.
                      GateConfig.paired replaces a metric's margin by a paired comparison on the
                      items both models were scored on (plugins/llmops/paired.py): superior, or
-                     non-inferior within a margin, at GateConfig.confidence.
+                     non-inferior within a margin, at GateConfig.confidence. Items the
+                     contamination audit found in the training data are left out of every
+                     item-level score (GateConfig.exclude_contaminated), and more than
+                     GateConfig.max_contaminated_share of them refuses every candidate.
     gate             registers the candidate as a model version with its lineage (data manifest,
                      checkpoint, parent runs, evaluation run) and the gate's verdict as tags; it
                      holds the alias `challenger` until crowned. A refused version keeps it, with
@@ -86,16 +89,52 @@ def champion_reasons(gate: configs.GateConfig, metrics: dict[str, float], name: 
 def paired_comparisons(gate: configs.GateConfig, evaluation: dict[str, Any], name: str,
                        champion: str = CHAMPION) -> dict[str, paired.Comparison]:
     """GateConfig.paired's comparisons of `name` with `champion`, for each metric both were
-    scored on item by item on the same items (none when no champion was evaluated)."""
+    scored on item by item on the same items (none when no champion was evaluated); items seen
+    in the training data are left out of both when GateConfig.exclude_contaminated."""
     models = evaluation.get("models", {})
     ours = (models.get(name) or {}).get("per_item") or {}
     theirs = (models.get(champion) or {}).get("per_item") or {}
-    return {metric: paired.compare(metric, ours[metric], theirs[metric], policy=rule["policy"],
-                                   margin=float(rule.get("margin", 0.0)),
-                                   confidence=gate.confidence, resamples=gate.bootstrap_resamples,
-                                   seed=gate.bootstrap_seed)
-            for metric, rule in gate.paired.items()
-            if paired.same_items(ours.get(metric), theirs.get(metric))}
+    compared = {}
+    for metric, rule in gate.paired.items():
+        a, b = ours.get(metric), theirs.get(metric)
+        if not paired.same_items(a, b):
+            continue
+        if gate.exclude_contaminated:
+            drop = paired.seen(a) | paired.seen(b)
+            a, b = paired.without(a, drop), paired.without(b, drop)
+        if a["n"]:
+            compared[metric] = paired.compare(
+                metric, a, b, policy=rule["policy"], margin=float(rule.get("margin", 0.0)),
+                confidence=gate.confidence, resamples=gate.bootstrap_resamples,
+                seed=gate.bootstrap_seed)
+    return compared
+
+
+def clean_metrics(gate: configs.GateConfig, evaluation: dict[str, Any]) -> dict[str, float]:
+    """The evaluation's metrics, with every item-level one recomputed without the items the
+    contamination audit found in the training data (when GateConfig.exclude_contaminated)."""
+    metrics = dict(evaluation["metrics"])
+    if not gate.exclude_contaminated:
+        return metrics
+    for name, model in (evaluation.get("models") or {}).items():
+        for metric, result in ((model or {}).get("per_item") or {}).items():
+            drop = paired.seen(result)
+            if drop and f"{name}.{metric}" in metrics:
+                metrics[f"{name}.{metric}"] = paired.accuracy(paired.without(result, drop))
+    return metrics
+
+
+def contamination_reasons(gate: configs.GateConfig, evaluation: dict[str, Any]) -> list[str]:
+    """Why no score of this evaluation can be trusted: too many items seen in training."""
+    reasons = []
+    for metric, found in sorted((evaluation.get("contamination") or {}).items()):
+        share = found["contaminated"] / max(found["items"], 1)
+        if share > gate.max_contaminated_share:
+            reasons.append(f"{metric}: {found['contaminated']} of {found['items']} items "
+                           f"({share:.0%}) appear in the training data, more than "
+                           f"max_contaminated_share {gate.max_contaminated_share:.0%} "
+                           f"(contamination.json lists them)")
+    return reasons
 
 
 def judge(gate: configs.GateConfig, evaluation: dict[str, Any],
@@ -105,14 +144,15 @@ def judge(gate: configs.GateConfig, evaluation: dict[str, Any],
     item by item is judged by its policy alone; one GateConfig.paired names that could not be
     compared (an older champion's evaluation without per-item results, other items) falls back to
     its champion_margins entry, if any."""
-    metrics = evaluation["metrics"]
+    metrics = clean_metrics(gate, evaluation)
+    leaked = contamination_reasons(gate, evaluation)
     reasons, comparisons = {}, {}
     for name in candidates:
         compared = paired_comparisons(gate, evaluation, name)
         margins = {m: v for m, v in gate.champion_margins.items() if m not in compared}
         reasons[name] = (threshold_reasons(gate, metrics, name)
                          + champion_reasons(gate, metrics, name, margins=margins)
-                         + [c.reason() for c in compared.values() if not c.passed])
+                         + [c.reason() for c in compared.values() if not c.passed] + leaked)
         comparisons[name] = compared
     return reasons, comparisons
 

@@ -36,6 +36,10 @@ What lands in the output directory:
     raw/demo_*.jsonl              the demo corpus, written when `inputs` is empty
     completions/*.json            markers of finished steps; a rerun after a crash skips them
     staging/                      intermediate per-shard files; removed once the manifest exists
+    ngrams/                       the contamination audit's index of the training text's 13-word
+                                  runs (tasks/data/contamination.py), built after the manifest
+                                  from what it lists (derived, so not in its content_hash; its
+                                  index.json names the content_hash it was built from)
     manifest.json                 written last: the data set is complete once it exists. Holds
                                   the config, tokenizer hash, per-step counts and drop reasons,
                                   per-source counts and tokens, tokens per split, the sha256 of
@@ -110,7 +114,8 @@ log = logging.getLogger(__name__)
 LAYOUT_ONLY_FIELDS = ("engine", "workers", "output_dir", "ray_above_bytes", "dedup_buckets")
 STAGES = ("all", "shards", "finalize")
 # The phases each stage reports progress by (prepare's `lap`).
-_ALL_PHASES = ("plan", "shards", "dedup", "tokenizer", "documents_and_tokens", "pack_and_manifest")
+_ALL_PHASES = ("plan", "shards", "dedup", "tokenizer", "documents_and_tokens", "pack_and_manifest",
+               "contamination_index")
 PHASES = {"all": _ALL_PHASES, "finalize": _ALL_PHASES, "shards": ("plan", "shards")}
 # Kept-document length histogram: log-spaced character counts, fixed so shards can be summed.
 LENGTH_BINS = np.unique(np.round(np.geomspace(1, 10_000_000, 57)).astype(np.int64))
@@ -717,6 +722,7 @@ def choose_engine(config: DataPrepConfig, input_bytes: int) -> tuple[str, str]:
 def prepare(config: DataPrepConfig, stage: str = "all") -> Prepared:
     """Run (or resume, or reuse) data prep into config.output_dir and return its manifest.
     `stage` is "all", or "shards" / "finalize" for the two SageMaker jobs (module docstring)."""
+    from tasks.data.contamination import build_index as build_contamination_index
     from tasks.data.engine import host_share, open_engine
 
     if stage not in STAGES:
@@ -726,6 +732,8 @@ def prepare(config: DataPrepConfig, stage: str = "all") -> Prepared:
     existing = _reuse_or_reset(out_dir, config)
     if existing is not None:
         log.info("%s is complete for this config; nothing to do", out_dir)
+        if stage != "shards":
+            build_contamination_index(out_dir)   # kept when built; made when a crash left none
         return Prepared(existing, reused=True)
     if stage != "shards":
         _remove_temporaries(out_dir)
@@ -800,6 +808,8 @@ def prepare(config: DataPrepConfig, stage: str = "all") -> Prepared:
     manifest = _pack_and_write_manifest(out_dir, config, files, jobs, shards, dedup, tok, finals,
                                         sft_train, sft_eval, demo=not config.inputs)
     lap("pack_and_manifest")
+    build_contamination_index(out_dir)   # evaluation's audit: which items training text holds
+    lap("contamination_index")
     shutil.rmtree(out_dir / "staging", ignore_errors=True)
     return Prepared(manifest, reused=False, seconds=seconds, engine=engine_name, engine_reason=why)
 

@@ -1,0 +1,219 @@
+"""The contamination audit: which evaluation items also appear in the training data.
+
+A leaked benchmark inflates every score the gate reads. As the large evaluation reports do
+(GPT-3's and Llama's 13-gram overlap audits), an item counts as seen when any run of N words of
+it (13 by default) occurs in the training text.
+
+    index   data_dir/ngrams/: per source, the sorted unique 64-bit hashes of every N-word run of
+            its text, in `buckets` files by hash (bucket-BBB.npy), and index.json (written last:
+            the index is complete once it exists). Sources: `pretrain` (the kept documents of the
+            train split, documents/*.parquet) and `sft` (sft/train.jsonl, prompt and completion).
+            Built map/reduce as the dedup index is: each documents file hashes its words into one
+            part per bucket (`build_parts`, shared-nothing), then each bucket's parts are merged
+            (`merge_bucket`); a lookup reads only the buckets its hashes fall in.
+    audit   for each item's text (query + gold answer), its N-word runs looked up per source.
+            Items shorter than N words cannot be checked this way: they are counted as
+            `too_short`, never silently passed as clean.
+
+Words: lower-cased runs of letters and digits (`\\w+`), so case, punctuation and whitespace do not
+hide an overlap. Hashes: each word's blake2b (8 bytes), combined over the run with a polynomial
+hash mod 2**64 (vectorised with numpy; a false hit needs a 64-bit collision).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+from pathlib import Path
+from typing import Any, Iterable
+
+import numpy as np
+
+from tasks.common.io import atomic_write, write_json
+
+log = logging.getLogger("tasks.data.contamination")
+
+N = 13
+BUCKETS = 16
+WORD = re.compile(r"\w+")
+_MULT = np.uint64(0x100000001B3)      # the FNV prime: odd, so the combination is invertible
+
+
+def words(text: str) -> list[str]:
+    return WORD.findall(text.lower())
+
+
+def _word_hashes(tokens: list[str], cache: dict[str, int]) -> np.ndarray:
+    out = np.empty(len(tokens), dtype=np.uint64)
+    for i, word in enumerate(tokens):
+        h = cache.get(word)
+        if h is None:
+            h = cache[word] = int.from_bytes(hashlib.blake2b(word.encode(), digest_size=8).digest(), "little")
+        out[i] = h
+    return out
+
+
+def gram_hashes(tokens: list[str], n: int, cache: dict[str, int] | None = None) -> np.ndarray:
+    """The hash of every run of n consecutive words (none when there are fewer than n)."""
+    if len(tokens) < n:
+        return np.zeros(0, dtype=np.uint64)
+    wh = _word_hashes(tokens, {} if cache is None else cache)
+    count = len(tokens) - n + 1
+    acc = np.zeros(count, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        for k in range(n):
+            acc = acc * _MULT + wh[k:k + count]
+    return acc
+
+
+def _bucket_of(hashes: np.ndarray, buckets: int) -> np.ndarray:
+    return (hashes % np.uint64(buckets)).astype(np.int64)
+
+
+def _save(path: Path, array: np.ndarray) -> None:
+    atomic_write(path, lambda fh: np.save(fh, array))
+
+
+def build_parts(texts: Iterable[str], parts_dir: Path, name: str, n: int = N,
+                buckets: int = BUCKETS) -> int:
+    """Map: hash one piece of a source's text into parts_dir/BBB/<name>.npy; the number of runs."""
+    cache: dict[str, int] = {}
+    chunks = [gram_hashes(words(t), n, cache) for t in texts]
+    hashes = np.unique(np.concatenate(chunks)) if chunks else np.zeros(0, dtype=np.uint64)
+    which = _bucket_of(hashes, buckets)
+    for b in range(buckets):
+        _save(parts_dir / f"{b:03d}" / f"{name}.npy", hashes[which == b])
+    return int(sum(len(c) for c in chunks))
+
+
+def merge_bucket(parts_dir: Path, out: Path, bucket: int) -> int:
+    """Reduce: one bucket's parts into one sorted array of unique hashes; its size."""
+    parts = sorted((parts_dir / f"{bucket:03d}").glob("*.npy"))
+    merged = (np.unique(np.concatenate([np.load(p) for p in parts])) if parts
+              else np.zeros(0, dtype=np.uint64))
+    _save(out / f"bucket-{bucket:03d}.npy", merged)
+    return len(merged)
+
+
+def _pretrain_texts(data_dir: Path, manifest: dict[str, Any]) -> list[tuple[str, list[str]]]:
+    import pyarrow.parquet as pq
+
+    pieces = []
+    for f in (manifest.get("documents") or {}).get("files") or []:
+        table = pq.read_table(data_dir / f, columns=["text", "split"]).to_pydict()
+        # only what the model trains on: the held-out split is evaluation's own text
+        pieces.append((Path(f).stem, [t for t, split in zip(table["text"], table["split"])
+                                      if split == "train"]))
+    return pieces
+
+
+def _sft_texts(data_dir: Path, manifest: dict[str, Any]) -> list[tuple[str, list[str]]]:
+    rel = (manifest.get("sft") or {}).get("train")
+    if not rel or not (data_dir / rel).is_file():
+        return []
+    texts = []
+    with open(data_dir / rel) as fh:
+        for line in fh:
+            if line.strip():
+                record = json.loads(line)
+                texts.append(" ".join(str(m.get("content", "")) for m in record["messages"])
+                             if "messages" in record else
+                             f"{record.get('prompt', '')} {record.get('completion', '')}")
+    return [("train", texts)]
+
+
+def build_index(data_dir: str | Path, n: int = N, buckets: int = BUCKETS,
+                out_dir: str | Path | None = None) -> dict[str, Any]:
+    """Build <out_dir or data_dir>/ngrams/ from a finished data prep (see the module docstring);
+    its index.json. Rebuilt only when missing or built for another n, bucket count or data."""
+    data_dir = Path(data_dir)
+    manifest = json.loads((data_dir / "manifest.json").read_text())
+    root = Path(out_dir or data_dir) / "ngrams"
+    done = root / "index.json"
+    if done.is_file():
+        index = json.loads(done.read_text())
+        if (index.get("n"), index.get("buckets"), index.get("data_content_hash")) == (
+                n, buckets, manifest.get("content_hash")):
+            return index
+    sources: dict[str, Any] = {}
+    for source, pieces in (("pretrain", _pretrain_texts(data_dir, manifest)),
+                           ("sft", _sft_texts(data_dir, manifest))):
+        parts = root / "parts" / source
+        runs = sum(build_parts(texts, parts, name, n, buckets) for name, texts in pieces)
+        unique = sum(merge_bucket(parts, root / source, b) for b in range(buckets))
+        sources[source] = {"documents": sum(len(t) for _, t in pieces), "runs": runs,
+                           "unique_runs": unique}
+    index = {"n": n, "buckets": buckets, "data_content_hash": manifest.get("content_hash"),
+             "sources": sources}
+    write_json(done, index)
+    log.info("contamination index: %d-word runs of %s", n,
+             ", ".join(f"{s} ({v['documents']} documents, {v['unique_runs']} unique)"
+                       for s, v in sources.items()))
+    return index
+
+
+class NgramIndex:
+    """<where>/ngrams/ (a data dir, or the directory build_index wrote to) for lookups; buckets
+    are loaded when first needed."""
+
+    def __init__(self, where: str | Path) -> None:
+        self.root = Path(where) / "ngrams"
+        meta = json.loads((self.root / "index.json").read_text())
+        self.n, self.buckets, self.sources = int(meta["n"]), int(meta["buckets"]), list(meta["sources"])
+        self._loaded: dict[tuple[str, int], np.ndarray] = {}
+
+    def _bucket(self, source: str, b: int) -> np.ndarray:
+        if (source, b) not in self._loaded:
+            self._loaded[(source, b)] = np.load(self.root / source / f"bucket-{b:03d}.npy")
+        return self._loaded[(source, b)]
+
+    def hits(self, text: str) -> dict[str, int] | None:
+        """Per source, how many of the text's N-word runs it holds; None when the text is
+        shorter than N words (it cannot be checked)."""
+        hashes = np.unique(gram_hashes(words(text), self.n))
+        if not len(hashes):
+            return None
+        which = _bucket_of(hashes, self.buckets)
+        found: dict[str, int] = {}
+        for source in self.sources:
+            count = 0
+            for b in np.unique(which):
+                table, wanted = self._bucket(source, int(b)), hashes[which == b]
+                if len(table):
+                    at = np.minimum(np.searchsorted(table, wanted), len(table) - 1)
+                    count += int(np.sum(table[at] == wanted))
+            if count:
+                found[source] = count
+        return found
+
+
+def audit(index: NgramIndex, texts: list[str]) -> dict[str, Any]:
+    """One metric's items: which ones were seen in training (their positions, with where and how
+    many runs), and how many were too short to check."""
+    seen, too_short = [], 0
+    for i, text in enumerate(texts):
+        found = index.hits(text)
+        if found is None:
+            too_short += 1
+        elif found:
+            seen.append({"item": i, "found_in": found})
+    return {"items": len(texts), "checked": len(texts) - too_short, "too_short": too_short,
+            "contaminated": len(seen), "seen": seen}
+
+
+def open_index(data_dir: str | Path, scratch: str | Path) -> NgramIndex:
+    """The data dir's index, or one built now into `scratch` (data prepared before the index
+    existed, or a read-only data dir without one)."""
+    if (Path(data_dir) / "ngrams" / "index.json").is_file():
+        return NgramIndex(data_dir)
+    log.info("%s has no contamination index: building it in %s", data_dir, scratch)
+    build_index(data_dir, out_dir=scratch)
+    return NgramIndex(scratch)
+
+
+def seen_mask(result: dict[str, Any]) -> str:
+    """audit()'s result as one character per item ("1": seen in training), for per_item."""
+    seen = {entry["item"] for entry in result["seen"]}
+    return "".join("1" if i in seen else "0" for i in range(result["items"]))
