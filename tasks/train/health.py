@@ -6,28 +6,30 @@ whose link or device is slow holds every synchronous step back, a device that co
 wrong numbers lets the loss drift for hours, and a node that should never have joined fails
 both ways. Three checks, each cheap enough to leave on:
 
-  burn-in     once, when the process group first forms: a deterministic matmul of small
+  burn-in     once, when the job's first process group forms: a deterministic matmul of small
               integers (every product and sum exact in float32, compared with the same product
               in int64) and an all-reduce of a known tensor (its sum is exact too), timed. A
               rank with a wrong result, or an all-reduce slower than burn_in_min_gbps, makes
               the job refuse to start, naming the rank, its host and the reason.
   stragglers  every rank times its own part of each step: from the step's start to its first
               wait on the others (the last micro-batch's backward, where DDP's gradient
-              all-reduce begins). Every `check_every` steps one all_gather of one float per
-              rank (the mean since the last check) compares ranks: a rank at >= `factor` x the
-              median of the others for `checks` consecutive checks is a straggler, named in the
+              all-reduce begins). Every straggler_check_every steps one all_gather of one float
+              per rank (the mean since the last check) compares ranks: a rank at >=
+              straggler_factor x the median of the others for straggler_steps consecutive
+              checks (and STRAGGLER_MIN_GAP_S behind) is a straggler, named in the
               log, the events, MLflow and the job's result; the policy warns or stops the job
               for its node to be replaced (NODE_UNHEALTHY_EXIT).
-  SDC         every `check_every` steps each replica hashes its parameters exactly (their bytes
-              summed as integers of two widths into int64, on the device) and one
+  SDC         before each checkpoint (so that none holds weights no check has seen) and every
+              sdc_check_every steps, each replica hashes its parameters exactly (their bytes
+              summed as integers of two widths, param_checksum, on the device) and one
               all_gather of two integers per rank compares them: DDP replicas must be bitwise
               equal. The ranks outside the majority are named; the job rolls back to the newest
               checkpoint at or before the last check that agreed (the spike guard's rollback
               path, tasks/train/loop.py); the same rank again stops the job for its node to be
               replaced. FSDP shards are not replicas: there the check is off.
 
-Every rank takes the same decision from the same gathered numbers, so the job stops as one:
-with a fixed world size, a node that leaves alone would only leave its peers waiting for it.
+Every rank acts on the same decision (JobHealth: rank 0's, shared), so the job stops as one: with
+a fixed world size, a node that leaves alone would only leave its peers waiting for it.
 """
 
 from __future__ import annotations
