@@ -23,8 +23,12 @@ from llmops.jobs.backends.base import JobState, JobStatus
 
 # (why, pattern): the first match names the reason.
 CONTINUABLE: tuple[tuple[str, re.Pattern[str]], ...] = (
+    # The Kubeflow training operator fails a job past runPolicy.activeDeadlineSeconds with
+    # "Job <name> has failed because it was active longer than specified deadline" (the reason,
+    # DeadlineExceeded, is not in the condition's message the backend reports).
     ("max_runtime", re.compile(r"MaxRuntimeExceeded|attempt duration exceeded timeout|"
-                               r"DeadlineExceeded|activeDeadlineSeconds", re.I)),
+                               r"DeadlineExceeded|activeDeadlineSeconds|"
+                               r"active longer than specified deadline", re.I)),
     ("capacity", re.compile(r"CapacityError|InsufficientInstanceCapacity|"
                             r"INSUFFICIENT_INSTANCE_CAPACITY|insufficient capacity", re.I)),
     ("spot", re.compile(r"\bInterrupted\b|spot (?:instance )?(?:interruption|reclaim)", re.I)),
