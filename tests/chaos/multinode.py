@@ -48,6 +48,17 @@ def start_fake(workdir: Path, data_dir: Path) -> FakeAws:
 
 
 @contextlib.contextmanager
+def running_fake(workdir: Path, data_dir: Path) -> Iterator[FakeAws]:
+    """start_fake, connected, until the block ends; then stopped."""
+    server = start_fake(workdir, data_dir)
+    try:
+        with connected(server):
+            yield server
+    finally:
+        server.stop()
+
+
+@contextlib.contextmanager
 def connected(server: FakeAws, conn: str = CONN) -> Iterator[FakeAws]:
     """The Airflow connection `conn` to the server's proxy, and dummy credentials, in this
     process's environment until the block ends."""
@@ -138,13 +149,78 @@ class Platform:
     continue_after_loss: Callable[[JobSpec, dict], dict]   # the handle of the attempt that goes on
     instance_type: str = ""      # what its jobs ask for
     eks: FakeEks | None = None   # HyperPod's simulated cluster
+    server: FakeAws | None = None      # Batch and SageMaker: the fake AWS,
+    chaos: ChaosClient | None = None   # ... its control API,
+    group: str = ""                    # ... and the CloudWatch group of its jobs' streams
+    create_operation: str = ""         # ... and the call that creates a job (SubmitJob, ...)
 
     def close(self) -> None:
         if self.eks is not None:
             self.eks.shutdown()
 
+    # -- a whole run of one spec, across its attempts (Batch and SageMaker) --------------------
+    def attempts(self, name: str) -> list[dict[str, Any]]:
+        """The simulator's record of every job of spec `name` (its attempts `name`, `name-rN`,
+        and any copy a resent create made), oldest first: name, created_at, started_at (None:
+        never ran), ended_at, status, reason, streams."""
+        pattern = re.compile(rf"{re.escape(name)}(?:-r\d+)?")
+        return [j for j in self._chaos().report()["jobs"] if pattern.fullmatch(j["name"])]
 
-def aws_platform(server: FakeAws, backend: Any, staging: str, group: str, instance_type: str) -> Platform:
+    def attempt_events(self, job: dict[str, Any]) -> list[tuple[float, str]]:
+        """(time, line) of every node of the attempt `job` (an entry of attempts())."""
+        assert self.server is not None
+        return log_events(self.server, self.group, job["streams"])
+
+    def segments(self, name: str) -> list[list[tuple[float, str]]]:
+        """The log lines of each stretch of training of spec `name` that ran, in order: one per
+        attempt that started."""
+        return [self.attempt_events(j) for j in self.attempts(name) if j["started_at"]]
+
+    def billed(self, name: str) -> list[tuple[float, float]]:
+        """(start, end) of every attempt that ran, as the simulator ran it: the time billed."""
+        return [(j["started_at"], j["ended_at"]) for j in self.attempts(name) if j["started_at"]]
+
+    def hold_for_capacity(self, seconds: float) -> None:
+        """Jobs created from now on wait `seconds` for instances first (0: none)."""
+        self._chaos().config(capacity_wait_seconds=seconds)
+
+    def capacity_held(self) -> bool:
+        return self._chaos().config()["capacity_wait_seconds"] > 0
+
+    def lose_next_create_answer(self) -> None:
+        """The next create (SubmitJob, CreateTrainingJob) takes effect and its answer is lost:
+        the client resends it."""
+        self._chaos().faults([{"operations": [self.create_operation], "kind": "lost", "count": 1}])
+
+    def lost_create_answers(self) -> int:
+        return sum(1 for i in self._chaos().report()["injections"]
+                   if i["kind"] == "lost" and i["operation"] == self.create_operation)
+
+    def lose_node_1_of(self, job: dict[str, Any]) -> None:
+        """Node 1's host of attempt `job` dies (its disk with it)."""
+        # By id: a Batch copy of a resent SubmitJob has the same name
+        self._chaos().lose_host(job["job_id"] if job["service"] == "batch" else job["name"], node=1)
+
+    def _chaos(self) -> ChaosClient:
+        assert self.chaos is not None, "a Batch or SageMaker platform"
+        return self.chaos
+
+
+def download(server: FakeAws, uri: str, local: Path) -> Path:
+    """Every object under s3 `uri` (a folder) into `local`; `local`."""
+    bucket, _, prefix = uri[len("s3://"):].partition("/")
+    prefix = prefix.rstrip("/") + "/"
+    s3 = moto(server, "s3")
+    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
+        for obj in page.get("Contents", []):
+            target = local / obj["Key"][len(prefix):]
+            target.parent.mkdir(parents=True, exist_ok=True)
+            s3.download_file(bucket, obj["Key"], str(target))
+    return local
+
+
+def aws_platform(server: FakeAws, backend: Any, staging: str, group: str, instance_type: str,
+                 create_operation: str) -> Platform:
     """Batch and SageMaker: the job's CloudWatch streams; a lost host fails the attempt and the
     next one (fresh nodes) is submitted as the operator's retry would."""
     chaos = ChaosClient(server.url)
@@ -163,7 +239,8 @@ def aws_platform(server: FakeAws, backend: Any, staging: str, group: str, instan
     return Platform(backend, staging, events, lambda h: chaos.job(h["job_name"])["ended_at"],
                     lambda h: chaos.job(h["job_name"])["node_ended_at"],
                     lambda h: chaos.lose_host(h["job_name"], node=1), continue_after_loss,
-                    instance_type)
+                    instance_type, server=server, chaos=chaos, group=group,
+                    create_operation=create_operation)
 
 
 def platform(server: FakeAws, name: str, workdir: Path) -> Platform:
@@ -176,13 +253,14 @@ def platform(server: FakeAws, name: str, workdir: Path) -> Platform:
         backend = BatchBackend(settings={"batch": {
             "aws_conn_id": CONN, "job_queue": QUEUE, "image": IMAGE, "instance_type": "m5.xlarge",
             "staging_uri": staging}})
-        return aws_platform(server, backend, staging, BATCH_GROUP, "m5.xlarge")
+        return aws_platform(server, backend, staging, BATCH_GROUP, "m5.xlarge", "SubmitJob")
     if name == "sagemaker":
         from llmops.jobs.backends.sagemaker import SageMakerTrainingBackend
 
         backend = SageMakerTrainingBackend(settings={"sagemaker": sagemaker_settings(
             BUCKET, aws_conn_id=CONN, instance_type="ml.m5.xlarge")})
-        return aws_platform(server, backend, f"s3://{BUCKET}/staging", SM_GROUP, "ml.m5.xlarge")
+        return aws_platform(server, backend, f"s3://{BUCKET}/staging", SM_GROUP, "ml.m5.xlarge",
+                            "CreateTrainingJob")
     from llmops.jobs.backends import hyperpod
 
     eks = FakeEks(workdir / "eks", {**CREDENTIALS, "AWS_ENDPOINT_URL": server.moto_url,
