@@ -30,7 +30,7 @@ log = logging.getLogger("tasks.evaluate")
 
 LINEAGE_KEYS = ("stage", "step", "source_checkpoint", "data_content_hash", "sft_sha256",
                 "parent_run_id", "parent_model_uri", "parent_registered_version",
-                "registered_model", "registered_version")
+                "registered_model", "registered_version", "content_sha256")
 
 
 def item_texts(examples: list, suite=None) -> list[str]:

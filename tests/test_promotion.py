@@ -216,6 +216,46 @@ def test_the_paired_verdict_is_on_the_registered_version_and_before_the_approver
     assert "| task_accuracy | +0.1250 | [+0.0" in body and "| 400 | 8e-10 | superior | pass |" in body
 
 
+def test_a_published_model_carries_the_hash_of_its_weights_and_tokenizer(tiny_data_dir, tmp_path):
+    from tasks.model import GPT
+    from tasks.train.data import DataDir
+    from tasks.train.export import export_model, read_meta
+
+    data = DataDir(tiny_data_dir)
+    config = ModelConfig(vocab_size=300, block_size=16, n_layer=1, n_head=2, n_embd=16)
+    hashes = []
+    for seed, where in ((0, "a"), (0, "b"), (1, "c")):
+        torch.manual_seed(seed)
+        out = export_model(GPT(config), tmp_path / where, data.tokenizer_path, {"stage": "test"},
+                           eos_id=data.eos_id)
+        hashes.append(read_meta(out)["content_sha256"])
+    assert hashes[0] == hashes[1] != hashes[2] and len(hashes[0]) == 64
+
+
+def test_the_same_weights_are_never_registered_twice(model_uri):
+    """Identical reruns publish byte-identical weights: the first registers them, the next ones
+    find that version by its content hash and register nothing (issue 24, point 6)."""
+    client = tracking.client()
+    name = "promotion-test-content"
+    found = evaluation(model_uri, 0.80, 40.0, 1.50)
+    found["models"]["challenger"]["lineage"]["content_sha256"] = "c" * 64
+    runs = [{**lifecycle_run(f"c{i}"), "model_name": name} for i in range(3)]
+    first = promotion.promote(runs[0], found, {"data_hash": "d"}, candidates=("challenger",))
+    assert first["promoted"] and first["version"] == "1" and not first.get("already_registered")
+    again = evaluation(model_uri, 0.80, 40.0, 1.50, (0.80, 40.0, 1.50))
+    again["models"]["challenger"]["lineage"]["content_sha256"] = "c" * 64
+    for run in runs[1:]:
+        decision = promotion.promote(run, again, {"data_hash": "d"}, candidates=("challenger",))
+        assert decision["already_registered"] and decision["version"] == "1"
+        assert "the same weights as registered before" in promotion.summary(decision)
+    assert [str(mv.version) for mv in client.search_model_versions(f"name = '{name}'")] == ["1"]
+    assert str(client.get_model_version_by_alias(name, "champion").version) == "1"
+    other = evaluation(model_uri, 0.85, 38.0, 1.48, (0.80, 40.0, 1.50))
+    other["models"]["challenger"]["lineage"]["content_sha256"] = "e" * 64   # new weights: registered
+    assert promotion.promote({**lifecycle_run("c3"), "model_name": name}, other, {"data_hash": "d"},
+                             candidates=("challenger",))["version"] == "2"
+
+
 def test_lifecycle_promote_prefers_the_student_and_falls_back_to_the_teacher(model_uri):
     client = tracking.client()
     name = "promotion-test-lifecycle"

@@ -183,6 +183,14 @@ def current_champion(model_name: str) -> dict[str, Any] | None:
             "run_id": mv.tags.get("training_run_id") or mv.run_id or "", "tags": dict(mv.tags)}
 
 
+def registered_with_content(client: Any, name: str, content: str) -> Any | None:
+    """The version of `name` holding exactly these weights and tokenizer, if one does."""
+    if not content:
+        return None
+    found = client.search_model_versions(f"name = '{name}' and tags.`lineage.content_sha256` = '{content}'")
+    return min(found, key=lambda mv: int(mv.version)) if found else None
+
+
 def _register_once(client: Any, name: str, model_uri: str, lineage: dict[str, str]) -> str:
     """Register `model_uri` as a new version, or return the version this DAG run already
     registered for this candidate (a retried task must not register twice)."""
@@ -232,6 +240,15 @@ def gate(run: dict[str, Any], evaluation: dict[str, Any], data: dict[str, Any],
                **{f"lineage.{k}": str(v) for k, v in (model.get("lineage") or {}).items()}}
     client = tracking.client()
     name = run["model_name"]
+    same = registered_with_content(client, name, lineage.get("lineage.content_sha256", ""))
+    if same is not None and same.tags.get("run_id") != run["run_id"]:
+        # The same weights are registered already (an identical rerun, or the champion itself):
+        # a second version would be a copy, and its verdict would overwrite nothing useful.
+        decision.update(version=str(same.version), reasons=reasons, metrics=metrics,
+                        uri=f"models:/{name}/{same.version}", already_registered=True)
+        client.set_tag(run["parent_run_id"], "gate", f"already registered as version {same.version}")
+        log.info("gate: %s (%s) is version %s already: nothing registered", name, chosen, same.version)
+        return decision
     version = _register_once(client, name, model["model_uri"], lineage)
     tags = {"gate.passed": str(bool(passing)).lower(), "gate.reasons": reasons or "none",
             "gate.compared_to": decision["champion_before"] or "no champion yet",
@@ -301,6 +318,8 @@ def promote(run: dict[str, Any], evaluation: dict[str, Any], data: dict[str, Any
 def summary(decision: dict[str, Any]) -> str:
     """One line for logs, skip messages and the approval request."""
     who = f"{decision['model_name']} version {decision.get('version')} ({decision.get('candidate')})"
+    if decision.get("already_registered"):
+        who += ", the same weights as registered before,"
     if decision.get("passed"):
         return f"{who} passed the gate against {decision.get('champion_before') or 'no champion'}."
     return f"{who} refused, kept as `challenger`: {decision.get('reasons')}"

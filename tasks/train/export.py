@@ -20,6 +20,7 @@ flavor (text generation), so `mlflow.pyfunc.load_model(uri).predict(["..."])` re
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -99,7 +100,21 @@ def _assemble(model: nn.Module, tmp: Path, tokenizer_path: str | Path, meta: dic
                                             do_sample=False)
     hf.save_pretrained(str(tmp))  # safetensors
     write_tokenizer(tokenizer_path, tmp, eos_id, model.config.block_size)
+    meta["content_sha256"] = content_sha256(tmp)   # into the caller's lineage: tags, registry
     _write_meta(tmp, {**meta, "params": model.num_params(), "architecture": type(hf).__name__})
+
+
+def content_sha256(model_dir: Path) -> str:
+    """What makes two published models the same model: their weights and tokenizer, byte for
+    byte (safetensors files are deterministic for equal tensors). The registry keys on it, so the
+    same weights are never registered twice."""
+    digest = hashlib.sha256()
+    for path in sorted(model_dir.glob("*.safetensors")) + [model_dir / "tokenizer.json"]:
+        digest.update(path.name.encode() + b"\0")
+        with open(path, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 20), b""):
+                digest.update(block)
+    return digest.hexdigest()
 
 
 def _write_meta(model_dir: Path, meta: dict[str, Any]) -> None:
