@@ -19,11 +19,13 @@ from typing import Any, get_type_hints
 from llmops import params as lifecycle_params
 from llmops import model_refs, promotion
 from llmops import reuse, settings, step_cache, teams, tracking
+from llmops.jobs.backends import settings as backend_settings
 from llmops.jobs.spec import JobSpec
 # the path checks start_run makes, named here too for the DAGs and scripts that call them
 from llmops.paths import LifecycleParamError, check_data_path, check_storage_root  # noqa: F401
 from llmops.sweep import budget as sweep_budget
 from llmops.sweep import stage as sweep_stage
+from llmops.sweep import study as studies
 from tasks import configs
 
 log = logging.getLogger(__name__)
@@ -147,8 +149,6 @@ def check_backends(backends: dict[str, str], params: dict[str, Any], storage_roo
                    *, network: bool = True) -> None:
     """Each remote stage's settings block has what its backend needs, and (where an AWS
     connection is configured) the connection answers and the staging and storage buckets exist."""
-    from llmops.jobs.backends import settings as backend_settings
-
     resources = params.get("stage_resources") or {}
     buckets: dict[str, set[str]] = {}   # aws_conn_id -> buckets to check through it
     for stage, backend in backends.items():
@@ -284,10 +284,8 @@ def fail_parent_run(parent_run_id: str, reason: str) -> None:
 
 # What start_run raises for input a retry cannot fix: the DAG fails the task without retrying.
 def validation_errors() -> tuple[type[Exception], ...]:
-    from llmops.jobs.backends.settings import BackendSettingsError
-
-    return (LifecycleParamError, sweep_budget.BudgetError, BackendSettingsError, configs.ConfigError,
-            teams.TeamError, reuse.FromRunError)
+    return (LifecycleParamError, sweep_budget.BudgetError, backend_settings.BackendSettingsError,
+            configs.ConfigError, teams.TeamError, reuse.FromRunError)
 
 
 def _spec(run: dict[str, Any], stage: str, config: dict[str, Any], *,
@@ -347,8 +345,6 @@ def trial_spec(run: dict[str, Any], data: dict[str, Any], study: dict[str, Any],
                trial: dict[str, Any]) -> dict[str, Any]:
     """One trial: a short pretraining run with the trial's hyperparameters, evaluated (and
     checkpointed, so a retry resumes) at every point where the study's pruner may stop it."""
-    from llmops.sweep import study as studies
-
     steps, every = study["steps"], study["eval_interval"]
     config = copy.deepcopy(run["config"]["pretrain"])
     config.update(data_dir=data["outputs"]["data_dir"],

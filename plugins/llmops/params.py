@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, get_type_hints
 
+from llmops.jobs.backends import BACKENDS
 from tasks import configs
 
 # Param name -> (config path, what a researcher should know)
@@ -222,8 +223,6 @@ def lifecycle_params() -> dict[str, Any]:
     """Param objects for the DAG; pure data, cheap at parse time."""
     from airflow.sdk import Param
 
-    from llmops.jobs.backends import BACKENDS
-
     params: dict[str, Any] = {
         "recipe": Param("demo", type="string", enum=sorted(configs.RECIPES),
                         description="Named sizes every knob starts from: tiny (tests), demo "
@@ -302,8 +301,6 @@ def ladder_params() -> dict[str, Any]:
     """Param objects for the scaling_ladder DAG; pure data, cheap at parse time."""
     from airflow.sdk import Param
 
-    from llmops.jobs.backends import BACKENDS
-
     params: dict[str, Any] = {
         "recipe": Param("demo", type="string", enum=sorted(configs.RECIPES),
                         description="Named sizes every knob starts from: tiny (tests), demo (CPU), "
@@ -322,8 +319,6 @@ def ladder_params() -> dict[str, Any]:
 def retrain_params() -> dict[str, Any]:
     """Param objects for the llm_retrain DAG; pure data, cheap at parse time."""
     from airflow.sdk import Param
-
-    from llmops.jobs.backends import BACKENDS
 
     params: dict[str, Any] = {
         "recipe": Param("demo", type="string", enum=sorted(configs.RECIPES),

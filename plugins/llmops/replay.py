@@ -38,7 +38,7 @@ import sys
 import tempfile
 from typing import Any
 
-from llmops import reuse, step_cache, tracking
+from llmops import provenance, reuse, step_cache, tracking
 
 log = logging.getLogger(__name__)
 
@@ -55,8 +55,6 @@ class ReplayRefused(ValueError):
 
 def plan(run: str, start_at: str = "sweep", dag_id: str = DAG_ID) -> dict[str, Any]:
     """Check that `run` can be replayed here; the conf that replays it. Raises ReplayRefused."""
-    from llmops.provenance import code_version
-
     if start_at not in REPLAY_START_AT:
         raise ReplayRefused(f"start_at must be one of {', '.join(REPLAY_START_AT)} (the stages from "
                             f"it on are computed again and compared), got {start_at!r}.")
@@ -70,7 +68,7 @@ def plan(run: str, start_at: str = "sweep", dag_id: str = DAG_ID) -> dict[str, A
         raise ReplayRefused(f"Run {tags.get('run_id')} (MLflow {parent.info.run_id}) has no recorded "
                             f"conf ({reuse.RUN_CONF_ARTIFACT}): it ran before replays were recorded.")
     recorded = tags.get("code_version") or tags.get("git_commit") or "unknown"
-    here = code_version()
+    here = provenance.code_version()
     if recorded == "unknown" or recorded != here:
         raise ReplayRefused(
             f"The code commit cannot be matched: run {tags.get('run_id')} ran code version "

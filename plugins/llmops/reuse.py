@@ -21,7 +21,10 @@ import logging
 import re
 from typing import Any
 
-from llmops import step_cache, tracking
+from llmops import provenance, step_cache, tracking
+from llmops.params import KNOBS
+from llmops.run_summary import find_parent as by_dag_run
+from tasks.configs import flatten
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +43,6 @@ class FromRunError(ValueError):
 
 def find_parent(ref: str, dag_id: str) -> Any:
     """The MLflow parent run of an earlier run of `dag_id`, by DAG run id or MLflow run id."""
-    from llmops.run_summary import find_parent as by_dag_run
-
     if not isinstance(ref, str) or not RUN_REF.match(ref):
         raise FromRunError(f"Param 'from_run': {ref!r} is neither a DAG run id (e.g. "
                            "manual__2026-01-01T00:00:00+00:00) nor an MLflow run id.")
@@ -127,9 +128,6 @@ def _same_config(config: dict[str, Any], earlier: dict[str, Any], taken: tuple[s
                  earlier_run_id: str, start_at: str, earlier_conf: dict | None) -> None:
     """Refuse a run whose config of a stage it takes differs from the earlier run's: the knob
     would be silently ignored."""
-    from llmops.params import KNOBS
-    from tasks.configs import flatten
-
     knob_of = {path: name for name, path in KNOBS.items()}
     changed = []
     for stage in taken:
@@ -152,11 +150,9 @@ def _same_config(config: dict[str, Any], earlier: dict[str, Any], taken: tuple[s
 def tag_parent(parent_run_id: str, earlier: dict[str, Any] | None, conf: dict[str, Any] | None) -> None:
     """On the new run's parent: the conf as triggered (for replays), the code version, and where
     it started from."""
-    from llmops.provenance import code_version
-
     c = tracking.client()
     tracking.log_json(parent_run_id, conf or {}, RUN_CONF_ARTIFACT)
-    c.set_tag(parent_run_id, "code_version", code_version())
+    c.set_tag(parent_run_id, "code_version", provenance.code_version())
     if earlier:
         for key, value in {"from_run": earlier["run_id"], "from_parent_run_id": earlier["parent_run_id"],
                            "start_at": earlier["start_at"]}.items():

@@ -22,9 +22,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-log = logging.getLogger(__name__)
-
 from llmops.run_summary import NOTE_XCOM as NOTE_KEY
+
+log = logging.getLogger(__name__)
 
 NOTE_TASK = "promote"
 NOTE_LIMIT = 1000  # Airflow's dag_run_note.content column

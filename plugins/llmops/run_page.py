@@ -23,6 +23,8 @@ import html
 import math
 from typing import Any, Callable
 
+from llmops import run_note, run_summary
+
 PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2",
            "#7f7f7f", "#bcbd22", "#17becf")
 STATE_COLOURS = {"FINISHED": "#2ca02c", "RUNNING": "#1f77b4", "FAILED": "#d62728",
@@ -246,8 +248,6 @@ def render_missing(dag_id: str, run_id: str, airflow: dict[str, Any] | None = No
 
 
 def render(summary: dict[str, Any], airflow: dict[str, Any] | None = None) -> str:
-    from llmops.run_summary import note_line
-
     s = summary
     gate, data, goodput, evaluation = s["gate"], s.get("data"), s.get("goodput"), s.get("evaluation")
     body = [f'<h1>{_e(s["dag_id"])} · {_e(s["run_id"])}</h1>',
@@ -255,7 +255,7 @@ def render(summary: dict[str, Any], airflow: dict[str, Any] | None = None) -> st
             f'{_e(s["mlflow_run_id"])}</code> (experiment {_e(s["experiment_id"])}) · '
             f'<span class="state-{_e(s["status"])}">{_e(s["status"])}</span> · started {_e(_time(s["start_ms"]))}'
             f' · {_e(_duration(s["duration_s"]))}</div>',
-            f'<div class="note" data-key="note">{_e(s.get("note") or note_line(s))}</div>',
+            f'<div class="note" data-key="note">{_e(s.get("note") or run_summary.note_line(s))}</div>',
             _failure(airflow)]
 
     # headline cards
@@ -372,8 +372,6 @@ def make_app(authorize: Callable | None = None,
     reads the run's state and failure line; by default from the API server's metadata DB."""
     from fastapi import Depends, FastAPI
     from fastapi.responses import HTMLResponse, JSONResponse
-
-    from llmops import run_note, run_summary
 
     if airflow_run is None:
         airflow_run = run_note.airflow_run

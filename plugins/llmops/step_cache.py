@@ -40,7 +40,9 @@ import sys
 import time
 from typing import Any
 
+from llmops import provenance, settings
 from llmops.aws import s3
+from tasks.common.io import write_json as write_local  # stdlib only
 
 log = logging.getLogger(__name__)
 
@@ -61,8 +63,6 @@ class StepCacheError(ValueError):
 # -- content of files ---------------------------------------------------------------------------
 
 def _hook():
-    from llmops import settings
-
     return s3.s3_hook(settings.aws_conn_id())
 
 
@@ -179,8 +179,6 @@ def _relocate(value: Any, places: list[tuple[str, str]]) -> Any:
 
 def identity(spec: Any, backend_settings: str = "") -> dict[str, Any]:
     """Everything that decides what the job `spec` (a JobSpec) computes; see the module doc."""
-    from llmops.provenance import code_version
-
     inputs = (spec.cache or {}).get("inputs") or {}
     places = [(i["uri"], INPUT.format(name)) for name, i in inputs.items() if i.get("uri")]
     places += [(p, ph) for p, ph in ((spec.output_uri, OUTPUT), (spec.checkpoint_uri, CHECKPOINTS))
@@ -190,7 +188,7 @@ def identity(spec: Any, backend_settings: str = "") -> dict[str, Any]:
         "schema": SCHEMA, "stage": spec.stage, "entrypoint": spec.entrypoint,
         "config": _relocate(spec.config, places), "argv": _relocate(list(spec.argv), places),
         "inputs": {name: i["hash"] for name, i in sorted(inputs.items())},
-        "code": code_version(),
+        "code": provenance.code_version(),
         "image": spec.image or (local_environment() if spec.backend == "local" else ""),
         "instance_type": spec.instance_type, "instance_count": spec.instance_count,
         "nproc_per_node": spec.nproc_per_node,
@@ -245,7 +243,6 @@ def write_json(uri: str, data: Any, hook: Any = None) -> None:
     if s3.is_s3(uri):
         s3.write_json(hook or _hook(), uri, data)
         return
-    from tasks.common.io import write_json as write_local  # stdlib only
 
     write_local(uri, data)
 

@@ -17,6 +17,7 @@ from typing import Any
 
 from llmops import settings
 from llmops.provenance import source_commit
+from llmops.step_cache import RECORD_ARTIFACT
 from tasks.configs import flatten  # stdlib only; shipped in plugins.zip beside llmops
 
 PARENT_KIND = "lifecycle"
@@ -214,7 +215,6 @@ def mark_reused(run_id: str, source: dict[str, str], record: dict[str, Any]) -> 
             c.log_batch(run_id, params=params[i:i + 100])
         for i in range(0, len(metrics), 1000):
             c.log_batch(run_id, metrics=metrics[i:i + 1000])
-    from llmops.step_cache import RECORD_ARTIFACT
 
     log_json(run_id, record, RECORD_ARTIFACT)
     end_run(run_id, "FINISHED")

@@ -44,6 +44,8 @@ import logging
 import time
 from typing import Any
 
+from llmops import settings
+from llmops.ledger import store
 from llmops.ledger.events import JobEvent, with_usage
 
 log = logging.getLogger(__name__)
@@ -53,8 +55,6 @@ write_errors = 0
 
 def parquet_root() -> str:
     """Where Parquet goes: the deployment's storage root when it is on S3, else "" (none)."""
-    from llmops import settings
-
     root = settings.storage_root()
     return root if root.startswith("s3://") else ""
 
@@ -62,7 +62,6 @@ def parquet_root() -> str:
 def record(event: JobEvent) -> bool:
     """Write one event (SQLite, and Parquet on S3); never raises. True when every write worked."""
     global write_errors
-    from llmops.ledger import store
 
     ok = True
     try:
@@ -100,8 +99,6 @@ def read_events(since: dt.datetime | float, until: dt.datetime | float | None = 
                 source: str = "") -> list[dict[str, Any]]:
     """Events recorded in [since, until): from Parquet when the storage root is on S3 (every
     worker's events), else from this machine's SQLite. `source` forces "sqlite" or a root."""
-    from llmops.ledger import store
-
     start, end = _epoch(since), _epoch(until) if until is not None else time.time() + 1
     root = parquet_root() if not source else "" if source == "sqlite" else source
     return store.read_parquet(root, start, end) if root else store.read_sqlite(start, end)

@@ -28,6 +28,8 @@ import statistics
 from collections import defaultdict
 from typing import Any, Iterable
 
+from llmops import ledger, tracking
+
 EXPERIMENT = "llmops-platform"
 BADPUT_PREFIX = "resilience/badput_"
 
@@ -177,8 +179,6 @@ def log_report(events: Iterable[dict[str, Any]], *, period_start: str, period_en
     {"run_id", "tables", "metrics"}."""
     import matplotlib.pyplot as plt
 
-    from llmops import tracking
-
     client = client or tracking.client()
     tables = build(events, client)
     rows = tables["attempts"]
@@ -212,8 +212,6 @@ def log_report(events: Iterable[dict[str, Any]], *, period_start: str, period_en
 
 def daily(period_start: Any, period_end: Any, source: str = "") -> dict[str, Any]:
     """The DAG's task: the ledger's events of [period_start, period_end) into one report run."""
-    from llmops import ledger
-
     events = ledger.read_events(period_start, period_end, source=source)
     result = log_report(events, period_start=str(period_start), period_end=str(period_end))
     return {"run_id": result["run_id"], "metrics": result["metrics"], "events": len(events)}

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from llmops import settings
+from llmops.aws import s3
 from llmops.ledger.events import FIELDS, TIME_FIELDS, JobEvent, arrow_schema, event_time
 
 BUSY_TIMEOUT_SECONDS = 10.0
@@ -123,8 +124,6 @@ def parquet_key(root: str, event: JobEvent) -> str:
 
 def write_parquet(event: JobEvent, root: str, hook: Any = None) -> str:
     """One event as one Parquet file under `root` (s3://... through an S3 hook, or a local dir)."""
-    from llmops.aws import s3
-
     uri = parquet_key(root, event)
     data = parquet_bytes([event])
     if s3.is_s3(uri):
@@ -144,8 +143,6 @@ def read_parquet(root: str, since: float, until: float, hook: Any = None) -> lis
     """Events whose time (events.event_time) is in [since, until), from the dt= partitions
     that can hold them."""
     import pyarrow.parquet as pq
-
-    from llmops.aws import s3
 
     base = f"{root.rstrip('/')}/{LEDGER_DIR}"
     first = partition(since)

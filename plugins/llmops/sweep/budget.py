@@ -25,7 +25,12 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from llmops.jobs.backends import settings as backend_settings
+from llmops.jobs.spec import JobSpec
+from llmops.ledger.events import instance_rate
+from llmops.sweep.study import slot_count, trial_eval_interval
 from tasks import configs, hardware
+from tasks.scaling.ladder import rungs
 
 # Planning utilisation of an accelerator's dense bf16 peak (tasks/hardware.py, the table the jobs'
 # MFU uses too)
@@ -69,11 +74,9 @@ def accelerator(instance_type: str) -> tuple[str, float]:
 def instance_type_for(backend: str, stage: str, params: dict[str, Any] | None = None) -> str:
     """The instance type a stage's jobs will get: the run's stage_resources Param, else the
     backend's deployment settings (the Airflow Variable llmops_backends), else unknown ("")."""
-    from llmops.jobs.backends.settings import BackendSettingsError
-
     try:
         return stage_resources(backend, stage, params)["instance_type"]
-    except BackendSettingsError:  # check_backends refuses it, naming the Param
+    except backend_settings.BackendSettingsError:  # check_backends refuses it, naming the Param
         return ""
 
 
@@ -81,9 +84,6 @@ def stage_resources(backend: str, stage: str, params: dict[str, Any] | None = No
     """What a stage's jobs will run on, as the backends resolve it (remote.merged): the run's
     stage_resources over the backend's settings for the stage: image, instance_type,
     instance_count, max_run_seconds and accelerators per instance (None = not known here)."""
-    from llmops.jobs.backends import settings as backend_settings
-    from llmops.jobs.spec import JobSpec
-
     chosen = ((params or {}).get("stage_resources") or {}).get(stage) or {}
     max_run = int(chosen.get("max_run_seconds") or JobSpec.__dataclass_fields__["max_run_seconds"].default)
     if backend == "local":
@@ -104,8 +104,6 @@ def _training_flops(model: configs.ModelConfig, steps: int, batch_size: int, seq
 
 
 def sweep_estimate(cfg: configs.LifecycleConfig, instance_type: str) -> Estimate:
-    from llmops.sweep.study import slot_count, trial_eval_interval
-
     sweep, train = cfg.sweep, cfg.pretrain
     trials = slot_count(sweep)
     evals = math.ceil(sweep.steps / trial_eval_interval(sweep))
@@ -119,8 +117,6 @@ def sweep_estimate(cfg: configs.LifecycleConfig, instance_type: str) -> Estimate
 
 
 def ladder_estimate(cfg: configs.LifecycleConfig, instance_type: str) -> Estimate:
-    from tasks.scaling.ladder import rungs
-
     plan = rungs(cfg.ladder, cfg.pretrain.model, cfg.pretrain.batch_size * cfg.data.seq_len)
     flops = sum(_training_flops(r.model, r.steps, cfg.pretrain.batch_size, cfg.data.seq_len,
                                 1, cfg.pretrain.eval_batches) for r in plan)
@@ -197,11 +193,7 @@ def accelerators_per_instance(instance_type: str, from_settings: int | None) -> 
     """(count, how it was found): the backend's own count, else the ledger's price table, else 1."""
     if from_settings:
         return from_settings, "accelerators per node, from the backend settings"
-    try:
-        from llmops.ledger.events import instance_rate
-    except ImportError:  # the ledger's table is not installed
-        instance_rate = None
-    count = instance_rate(instance_type)[0] if instance_rate and instance_type else None
+    count = instance_rate(instance_type)[0] if instance_type else None
     if count is None:
         return 1, "accelerator per instance assumed: type not in the price table"
     return count, "accelerators per instance"

@@ -19,9 +19,10 @@ import os
 import tempfile
 from typing import Any
 
-from llmops import tracking
+from llmops import reuse, tracking
 from llmops.sweep import study as studies
 from tasks import configs
+from tasks.scaling.ladder import recommend
 
 log = logging.getLogger(__name__)
 
@@ -34,8 +35,6 @@ def study_for(run: dict[str, Any]) -> dict[str, Any]:
 def plan_trials(run: dict[str, Any], data: dict[str, Any]) -> list[dict[str, Any]]:
     """Create (or reopen) the study; one op_kwargs per slot for the mapped TrialOperator. None
     when the run takes the sweep from an earlier run (from_run): the trial task is skipped."""
-    from llmops import reuse
-
     if reuse.taken(run, "sweep"):
         log.info("from_run: the sweep is run %s's (its best trial goes to pretraining); no trial "
                  "runs here.", run["from_run"]["run_id"])
@@ -57,8 +56,6 @@ def pick_best(run: dict[str, Any], recommendation: dict[str, Any] | None = None)
     """The best complete trial of the run's study, after every slot's task is done (failed and
     pruned trials are reported, never chosen). With `size_from_ladder`, also the pretraining size
     from the scaling ladder's `recommendation`."""
-    from llmops import reuse
-
     if reuse.taken(run, "sweep"):
         best = run["from_run"]["sweep_best"]
         log.info("from_run: the best trial of run %s: trial %s, val_loss %.4f, %s", run["from_run"]["run_id"],
@@ -113,8 +110,6 @@ def apply_best(config: dict[str, Any], best: dict[str, Any]) -> None:
 
 
 def _size_from(recommendation: dict[str, Any] | None, run: dict[str, Any]) -> dict[str, Any]:
-    from tasks.scaling.ladder import recommend
-
     if not recommendation or "compute_optimal" not in recommendation:
         raise ValueError("Param 'pretrain_size_from_ladder' is set but no scaling_ladder run has "
                          "published a recommendation yet: run the scaling_ladder DAG first, or "

@@ -27,6 +27,13 @@ import hashlib
 import json
 from typing import Any
 
+from llmops import lifecycle
+from llmops.aws.validation import AwsRequestError, service_model, validate_request
+from llmops.jobs.backends import remote
+from llmops.jobs.backends.sagemaker import training_request
+from llmops.jobs.backends.settings import SageMakerSettings, load
+from llmops.jobs.spec import JobSpec
+from llmops.sweep.stage import study_for
 from tasks import configs
 
 OPERATION = "CreateHyperParameterTuningJob"
@@ -122,8 +129,6 @@ def validate(request: dict[str, Any]) -> None:
     patterns, enums). Raises with each problem's path."""
     from botocore.validate import ParamValidator
 
-    from llmops.aws.validation import AwsRequestError, service_model, validate_request
-
     shape = service_model("sagemaker").operation_model(OPERATION).input_shape
     report = ParamValidator().validate(request, shape)
     if report.has_errors():
@@ -135,13 +140,6 @@ def render(run: dict[str, Any], data: dict[str, Any], *, settings: dict[str, Any
            region: str = "", max_parallel: int = 2) -> dict[str, Any]:
     """The validated tuning request for the run's sweep: one trial's spec rendered by the
     SageMaker backend, turned into the tuning job's training job definition."""
-    from llmops import lifecycle
-    from llmops.jobs.backends import remote
-    from llmops.jobs.backends.sagemaker import training_request
-    from llmops.jobs.backends.settings import SageMakerSettings, load
-    from llmops.jobs.spec import JobSpec
-    from llmops.sweep.stage import study_for
-
     ref = study_for(run)
     middle = {path: (spec["choices"][0] if "choices" in spec else spec["low"])
               for path, spec in ref["space"].items()}  # replaced by SageMaker's choice per job
