@@ -456,11 +456,12 @@ def test_a_job_not_visible_yet_is_waited_for_not_failed_nor_submitted_again(fake
         if backend.name == "sagemaker":
             with pytest.raises(ClientError, match="Requested resource not found"):
                 client(fake, "sagemaker").describe_training_job(TrainingJobName=handle["job_name"])
-            assert handle["job_name"] not in [j["TrainingJobName"] for j in client(fake, "sagemaker")
-                                              .list_training_jobs()["TrainingJobSummaries"]]
+            assert client(fake, "sagemaker").list_training_jobs(
+                NameContains=handle["job_name"])["TrainingJobSummaries"] == []
         else:
             assert client(fake, "batch").describe_jobs(jobs=[handle["job_id"]])["jobs"] == []
-            assert client(fake, "batch").list_jobs(jobQueue=QUEUE)["jobSummaryList"] == []
+            assert client(fake, "batch").list_jobs(jobQueue=QUEUE, filters=[
+                {"name": "JOB_NAME", "values": [handle["job_name"]]}])["jobSummaryList"] == []
         status = backend.status(handle)
         assert status.state is JobState.PENDING and "not visible yet" in status.message, status.message
         # A retry of the task inside the window finds the same job, and starts no other.

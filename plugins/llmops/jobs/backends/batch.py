@@ -485,8 +485,8 @@ class BatchBackend(Backend):
                 log.warning("Could not look for copies of Batch job %s: %s", handle["job_id"], exc)
         job = self._describe(hook, handle["job_id"])
         if job is None:
-            what = f"Batch job {handle['job_name']} ({handle['job_id']})"
-            return remote.not_visible_yet(handle, what) or JobStatus(JobState.FAILED, f"{what} does not exist")
+            return remote.not_visible_yet(handle, f"Batch job {handle['job_id']}") or JobStatus(
+                JobState.FAILED, f"AWS Batch has no job {handle['job_id']}")
         state, reason = job["status"], job.get("statusReason", "")
         details = {"status": state, "job_id": handle["job_id"], "reason": reason}
         if job.get("createdAt"):

@@ -533,8 +533,8 @@ class _SageMakerBackend(Backend):
         hook = self._hook(handle["aws_conn_id"], handle.get("region_name", ""))
         description = hook.describe_job(self.kind, handle["job_name"])
         if description is None:
-            what = f"SageMaker {self.kind} job {handle['job_name']}"
-            return remote.not_visible_yet(handle, what) or JobStatus(JobState.FAILED, f"{what} does not exist")
+            return remote.not_visible_yet(handle, f"SageMaker {self.kind} job {handle['job_name']}") or JobStatus(
+                JobState.FAILED, f"SageMaker has no {self.kind} job {handle['job_name']}")
         state = hook.status_of(self.kind, description)
         details = {"status": state, "secondary": description.get("SecondaryStatus", ""),
                    "arn": description.get("TrainingJobArn") or description.get("ProcessingJobArn")}
