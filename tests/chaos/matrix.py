@@ -850,9 +850,11 @@ def row_mark_failed(m: Matrix, row: Row) -> None:
 
 THROTTLE = [{"operations": DESCRIBE_AND_LOGS, "kind": "throttle", "rate": 0.5, "seconds": 900}]
 SERVICES = ["sagemaker", "batch", "logs", "s3"]
-FIVE_XX = [{"operations": ["*"], "services": SERVICES, "kind": "500", "rate": 0.15, "seconds": 60},
-           {"operations": ["*"], "services": SERVICES, "kind": "503", "rate": 0.18, "seconds": 60}]
-RESETS = [{"operations": ["*"], "services": SERVICES, "kind": "reset", "rate": 0.2, "seconds": 60}]
+# 150 s from the row's start: long enough to cover both halves' submits and first polls even on
+# a loaded machine (with 60 s, at load 27 the SageMaker half made its first call after the window)
+FIVE_XX = [{"operations": ["*"], "services": SERVICES, "kind": "500", "rate": 0.15, "seconds": 150},
+           {"operations": ["*"], "services": SERVICES, "kind": "503", "rate": 0.18, "seconds": 150}]
+RESETS = [{"operations": ["*"], "services": SERVICES, "kind": "reset", "rate": 0.2, "seconds": 150}]
 
 # (fault, body, group): "global" rows run alone, one after another (their faults hit every
 # client: 5xx and resets also hit S3 and creates, which no job tag narrows; a component restart
@@ -860,8 +862,8 @@ RESETS = [{"operations": ["*"], "services": SERVICES, "kind": "reset", "rate": 0
 ROWS: list[tuple[str, Callable[[Matrix, Row], None], str]] = [
     ("throttle storm 50% describe+logs", row_faults(THROTTLE, own_jobs=True), "scoped"),
     ("throttle storm, full lifecycle (pretrain SageMaker, finetune Batch)", row_lifecycle_throttle, "scoped"),
-    ("5xx burst 30% for 60s", row_faults(FIVE_XX), "global"),
-    ("connection resets 20% for 60s", row_faults(RESETS), "global"),
+    ("5xx burst 30% for 150s", row_faults(FIVE_XX), "global"),
+    ("connection resets 20% for 150s", row_faults(RESETS), "global"),
     ("triggerer SIGKILLed mid-deferral, restarted", row_component("triggerer", "kill"), "global"),
     ("scheduler restarted (SIGTERM) mid-job", row_component("scheduler", "restart"), "global"),
     ("API server restarted (SIGTERM) mid-job", row_component("api-server", "restart"), "global"),
