@@ -697,7 +697,11 @@ class GateConfig:
                                   help="Seed of the paired bootstrap (a decision can be recomputed).")
     exclude_contaminated: bool = bounded(True, help="Leave evaluation items found in the training "
                                                     "data out of every score the gate reads.")
-    max_contaminated_share: float = bounded(0.05, minimum=0.0, maximum=1.0,
+    # Seen items are already left out of the scores; refusing is for a suite whose clean part is
+    # too small to stand for it. 0.25, not GPT-3's "any overlap": the demo corpus (Python
+    # docstrings) holds 11% of its held-out cloze items in training text for real (bytes and
+    # bytearray document the same methods in the same words), and those are excluded, not fatal.
+    max_contaminated_share: float = bounded(0.25, minimum=0.0, maximum=1.0,
                                             help="Refuse when a larger share of any metric's items "
                                                  "appears in the training data.")
 

@@ -88,7 +88,7 @@ def test_the_gate_scores_without_seen_items_and_refuses_past_the_share():
                          max_contaminated_share=0.5, exclude_contaminated=False)
     assert promotion.gate_decisions(counted, evaluation, ("challenger",))["challenger"] == []
 
-    strict = GateConfig(min_task_accuracy=0.0, champion_margins={})    # default share: 5%
+    strict = GateConfig(min_task_accuracy=0.0, champion_margins={})    # default share: 25%
     (reason,) = promotion.gate_decisions(strict, evaluation, ("challenger",))["challenger"]
     assert reason.startswith("task_accuracy: 3 of 10 items (30%) appear in the training data, "
-                             "more than max_contaminated_share 5%")
+                             "more than max_contaminated_share 25%")
