@@ -628,7 +628,7 @@ def row_lifecycle_throttle(m: Matrix, row: Row) -> None:
     # dag-processor's timeout and the DAG be briefly gone (a 404 seen once): wait for it.
     m.dep.wait_dag(LIFECYCLE_DAG, timeout=300)
     run_id = m.new_run_id()
-    rules = [{**THROTTLE[0], "jobs": [f"run_id={run_id}"]}]
+    rules = [{**rule, "jobs": [f"run_id={run_id}"]} for rule in THROTTLE]
     row.rule_halves = dict(HALVES)
     row.claim(*HALVES)
     m.add_faults(row, rules)
@@ -848,7 +848,12 @@ def row_mark_failed(m: Matrix, row: Row) -> None:
     m.wait_runs(row, timeout=300 + 2 * m.seconds)
 
 
-THROTTLE = [{"operations": DESCRIBE_AND_LOGS, "kind": "throttle", "rate": 0.5, "seconds": 900}]
+# The first two status reads of each service's jobs are throttled for sure, then half of every
+# describe and log call: at 50% alone a short job's few polls could all pass (the lifecycle's
+# pretraining job on a quiet machine once did, and its half of the row did not land).
+THROTTLE = [{"operations": ["DescribeTrainingJob"], "kind": "throttle", "count": 2},
+            {"operations": ["DescribeJobs"], "kind": "throttle", "count": 2},
+            {"operations": DESCRIBE_AND_LOGS, "kind": "throttle", "rate": 0.5, "seconds": 900}]
 SERVICES = ["sagemaker", "batch", "logs", "s3"]
 # 150 s from the row's start: long enough to cover both halves' submits and first polls even on
 # a loaded machine (with 60 s, at load 27 the SageMaker half made its first call after the window)
