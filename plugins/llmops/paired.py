@@ -88,14 +88,11 @@ def without(result: dict[str, Any], drop: set[int]) -> dict[str, Any]:
     stay comparable exactly when both dropped the same items."""
     if not drop:
         return result
-    kept = "".join(c for i, c in enumerate(bits_text(result)) if i not in drop)
+    bits(result)   # refuses malformed results before they are cut
+    kept = "".join(c for i, c in enumerate(result["correct"]) if i not in drop)
     tag = ",".join(map(str, sorted(drop)))
     return {"n": len(kept), "correct": kept,
             "items": f"{result.get('items')}-{hashlib.sha256(tag.encode()).hexdigest()[:8]}"}
-
-
-def bits_text(result: dict[str, Any]) -> str:
-    return "".join(map(str, bits(result)))
 
 
 def accuracy(result: dict[str, Any]) -> float | None:
