@@ -476,3 +476,46 @@ def test_every_object_the_backend_writes_is_encrypted_with_the_kms_key(cluster, 
     assert env["LLMOPS_S3_KMS_KEY_ID"] == key   # the job's own writes (docker/job_entry.py)
     with pytest.raises(BackendSettingsError, match="kms_key_id 'my key' is not a KMS key"):
         load("hyperpod", HyperPodSettings, {"hyperpod": {"kms_key_id": "my key"}})
+
+
+# -- against the simulated cluster (tests/chaos/fake_eks.py): Kueue, a lost create ------------
+
+@pytest.fixture()
+def eks(monkeypatch, moto_server, tmp_path):
+    from llmops.jobs.backends import hyperpod
+    from tests.chaos.fake_eks import FakeEks
+
+    moto_server.bucket("llmops-test")
+    fake = FakeEks(tmp_path / "eks", {})
+    monkeypatch.setattr(hyperpod, "_CLIENTS", {})
+    monkeypatch.setattr(hyperpod, "connect", lambda *key: fake)
+    yield fake
+    fake.shutdown()
+
+
+@pytest.mark.parametrize("kind", ["HyperPodPyTorchJob", "PyTorchJob"])
+def test_a_job_kueue_holds_waits_in_kueues_words(eks, kind):
+    """Kueue suspends a queued job until its quota is reserved; the operator's condition says only
+    that it is suspended, so the waiting state names Kueue's reason from the job's Workload."""
+    eks.hold_for_capacity(600)   # never admitted here: no pod starts
+    backend = HyperPodBackend(settings=hp_settings(kind=kind, gpus_per_node=8))
+    handle = backend.submit(spec(name=job_name("kueue", kind, prefix="hp-kueue")))
+    status = backend.status(handle)
+    assert status.state is JobState.PENDING, status
+    assert status.message == ("suspended by Kueue: couldn't assign flavors to pod set "
+                              f"{'master' if kind == 'PyTorchJob' else 'pod'}: insufficient unused "
+                              "quota for nvidia.com/gpu in flavor default-flavor, 32 more needed")
+    assert "started_at" not in status.details
+
+
+def test_a_create_whose_answer_was_lost_is_resent_and_its_job_recognised(eks):
+    """The API server made the job and the connection dropped before its answer: the resend
+    gets a 409, and the token annotation says the job is this try's own (not reattached)."""
+    eks.hold_for_capacity(600)
+    eks.lose_responses("create_namespaced_custom_object")
+    backend = HyperPodBackend(settings=hp_settings())
+    handle = backend.submit(spec(name=job_name("lost", prefix="hp-lost")))
+    creates = [kw for method, kw in eks.calls if method == "create_namespaced_custom_object"]
+    assert len(creates) == 2 and len(eks.report()["jobs"]) == 1
+    assert [i["operation"] for i in eks.report()["injections"]] == ["create_namespaced_custom_object"]
+    assert handle["reattached"] is False and handle["attempt"] == 1

@@ -18,6 +18,7 @@ operators and HyperPod's elastic agent:
   (127.0.0.1 here).
 - Disks: every pod gets an empty work dir of its own (LLMOPS_WORKDIR, the backend's POD_WORKDIR,
   and TMPDIR point into it), a restarted pod a new one: pods share nothing but S3 and MLflow.
+- Objects carry what the API server adds: metadata.uid and creationTimestamp.
 - Lifecycle: conditions Created -> Running (startTime) -> Succeeded (every pod exited 0) or
   Failed (completionTime), each a new True condition. A pod that fails, or a node's host lost
   (`lose_host`), kills every pod of the job; while the job has retries left (HyperPodPyTorchJob
@@ -25,10 +26,33 @@ operators and HyperPod's elastic agent:
   replaced nodes (Restarting, then Running), as HyperPod's auto-resume does; else Failed.
   cleanPodPolicy All: a finished job's pods are gone from the pod list (their logs are kept
   here for the tests, `logs()`). Deleting a job kills its pods.
+- runPolicy.activeDeadlineSeconds (the Kubeflow training operator's common job controller;
+  the compressed MaxRuntime of tests/test_multiweek.py): once a job has been active that long
+  since its status.startTime (pod restarts on replaced nodes do not reset it), every pod is
+  killed and the job is Failed (completionTime) with reason DeadlineExceeded and the operator's
+  message "Job <name> has failed because it was active longer than specified deadline". The
+  HyperPod training operator's words for its own kind are not published; it gets the same.
+- Kueue (task governance): a job labelled `kueue.x-k8s.io/queue-name` gets a Workload
+  (kueue.x-k8s.io/v1beta1, `<kind>-<job>-<hash>`, labelled `kueue.x-k8s.io/job-uid` with the
+  job's uid, listed by `list_namespaced_custom_object` and that label) and is suspended by
+  Kueue's webhook at create (runPolicy.suspend true). While capacity is held
+  (`hold_for_capacity(seconds)`: jobs created from then on wait that long; 0: none) the
+  Workload's QuotaReserved condition is False with reason Pending and Kueue's message
+  ("couldn't assign flavors to pod set master: insufficient unused quota for ... in flavor
+  ..., N more needed") and the job has the training operator's Suspended condition
+  ("PyTorchJob <name> is suspended."); no pod exists and startTime is unset. On admission
+  (QuotaReserved and Admitted True) Kueue clears suspend; the operator marks the job resumed,
+  sets startTime then, and starts its pods. Not simulated: a job without a queue name waiting
+  for nodes (its pods Pending, Unschedulable), preemption.
 - Lost responses (`lose_responses(method, count)`): the next `count` calls of `method` (e.g.
   `create_namespaced_custom_object`) take effect, then raise what the kubernetes client raises
   when the connection drops before the answer (urllib3's ProtocolError "Connection aborted.",
   ConnectionResetError): urllib3 does not resend a POST that was sent, so the caller decides.
+  Each loss is in `report()["injections"]`.
+- The simulator's record (`report()`): every job it was asked to create, deleted ones too, with
+  when it was created, started (startTime), ended (completionTime), its state and message, and
+  when each pod of its newest generation exited; `generations(name)`: the log lines of each
+  generation of its pods (a restart on replaced nodes begins the next).
 """
 
 from __future__ import annotations
@@ -52,6 +76,9 @@ from tests.aws_fixtures import CONTAINER_ENV, ENTRY, ROOT, free_port, image_root
 log = logging.getLogger("fake_eks")
 AUTO_RESUME = "sagemaker.amazonaws.com/enable-job-auto-resume"
 MAX_RETRY = "sagemaker.amazonaws.com/job-max-retry-count"
+QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+JOB_UID_LABEL = "kueue.x-k8s.io/job-uid"
+KUEUE = ("kueue.x-k8s.io", "v1beta1", "workloads")
 
 
 class ApiError(Exception):
@@ -67,8 +94,10 @@ def _now() -> str:
 
 
 class Pod:
-    def __init__(self, name: str, proc: subprocess.Popen, workdir: Path, marker: str):
+    def __init__(self, name: str, proc: subprocess.Popen, workdir: Path, marker: str,
+                 generation: int = 1):
         self.name, self.proc, self.workdir, self.marker = name, proc, workdir, marker
+        self.generation = generation
         self.lines: list[tuple[str, str]] = []   # (RFC 3339 timestamp, line)
         self.ended_at: float | None = None
         self.pump = threading.Thread(target=self._read, daemon=True, name=f"pod-{name}")
@@ -101,6 +130,11 @@ class Job:
         self.heal_env: tuple[str, ...] = ()      # variables a replaced node's pods run without
         self.deleted = threading.Event()
         self.lost = threading.Event()
+        self.created_at = time.time()
+        self.admit_at = self.created_at      # Kueue admits it then (a capacity hold: later)
+        self.workload: dict[str, Any] | None = None
+        meta = self.body["metadata"]
+        meta.update(uid=str(uuid.uuid4()), creationTimestamp=_now())
 
     @property
     def name(self) -> str:
@@ -110,14 +144,33 @@ class Job:
     def kind(self) -> str:
         return self.body["kind"]
 
-    def condition(self, kind: str, message: str = "", **status: Any) -> None:
+    def condition(self, kind: str, message: str = "", reason: str = "", **status: Any) -> None:
         body_status = self.body.setdefault("status", {})
         conditions = body_status.setdefault("conditions", [])
         for old in conditions:
             old["status"] = "False"
         conditions.append({"type": kind, "status": "True", "lastTransitionTime": _now(),
-                           "reason": kind, "message": message})
+                           "reason": reason or kind, "message": message})
         body_status.update(status)
+
+    @property
+    def run_policy(self) -> dict[str, Any]:
+        return self.body["spec"].setdefault("runPolicy", {})
+
+    @property
+    def started_at(self) -> float | None:
+        stamp = self.body.get("status", {}).get("startTime")
+        return _epoch(stamp) if stamp else None
+
+    @property
+    def ended_at(self) -> float | None:
+        stamp = self.body.get("status", {}).get("completionTime")
+        return _epoch(stamp) if stamp else None
+
+    def past_deadline(self) -> bool:
+        """runPolicy.activeDeadlineSeconds has passed since status.startTime."""
+        limit, began = self.run_policy.get("activeDeadlineSeconds"), self.started_at
+        return limit is not None and began is not None and time.time() - began >= int(limit)
 
     def max_retries(self) -> int:
         if self.kind == "HyperPodPyTorchJob":
@@ -133,6 +186,9 @@ class FakeEks:
         self.lock = threading.RLock()
         self.calls: list[tuple[str, dict]] = []
         self.losing: dict[str, int] = {}         # method -> answers still to lose
+        self.injections: list[dict[str, Any]] = []   # every answer lost
+        self.history: list[Job] = []             # every job created, deleted ones too
+        self.capacity_wait_seconds = 0.0         # Kueue holds jobs created from now on this long
         self.bin = self.workdir / "bin"
         self.bin.mkdir(parents=True, exist_ok=True)
         agent = self.bin / "hyperpodrun"   # HyperPod's elastic agent, simulated by torchrun
@@ -146,6 +202,7 @@ class FakeEks:
             lose = self.losing.get(method, 0) > 0
             if lose:
                 self.losing[method] -= 1
+                self.injections.append({"kind": "lost", "operation": method, "at": time.time()})
         if lose:
             import urllib3.exceptions
 
@@ -168,9 +225,13 @@ class FakeEks:
                 if job is not None:
                     raise ApiError(409)
                 job = Job(copy.deepcopy(kw["body"]))
-                job.condition("Created")
+                job.condition("Created", f"{job.kind} {job.name} is created.")
                 self.jobs[key] = job
-                self._start_pods(job)
+                self.history.append(job)
+                if QUEUE_LABEL in job.body["metadata"].get("labels", {}):
+                    self._enqueue(job)
+                else:
+                    self._start_pods(job)
                 threading.Thread(target=self._watch, args=(job,), daemon=True,
                                  name=f"job-{job.name}").start()
                 return copy.deepcopy(job.body)
@@ -180,6 +241,13 @@ class FakeEks:
                 del self.jobs[key]
                 job.deleted.set()
                 return {}
+            if method == "list_namespaced_custom_object":
+                if (kw["group"], kw["version"], kw["plural"]) != KUEUE:
+                    raise ApiError(404)
+                label, _, value = (kw.get("label_selector") or "").partition("=")
+                return {"items": [copy.deepcopy(j.workload) for (ns, _), j in self.jobs.items()
+                                  if ns == kw["namespace"] and j.workload is not None
+                                  and (not label or j.workload["metadata"]["labels"].get(label) == value)]}
             if method == "list_namespaced_pod":
                 label, _, value = kw["label_selector"].partition("=")
                 pods = [p for (ns, _), j in self.jobs.items()
@@ -201,14 +269,50 @@ class FakeEks:
         return text + "\n" if text else ""
 
     # -- control ------------------------------------------------------------------------------
+    def hold_for_capacity(self, seconds: float) -> None:
+        """Kueue admits the queued jobs created from now on only after `seconds` (0: at once)."""
+        with self.lock:
+            self.capacity_wait_seconds = float(seconds)
+
+    def report(self) -> dict[str, Any]:
+        """The simulator's record: every job (created_at, started_at, ended_at, status, reason,
+        node_ended_at) and every answer it lost."""
+        with self.lock:
+            jobs = list(self.history)
+            injections = list(self.injections)
+        records = []
+        for job in jobs:
+            state, reason = next(((c["type"], c["message"]) for c in reversed(
+                job.body.get("status", {}).get("conditions", [])) if c["status"] == "True"), ("", ""))
+            records.append({"name": job.name, "job_id": job.body["metadata"]["uid"],
+                            "service": "hyperpod", "kind": job.kind,
+                            "spec_name": job.body["metadata"].get("annotations", {}).get("llmops/job-name", ""),
+                            "created_at": job.created_at, "started_at": job.started_at,
+                            "ended_at": job.ended_at, "status": state, "reason": reason,
+                            "restarts": job.restarts, "generations": job.generation,
+                            "node_ended_at": self._pod_ends(job)})
+        return {"jobs": records, "injections": injections}
+
+    def generations(self, name: str) -> list[list[tuple[float, str]]]:
+        """(epoch seconds, line) of every pod of each generation of the job, in time order."""
+        job = self._job(name)
+        with self.lock:
+            pods = job.finished_pods + job.pods
+        return [sorted((_epoch(t), line) for p in pods if p.generation == g for t, line in list(p.lines))
+                for g in range(1, job.generation + 1)]
+
     def lose_responses(self, method: str, count: int = 1) -> None:
         """The next `count` calls of `method` take effect and lose their answer."""
         with self.lock:
             self.losing[method] = count
 
     def job(self, name: str) -> Job:
+        return self._job(name)
+
+    def _job(self, name: str) -> Job:
+        """The newest job called `name`, deleted or not."""
         with self.lock:
-            return next(j for j in self.jobs.values() if j.name == name)
+            return next(j for j in reversed(self.history) if j.name == name)
 
     def lose_host(self, name: str, node: int, heal_env: tuple[str, ...] = ()) -> None:
         """Node `node`'s host dies: its pod is killed at once, and the job restarts (or fails) as
@@ -231,7 +335,9 @@ class FakeEks:
 
     def pod_ends(self, name: str) -> list[float | None]:
         """When each pod of the job's newest generation exited (None: still running)."""
-        job = self.job(name)
+        return self._pod_ends(self.job(name))
+
+    def _pod_ends(self, job: Job) -> list[float | None]:
         with self.lock:
             pods = job.pods or job.finished_pods[-len(self._replicas(job)):]
         return [p.ended_at for p in pods]
@@ -292,15 +398,74 @@ class FakeEks:
                                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                     stderr=subprocess.STDOUT, text=True, errors="replace",
                                     bufsize=1, start_new_session=True)
-            pods.append(Pod(pod_name, proc, disk, marker))
+            pods.append(Pod(pod_name, proc, disk, marker, job.generation))
         with self.lock:
             job.pods = pods
         job.condition("Running", startTime=job.body.get("status", {}).get("startTime") or _now())
 
+    # -- Kueue ----------------------------------------------------------------------------------
+    def _enqueue(self, job: Job) -> None:
+        """Kueue's webhook suspends the job; its Workload waits for quota while capacity is held."""
+        meta = job.body["metadata"]
+        job.run_policy["suspend"] = True
+        job.admit_at = job.created_at + self.capacity_wait_seconds
+        replicas = self._replicas(job)
+        pod_set = "master" if job.kind == "PyTorchJob" else job.body["spec"]["replicaSpecs"][0]["name"]
+        limits = replicas[0][1]["spec"]["containers"][0].get("resources", {}).get("limits") or {"cpu": 1}
+        resource, per_node = next(iter(limits.items()))
+        job.workload = {
+            "apiVersion": f"{KUEUE[0]}/{KUEUE[1]}", "kind": "Workload",
+            "metadata": {"name": f"{job.kind.lower()}-{job.name}-{meta['uid'][:5]}",
+                         "namespace": meta.get("namespace", ""),
+                         "labels": {JOB_UID_LABEL: meta["uid"]},
+                         "ownerReferences": [{"apiVersion": job.body["apiVersion"], "kind": job.kind,
+                                              "name": job.name, "uid": meta["uid"]}]},
+            "spec": {"queueName": meta["labels"][QUEUE_LABEL]},
+            "status": {"conditions": []}}
+        if job.admit_at > time.time():
+            needed = int(per_node) * len(replicas) if str(per_node).isdigit() else len(replicas)
+            self._workload_condition(job, "QuotaReserved", "False", "Pending", (
+                f"couldn't assign flavors to pod set {pod_set}: insufficient unused quota for "
+                f"{resource} in flavor default-flavor, {needed} more needed"))
+            job.condition("Suspended", f"{job.kind} {job.name} is suspended.",
+                          reason=f"{job.kind}Suspended")
+        else:
+            self._admit(job)
+
+    def _admit(self, job: Job) -> None:
+        """Kueue admits the Workload and clears suspend; the training operator resumes the job
+        (startTime now) and starts its pods."""
+        self._workload_condition(job, "QuotaReserved", "True", "QuotaReserved",
+                                 "Quota reserved in ClusterQueue cluster-queue")
+        self._workload_condition(job, "Admitted", "True", "Admitted",
+                                 "The workload is admitted")
+        job.run_policy["suspend"] = False
+        if job.body.get("status", {}).get("conditions", [{}])[-1].get("type") == "Suspended":
+            job.condition("Resumed", f"{job.kind} {job.name} is resumed.", reason=f"{job.kind}Resumed")
+        self._start_pods(job)
+
+    @staticmethod
+    def _workload_condition(job: Job, kind: str, status: str, reason: str, message: str) -> None:
+        assert job.workload is not None
+        conditions = [c for c in job.workload["status"]["conditions"] if c["type"] != kind]
+        job.workload["status"]["conditions"] = conditions + [
+            {"type": kind, "status": status, "reason": reason, "message": message,
+             "lastTransitionTime": _now()}]
+
     def _watch(self, job: Job) -> None:
         while not job.deleted.is_set():
             with self.lock:
+                if job.run_policy.get("suspend"):
+                    if time.time() >= job.admit_at:
+                        self._admit(job)
+                    else:
+                        job.deleted.wait(0.2)
+                        continue
                 pods = list(job.pods)
+            if job.past_deadline():
+                self._end(job, "Failed", f"Job {job.name} has failed because it was active longer "
+                          "than specified deadline", reason="DeadlineExceeded")
+                return
             codes = [p.proc.poll() for p in pods]
             failed = job.lost.is_set() or any(c not in (None, 0) for c in codes)
             if not failed and all(c == 0 for c in codes):
@@ -330,11 +495,12 @@ class FakeEks:
         for pod in pods:
             pod.kill()
 
-    def _end(self, job: Job, state: str, message: str) -> None:
+    def _end(self, job: Job, state: str, message: str, reason: str = "") -> None:
         with self.lock:
             pods, job.pods = list(job.pods), []   # cleanPodPolicy All
             job.finished_pods += pods
-            job.condition(state, message, completionTime=_now())
+            # the completion time is set before the pods are cleaned up, as the operator does
+            job.condition(state, message, reason=reason, completionTime=_now())
         for pod in pods:
             pod.kill()
         log.info("%s %s: %s (%s)", job.kind, job.name, state, message)

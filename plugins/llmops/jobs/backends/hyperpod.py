@@ -46,7 +46,12 @@ Stopping deletes the job resource (foreground: its pods go first) after writing
 attempt. Not runPolicy.suspend: under Kueue `suspend` belongs to Kueue, which sets it while a job
 waits for quota and clears it on admission, so a suspended job can be started again behind our
 back; a deleted one cannot, and its quota is released at once. A job that is Suspended (queued or
-preempted by Kueue) is PENDING, not stopped.
+preempted by Kueue) is PENDING, not stopped, and says why in Kueue's own words: the message of
+its Workload (kueue.x-k8s.io/v1beta1, found by the `kueue.x-k8s.io/job-uid` label Kueue puts on
+it) while its quota is not reserved or it was evicted ("couldn't assign flavors to pod set
+master: insufficient unused quota for nvidia.com/gpu ..."); the training operator's condition
+says only "<kind> <name> is suspended.". Reading it needs `list` on workloads.kueue.x-k8s.io in
+the job's namespace; without it the operator's words are shown.
 """
 
 from __future__ import annotations
@@ -89,6 +94,8 @@ FIRST_LOG_LINES = 1000          # the first read of a pod's log: its tail, not a
 LOG_OVERLAP_SECONDS = 10        # re-read this much before the last line (clock skew, same-second lines)
 STOP_RECORD = "stopped.json"
 FINISHED = ("Succeeded", "Completed", "Failed")
+KUEUE_WORKLOADS = ("kueue.x-k8s.io", "v1beta1", "workloads")   # group, version, plural
+KUEUE_JOB_UID = "kueue.x-k8s.io/job-uid"   # on the Workload Kueue makes for a job: the job's uid
 AGENT_PORT = 8080               # hyperpodrun's port, which the HyperPod training operator talks to
 POD_WORKDIR = "/tmp/llmops-job"  # the entry's work dir in a pod (LLMOPS_WORKDIR)
 
@@ -240,6 +247,35 @@ def _epoch(timestamp: Any) -> float | None:
         return datetime.fromisoformat(str(timestamp).replace("Z", "+00:00")).timestamp()
     except ValueError:
         return None
+
+
+def suspended(resource: dict[str, Any], state: str) -> bool:
+    """Held by Kueue: the operator's Suspended condition, or suspend set before it reconciled."""
+    policy = (resource.get("spec") or {}).get("runPolicy") or {}
+    return state == "Suspended" or (state in ("", "Created") and bool(policy.get("suspend")))
+
+
+def kueue_reason(kube: "KubeClient", resource: dict[str, Any], namespace: str) -> str:
+    """Why Kueue holds the job, in its words: the message of its Workload's QuotaReserved or
+    Admitted condition while not true, or of its Evicted condition; "" when none can be read
+    (no Kueue, no permission to list workloads, not made yet)."""
+    uid = (resource.get("metadata") or {}).get("uid")
+    if not uid:
+        return ""
+    group, version, plural = KUEUE_WORKLOADS
+    try:
+        found = kube.call("custom", "list_namespaced_custom_object", group=group, version=version,
+                          plural=plural, namespace=namespace, label_selector=f"{KUEUE_JOB_UID}={uid}")
+    except Exception as exc:  # noqa: BLE001 - the operator's own words stand in
+        log.debug("Could not read the Kueue workload of %s: %s", uid, exc)
+        return ""
+    for workload in (found or {}).get("items") or []:
+        for condition in (workload.get("status") or {}).get("conditions") or []:
+            waiting = condition.get("type") in ("QuotaReserved", "Admitted") and condition.get("status") != "True"
+            evicted = condition.get("type") == "Evicted" and condition.get("status") == "True"
+            if (waiting or evicted) and condition.get("message"):
+                return str(condition["message"])
+    return ""
 
 
 def started_at(resource: dict[str, Any]) -> float | None:
@@ -476,7 +512,8 @@ class HyperPodBackend(Backend):
         return s3.s3_hook(handle["aws_conn_id"], handle.get("region_name", ""), handle.get("kms_key_id"))
 
     def status(self, handle: dict[str, Any]) -> JobStatus:
-        resource = self._get(kube_client(handle), handle)
+        kube = kube_client(handle)
+        resource = self._get(kube, handle)
         what = f"{handle['kind']} {handle['k8s_name']}"
         if resource is None or (resource.get("metadata") or {}).get("deletionTimestamp"):
             stopped = s3.read_json(self._s3(handle), _stop_uri(_prefix(handle)))
@@ -500,10 +537,11 @@ class HyperPodBackend(Backend):
             return JobStatus(JobState.SUCCEEDED, result=result, details=details)
         if state == "Failed":
             return JobStatus(JobState.FAILED, f"{what} failed: {message}", details=details)
-        if state == "Suspended":
+        if suspended(resource, state):
             # Kueue holds a job suspended until its queue admits it, and again when preempted.
-            return JobStatus(JobState.PENDING, f"suspended by Kueue (queued or preempted) {message}".strip(),
-                             details=details)
+            why = kueue_reason(kube, resource, handle["namespace"])
+            return JobStatus(JobState.PENDING, f"suspended by Kueue: {why}" if why else
+                             f"suspended by Kueue (queued or preempted) {message}".strip(), details=details)
         if state in ("Running", "Restarting"):
             return JobStatus(JobState.RUNNING, f"{state} {message}".strip(), details=details)
         return JobStatus(JobState.PENDING, state or "waiting for the operator", details=details)
