@@ -1,15 +1,13 @@
-"""A multi-week pretraining, compressed to minutes, on SageMaker (multi-instance) and AWS Batch
-(multi-node parallel), through the project's own operator and backends against the simulator
-(tests/chaos/fake_aws.py; harness: tests/chaos/multinode.py). It must end as an uninterrupted run
-of the same config ends. (HyperPod's node replacement on fresh disks is
-tests/test_multinode_no_shared_disk.py's; its MaxRuntime, Kueue wait and lost create are not
-simulated in tests/chaos/fake_eks.py yet.)
+"""A multi-week pretraining, compressed to minutes, on SageMaker (multi-instance), AWS Batch
+(multi-node parallel) and HyperPod (a Kubeflow PyTorchJob under Kueue), through the project's own
+operator and backends against the simulators (tests/chaos/fake_aws.py, tests/chaos/fake_eks.py;
+harness: tests/chaos/multinode.py). It must end as an uninterrupted run of the same config ends.
 
 What is real: the JobOperator (its wait, its chain of attempts inside one task try, its ledger
 rows in SQLite), the backends' requests (validated by botocore, stored by moto), S3 (moto), the
 image's entry (docker/job_entry.py) on every node, torchrun's rendezvous across two nodes, DDP on
 gloo, the checkpoints written through to S3 and restored on fresh disks. What is simulated: the
-services (fake_aws.py says what), Airflow around the operator (one task try: `execute` called as
+services (fake_aws.py and fake_eks.py say what), Airflow around the operator (one task try: `execute` called as
 the task runner calls it), and the clock: MaxRuntime in seconds, set per attempt from how long
 attempts take to start on this machine (Director.max_run_seconds), with a hang on node 1 that
 MaxRuntime ends (ATTEMPT_FAULTS), so that every MaxRuntime stop lands at a step however fast the
@@ -18,19 +16,27 @@ machine trains.
 One stage per backend, with every hazard of a long run in it:
 - the first attempt waits for capacity (the service's own words in the task log, its queue time
   in the ledger) and the answer to its submit/create is lost after the service acted on it;
-- MaxRuntime stops the stage at least three times; the operator goes on each time;
+  HyperPod: Kueue holds the job suspended, its Workload short of quota (Kueue's message), and
+  the job resource's POST is taken with its answer lost (the backend resends; the 409 and its
+  token annotation say the job is its own);
+- MaxRuntime stops the stage at least three times; the operator goes on each time (HyperPod:
+  runPolicy.activeDeadlineSeconds, the training operator's "active longer than specified
+  deadline");
 - node 1's host dies mid-run in the second attempt: the next attempt starts on fresh disks and
-  restores the newest complete checkpoint from S3.
+  restores the newest complete checkpoint from S3 (HyperPod: the same job restarts its pods on
+  replaced nodes, auto-resume, and that generation of pods restores it).
 
 It must end with:
 1. final weights bitwise equal (torch.equal, every tensor) to an uninterrupted local run (two
    processes, the same config): the chain lost nothing and replayed nothing differently;
 2. at most one job running at any time (the simulator's own record of every job it ran; a copy
    that a resent SubmitJob made never runs);
-3. at most one checkpoint interval of progress lost per failure (the worst is printed), and the
-   last job ending within seconds of its last step, its other node too;
+3. at most one checkpoint interval of progress lost per failure (the worst is printed; a
+   HyperPod restart on replaced nodes is a failure too), and the last job ending within seconds
+   of its last step, its other node too;
 4. the ledger's running time per attempt equal to what the simulator ran: the simulator charges
-   no BillableTimeInSeconds, so its start and end times per job are the bill.
+   no BillableTimeInSeconds, so its start and end times per job are the bill (HyperPod: from
+   its startTime, set at Kueue's admission, to its completionTime).
 """
 
 from __future__ import annotations
@@ -66,9 +72,19 @@ FIRST_MAX_RUN_S, FIRST_STEPS_S, LONGEST_MAX_RUN_S = 60, 15, 600
 # step that MaxRuntime ends. On CPU a step takes milliseconds, so without it a fast machine would
 # finish a stage in one MaxRuntime and a slow one never: the hang puts each MaxRuntime stop at a
 # step, whatever the machine's speed. Attempt 2 has none: its node 1's host is lost instead.
-ATTEMPT_FAULTS = ("hang@150:1", "", "hang@300:1", "hang@450:1")
+# HyperPod: a lost host does not end the attempt; the job restarts its pods on replaced nodes,
+# with the attempt's env, and those go on until activeDeadlineSeconds. So attempt 2 carries the
+# next hang, which its replaced pods meet, and its deadline allows for a second start.
+ATTEMPT_FAULTS = {"sagemaker": ("hang@150:1", "", "hang@300:1", "hang@450:1"),
+                  "batch": ("hang@150:1", "", "hang@300:1", "hang@450:1"),
+                  "hyperpod": ("hang@150:1", "hang@300:1", "hang@450:1")}
+STARTS_PER_ATTEMPT = {"hyperpod": (1, 2)}   # starts in each attempt, when not one
 CAPACITY_WORDS = {"sagemaker": "Insufficient capacity",
-                  "batch": "CAPACITY:INSUFFICIENT_INSTANCE_CAPACITY"}
+                  "batch": "CAPACITY:INSUFFICIENT_INSTANCE_CAPACITY",
+                  "hyperpod": "insufficient unused quota"}   # Kueue's, from the job's Workload
+# HyperPod: a Kubeflow PyTorchJob (the kind whose runPolicy.activeDeadlineSeconds and Kueue
+# suspension the training operator documents) in a task-governance namespace and Kueue queue.
+HYPERPOD = {"namespace": "hyperpod-ns-{team}", "queue_name": "hyperpod-ns-{team}-localqueue"}
 
 
 @pytest.fixture(scope="module")
@@ -109,13 +125,15 @@ class Director(threading.Thread):
         self.error: BaseException | None = None
         self.starts: dict[str, float] = {}   # attempt -> seconds from its start to its first step
 
-    def max_run_seconds(self) -> int:
-        """The next attempt's MaxRuntime: twice the slowest start so far, plus time to train."""
+    def max_run_seconds(self, starts: int = 1) -> int:
+        """The next attempt's MaxRuntime: twice the slowest start so far for each of its `starts`
+        (a HyperPod restart on replaced nodes is a second start inside the attempt), plus time
+        to train."""
         # an attempt that ended before its first step: the clock was too short, double it
         starved = sum(1 for j in self.jobs() if j["ended_at"] and j["started_at"]
                       and j["name"] not in self.starts)
-        seconds = max(FIRST_MAX_RUN_S * 2 ** starved,
-                      2 * max(self.starts.values(), default=0) + FIRST_STEPS_S)
+        seconds = max(FIRST_MAX_RUN_S * 2 ** starved * starts,
+                      2 * starts * max(self.starts.values(), default=0) + FIRST_STEPS_S)
         return int(min(LONGEST_MAX_RUN_S, seconds))
 
     def run(self) -> None:
@@ -151,11 +169,15 @@ def step_lines(events) -> list[int]:
     return [int(m.group(1)) for _, line in events if (m := mn.STEP_LINE.search(line))]
 
 
-@pytest.mark.parametrize("backend", ["sagemaker", "batch"])
+@pytest.mark.parametrize("backend", ["sagemaker", "batch", "hyperpod"])
 def test_compressed_multiweek_pretraining(fake, uninterrupted, backend, tmp_path, monkeypatch):
+    from llmops.jobs.backends import hyperpod
+
     monkeypatch.setenv("LLMOPS_HOME", str(tmp_path / "home"))    # this test's own ledger
     monkeypatch.delenv("LLMOPS_STORAGE_ROOT", raising=False)
-    platform = mn.platform(fake, backend, tmp_path)
+    monkeypatch.setattr(hyperpod, "connect", hyperpod.connect)   # restored after the HyperPod case
+    platform = (mn.platform(fake, "PyTorchJob", tmp_path, **HYPERPOD) if backend == "hyperpod"
+                else mn.platform(fake, backend, tmp_path))
     chaos = ChaosClient(fake.url)
     spec = mn.pretrain_spec(f"mw-{backend.lower()[:9]}", max_steps=MAX_STEPS, interval=INTERVAL,
                             instance_type=platform.instance_type, backend=platform.backend.name)
@@ -164,13 +186,15 @@ def test_compressed_multiweek_pretraining(fake, uninterrupted, backend, tmp_path
     def next_attempt_spec():
         """The operator builds each attempt's spec (build_spec): the same stage, with the next
         attempt's fault and the compressed clock's MaxRuntime."""
-        faults = ATTEMPT_FAULTS[len(built)] if len(built) < len(ATTEMPT_FAULTS) else ""
-        built.append((faults, director.max_run_seconds()))
+        planned, starts = ATTEMPT_FAULTS[backend], STARTS_PER_ATTEMPT.get(backend, ())
+        faults = planned[len(built)] if len(built) < len(planned) else ""
+        built.append((faults, director.max_run_seconds(
+            starts[len(built)] if len(built) < len(starts) else 1)))
         return spec.replace(env={"LLMOPS_FAULTS": faults} if faults else {},
                             max_run_seconds=built[-1][1])
 
     monkeypatch.setattr(job_op, "get_backend", lambda name: platform.backend)
-    # 5 attempts by plan; a busy machine may need one or two more
+    # 5 attempts by plan (HyperPod: 4); a busy machine may need one or two more
     op = JobOperator(task_id="pretrain", build_spec=next_attempt_spec, deferrable=False,
                      poll_interval=1.0, max_attempts=8)
     op._cached_logger = Recorder()

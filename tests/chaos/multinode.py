@@ -2,7 +2,8 @@
 own backends: one fake AWS with the data set in its S3, a Batch queue, and one Platform per backend
 (Batch, SageMaker, HyperPod with either job kind) that says how to read a job's log lines, when it
 ended, how to lose one of its nodes and how the run goes on after that. Shared by
-tests/test_multinode_no_shared_disk.py and benchmarks/multinode_end_of_job.py.
+tests/test_multinode_no_shared_disk.py, tests/test_multiweek.py (a whole run of one spec across its
+attempts: Platform.attempts and what follows) and benchmarks/multinode_end_of_job.py.
 """
 
 from __future__ import annotations
@@ -158,46 +159,67 @@ class Platform:
         if self.eks is not None:
             self.eks.shutdown()
 
-    # -- a whole run of one spec, across its attempts (Batch and SageMaker) --------------------
+    # -- a whole run of one spec, across its attempts --------------------------------------------
     def attempts(self, name: str) -> list[dict[str, Any]]:
         """The simulator's record of every job of spec `name` (its attempts `name`, `name-rN`,
         and any copy a resent create made), oldest first: name, created_at, started_at (None:
-        never ran), ended_at, status, reason, streams."""
+        never ran), ended_at, status, reason, node_ended_at (and streams, on AWS)."""
+        if self.eks is not None:   # Kubernetes names: the spec's name is an annotation
+            return [j for j in self.eks.report()["jobs"] if j["spec_name"] == name]
         pattern = re.compile(rf"{re.escape(name)}(?:-r\d+)?")
         return [j for j in self._chaos().report()["jobs"] if pattern.fullmatch(j["name"])]
 
     def attempt_events(self, job: dict[str, Any]) -> list[tuple[float, str]]:
         """(time, line) of every node of the attempt `job` (an entry of attempts())."""
+        if self.eks is not None:
+            return [(t, line) for t, _, line in self.eks.logs(job["name"])]
         assert self.server is not None
         return log_events(self.server, self.group, job["streams"])
 
     def segments(self, name: str) -> list[list[tuple[float, str]]]:
         """The log lines of each stretch of training of spec `name` that ran, in order: one per
-        attempt that started."""
-        return [self.attempt_events(j) for j in self.attempts(name) if j["started_at"]]
+        attempt that started (HyperPod: per generation of its pods, as a restart on replaced
+        nodes goes on inside the same job)."""
+        started = [j for j in self.attempts(name) if j["started_at"]]
+        if self.eks is not None:
+            return [lines for j in started for lines in self.eks.generations(j["name"])]
+        return [self.attempt_events(j) for j in started]
 
     def billed(self, name: str) -> list[tuple[float, float]]:
         """(start, end) of every attempt that ran, as the simulator ran it: the time billed."""
         return [(j["started_at"], j["ended_at"]) for j in self.attempts(name) if j["started_at"]]
 
     def hold_for_capacity(self, seconds: float) -> None:
-        """Jobs created from now on wait `seconds` for instances first (0: none)."""
-        self._chaos().config(capacity_wait_seconds=seconds)
+        """Jobs created from now on wait `seconds` for instances (HyperPod: for Kueue's
+        admission) first (0: none)."""
+        if self.eks is not None:
+            self.eks.hold_for_capacity(seconds)
+        else:
+            self._chaos().config(capacity_wait_seconds=seconds)
 
     def capacity_held(self) -> bool:
+        if self.eks is not None:
+            return self.eks.capacity_wait_seconds > 0
         return self._chaos().config()["capacity_wait_seconds"] > 0
 
     def lose_next_create_answer(self) -> None:
-        """The next create (SubmitJob, CreateTrainingJob) takes effect and its answer is lost:
-        the client resends it."""
-        self._chaos().faults([{"operations": [self.create_operation], "kind": "lost", "count": 1}])
+        """The next create (SubmitJob, CreateTrainingJob, the job resource's POST) takes effect
+        and its answer is lost: the client resends it."""
+        if self.eks is not None:
+            self.eks.lose_responses(self.create_operation, 1)
+        else:
+            self._chaos().faults([{"operations": [self.create_operation], "kind": "lost", "count": 1}])
 
     def lost_create_answers(self) -> int:
-        return sum(1 for i in self._chaos().report()["injections"]
+        report = self.eks.report() if self.eks is not None else self._chaos().report()
+        return sum(1 for i in report["injections"]
                    if i["kind"] == "lost" and i["operation"] == self.create_operation)
 
     def lose_node_1_of(self, job: dict[str, Any]) -> None:
         """Node 1's host of attempt `job` dies (its disk with it)."""
+        if self.eks is not None:   # the job restarts on replaced nodes, with the attempt's env
+            self.eks.lose_host(job["name"], 1)
+            return
         # By id: a Batch copy of a resent SubmitJob has the same name
         self._chaos().lose_host(job["job_id"] if job["service"] == "batch" else job["name"], node=1)
 
@@ -243,9 +265,10 @@ def aws_platform(server: FakeAws, backend: Any, staging: str, group: str, instan
                     create_operation=create_operation)
 
 
-def platform(server: FakeAws, name: str, workdir: Path) -> Platform:
+def platform(server: FakeAws, name: str, workdir: Path, **hyperpod_settings: Any) -> Platform:
     """The Platform for backend `name` (one of BACKENDS); close() it when done. A HyperPod
-    platform puts its FakeEks where the backend makes its Kubernetes client."""
+    platform puts its FakeEks where the backend makes its Kubernetes client; `hyperpod_settings`
+    go into its settings (a namespace, a Kueue queue_name)."""
     if name == "batch":
         from llmops.jobs.backends.batch import BatchBackend
 
@@ -270,7 +293,7 @@ def platform(server: FakeAws, name: str, workdir: Path) -> Platform:
     staging = f"s3://{BUCKET}/hp-staging-{name.lower()}"
     backend = hyperpod.HyperPodBackend(settings={"hyperpod": {
         "aws_conn_id": CONN, "staging_uri": staging, "image": IMAGE, "eks_cluster_name": "hp",
-        "kind": name, "max_retry_count": 2}})
+        "kind": name, "max_retry_count": 2, **hyperpod_settings}})
 
     def ended_at(handle: dict) -> float:
         return hyperpod._epoch(eks.job(handle["k8s_name"]).body["status"]["completionTime"])
@@ -281,5 +304,6 @@ def platform(server: FakeAws, name: str, workdir: Path) -> Platform:
                     lambda h: [(t, line) for t, _, line in eks.logs(h["k8s_name"])], ended_at,
                     lambda h: eks.pod_ends(h["k8s_name"]),
                     lambda h: eks.lose_host(h["k8s_name"], 1, heal_env=("LLMOPS_FAULTS",)),
-                    lambda spec, first: first, eks=eks)
+                    lambda spec, first: first, eks=eks,
+                    create_operation="create_namespaced_custom_object")
 
