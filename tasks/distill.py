@@ -83,7 +83,7 @@ def main(cfg: DistillConfig) -> dict[str, Any]:
     from tasks.posttrain.objectives import cached_kd, online_kd, with_replay
     from tasks.posttrain.sources import resolve_model_dir
     from tasks.posttrain.teacher_cache import TeacherCache, cache_key, replayed_rows
-    from tasks.train.export import load_model, publish_model, read_meta
+    from tasks.train.export import load_model, publish_model, published, read_meta
     from tasks.train.loop import train
     from tasks.train.runtime import pick_device, seed_everything
     from tasks.train.scoring import answer_budget, completion_loss, exact_match, shard_loss
@@ -170,7 +170,7 @@ def main(cfg: DistillConfig) -> dict[str, Any]:
                         "tokens_per_s": result.tokens_per_s, "params": student.num_params(),
                         "teacher_params": teacher_params, "step": result.step},
             "outputs": {"model_dir": str(model_dir), "checkpoint": result.checkpoint},
-            "model_uri": model_uri,
+            **published(model_dir, model_uri),
             "resumed_from": result.resumed_from,
             "mlflow_run_id": run.info.run_id,
         }

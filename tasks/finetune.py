@@ -34,7 +34,7 @@ def main(cfg: FinetuneConfig) -> dict[str, Any]:
     from tasks.posttrain.lora import ADAPTER_DIR, add_lora, trainable_parameters
     from tasks.posttrain.objectives import next_token_loss, with_replay
     from tasks.posttrain.sources import resolve_model_dir
-    from tasks.train.export import load_model, publish_model
+    from tasks.train.export import load_model, publish_model, published
     from tasks.train.loop import train
     from tasks.train.runtime import pick_device, seed_everything
     from tasks.train.scoring import answer_budget, completion_loss, exact_match, shard_loss
@@ -121,7 +121,7 @@ def main(cfg: FinetuneConfig) -> dict[str, Any]:
                         "params": model.num_params(), "step": result.step},
             "outputs": {"model_dir": str(model_dir), "checkpoint": result.checkpoint,
                         **({"adapter_dir": str(adapter_dir)} if adapter_dir else {})},
-            "model_uri": model_uri,
+            **published(model_dir, model_uri),
             "resumed_from": result.resumed_from,
             "mlflow_run_id": run.info.run_id,
         }

@@ -136,7 +136,7 @@ def _train(cfg: TrainConfig, setup: _Setup, env: WorkerEnv, *, stage: str, publi
            on_eval: Callable[[int, dict[str, float]], None] | None) -> dict[str, Any]:
     from tasks.train.data import PretrainBatches
     from tasks.train.distributed import DistContext
-    from tasks.train.export import publish_model
+    from tasks.train.export import publish_model, published
     from tasks.train.faults import FaultInjector
     from tasks.train.health import JobHealth, health_settings
     from tasks.train.losses import cross_entropy
@@ -229,7 +229,7 @@ def _train(cfg: TrainConfig, setup: _Setup, env: WorkerEnv, *, stage: str, publi
                 tokenizer_path=data.tokenizer_path, source_checkpoint=result.checkpoint,
                 eos_id=data.eos_id)
             out["outputs"]["model_dir"] = str(model_dir)
-            out["model_uri"] = model_uri
+            out.update(published(model_dir, model_uri))
         return out
 
 

@@ -3,7 +3,9 @@ tiny lifecycle run (tests/lifecycle_run.py, cache off: every stage ran its job a
 in the step cache under the session's storage root).
 
 - the same recipe again: no stage submits a job, each reuses the recorded one, in a fraction of
-  its time; evaluate too unless the champion it compares with is another one;
+  its time; evaluate too unless the first run compared with a champion of other weights;
+- and a third time (issue 24): no job at all, evaluation included (it keys on the champion's
+  weights, which are this run's own model's), and no new model version;
 - one fine-tuning knob changed: fine-tune and everything after it run, nothing before;
 - a run that starts at fine-tune from the first run's outputs (from_run + start_at), checked
   before any job, with lineage tags naming the first run's MLflow runs;
@@ -75,19 +77,36 @@ def again(first):
 
 
 @pytest.fixture(scope="module")
-def new_lr(again):
+def third(again):
+    """The same conf a third time, once `again` registered its model (and crowned it)."""
+    before = registered_versions()
+    return {**run_lifecycle(CONF), "versions_before": before}
+
+
+@pytest.fixture(scope="module")
+def new_lr(third):
     return run_lifecycle({**CONF, "finetune_lr": 3e-3})
+
+
+def registered_versions() -> list[str]:
+    from llmops import tracking
+
+    found = tracking.client().search_model_versions(f"name = '{CONF['registered_model_name']}'")
+    return sorted(str(mv.version) for mv in found)
 
 
 def test_the_same_recipe_again_submits_no_job_and_takes_a_fraction_of_the_time(first, again):
     earlier, now = by_task(first), by_task(again)
     assert set(now) == set(earlier)
     evaluate = now[("evaluate", "-1")]
-    reran_evaluate = "cached_from" not in evaluate.data.tags
+    # The first run (registered as llm-lifecycle) compared with that name's champion when an
+    # earlier test of the session crowned one of other weights; this one has none to compare with.
+    reran_evaluate = any(k.startswith("champion/") for k in earlier[("evaluate", "-1")].data.metrics)
+    assert ("cached_from" not in evaluate.data.tags) == reran_evaluate
     events = ledger_events(again)
     submitted = {stage for stage, _ in events.get("submitted", set())}
     assert submitted == ({"evaluate"} if reran_evaluate else set()), events
-    if reran_evaluate:  # the champion of the first run's start is not the one of this run's
+    if reran_evaluate:
         assert "Step cache miss for evaluate" in again["output"]
         assert "differs in config.models.champion" in again["output"], again["output"][-4000:]
 
@@ -116,6 +135,35 @@ def test_the_same_recipe_again_submits_no_job_and_takes_a_fraction_of_the_time(f
           f"whole run {again['seconds']:.0f} s vs {first['seconds']:.0f} s (CLI included)")
     assert spent < 0.15 * computed, (spent, computed)
     assert again["seconds"] < 0.6 * first["seconds"]
+
+
+def test_a_third_identical_run_submits_no_job_at_all_and_registers_nothing(again, third):
+    """Issue 24: `again` registered its model as version 1 of llm-reuse and crowned it, so this
+    run starts with a champion: the weights its own student (or teacher) holds. Evaluation keys
+    on the champion's content, not its version, so it is `again`'s evaluation, reused."""
+    from llmops import tracking
+
+    client = tracking.client()
+    champion = client.get_model_version_by_alias(CONF["registered_model_name"], "champion")
+    assert third["versions_before"] == registered_versions() == [str(champion.version)], \
+        "no new model version"
+    events = ledger_events(third)
+    assert "submitted" not in events, events
+    assert {stage for stage, _ in events["cached"]} == set(JOB_STAGES), events
+    for stage in JOB_STAGES:
+        assert f"Step cache hit for {stage}: reusing the outputs of job" in third["output"], stage
+    earlier, now = by_task(again), by_task(third)
+    evaluate = now[("evaluate", "-1")].data.tags
+    assert evaluate["cache_key"] == earlier[("evaluate", "-1")].data.tags["cache_key"]
+    assert evaluate["champion_run_id"] == champion.tags["training_run_id"], \
+        "the evaluation stood for the champion this run started with"
+    gate = third["parent"].data.tags
+    assert gate["gate"] == f"already registered as version {champion.version}"
+    assert gate["champion"] == f"{CONF['registered_model_name']}/{champion.version}"
+    crowned = champion.tags["candidate"]   # the same weights in this run, scored once
+    assert champion.tags["lineage.content_sha256"] == \
+        client.get_run(now[("distill" if crowned == "student" else "finetune", "-1")]
+                       .data.tags["cached_from"]).data.tags["lineage.content_sha256"]
 
 
 def test_a_changed_finetuning_knob_reruns_finetune_and_what_follows_only(first, new_lr):

@@ -242,11 +242,15 @@ def test_the_same_weights_are_never_registered_twice(model_uri):
     runs = [{**lifecycle_run(f"c{i}"), "model_name": name} for i in range(3)]
     first = promotion.promote(runs[0], found, {"data_hash": "d"}, candidates=("challenger",))
     assert first["promoted"] and first["version"] == "1" and not first.get("already_registered")
-    again = evaluation(model_uri, 0.80, 40.0, 1.50, (0.80, 40.0, 1.50))
-    again["models"]["challenger"]["lineage"]["content_sha256"] = "c" * 64
+    pinned = promotion.pin(promotion.current_champion(name))
+    assert pinned["version"] == "1" and pinned["content_sha256"] == "c" * 64
     for run in runs[1:]:
-        decision = promotion.promote(run, again, {"data_hash": "d"}, candidates=("challenger",))
+        # as evaluation hands it back for an identical rerun: the champion is the challenger's
+        # weights, scored once as the challenger (the first run's job, from the step cache)
+        decision = promotion.promote({**run, "champion": pinned}, found, {"data_hash": "d"},
+                                     candidates=("challenger",))
         assert decision["already_registered"] and decision["version"] == "1"
+        assert decision["champion_before"] == "1", "compared with the champion, by its version"
         assert "the same weights as registered before" in promotion.summary(decision)
     assert [str(mv.version) for mv in client.search_model_versions(f"name = '{name}'")] == ["1"]
     assert str(client.get_model_version_by_alias(name, "champion").version) == "1"
@@ -254,6 +258,33 @@ def test_the_same_weights_are_never_registered_twice(model_uri):
     other["models"]["challenger"]["lineage"]["content_sha256"] = "e" * 64   # new weights: registered
     assert promotion.promote({**lifecycle_run("c3"), "model_name": name}, other, {"data_hash": "d"},
                              candidates=("challenger",))["version"] == "2"
+
+
+def test_the_champion_s_scores_come_with_this_run_s_reference_to_it():
+    """Evaluation keys on the champion's weights: its scores may be an earlier job's, for the
+    same weights under another version, or the scores of this run's model holding them. The gate
+    sees them as the run's champion's, never under the earlier reference."""
+    champion = {"version": "4", "uri": f"models:/{NAME}/4", "run_id": "train-4",
+                "content_sha256": "c" * 64}
+    run = {"model_name": NAME, "champion": champion}
+    found = evaluation("runs:/x/model", 0.80, 40.0, 1.50)
+    found["models"]["challenger"]["lineage"]["content_sha256"] = "c" * 64
+    found["models"]["challenger"]["per_item"] = {"task_accuracy": per_item([1, 0, 1])}
+    same = promotion.with_champion(run, found)
+    assert same["metrics"] == {**found["metrics"], **metrics("champion", 0.80, 40.0, 1.50)}
+    entry = same["models"]["champion"]
+    assert entry["model_ref"] == f"models:/{NAME}/4" and entry["mlflow_run_id"] == "train-4"
+    assert entry["lineage"]["registered_version"] == "4" and entry["per_item"] == \
+        found["models"]["challenger"]["per_item"]
+    assert "champion" not in found["models"], "the evaluation handed in is not changed"
+
+    stale = evaluation("runs:/x/model", 0.85, 38.0, 1.48, (0.80, 40.0, 1.50))  # scored as version 1
+    stale["models"]["champion"]["lineage"]["content_sha256"] = "c" * 64
+    fresh = promotion.with_champion(run, stale)["models"]["champion"]
+    assert fresh["model_ref"] == f"models:/{NAME}/4" and fresh["lineage"]["registered_version"] == "4"
+    other = {**run, "champion": {**champion, "content_sha256": "e" * 64}}   # other weights
+    assert promotion.with_champion(other, stale) == stale
+    assert promotion.with_champion(other, found) == found
 
 
 def test_lifecycle_promote_prefers_the_student_and_falls_back_to_the_teacher(model_uri):

@@ -103,7 +103,7 @@ def _lifecycle_keys(root: str, run_id: str, champion: dict | None = None) -> dic
             "mlflow_run_id": f"data-{run_id}"}
 
     def model(stage: str) -> dict:
-        return {"outputs": {"model_dir": f"{root}/{stage}/model"},
+        return {"outputs": {"model_dir": f"{root}/{stage}/model"}, "content_sha256": f"{stage}-weights",
                 "content_hashes": {"model_dir": f"{stage}-hash"}, "mlflow_run_id": f"{stage}-{run_id}"}
 
     best = {"lr": 3e-3, "params": {"optim.lr": 3e-3}, "mlflow_run_id": f"trial-{run_id}"}
@@ -126,12 +126,45 @@ def test_the_lifecycle_specs_of_two_dag_runs_key_alike():
     assert len(set(first.values())) == len(first), "each stage its own key"
 
 
-def test_the_champion_an_evaluation_compares_with_is_part_of_its_identity():
-    champion = {"version": "3", "uri": "models:/llm-lifecycle/3", "run_id": "r3"}
-    without, against = _lifecycle_keys(RUN1, "manual__1"), _lifecycle_keys(RUN1, "manual__1", champion)
+def test_an_evaluation_keys_on_the_champions_weights_not_on_its_version():
+    """Issue 24: the champion an evaluation compares with is part of its identity by content. The
+    same weights under another version (or run) are the same job; other weights are not; a
+    champion that is one of the run's own models (an identical rerun's student, crowned by the
+    run before) is scored once, as that model, so the job equals the one without a champion."""
+    def champion(version: str, content: str) -> dict:
+        return {"version": version, "uri": f"models:/llm-lifecycle/{version}", "run_id": f"r{version}",
+                "content_sha256": content}
+
+    without = _lifecycle_keys(RUN1, "manual__1")
+    against = _lifecycle_keys(RUN1, "manual__1", champion("3", "a" * 64))
     assert without["evaluate"] != against["evaluate"]
     assert {k: v for k, v in without.items() if k != "evaluate"} == \
         {k: v for k, v in against.items() if k != "evaluate"}
+    assert _lifecycle_keys(RUN2, "manual__2", champion("4", "a" * 64)) == against
+    assert _lifecycle_keys(RUN1, "manual__1", champion("3", "b" * 64))["evaluate"] != against["evaluate"]
+    assert _lifecycle_keys(RUN2, "manual__2", champion("5", "distill-weights")) == without
+    # a version registered without a content hash is keyed by its version, as before
+    old = {**champion("3", ""), "content_sha256": ""}
+    assert _lifecycle_keys(RUN1, "manual__1", old)["evaluate"] not in (
+        without["evaluate"], against["evaluate"],
+        _lifecycle_keys(RUN1, "manual__1", {**old, "uri": "models:/llm-lifecycle/4"})["evaluate"])
+
+
+def test_an_evaluation_scores_a_champion_that_is_one_of_its_models_once():
+    from llmops import lifecycle
+
+    run = {**_lifecycle_run(RUN1, "manual__1"),
+           "champion": {"version": "5", "uri": "models:/llm-lifecycle/5", "run_id": "r5",
+                        "content_sha256": "distill-weights"}}
+    data = {"outputs": {"data_dir": f"{RUN1}/data_prep"}, "data_hash": "d" * 64}
+    student = {"outputs": {"model_dir": f"{RUN1}/distill/model"}, "content_sha256": "distill-weights",
+               "content_hashes": {"model_dir": "distill-hash"}, "mlflow_run_id": "s"}
+    spec = lifecycle.evaluate_models_spec(run, data, {"student": student})
+    assert spec["config"]["models"] == {"student": f"{RUN1}/distill/model"}
+    assert spec["tags"]["champion_run_id"] == "r5"   # which champion it stood for
+    other = {**run, "champion": {**run["champion"], "content_sha256": "e" * 64}}
+    assert lifecycle.evaluate_models_spec(other, data, {"student": student})["config"]["models"] == {
+        "student": f"{RUN1}/distill/model", "champion": "models:/llm-lifecycle/5"}
 
 
 # -- the index -------------------------------------------------------------------------------------

@@ -249,7 +249,7 @@ def start_run(params: dict[str, Any], *, dag_id: str, run_id: str,
         fail_parent_run(parent, f"start_run: {exc}")
         raise
     return {"dag_id": dag_id, "run_id": run_id, "root": root, "config": config,
-            "champion": {k: champion[k] for k in ("version", "uri", "run_id")} if champion else None,
+            "champion": promotion.pin(champion),
             "backends": backends, "experiment": dag_id, "parent_run_id": parent,
             "resources": params.get("stage_resources") or {},
             "team": team.name if team else params.get("team") or "",
@@ -418,24 +418,36 @@ def evaluate_spec(run: dict[str, Any], data: dict[str, Any], pretrained: dict[st
 
 def evaluate_models_spec(run: dict[str, Any], data: dict[str, Any],
                          models: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """Evaluate the named stage results; the run's `champion` (pinned by version in start_run)
-    joins them when there was one, so the gate compares challengers with it on the same data.
-    Every try of the task builds the same spec, whatever happened to the alias since."""
+    """Evaluate the named stage results; the run's `champion` (pinned in start_run) joins them
+    when there was one, so the gate compares challengers with it on the same data. Every try of
+    the task builds the same spec, whatever happened to the alias since.
+
+    The champion is an input keyed by its content hash (its version's `lineage.content_sha256`),
+    not by its version: the same weights evaluated on the same data are the same job (the step
+    cache reuses it). A model of this run holding exactly the champion's weights (an identical
+    rerun's student, once crowned) is scored once; the gate reads the champion's scores from it
+    (promotion.with_champion)."""
+    # A run dict from before pinning (a run started by an older deployment) reads it now.
+    champion = run["champion"] if "champion" in run else promotion.current_champion(run["model_name"])
+    contents = {name: r.get("content_sha256", "") for name, r in models.items()}
+    if champion and promotion.same_weights(champion, contents) is None:
+        models = {**models, promotion.CHAMPION: _champion_result(champion)}
     refs = {name: r["outputs"]["model_dir"] for name, r in models.items()}
-    runs = {name: r.get("mlflow_run_id", "") for name, r in models.items()}
-    if promotion.CHAMPION not in refs:
-        # A run dict from before pinning (a run started by an older deployment) reads it now.
-        champion = run["champion"] if "champion" in run else promotion.current_champion(run["model_name"])
-        if champion:
-            refs[promotion.CHAMPION], runs[promotion.CHAMPION] = champion["uri"], champion["run_id"]
     config = {**run["config"]["evaluate"], "models": refs,
               "data_dir": data["outputs"]["data_dir"], "output_dir": _out(run, "evaluate")}
-    lineage = {f"{name}_run_id": run_id or "" for name, run_id in runs.items()}
+    lineage = {f"{name}_run_id": r.get("mlflow_run_id") or "" for name, r in models.items()}
+    if champion:
+        lineage[f"{promotion.CHAMPION}_run_id"] = champion["run_id"] or ""
     inputs = {"data": _data_input(data), **{n: _model_input(r) for n, r in models.items()}}
-    if promotion.CHAMPION in runs:  # a registry version: its URI is in the config, its run here
-        inputs[promotion.CHAMPION] = ("", runs[promotion.CHAMPION] or refs[promotion.CHAMPION])
     return _spec(run, "evaluate", config, data_hash=data["data_hash"], lineage=lineage,
                  inputs=inputs)
+
+
+def _champion_result(champion: dict[str, Any]) -> dict[str, Any]:
+    """A registry version shaped like a stage result: its URI stands for its content in the
+    step cache's identity (a version registered without a content hash: the URI itself)."""
+    return {"outputs": {"model_dir": champion["uri"]}, "mlflow_run_id": champion["run_id"],
+            "content_hashes": {"model_dir": champion.get("content_sha256") or champion["uri"]}}
 
 
 # -- the gate (plugins/llmops/promotion.py) -------------------------------------------------

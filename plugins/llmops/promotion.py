@@ -171,7 +171,9 @@ def _order(gate: configs.GateConfig, candidates: tuple[str, ...]) -> list[str]:
 
 
 def current_champion(model_name: str) -> dict[str, Any] | None:
-    """The version holding `champion`, pinned by number, or None when there is none yet."""
+    """The version holding `champion`, pinned by number, or None when there is none yet.
+    `content_sha256`: the hash of its weights and tokenizer ("" for a version registered
+    without it), what evaluation keys on instead of the version."""
     from mlflow.exceptions import MlflowException
 
     client = tracking.client()
@@ -180,7 +182,51 @@ def current_champion(model_name: str) -> dict[str, Any] | None:
     except MlflowException:
         return None
     return {"version": str(mv.version), "uri": f"models:/{model_name}/{mv.version}",
-            "run_id": mv.tags.get("training_run_id") or mv.run_id or "", "tags": dict(mv.tags)}
+            "run_id": mv.tags.get("training_run_id") or mv.run_id or "",
+            "content_sha256": mv.tags.get("lineage.content_sha256", ""), "tags": dict(mv.tags)}
+
+
+def pin(champion: dict[str, Any] | None) -> dict[str, Any] | None:
+    """What a run keeps of the champion it starts with (start_run, start_retrain)."""
+    if champion is None:
+        return None
+    return {k: champion.get(k, "") for k in ("version", "uri", "run_id", "content_sha256")}
+
+
+def same_weights(champion: dict[str, Any] | None, contents: dict[str, str]) -> str | None:
+    """The name (among `contents`: name -> content hash) of the model holding exactly the
+    champion's weights, or None: a model evaluated once stands for both."""
+    content = (champion or {}).get("content_sha256")
+    return next((name for name, c in contents.items() if content and c == content), None)
+
+
+def with_champion(run: dict[str, Any], evaluation: dict[str, Any]) -> dict[str, Any]:
+    """The evaluation with the run's pinned champion as its `champion` entry. Evaluation keys
+    on the champion's content, not its version: the scores may come from an earlier job (the
+    step cache) that scored the same weights under another reference, or from the model of this
+    run holding the champion's weights (scored once, see lifecycle.evaluate_models_spec). The
+    scores stand; the reference (URI, version, run) is the run's champion."""
+    champion = run.get("champion")
+    models = dict(evaluation.get("models") or {})
+    if not champion or not champion.get("content_sha256"):
+        return evaluation   # keyed by its URI (version): the entry is this champion's already
+    metrics = dict(evaluation.get("metrics") or {})
+    if CHAMPION not in models:
+        name = same_weights(champion, {n: (m.get("lineage") or {}).get("content_sha256", "")
+                                       for n, m in models.items()})
+        if name is None:
+            return evaluation
+        models[CHAMPION] = models[name]
+        metrics.update({f"{CHAMPION}.{k.split('.', 1)[1]}": v for k, v in metrics.items()
+                        if k.startswith(f"{name}.")})
+    entry = models[CHAMPION]
+    if (entry.get("lineage") or {}).get("content_sha256") != champion["content_sha256"]:
+        return evaluation   # not these weights: nothing to say about them
+    models[CHAMPION] = {**entry, "model_ref": champion["uri"], "mlflow_run_id": champion["run_id"],
+                        "lineage": {**(entry.get("lineage") or {}),
+                                    "registered_model": run["model_name"],
+                                    "registered_version": champion["version"]}}
+    return {**evaluation, "models": models, "metrics": metrics}
 
 
 def registered_with_content(client: Any, name: str, content: str) -> Any | None:
@@ -216,6 +262,7 @@ def gate(run: dict[str, Any], evaluation: dict[str, Any], data: dict[str, Any],
     """Decide, register the chosen candidate (the preferred passing one, else the preferred one)
     with its lineage and verdict, and give it the alias `challenger`. Returns the decision."""
     gate_cfg = configs.from_dict(configs.GateConfig, run["config"]["gate"])
+    evaluation = with_champion(run, evaluation)
     decisions, comparisons = judge(gate_cfg, evaluation, candidates)
     order = _order(gate_cfg, candidates)
     passing = [n for n in order if not decisions[n]]

@@ -66,12 +66,13 @@ def start_retrain(params: dict[str, Any], *, dag_id: str, run_id: str,
         config={**config, "champion": champion["uri"], "data": data, "root": root})
     return {"dag_id": dag_id, "run_id": run_id, "root": root, "config": config,
             "backends": backends, "experiment": dag_id, "parent_run_id": parent,
-            "model_name": name, "champion": {k: champion[k] for k in ("version", "uri", "run_id")},
+            "model_name": name, "champion": promotion.pin(champion),
             "data": {"outputs": {"data_dir": data["data_dir"]}, "data_hash": data["data_hash"]}}
 
 
 def champion_as_base(run: dict[str, Any]) -> dict[str, Any]:
-    """The champion, shaped like a stage result, for finetune_spec / evaluate_models_spec."""
+    """The champion, shaped like a stage result, for finetune_spec (evaluate_models_spec adds
+    the run's champion itself)."""
     return {"outputs": {"model_dir": run["champion"]["uri"]},
             "mlflow_run_id": run["champion"]["run_id"]}
 
@@ -109,5 +110,4 @@ def retrain_finetune_spec(run: dict[str, Any]) -> dict[str, Any]:
 
 def retrain_evaluate_spec(run: dict[str, Any], challenger: dict[str, Any]) -> dict[str, Any]:
     """Challenger and champion, scored by one evaluation job on the same data."""
-    return lifecycle.evaluate_models_spec(run, run["data"], {"challenger": challenger,
-                                                             promotion.CHAMPION: champion_as_base(run)})
+    return lifecycle.evaluate_models_spec(run, run["data"], {"challenger": challenger})

@@ -136,6 +136,12 @@ def export_model(model: nn.Module, output_dir: str | Path, tokenizer_path: str |
     return publish_dir(tmp, output_dir / MODEL_DIR)
 
 
+def published(model_dir: str | Path, model_uri: str) -> dict[str, str]:
+    """What a training stage's result says of the model it published: its MLflow model URI and
+    the hash of its weights and tokenizer (evaluation and the registry key on it)."""
+    return {"model_uri": model_uri, "content_sha256": read_meta(model_dir)["content_sha256"]}
+
+
 def read_meta(model_dir: str | Path) -> dict[str, Any]:
     """meta.json of a stage's model directory; a Hugging Face directory from elsewhere (no
     meta.json) has only where it came from."""
