@@ -168,6 +168,10 @@ def test_hyperpod_rbac_grants_every_kubernetes_call():
             needed.add(("", "pods/log", KUBE_VERBS[verb]))
         else:
             needed.add(("", rest + "s", KUBE_VERBS[verb]))
+    from llmops.jobs.backends.hyperpod import KUEUE_WORKLOADS
+
+    # a custom-object list whose resource is Kueue's Workloads (kueue_reason), not a job kind
+    needed.add((KUEUE_WORKLOADS[0], KUEUE_WORKLOADS[2], "list"))
     assert needed - allowed == set(), f"hyperpod-rbac.yaml lacks {sorted(needed - allowed)}"
     binding = next(d for d in docs if d["kind"] == "RoleBinding")
     assert binding["roleRef"]["name"] == role["metadata"]["name"]
