@@ -260,6 +260,33 @@ class DataPrepConfig:
                "DataPrepConfig.input_weights must be numbers between 0 and 1000.")
 
 
+# What may differ between a pretraining and its fork from a step (TrainConfig.fork_from): the
+# learning rate and its schedule, the length, the spike guard (FORK_KNOBS), and what only says
+# where and how the job runs (FORK_PLACES). Anything else would not continue the same training
+# and is refused by name: the architecture (model.*), the data and with it the tokenizer and
+# the sequence length (data_dir, compared by content), the batch, the seed, and AdamW's decay
+# and betas (the restored optimizer keeps its own).
+FORK_KNOBS = ("optim.lr", "optim.min_lr_ratio", "optim.warmup_steps", "optim.grad_clip",
+              "max_steps", "max_rollbacks", "spike_sigma", "spike_window", "spike_min_ratio",
+              "spike_skip_batches")
+FORK_PLACES = ("data_dir", "output_dir", "checkpoint_uri", "fork_from", "fork_step",
+               "fork_parent_run_id", "eval_interval", "eval_batches", "checkpoint_interval",
+               "keep_checkpoints", "keep_every", "log_interval", "async_checkpoint", "compile",
+               "max_restarts", "hot_spare", "hang_timeout_s", "save_timeout_s",
+               "restore_timeout_s", "upload_timeout_s", "compile_timeout_s", "burn_in",
+               "burn_in_min_gbps", "straggler_check_every", "straggler_factor", "straggler_steps",
+               "straggler_action", "sdc_check", "sdc_check_every")
+
+
+def fork_refusals(parent: dict[str, Any], fork: dict[str, Any], prefix: str = "") -> list[str]:
+    """The settings of `fork` (a TrainConfig as a dict) that differ from `parent`'s and may not
+    change at a fork, each named with both values: "model.n_layer (2 in the parent, 4 here)"."""
+    was, now = flatten(parent), flatten(fork)
+    return [f"{prefix}{key} ({was.get(key)!r} in the parent, {now.get(key)!r} here)"
+            for key in sorted(set(was) | set(now))
+            if key not in FORK_KNOBS + FORK_PLACES and was.get(key) != now.get(key)]
+
+
 @dataclass(kw_only=True)
 class TrainConfig:
     """Pretraining (and each sweep trial): next-token loss on the packed shards of data prep."""
@@ -356,10 +383,20 @@ class TrainConfig:
     sdc_check_every: int = bounded(0, minimum=0, maximum=10_000_000,
                                    help="Also compare them every this many steps; 0 = before each "
                                         "checkpoint only.")
+    # Fork: start from a kept checkpoint of another pretraining (tasks/train/fork.py)
+    fork_from: str = bounded("", help="The checkpoints directory of the pretraining to fork "
+                                      "(its output_dir/checkpoints); empty = no fork. Only "
+                                      "FORK_KNOBS may differ from that run's config.")
+    fork_step: int = bounded(0, minimum=0, maximum=10_000_000,
+                             help="The kept checkpoint of fork_from to start at; 0 = its newest.")
+    fork_parent_run_id: str = bounded("", help="The forked run's MLflow run, for the lineage tags.")
 
     def __post_init__(self) -> None:
         _check_bounds(self)
         _check(bool(self.data_dir), "TrainConfig.data_dir is required: the data prep output.")
+        _check(bool(self.fork_from) or not (self.fork_step or self.fork_parent_run_id),
+               "TrainConfig.fork_step and fork_parent_run_id need fork_from: the checkpoints "
+               "directory of the pretraining to fork.")
         _check(self.keep_every % self.checkpoint_interval == 0,
                f"TrainConfig.keep_every ({self.keep_every}) must be 0 or a multiple of "
                f"checkpoint_interval ({self.checkpoint_interval}): only those steps are saved. Set "

@@ -34,6 +34,7 @@ from tasks.train.faults import FaultSpecError, parse_faults
 from tasks.train.supervisor import FATAL_EXIT, Supervisor, WorkerEnv
 
 log = logging.getLogger("tasks.pretrain")
+FORK_FILE = "fork.json"   # the fork's lineage (tasks/train/fork.py), for the worker's MLflow run
 
 
 def check_model_fits_data(model: ModelConfig, vocab_size: int, seq_len: int) -> None:
@@ -189,6 +190,8 @@ def _train(cfg: TrainConfig, setup: _Setup, env: WorkerEnv, *, stage: str, publi
                 # a restarted worker of this job must log into this run, not open another
                 (run_dir / "mlflow_run_id").write_text(run.info.run_id)
             mlflow.set_tags({"data.content_hash": data.content_hash})
+            if (run_dir / FORK_FILE).exists():   # the parent run and step it forked from
+                mlflow.set_tags({k: str(v) for k, v in read_json(run_dir / FORK_FILE).items()})
             mlflow.log_metric("params", model.num_params())
             _log_new_events(run_dir)
         log.info("%s: %d parameters on %s (rank %d of %d); %d train rows x %d tokens, data %s",
@@ -221,6 +224,8 @@ def _train(cfg: TrainConfig, setup: _Setup, env: WorkerEnv, *, stage: str, publi
             "resumed_from": result.resumed_from,
             "mlflow_run_id": run.info.run_id,
         }
+        if (run_dir / FORK_FILE).exists():
+            out["fork"] = read_json(run_dir / FORK_FILE)
         if publish:
             if dist is not None and dist.parallelism == "fsdp":
                 model = _from_checkpoint(cfg, result.checkpoint)  # the sharded one cannot export
@@ -353,6 +358,11 @@ def _supervise(cfg: TrainConfig, env: WorkerEnv) -> dict[str, Any] | None:
         (run_dir / "mlflow_run_id").unlink(missing_ok=True)  # a new job opens (or gets) its own
         # health strikes name ranks of this job's nodes; a new job may run on other nodes
         (run_dir / "health.json").unlink(missing_ok=True)
+        (run_dir / FORK_FILE).unlink(missing_ok=True)
+        if cfg.fork_from:   # before any worker starts: a refused fork trains nothing
+            from tasks.train.fork import seed
+
+            write_json(run_dir / FORK_FILE, seed(cfg))
     supervisor = Supervisor(
         run_dir=run_dir, rank=env.rank, max_restarts=cfg.max_restarts,
         hang_timeout_s=cfg.hang_timeout_s, phase_timeouts=phase_timeouts(cfg),
