@@ -62,7 +62,7 @@ browser:
 	  $$SUDO apt-get update -qq && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
 
 # The suite on TEST_WORKERS processes (pytest-xdist; 0 runs it in this process), then the slow fault
-# matrix (~17 min) as its own target.
+# matrix (~16 min on 2 cores: benchmarks/results/fault_matrix.json) as its own target.
 TEST_WORKERS ?= 2
 test: install browser
 	$(PY) -m pytest tests --ignore=tests/test_fault_matrix.py -n $(TEST_WORKERS) --dist loadgroup \
