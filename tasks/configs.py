@@ -278,13 +278,12 @@ FORK_PLACES = ("data_dir", "output_dir", "checkpoint_uri", "fork_from", "fork_st
                "straggler_action", "sdc_check", "sdc_check_every")
 
 
-def fork_refusals(parent: dict[str, Any], fork: dict[str, Any], prefix: str = "") -> list[str]:
+def fork_refusals(parent: dict[str, Any], fork: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
     """The settings of `fork` (a TrainConfig as a dict) that differ from `parent`'s and may not
-    change at a fork, each named with both values: "model.n_layer (2 in the parent, 4 here)"."""
+    change at a fork: dotted name -> (the parent's value, the fork's)."""
     was, now = flatten(parent), flatten(fork)
-    return [f"{prefix}{key} ({was.get(key)!r} in the parent, {now.get(key)!r} here)"
-            for key in sorted(set(was) | set(now))
-            if key not in FORK_KNOBS + FORK_PLACES and was.get(key) != now.get(key)]
+    return {key: (was.get(key), now.get(key)) for key in sorted(set(was) | set(now))
+            if key not in FORK_KNOBS + FORK_PLACES and was.get(key) != now.get(key)}
 
 
 @dataclass(kw_only=True)

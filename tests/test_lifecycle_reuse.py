@@ -254,6 +254,83 @@ def test_from_run_is_checked_before_any_job_and_refused_naming_the_param(first):
     assert all(find_parent(tracking.client(), "llm_lifecycle", f"refused__{i}") is None for i in range(4))
 
 
+# -- fork a pretraining from a step (issue 24, point 1) ------------------------------------------
+
+FORK = {"recipe": "tiny", "start_at": "pretrain", "fork_step": 10}
+
+
+def test_a_fork_is_checked_before_any_job_and_refused_naming_the_param(first):
+    """The tiny pretraining (20 steps, a checkpoint every 10, the newest 2 kept) keeps 10 and 20."""
+    from llmops import lifecycle, reuse, tracking
+    from llmops.run_summary import find_parent
+
+    ours = {**FORK, "from_run": first["run_id"]}
+    cases = [({**ours, "start_at": "finetune"}, "Param 'fork_step' forks from_run's pretraining"),
+             ({**FORK}, "Param 'fork_step' forks from_run's pretraining"),
+             ({**ours, "fork_step": 5}, f"Param 'fork_step': step 5 is not a kept checkpoint of run "
+                                        f"{first['run_id']}'s pretraining; it keeps steps 10, 20."),
+             ({**ours, "n_layer": 2}, "pretrain.model.n_layer (Param 'n_layer', 1 there, 2 here)"),
+             ({**ours, "batch_size": 4}, "pretrain.batch_size (Param 'batch_size', 8 there, 4 here)")]
+    for i, (params, message) in enumerate(cases):
+        with pytest.raises(reuse.FromRunError, match=re.escape(message)):
+            _start(params, f"fork_refused__{i}")
+    assert all(find_parent(tracking.client(), "llm_lifecycle", f"fork_refused__{i}") is None
+               for i in range(len(cases)))
+    # a knob of the declared set may change: the fork goes on to step 30 from the kept step 10
+    run = _start({**ours, "pretrain_steps": 30}, "fork_checked__1")
+    record = reuse.stage_record(first["parent"], "pretrain")
+    fork = run["from_run"]["fork"]
+    assert (fork["step"], fork["parent_run_id"]) == (10, record["mlflow_run_id"])
+    assert fork["checkpoints"] == str(Path(record["result"]["outputs"]["checkpoint"]).parent)
+    data = {"outputs": {"data_dir": "/data"}, "data_hash": "h"}
+    spec = lifecycle.pretrain_spec(run, data, run["from_run"]["sweep_best"])
+    assert (spec["config"]["fork_from"], spec["config"]["fork_step"], spec["config"]["max_steps"]) \
+        == (fork["checkpoints"], 10, 30)
+    assert spec["tags"]["fork.step"] == "10"
+
+
+@pytest.fixture(scope="module")
+def forked(first):
+    return run_lifecycle({**FORK, "registered_model_name": "llm-reuse-fork",
+                          "from_run": first["run_id"]})
+
+
+def test_a_dag_run_forks_the_pretraining_at_a_kept_step_and_ends_bitwise_where_it_ended(first, forked):
+    """Nothing changed: the fork restores step 10 of the first run's pretraining (weights,
+    optimizer, RNG, data cursor) and its step 20 is the first run's, tensor by tensor."""
+    import torch
+
+    from llmops import reuse
+    from tasks.train import checkpoint as ckpt
+
+    earlier, now = by_task(first), by_task(forked)
+    pretrain = now[("pretrain", "-1")]
+    assert "cached_from" not in pretrain.data.tags, "the fork ran a pretraining job"
+    assert pretrain.data.tags["fork.step"] == "10"
+    assert pretrain.data.tags["fork.parent_run_id"] == earlier[("pretrain", "-1")].info.run_id
+    assert forked["parent"].data.tags["fork_step"] == "10"
+    parent_final = Path(reuse.stage_record(first["parent"], "pretrain")["result"]["outputs"]["checkpoint"])
+    fork_final = Path(reuse.stage_record(forked["parent"], "pretrain")["result"]["outputs"]["checkpoint"])
+    assert fork_final != parent_final and fork_final.name == parent_final.name == "step_000020"
+    assert (fork_final.parent / "step_000010").is_dir(), "the parent's step 10, copied"
+    ours, theirs = ckpt.load_checkpoint(fork_final), ckpt.load_checkpoint(parent_final)
+    for part in ("model", "optimizer"):
+        flat_ours, flat_theirs = _tensors(ours[part]), _tensors(theirs[part])
+        assert flat_ours.keys() == flat_theirs.keys()
+        assert all(torch.equal(flat_ours[k], flat_theirs[k]) for k in flat_theirs), part
+    assert ours["trainer"]["data_cursor"] == theirs["trainer"]["data_cursor"]
+
+
+def _tensors(state: object, prefix: str = "") -> dict:
+    import torch
+
+    if isinstance(state, torch.Tensor):
+        return {prefix: state}
+    items = state.items() if isinstance(state, dict) else enumerate(state) \
+        if isinstance(state, (list, tuple)) else []
+    return {k: v for key, value in items for k, v in _tensors(value, f"{prefix}.{key}").items()}
+
+
 # -- replay ----------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

@@ -236,6 +236,9 @@ def start_run(params: dict[str, Any], *, dag_id: str, run_id: str,
     root = os.path.join(storage_root, dag_id, re.sub(r"[^A-Za-z0-9_.-]+", "_", run_id))
     config = configs.to_dict(cfg)
     earlier = reuse.check(params, config, dag_id)   # from_run + start_at: its outputs, checked
+    check_fork(config, earlier)
+    if earlier and earlier.get("fork"):
+        earlier["fork"].pop("config")   # checked; the run dict travels through XCom
     parent = tracking.start_parent_run(experiment=dag_id, dag_id=dag_id, run_id=run_id,
                                        config={**config, "backends": backends, "root": root})
     try:
@@ -359,13 +362,45 @@ def trial_spec(run: dict[str, Any], data: dict[str, Any], study: dict[str, Any],
     return spec
 
 
+def pretrain_config(config: dict[str, Any], best: dict[str, Any]) -> dict[str, Any]:
+    """The lifecycle config's pretraining with the best trial's hyperparameters (and ladder size)."""
+    pretrain = copy.deepcopy(config["pretrain"])
+    sweep_stage.apply_best(pretrain, best)
+    return pretrain
+
+
 def pretrain_spec(run: dict[str, Any], data: dict[str, Any], best: dict[str, Any]) -> dict[str, Any]:
-    config = copy.deepcopy(run["config"]["pretrain"])
+    """Pretraining's job; with fork_step, a fork of from_run's pretraining at that step
+    (tasks/train/fork.py), its checkpoint an input of the step cache."""
+    config = pretrain_config(run["config"], best)
     config.update(data_dir=data["outputs"]["data_dir"], output_dir=_out(run, "pretrain"))
-    sweep_stage.apply_best(config, best)  # the best trial's hyperparameters (and ladder size)
-    return _spec(run, "pretrain", config, data_hash=data["data_hash"],
-                 lineage={"sweep_best_run_id": best.get("mlflow_run_id", "")},
-                 inputs={"data": _data_input(data)})
+    inputs, lineage = {"data": _data_input(data)}, {"sweep_best_run_id": best.get("mlflow_run_id", "")}
+    fork = (run.get("from_run") or {}).get("fork")
+    if fork:
+        config.update(fork_from=fork["checkpoints"], fork_step=fork["step"],
+                      fork_parent_run_id=fork["parent_run_id"])
+        inputs["fork"] = (fork["checkpoints"], fork["hash"])
+        lineage.update({"fork.parent_run_id": fork["parent_run_id"], "fork.step": str(fork["step"])})
+    return _spec(run, "pretrain", config, data_hash=data["data_hash"], lineage=lineage,
+                 inputs=inputs)
+
+
+def check_fork(config: dict[str, Any], earlier: dict[str, Any] | None) -> None:
+    """A fork (fork_step) may change only tasks.configs.FORK_KNOBS of the pretraining it forks:
+    refuse anything else by name before any job (the job checks again)."""
+    fork = (earlier or {}).get("fork")
+    if not fork:
+        return
+    knob_of = {path: name for name, path in lifecycle_params.KNOBS.items()}
+    refused = [f"pretrain.{key} ({'Param ' + repr(knob_of['pretrain.' + key]) + ', ' if 'pretrain.' + key in knob_of else ''}"
+               f"{was!r} there, {now!r} here)"
+               for key, (was, now) in configs.fork_refusals(
+                   fork["config"], pretrain_config(config, earlier.get("sweep_best") or {})).items()]
+    if refused:
+        raise reuse.FromRunError(
+            f"Param 'fork_step': a fork of run {earlier['run_id']}'s pretraining may change only "
+            f"its learning rate and schedule, pretrain_steps and the guard's settings; this run "
+            f"differs in {'; '.join(refused)}. Set them as that run had them. Nothing was started.")
 
 
 def finetune_spec(run: dict[str, Any], data: dict[str, Any], base: dict[str, Any] | None

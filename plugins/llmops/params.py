@@ -289,6 +289,14 @@ def lifecycle_params() -> dict[str, Any]:
                                description="The first stage that runs when from_run is set, e.g. "
                                            "finetune: data prep, the sweep and pretraining are "
                                            "from_run's.")
+    params["fork_step"] = Param(None, type=["null", "integer"],
+                                allOf=[{"minimum": 1, "maximum": 10_000_000}], section=WHERE,
+                                description="With from_run and start_at pretrain: fork that run's "
+                                            "pretraining at this step, one of its kept checkpoints "
+                                            "(weights, optimizer, RNG and data cursor restored "
+                                            "exactly). Only the learning rate schedule, "
+                                            "pretrain_steps and the guard may differ from it; "
+                                            "checked before any job. Empty = no fork.")
     params["priority"] = Param(None, type=["null", "integer"], allOf=[{"minimum": 0, "maximum": 9999}],
                                section=WHERE,
                                description="Scheduling priority, higher first: AWS Batch "

@@ -18,6 +18,7 @@ data_hash) names the earlier run's MLflow runs, which computed those outputs.
 from __future__ import annotations
 
 import logging
+import os
 import re
 from typing import Any
 
@@ -87,6 +88,10 @@ def check(params: dict[str, Any], config: dict[str, Any], dag_id: str) -> dict[s
     module doc): {run_id, parent_run_id, start_at, stages: {stage: record summary},
     sweep_best}. Raises FromRunError naming the Param and the fix."""
     ref, start_at = params.get("from_run"), params.get("start_at")
+    if params.get("fork_step") is not None and not (ref and start_at == "pretrain"):
+        raise FromRunError("Param 'fork_step' forks from_run's pretraining at that step: set "
+                           "from_run and start_at = pretrain with it, or leave it empty. Nothing "
+                           "was started.")
     if not ref and not start_at:
         return None
     if not ref or not start_at:
@@ -120,8 +125,32 @@ def check(params: dict[str, Any], config: dict[str, Any], dag_id: str) -> dict[s
                                "it. Start at sweep, or pick another run. Nothing was started.")
     log.info("from_run %s (MLflow %s): %s taken from it, checked; the run starts at %s",
              earlier_run_id, parent.info.run_id, ", ".join(taken), start_at)
+    fork = None if params.get("fork_step") is None else \
+        _fork_point(stage_record(parent, "pretrain"), int(params["fork_step"]), earlier_run_id)
     return {"run_id": earlier_run_id, "parent_run_id": parent.info.run_id, "start_at": start_at,
-            "stages": stages, "sweep_best": best}
+            "stages": stages, "sweep_best": best, "fork": fork}
+
+
+def _fork_point(record: dict[str, Any], step: int, earlier_run_id: str) -> dict[str, Any]:
+    """Where a fork of the earlier run's pretraining starts (tasks/train/fork.py): its
+    checkpoints directory, the step (one it kept), that checkpoint's manifest hash (the step
+    cache's input), its MLflow run and the config its job ran with."""
+    final = ((record.get("result") or {}).get("outputs") or {}).get("checkpoint") or ""
+    root = os.path.dirname(final)
+    kept = sorted(int(name[len("step_"):]) for name in (os.listdir(root) if os.path.isdir(root) else [])
+                  if re.fullmatch(r"step_\d{6,}", name))
+    if not kept:
+        raise FromRunError(f"Param 'fork_step': run {earlier_run_id}'s pretraining checkpoints "
+                           f"({root or 'none recorded'}) are not on a disk this worker reads (a "
+                           "fork from S3-only checkpoints is not supported yet). Nothing was started.")
+    if step not in kept:
+        raise FromRunError(f"Param 'fork_step': step {step} is not a kept checkpoint of run "
+                           f"{earlier_run_id}'s pretraining; it keeps steps "
+                           f"{', '.join(map(str, kept))}. Fork at one of them. Nothing was started.")
+    manifest = os.path.join(root, f"step_{step:06d}", "manifest.json")
+    return {"checkpoints": root, "step": step, "hash": step_cache.listing(manifest)[""],
+            "parent_run_id": record.get("mlflow_run_id", ""),
+            "config": (record.get("identity") or {}).get("config") or {}}
 
 
 def _same_config(config: dict[str, Any], earlier: dict[str, Any], taken: tuple[str, ...],
@@ -154,8 +183,9 @@ def tag_parent(parent_run_id: str, earlier: dict[str, Any] | None, conf: dict[st
     tracking.log_json(parent_run_id, conf or {}, RUN_CONF_ARTIFACT)
     c.set_tag(parent_run_id, "code_version", provenance.code_version())
     if earlier:
+        fork = {"fork_step": earlier["fork"]["step"]} if earlier.get("fork") else {}
         for key, value in {"from_run": earlier["run_id"], "from_parent_run_id": earlier["parent_run_id"],
-                           "start_at": earlier["start_at"]}.items():
+                           "start_at": earlier["start_at"], **fork}.items():
             c.set_tag(parent_run_id, key, value)
 
 

@@ -51,7 +51,8 @@ def parent_checkpoint(cfg: TrainConfig) -> Path:
         raise ForkError(f"max_steps ({cfg.max_steps}) must be past fork_step ({step}): the fork "
                         "trains from that step on.")
     was = read_json(path / "config.json")
-    refused = fork_refusals(was, to_dict(cfg))
+    refused = [f"{key} ({a!r} in the parent, {b!r} here)"
+               for key, (a, b) in fork_refusals(was, to_dict(cfg)).items()]
     if refused:
         raise ForkError(f"a fork may change only its learning rate and schedule, max_steps and "
                         f"the guard's settings; these differ from the parent's: "
