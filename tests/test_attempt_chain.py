@@ -134,6 +134,11 @@ def test_deferred_the_chain_goes_on_through_the_trigger_and_a_deferred_backoff(u
         op.execute_complete(context(store=store), {**first.value.trigger.context, "state": "stopped",
                                                    "handle": op._handle, "message": "stopped"})
     assert backend.submits == 2 and second.value.trigger.context["chain"]["attempts"] == 2
+    # Airflow opens the try's trigger log part anew at this second deferral, so what attempt 1's
+    # trigger showed is gone from the task log: its last lines are quoted in the worker's part.
+    quoted = [m for _, m in op.log.records if m.startswith("attempt 1 | ")]
+    assert quoted and len(quoted) <= job_op.LOG_TAIL_LINES
+    assert quoted[-1] == "attempt 1 | " + backend.all_lines[backend.visible - 1]
     # attempt 2 hits a capacity error: a 60 s backoff, deferred (no worker slot held)
     with pytest.raises(TaskDeferred) as backoff:
         op.execute_complete(context(store=store), {**second.value.trigger.context, "state": "failed",

@@ -17,7 +17,8 @@ Asserted, per row: at least one DAG run; no ERROR note (a row that broke); every
 claims (each task, or each run's task) has a record of its fault landing there (what and when:
 a worker signalled while alive, a job failed/stopped while running, a component hit while the
 task's job ran, injections into that service's calls...) and none was missed; every column zero,
-the user's mark-failed control included (its jobs stopped, none orphaned).
+the user's mark-failed control included (its jobs stopped, none orphaned); no failure cost more
+than one checkpoint interval of the job's progress (lost_progress_steps).
 """
 
 from __future__ import annotations
@@ -49,5 +50,8 @@ def test_every_fault_lands_and_leaves_no_duplicate_orphan_wrong_stop_lost_result
         if not row["fault_landed"]:
             problems.append(f"{row['fault']}: no record of its fault landing anywhere")
         problems += [f"{row['fault']}: {c}={row[c]}" for c in matrix.COLUMNS if row[c]]
+        if row["lost_progress_steps"] > matrix.LOST_PROGRESS_BOUND:
+            problems.append(f"{row['fault']}: a failure cost {row['lost_progress_steps']} steps, more "
+                            f"than one checkpoint interval ({matrix.LOST_PROGRESS_BOUND})")
     assert not problems, (f"{len(problems)} problems (details in {out}):\n" + "\n".join(problems)
                           + "\n\n" + matrix.table(result))

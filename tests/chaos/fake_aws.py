@@ -21,7 +21,8 @@ What is simulated here, because moto does not do it:
   `origin` ("clients", the default; "jobs"; "*") says whose calls it touches (see below);
   `jobs` (globs) narrows a rule to calls about jobs whose name or a tag `key=value` matches
   (`"llmops:stage=pretrain"`): the job a Describe/Stop/Terminate names, the jobs a Batch
-  DescribeJobs lists, the job whose log stream GetLogEvents reads; a call about no known job
+  DescribeJobs lists, the job whose log stream GetLogEvents reads, the job a
+  CreateTrainingJob/SubmitJob makes (by the tags in its request); a call about no known job
   (S3, a ListJobs without a name) never fires such a rule, so a row can throttle its own jobs
   while others run beside it. Resets are not logged as errors (no traceback per reset).
   Error bodies are in each service's protocol (JSON: SageMaker, Logs; REST-JSON: Batch; REST-XML:
@@ -497,10 +498,11 @@ class Simulator:
                 if job.name in refs or job.job_id in refs or any(
                         s == t or (len(s) > 8 and t.startswith(s)) for s in streams for t in job.streams):
                     out.add(job.name)
-                    tags = job.request.get("Tags") or job.request.get("tags") or {}
-                    if isinstance(tags, list):
-                        tags = {t.get("Key"): t.get("Value") for t in tags if isinstance(t, dict)}
-                    out.update(f"{k}={v}" for k, v in tags.items())
+                    out.update(_tag_pairs(job.request))
+        if call.operation in ("CreateTrainingJob", "SubmitJob"):
+            # A create is about the job it makes, which is not known yet: its own tags say whose
+            # it is (so that a row can lose the answers to its own creates only).
+            out.update(_tag_pairs(request))
         return out | {r for r in refs if r}
 
     def shutdown(self) -> None:
@@ -994,6 +996,14 @@ class Simulator:
                 }.get(why) or ("SUCCEEDED" if job.exit_code == 0 else "FAILED",
                                "Essential container in task exited")
         log.info("%s job %s ended: %s %s", job.service, job.name, job.status, job.reason)
+
+
+def _tag_pairs(request: dict[str, Any]) -> set[str]:
+    """`key=value` for each tag of a create request (SageMaker's list of Key/Value, Batch's map)."""
+    tags = request.get("Tags") or request.get("tags") or {}
+    if isinstance(tags, list):
+        tags = {t.get("Key"): t.get("Value") for t in tags if isinstance(t, dict)}
+    return {f"{k}={v}" for k, v in tags.items()} if isinstance(tags, dict) else set()
 
 
 def _kill_group(proc: subprocess.Popen, grace: float) -> None:

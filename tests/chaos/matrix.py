@@ -75,7 +75,13 @@ MEASURE   after every row has ended and a settle time, from the simulator's repo
                         `chaos-line <n> run=<token>` (token drawn per container start), each such
                         line beyond its first showing counts once; on the lifecycle the training
                         loop's `step <n>/<N>` lines are counted the same way. Error records (the
-                        operator's failure message quotes the log's tail) are not counted.
+                        operator's failure message quotes the log's tail) and an ended attempt's
+                        last lines quoted before the next (`attempt <n> | ...`) are not counted.
+  lost_progress_steps   not a count that must be zero but the worst progress one failure cost
+                        in the row: the numbered job checkpoints its line every 5 lines where a
+                        new attempt on a fresh node finds it (S3), and a new run of the task's
+                        job resumes after the newest; the lines it prints again are the loss.
+                        At most LOST_PROGRESS_BOUND (one checkpoint interval).
 
 The table is printed (`landed`: halves landed / claimed); the full run (every row, 30 s jobs,
 PostgreSQL) is written to benchmarks/results/fault_matrix.json, a subset only where `--out` says:
@@ -135,6 +141,10 @@ DESCRIBE_AND_LOGS = ["DescribeTrainingJob", "DescribeJobs", "ListJobs", "ListTra
 RUNNING = {"InProgress", "Stopping", "SUBMITTED", "PENDING", "RUNNABLE", "STARTING", "RUNNING"}
 SUCCEEDED = {"Completed", "SUCCEEDED"}
 LINE = re.compile(r"chaos-line (\d+) run=([0-9a-f]{8})")
+QUOTED_TAIL = re.compile(r"attempt \d+ \| ")   # an ended attempt's last lines, quoted (JobOperator._quote_tail)
+# The chaos jobs checkpoint their line every 5 lines (tests/chaos/numbered_job.py's
+# checkpoint_every): a failure may cost the lines since the newest checkpoint, never more.
+LOST_PROGRESS_BOUND = 5
 STEP = re.compile(r"step \d+/\d+\b.*")
 BASE = re.compile(r"-r\d+$")
 
@@ -376,6 +386,27 @@ class Matrix:
                 self.labels[key] = label
         return label
 
+    def job_lines(self, job: dict[str, Any]) -> list[int]:
+        """The numbers of the `chaos-line`s a job printed, from its CloudWatch streams in moto
+        (every line, whatever the task log kept: Airflow opens a try's trigger log part anew
+        for each deferral, so a chain's earlier attempts are not all in it)."""
+        group = "/aws/sagemaker/TrainingJobs" if job["service"] == "sagemaker" else "/aws/batch/job"
+        numbers: list[int] = []
+        for stream in job.get("streams") or []:
+            token = None
+            while True:
+                kwargs = {"nextToken": token} if token else {}
+                try:
+                    page = self.logs.get_log_events(logGroupName=group, logStreamName=stream,
+                                                    startFromHead=True, **kwargs)
+                except Exception:
+                    break
+                numbers += [int(n) for e in page["events"] for n, _ in LINE.findall(e["message"])]
+                if not page["events"] or page.get("nextForwardToken") == token:
+                    break
+                token = page.get("nextForwardToken")
+        return numbers
+
     def jobs_of(self, run: Run, task_id: str, report: dict[str, Any] | None = None) -> list[dict[str, Any]]:
         """The task instance's jobs: those that printed its label, those whose name base is one
         of theirs (an attempt stopped before it printed anything) or one its log mentions."""
@@ -430,6 +461,7 @@ class Matrix:
     def measure(self, row: Row, report: dict[str, Any]) -> dict[str, Any]:
         assert self.dep is not None
         counts = {c: 0 for c in COLUMNS}
+        lost_progress = 0
         details: list[str] = []
         for run in row.runs:
             details.append(f"{run.dag_id} run {run.run_id}: {self.dep.run(run.dag_id, run.run_id)['state']}")
@@ -445,6 +477,19 @@ class Matrix:
                 jobs = sorted(self.jobs_of(run, task_id, report), key=lambda j: j["created_at"])
                 ti = self.dep.task_instance(run.dag_id, run.run_id, task_id)
                 label = f"{run.dag_id}/{task_id}"
+                # A Batch SubmitJob carries no idempotency token: a resend after a lost answer
+                # makes a second job, and the backend finds it by its token and cancels it. One
+                # cancelled before it started never ran (no instance, no progress): it is no
+                # second live job, and its cancel is no wrong stop; the notes say when it went.
+                # (Only a copy: the same name as a job of the task that did run.)
+                ran = [j for j in jobs if not _cancelled_before_start(j)]
+                extras = [j for j in jobs if _cancelled_before_start(j)
+                          and any(o["name"] == j["name"] for o in ran)]
+                for job in extras:
+                    stop = min(s["at"] for s in job["stop_requests"])
+                    details.append(f"{label}: {job['name']} ({job['job_id'][:8]}) cancelled "
+                                   f"{stop - job['created_at']:.1f}s after its creation, before it started")
+                jobs = [j for j in jobs if j not in extras]
                 # live jobs at once (a stop request counts as the job's end: that is the
                 # duplicate's removal the operator asked for)
                 most = _most_at_once(jobs)
@@ -509,7 +554,8 @@ class Matrix:
                 seen: dict[str, int] = {}
                 for event in events_by_task[task_id]:
                     text = event["event"]
-                    if " | " in text and ("Task failed" in text or "Traceback" in text):
+                    if " | " in text and ("Task failed" in text or "Traceback" in text
+                                          or QUOTED_TAIL.match(text)):
                         continue
                     matches = LINE.findall(text)
                     if len(matches) == 1:
@@ -523,6 +569,12 @@ class Matrix:
                 if extra:
                     counts["duplicated_log_lines"] += extra
                     details.append(f"{label}: {extra} job log line(s) shown more than once")
+                # progress lost: lines a later run of the job printed again
+                lost, restarts = _lost_progress([self.job_lines(j) for j in jobs])
+                if restarts:
+                    details.append(f"{label}: its job ran {restarts + 1} times; the most lines one "
+                                   f"failure cost: {lost}")
+                lost_progress = max(lost_progress, lost)
                 row_jobs = ", ".join(f"{j['name'].split('-', 1)[0]}{'-' + j['name'].rsplit('-', 1)[1] if BASE.search(j['name']) else ''}"
                                      f":{j['status']}" for j in jobs)
                 details.append(f"{label}: task {ti.get('state')} after {ti.get('try_number')} tries; jobs [{row_jobs}]")
@@ -538,7 +590,8 @@ class Matrix:
         landed = {entry["half"] for entry in row.landed}
         missed = row.missed + [f"{h}: the fault never landed" for h in row.claims
                                if h not in landed and not any(m.startswith(f"{h}: ") for m in row.missed)]
-        return {"fault": row.fault, "runs": len(row.runs), **counts, "seconds": round(row.seconds, 1),
+        return {"fault": row.fault, "runs": len(row.runs), **counts,
+                "lost_progress_steps": lost_progress, "seconds": round(row.seconds, 1),
                 "fault_landed": row.landed, "fault_missed": missed,
                 "notes": row.notes + crashes + details + ([f"ERROR: {row.error}"] if row.error else [])}
 
@@ -557,6 +610,24 @@ class Matrix:
                 continue
             return True
         return False
+
+
+def _lost_progress(runs: list[list[int]]) -> tuple[int, int]:
+    """(the most lines a later run of a task's job printed again, how many later runs there
+    were), from each run's numbered lines in creation order: each run resumes after its newest
+    checkpoint, so what it prints again is what the failure before it cost."""
+    runs = [lines for lines in runs if lines]
+    worst, reached = 0, -1
+    for lines in runs:
+        worst = max(worst, reached - min(lines) + 1)
+        reached = max(reached, max(lines))
+    return worst, max(0, len(runs) - 1)
+
+
+def _cancelled_before_start(job: dict[str, Any]) -> bool:
+    """A stop was asked for before the job's container started (or it never started)."""
+    stops = [s["at"] for s in job.get("stop_requests") or []]
+    return bool(stops) and (not job.get("started_at") or min(stops) <= job["started_at"])
 
 
 def _most_at_once(jobs: list[dict[str, Any]]) -> int:
@@ -778,9 +849,15 @@ def row_same_conf_twice(m: Matrix, row: Row) -> None:
             row.miss(task_id, f"a run submitted no job ({[len(j) for j in jobs]} jobs)")
 
 
-def row_service(action: str) -> Callable[[Matrix, Row], None]:
-    """The first attempt of each task's job fails (its container crashes) or is stopped from
-    the console, on the service side; the task's retry must start `-r2` and succeed."""
+SERVICE_ACTIONS = {"fail": "fail", "stop": "stop", "host": "lose_host"}   # action -> ChaosClient method
+
+
+def row_service(action: str, after: float = 5.0) -> Callable[[Matrix, Row], None]:
+    """The first attempt of each task's job, `after` s into its run, fails (its container
+    crashes), is stopped from the console, or loses its node's host (and the node's disk with
+    it), on the service side. A crash or a stop fails the try, and the task's retry must start
+    `-r2`; a lost host is the service's fault, and the operator's next attempt goes on at once.
+    Either way the new job resumes from the newest checkpoint on S3 (lost_progress_steps)."""
     def body(m: Matrix, row: Row) -> None:
         assert m.dep is not None
         run = m.trigger(row, SMALL_DAG, m.conf())
@@ -788,7 +865,7 @@ def row_service(action: str) -> Callable[[Matrix, Row], None]:
 
         def hit(task_id: str) -> None:
             started = time.monotonic()
-            job = m.wait_running(run, task_id, after=5)
+            job = m.wait_running(run, task_id, after=after)
             waited = time.monotonic() - started
             if job is None:
                 row.miss(task_id, f"no running job to {action} in {waited:.0f}s")
@@ -796,7 +873,7 @@ def row_service(action: str) -> Callable[[Matrix, Row], None]:
             target = job["job_id"] if job["service"] == "batch" else job["name"]
             if action == "stop":
                 row.service_stopped.add(job["name"])
-            (m.chaos.fail if action == "fail" else m.chaos.stop)(target)
+            getattr(m.chaos, SERVICE_ACTIONS[action])(target)
             row.land(task_id, f"{action} {job['name']} on the service side", waited)
 
         _each_task(hit)
@@ -854,6 +931,11 @@ def row_mark_failed(m: Matrix, row: Row) -> None:
 THROTTLE = [{"operations": ["DescribeTrainingJob"], "kind": "throttle", "count": 2},
             {"operations": ["DescribeJobs"], "kind": "throttle", "count": 2},
             {"operations": DESCRIBE_AND_LOGS, "kind": "throttle", "rate": 0.5, "seconds": 900}]
+# The answers to the row's own creates lost after the service acted on them (a read timeout on
+# AWS): botocore sends the same request again, and the job it made first must be the only one.
+# Twice per service: both runs' first creates, or one create and its resend.
+LOST_CREATES = [{"operations": ["CreateTrainingJob"], "kind": "lost", "count": 2},
+                {"operations": ["SubmitJob"], "kind": "lost", "count": 2}]
 SERVICES = ["sagemaker", "batch", "logs", "s3"]
 # 150 s from the row's start: long enough to cover both halves' submits and first polls even on
 # a loaded machine (with 60 s, at load 27 the SageMaker half made its first call after the window)
@@ -867,6 +949,8 @@ RESETS = [{"operations": ["*"], "services": SERVICES, "kind": "reset", "rate": 0
 ROWS: list[tuple[str, Callable[[Matrix, Row], None], str]] = [
     ("throttle storm 50% describe+logs", row_faults(THROTTLE, own_jobs=True), "scoped"),
     ("throttle storm, full lifecycle (pretrain SageMaker, finetune Batch)", row_lifecycle_throttle, "scoped"),
+    ("answers to CreateTrainingJob / SubmitJob lost after the job was made",
+     row_faults(LOST_CREATES, own_jobs=True), "scoped"),
     ("5xx burst 30% for 150s", row_faults(FIVE_XX), "global"),
     ("connection resets 20% for 150s", row_faults(RESETS), "global"),
     ("triggerer SIGKILLed mid-deferral, restarted", row_component("triggerer", "kill"), "global"),
@@ -880,6 +964,7 @@ ROWS: list[tuple[str, Callable[[Matrix, Row], None], str]] = [
     ("same conf triggered twice", row_same_conf_twice, "scoped"),
     ("job fails on the service side", row_service("fail"), "scoped"),
     ("job stopped on the service side", row_service("stop"), "scoped"),
+    ("node's host lost mid-job (next attempt on a fresh disk, from S3)", row_service("host", after=20), "scoped"),
     ("task marked failed by the user (control)", row_mark_failed, "scoped"),
 ]
 
@@ -996,8 +1081,9 @@ def _git_commit() -> str:
 
 def table(result: dict[str, Any]) -> str:
     header = ["fault", "runs", *COLUMNS, "seconds"]
+    header.insert(-1, "lost_progress_steps")
     short = {"duplicate_jobs": "dup_jobs", "live_jobs_max": "live>1", "orphaned_jobs": "orphans", "wrongly_stopped_jobs": "wrong_stops",
-             "lost_results": "lost", "duplicated_log_lines": "dup_lines"}
+             "lost_results": "lost", "duplicated_log_lines": "dup_lines", "lost_progress_steps": "lost_steps"}
     width = max(len(r["fault"]) for r in result["rows"]) if result["rows"] else 10
     lines = [f"{'fault':<{width}}  " + "  ".join(f"{short.get(h, h):>9}" for h in header[1:]) + "     landed"]
     for r in result["rows"]:

@@ -6,7 +6,8 @@ lands while the job runs.
 - `chaos_remote`: both deferred (the triggerer waits, as on MWAA with deferrable operators);
 - `chaos_remote_worker`: both waited for in the worker (the task holds a worker slot throughout).
 
-Params: `seconds` (job length), `exit_code` (non-zero: the job fails with it). Retries 2, 5 s
+Params: `seconds` (job length), `exit_code` (non-zero: the job fails with it). The job
+checkpoints its line every 5 lines in the run's storage and a new attempt resumes from there. Retries 2, 5 s
 apart: a row's fault (a killed worker, a job failed on the service side) takes one, and a try
 that dies before it runs (its start call to the execution API timing out on busy cores, seen on
 PostgreSQL at load 17) must not leave the fault's try without its retry.
@@ -22,8 +23,11 @@ from llmops.operators.job import JobOperator
 PARAMS = {"seconds": Param(40, type="number", minimum=0),
           "exit_code": Param(0, type="integer", minimum=0, maximum=255)}
 # The label tells the matrix which task instance submitted a job (tests/chaos/numbered_job.py).
+# output_dir and checkpoint_uri empty: the backend puts them in the run's storage (staging), where
+# every attempt of the task's job, on whatever node, finds the checkpoints.
 CONFIG = {"seconds": "{{ params.seconds }}", "exit_code": "{{ params.exit_code }}",
-          "label": "{{ dag.dag_id }}/{{ run_id }}/{{ ti.task_id }}"}
+          "label": "{{ dag.dag_id }}/{{ run_id }}/{{ ti.task_id }}",
+          "output_dir": "", "checkpoint_uri": ""}
 ENTRYPOINT = "tests.chaos.numbered_job"
 TASKS = [("pretrain", "sagemaker", "ml.g5.2xlarge"), ("finetune", "batch", "p4d.24xlarge")]
 

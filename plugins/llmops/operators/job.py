@@ -664,6 +664,19 @@ class JobOperator(BaseOperator):
             f"{stage} job {name} {status.state.value}: {status.message}.\n"
             f"Last lines of its log:\n" + "\n".join(env_secrets.redact_lines(tail)))
 
+    def _quote_tail(self, who: str) -> None:
+        """The ended job's last lines in this log part, each as `<who> | <line>`."""
+        try:
+            tail = get_backend(self._handle["backend"]).log_tail(self._handle, LOG_TAIL_LINES)
+        except Exception as exc:  # noqa: BLE001 - a log read must not stop the chain
+            self.log.warning("Could not read the last lines of %s's log: %s: %s", who,
+                             type(exc).__name__, exc)
+            return
+        self.log.info("The last %d lines of %s's log (its whole log stays in the service's "
+                      "logs):", len(tail), who)
+        for line in env_secrets.redact_lines(tail):
+            self.log.info("%s | %s", who, line)
+
 
     # -- the chain of attempts (llmops.jobs.continuation) -----------------------------------
     def _chain_exhausted(self) -> str:
@@ -684,6 +697,12 @@ class JobOperator(BaseOperator):
         chain = self._chain
         if why == "capacity":
             chain["capacity_waits"] = int(chain.get("capacity_waits", 0)) + 1
+        backend_name = (self._handle or {}).get("backend", "")
+        if self._defers_backend(backend_name):
+            # Airflow opens a try's trigger log part anew for each deferral (the triggerer's
+            # TriggerLoggingFactory writes with mode "wb"), so the lines this attempt's trigger
+            # showed give way to the next attempt's: keep its last lines here, quoted.
+            self._quote_tail(f"attempt {chain['attempts']}")
         delay = continuation.backoff_seconds(why, int(chain.get("capacity_waits", 0)))
         self.log.warning("Attempt %d (%s) ended: %s (%s). Attempt %d goes on from the newest "
                          "checkpoint%s.", chain["attempts"], (self._handle or {}).get("job_name"),
