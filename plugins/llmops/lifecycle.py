@@ -391,11 +391,9 @@ def check_fork(config: dict[str, Any], earlier: dict[str, Any] | None) -> None:
     fork = (earlier or {}).get("fork")
     if not fork:
         return
-    knob_of = {path: name for name, path in lifecycle_params.KNOBS.items()}
-    refused = [f"pretrain.{key} ({'Param ' + repr(knob_of['pretrain.' + key]) + ', ' if 'pretrain.' + key in knob_of else ''}"
-               f"{was!r} there, {now!r} here)"
-               for key, (was, now) in configs.fork_refusals(
-                   fork["config"], pretrain_config(config, earlier.get("sweep_best") or {})).items()]
+    ours = pretrain_config(config, earlier.get("sweep_best") or {})
+    refused = [reuse.changed_setting(f"pretrain.{key}", was, now)
+               for key, (was, now) in configs.fork_refusals(fork["config"], ours).items()]
     if refused:
         raise reuse.FromRunError(
             f"Param 'fork_step': a fork of run {earlier['run_id']}'s pretraining may change only "

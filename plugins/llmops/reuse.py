@@ -137,8 +137,8 @@ def _fork_point(record: dict[str, Any], step: int, earlier_run_id: str) -> dict[
     cache's input), its MLflow run and the config its job ran with."""
     final = ((record.get("result") or {}).get("outputs") or {}).get("checkpoint") or ""
     root = os.path.dirname(final)
-    kept = sorted(int(name[len("step_"):]) for name in (os.listdir(root) if os.path.isdir(root) else [])
-                  if re.fullmatch(r"step_\d{6,}", name))
+    names = os.listdir(root) if os.path.isdir(root) else []
+    kept = sorted(int(n[len("step_"):]) for n in names if re.fullmatch(r"step_\d{6,}", n))
     if not kept:
         raise FromRunError(f"Param 'fork_step': run {earlier_run_id}'s pretraining checkpoints "
                            f"({root or 'none recorded'}) are not on a disk this worker reads (a "
@@ -157,16 +157,13 @@ def _same_config(config: dict[str, Any], earlier: dict[str, Any], taken: tuple[s
                  earlier_run_id: str, start_at: str, earlier_conf: dict | None) -> None:
     """Refuse a run whose config of a stage it takes differs from the earlier run's: the knob
     would be silently ignored."""
-    knob_of = {path: name for name, path in KNOBS.items()}
     changed = []
     for stage in taken:
         section = SECTION[stage]
         now = flatten(config.get(section) or {}, f"{section}.")
         was = flatten(earlier.get(section) or {}, f"{section}.")
-        for path in sorted(set(now) | set(was)):
-            if now.get(path) != was.get(path):
-                changed.append(f"{path} ({'Param ' + repr(knob_of[path]) + ', ' if path in knob_of else ''}"
-                               f"{was.get(path)!r} there, {now.get(path)!r} here)")
+        changed += [changed_setting(path, was.get(path), now.get(path))
+                    for path in sorted(set(now) | set(was)) if now.get(path) != was.get(path)]
     if changed:
         hint = f" Its conf was {earlier_conf}." if earlier_conf is not None else ""
         raise FromRunError(
@@ -174,6 +171,13 @@ def _same_config(config: dict[str, Any], earlier: dict[str, Any], taken: tuple[s
             f"config of them differs: {'; '.join(changed[:6])}{' ...' if len(changed) > 6 else ''}. "
             f"Trigger with the same recipe and knobs for those stages, or start earlier.{hint} "
             "Nothing was started.")
+
+
+def changed_setting(path: str, was: Any, now: Any) -> str:
+    """'pretrain.max_steps (Param 'pretrain_steps', 20 there, 30 here)': a lifecycle config
+    path that differs from the earlier run's, with the Param that sets it, if one does."""
+    knob = next((name for name, p in KNOBS.items() if p == path), None)
+    return f"{path} ({f'Param {knob!r}, ' if knob else ''}{was!r} there, {now!r} here)"
 
 
 def tag_parent(parent_run_id: str, earlier: dict[str, Any] | None, conf: dict[str, Any] | None) -> None:
