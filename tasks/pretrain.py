@@ -8,6 +8,10 @@ from the newest valid checkpoint up to max_restarts times, and only then fails t
 command runs on every backend. --faults (or $LLMOPS_FAULTS) injects failures for testing
 (tasks/train/faults.py).
 
+A marker output_dir/checkpoints/PAUSE (or <checkpoint_uri>/PAUSE) pauses it (tasks/train/pause.py):
+it checkpoints the step, logs "paused at step N", writes a result with paused: true and
+paused_at_step (no model is published) and exits with PAUSED_EXIT (75) from the job's rank 0.
+
 Writes output_dir/checkpoints/step_*/ while training (mirrored to checkpoint_uri when set),
 output_dir/resilience/ (events, step times, skipped batches, goodput) and output_dir/model/ at
 the end, logged to the stage's MLflow run as a model with the goodput report beside it.
@@ -31,7 +35,7 @@ from tasks.configs import ModelConfig, TrainConfig, to_dict
 from tasks.train import telemetry as tm
 from tasks.train.faults import ENV as FAULTS_ENV
 from tasks.train.faults import FaultSpecError, parse_faults
-from tasks.train.supervisor import FATAL_EXIT, Supervisor, WorkerEnv
+from tasks.train.supervisor import FATAL_EXIT, PAUSED_EXIT, Supervisor, WorkerEnv
 
 log = logging.getLogger("tasks.pretrain")
 FORK_FILE = "fork.json"   # the fork's lineage (tasks/train/fork.py), for the worker's MLflow run
@@ -165,6 +169,9 @@ def _train(cfg: TrainConfig, setup: _Setup, env: WorkerEnv, *, stage: str, publi
     faults = FaultInjector.from_env(rank, events)
     health = JobHealth(health_settings(cfg), state_file=run_dir / "health.json",
                        faults=faults if faults else None)
+    from tasks.train.pause import PauseWatch, marker_path
+
+    pause = PauseWatch(marker_path(cfg.output_dir), mirror)  # read by rank 0 only (the loop)
     options = LoopOptions(
         dist=dist, async_checkpoint=cfg.async_checkpoint, checkpoint_mirror=mirror,
         spike_sigma=cfg.spike_sigma, spike_window=cfg.spike_window,
@@ -178,7 +185,8 @@ def _train(cfg: TrainConfig, setup: _Setup, env: WorkerEnv, *, stage: str, publi
                                             data.seq_len, position_params(model)),
         peak_flops=setup.peak_flops, compile=cfg.compile, accumulation=setup.accumulation,
         global_batch=cfg.batch_size * world * setup.accumulation,
-        init_weights=lambda: _initial_weights(cfg), keep_every=cfg.keep_every, health=health)
+        init_weights=lambda: _initial_weights(cfg), keep_every=cfg.keep_every, health=health,
+        pause=pause)
     val_rows = setup.val_rows
 
     tracked = stage_run(stage, cfg) if rank == 0 else contextlib.nullcontext(None)
@@ -205,9 +213,13 @@ def _train(cfg: TrainConfig, setup: _Setup, env: WorkerEnv, *, stage: str, publi
             loss_fn=cross_entropy, on_eval=on_eval, options=options, tracking=run is not None,
             evaluate=lambda m: {"val_loss": shard_loss(m, val_rows, cfg.batch_size,
                                                        cfg.eval_batches, device)})
+        paused = result.paused_at is not None
         if rank != 0:
             return {"metrics": {"step": result.step}, "outputs": {"checkpoint": result.checkpoint},
-                    "rank": rank}
+                    "rank": rank, **({"paused": True, "paused_at_step": result.paused_at}
+                                     if paused else {})}
+        if paused:
+            return _paused_result(run_dir, result, run, cfg)
 
         report = _report(run_dir, result)
         named = health.report()
@@ -236,6 +248,32 @@ def _train(cfg: TrainConfig, setup: _Setup, env: WorkerEnv, *, stage: str, publi
             out["outputs"]["model_dir"] = str(model_dir)
             out.update(published(model_dir, model_uri))
         return out
+
+
+def _paused_result(run_dir: Path, result: Any, run: Any, cfg: TrainConfig) -> dict[str, Any]:
+    """The result of a job that paused on request: its step and checkpoint, no model (it has
+    not finished), and how to resume (a fork of its checkpoints at that step)."""
+    import mlflow
+
+    mlflow.set_tags({"paused_at_step": str(result.paused_at)})
+    report = _report(run_dir, result)
+    checkpoints = str(Path(cfg.output_dir) / "checkpoints")
+    out: dict[str, Any] = {
+        "paused": True, "paused_at_step": result.paused_at,
+        "pause_request": result.pause_request,
+        "metrics": {"step": result.step, "paused_at_step": result.paused_at,
+                    "train_loss": result.train_loss, "tokens_per_s": result.tokens_per_s,
+                    "goodput": report["goodput"], "rollbacks": result.rollbacks},
+        "outputs": {"checkpoint": result.checkpoint, "paused_at_step": result.paused_at,
+                    "checkpoints": checkpoints,
+                    **({"checkpoint_uri": cfg.checkpoint_uri} if cfg.checkpoint_uri else {})},
+        "resume": {"fork_from": checkpoints, "fork_step": result.paused_at},
+        "resumed_from": result.resumed_from,
+        "mlflow_run_id": run.info.run_id,
+    }
+    if (run_dir / FORK_FILE).exists():
+        out["fork"] = read_json(run_dir / FORK_FILE)
+    return out
 
 
 def _from_checkpoint(cfg: TrainConfig, path: str) -> Any:
@@ -370,6 +408,16 @@ def _supervise(cfg: TrainConfig, env: WorkerEnv) -> dict[str, Any] | None:
         worker_cmd=[sys.executable, "-m", "tasks.pretrain", "--config", str(config_path),
                     "--result", str(result_path)])
     code = supervisor.run()
+    if code == PAUSED_EXIT:
+        # Only rank 0 exits PAUSED_EXIT (in __main__, after its result is written): under torchrun
+        # a rank that exits non-zero gets every other process stopped, rank 0's result unwritten.
+        if env.rank != 0:
+            return None
+        result = read_json(result_path)
+        result.setdefault("metrics", {})["restarts"] = supervisor.restarts
+        log.info("pretraining paused at step %d on request; its result says so, and it exits "
+                 "with %d", result["paused_at_step"], PAUSED_EXIT)
+        return result
     if code != 0:
         log.error("pretraining failed with exit code %d after %d restarts; the events above say "
                   "why. The task fails; its retry resumes from the newest valid checkpoint.",
@@ -398,8 +446,8 @@ if __name__ == "__main__":
         os.environ[FAULTS_ENV] = known.faults  # workers inherit it
     worker = WorkerEnv.from_env().role is not None
     try:
-        run_stage("pretrain", TrainConfig, main, argv=rest)
-        code = 0
+        outcome = run_stage("pretrain", TrainConfig, main, argv=rest)
+        code = PAUSED_EXIT if outcome and outcome.get("paused") else 0
     except Exception:
         if not worker:
             raise
@@ -417,3 +465,5 @@ if __name__ == "__main__":
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+    if code:
+        sys.exit(code)

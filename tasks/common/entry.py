@@ -24,10 +24,10 @@ log = logging.getLogger("tasks")
 
 
 def run_stage(stage: str, config_cls: type[C], main: Callable[[C], dict[str, Any] | None],
-              argv: list[str] | None = None) -> None:
-    """Parse, validate, run `main`, write its result. `main` returns None in a process whose
-    job's result another process writes (a distributed job's ranks other than 0: the file may sit
-    on another node's disk, so nobody waits for it)."""
+              argv: list[str] | None = None) -> dict[str, Any] | None:
+    """Parse, validate, run `main`, write its result, and return it. `main` returns None in a
+    process whose job's result another process writes (a distributed job's ranks other than 0:
+    the file may sit on another node's disk, so nobody waits for it)."""
     parser = argparse.ArgumentParser(prog=f"python -m tasks.{stage}")
     parser.add_argument("--config", required=True, help="Stage config JSON file.")
     parser.add_argument("--result", required=True, help="Where to write the result JSON.")
@@ -54,8 +54,9 @@ def run_stage(stage: str, config_cls: type[C], main: Callable[[C], dict[str, Any
     result = main(config)
     if result is None:
         log.info("%s finished in %.1fs; rank 0 writes the job's result", stage, time.time() - started)
-        return
+        return None
     result.setdefault("stage", stage)
     result.setdefault("seconds", round(time.time() - started, 3))
     write_json(args.result, result)
     log.info("%s finished in %.1fs; result written to %s", stage, time.time() - started, args.result)
+    return result

@@ -106,6 +106,9 @@ class LoopOptions:
     init_weights: Callable[[], dict[str, torch.Tensor]] | None = None
     keep_every: int = 0  # also keep every checkpoint of a multiple of this step (retention.py)
     health: Any = None  # a tasks.train.health.JobHealth: burn-in, stragglers, replica checksums
+    # a tasks.train.pause.PauseWatch on every rank (rank 0 alone reads the marker): a pause
+    # request stops every rank after the same step, with that step's checkpoint committed
+    pause: Any = None
 
 
 @dataclass
@@ -121,6 +124,8 @@ class LoopResult:
     rollbacks: int = 0  # the job's, across worker restarts (skipped_batches.json)
     rejoins: int = 0
     trained_at: float = 0.0  # wall time when the final checkpoint was committed (the end of training)
+    paused_at: int | None = None  # the step the job paused after, on request (its checkpoint)
+    pause_request: dict[str, Any] | None = None  # the marker's content (tasks/train/pause.py)
 
 
 def build_optimizer(model: nn.Module, optim: OptimConfig, device: torch.device) -> torch.optim.AdamW:
@@ -208,6 +213,9 @@ class _Trainer:
         self._reader: ThreadPoolExecutor | None = None  # reads the next batch (_prefetch)
         self._pending: tuple[int, Future] | None = None
         self.health = options.health
+        self.pause = options.pause
+        self.paused_at: int | None = None
+        self.pause_request: dict[str, Any] | None = None
         self._t_sync = 0.0  # when this rank's step first waits on the others (_forward_backward)
         if self.health is not None:
             self.health.attach(emit=self._event, log_metrics=self._log_metrics)
@@ -234,6 +242,8 @@ class _Trainer:
                                           f"{self.opts.max_rejoins} rejoins: {exc}") from exc
             self._finish()
         finally:
+            if self.pause is not None:
+                self.pause.stop()
             self._drop_pending()
             if self._reader is not None:
                 self._reader.shutdown(wait=True)
@@ -253,15 +263,17 @@ class _Trainer:
         if self.tracking:
             _log_loss_curve(self.history)
         final = self.checkpointer.last or (Path(self.resumed_from) if self.resumed_from else None)
+        end = self.paused_at if self.paused_at is not None else max(self.step, self.cfg.max_steps)
         if self.rank != 0:  # rank 0 wrote it; report the same path
-            final = self.ckpt_root / f"step_{max(self.step, self.cfg.max_steps):06d}"
+            final = self.ckpt_root / f"step_{end:06d}"
         assert final is not None  # the last step always saves, or we resumed from one
-        return LoopResult(step=max(self.step, self.cfg.max_steps), train_loss=self.train_loss,
+        return LoopResult(step=end, train_loss=self.train_loss,
                           val=self.val, tokens_per_s=self.total_tokens / self.total_time
                           if self.total_time else 0.0, checkpoint=str(final),
                           resumed_from=self.resumed_from, history=self.history,
                           skipped_batches=sorted(self.skipped), rollbacks=self.guard.rollbacks,
-                          rejoins=self.rejoins, trained_at=self.trained_at or time.time())
+                          rejoins=self.rejoins, trained_at=self.trained_at or time.time(),
+                          paused_at=self.paused_at, pause_request=self.pause_request)
 
     def _connect(self) -> None:
         """Join a process group (several processes), wrap the model, build the optimizer."""
@@ -444,6 +456,8 @@ class _Trainer:
         lr = 0.0
         self.progress = tm.Progress(cfg.max_steps, self.step)
         self.model.train()
+        if self.pause is not None and self.rank == 0:
+            self.pause.start()  # a marker already there is seen before the first step
         while self.step < cfg.max_steps:
             step = self.step
             done = step + 1  # optimizer steps completed; checkpoints and metrics are indexed by it
@@ -472,10 +486,14 @@ class _Trainer:
                 grad_norm = grad_norm.full_tensor()
             # The guard reads both numbers every step (the one host sync per step). With several
             # ranks the loss is averaged so that every rank takes the same decision.
-            stats = torch.stack([loss.detach().float(), grad_norm.detach().float()])
+            parts = [loss.detach().float(), grad_norm.detach().float()]
+            if self.pause is not None:  # rank 0's answer, agreed by every rank in the same reduce
+                wanted = self.rank == 0 and self.pause.wanted(done)
+                parts.append(torch.tensor(1.0 if wanted else 0.0, device=parts[0].device))
+            stats = torch.stack(parts)
             if self.dist is not None:
                 self.dist.all_reduce_mean(stats)
-            loss_value, norm_value = stats.tolist()
+            loss_value, norm_value, *pause_flag = stats.tolist()
             anomaly = self.guard.check(done, loss_value, norm_value)
             if anomaly is not None:
                 self.optimizer.zero_grad(set_to_none=True)
@@ -556,6 +574,27 @@ class _Trainer:
                 t_save = time.perf_counter()
                 self._save()
                 paused += time.perf_counter() - t_save
+
+            if pause_flag and pause_flag[0] > 0 and self.step == done < cfg.max_steps:
+                self._pause(done, saved=done % cfg.checkpoint_interval == 0)
+                return
+
+    def _pause(self, done: int, *, saved: bool) -> None:
+        """Every rank, after the same step (the reduce above): checkpoint this step where it was
+        not just saved, at the point of the loop a periodic save is taken (a resume from it is
+        exact), and wait for it to be committed (written and, with a mirror, uploaded)."""
+        if not saved:
+            self._save()
+        if self.hb is not None:  # the step the supervisor's "paused" event names
+            self.hb.beat(done, tm.UPLOAD)
+        self.checkpointer.wait()
+        self.paused_at = done
+        if self.rank == 0 and self.pause is not None:
+            self.pause_request = self.pause.consume()
+        self._event("paused", step=done, request=self.pause_request)
+        log.info("paused at step %d of %d: checkpoint %s committed; resume with fork_from %s, "
+                 "fork_step %d", done, self.cfg.max_steps, self.ckpt_root / f"step_{done:06d}",
+                 self.ckpt_root, done)
 
     def _forward_backward(self, batch: Batch, done: int) -> torch.Tensor:
         """This rank's loss on its share of the global batch (the mean over its micro-batches),

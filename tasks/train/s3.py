@@ -230,7 +230,25 @@ class S3Mirror:
 
         self.call(f"get {key}", fetch)
 
+    def read_object(self, name: str) -> bytes | None:
+        """The object <prefix>/<name> (a small one, such as the pause marker), or None if absent."""
+        from botocore.exceptions import ClientError
+
+        def get() -> bytes | None:
+            try:
+                return self.client.get_object(Bucket=self.bucket, Key=self._key(name))["Body"].read()
+            except ClientError as exc:
+                if exc.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
+                    return None
+                raise
+
+        return self.call(f"get {self._key(name)}", get)
+
     # -- delete ------------------------------------------------------------------------------
+    def delete_object(self, name: str) -> None:
+        self.call(f"delete {self._key(name)}", self.client.delete_object, Bucket=self.bucket,
+                  Key=self._key(name))
+
     def delete_step(self, name: str) -> None:
         keys, _ = self._list(self._key(name) + "/")
         # the manifest first: from that moment the step is no longer a checkpoint

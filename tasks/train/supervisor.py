@@ -29,7 +29,8 @@ The supervisor
   - stops after max_restarts restarts (the task then fails, and Airflow's retry takes over), and
     never restarts a worker that exits with FATAL_EXIT (3): bad config or data found while
     setting up, or a NaN/spike the spike guard gave up on (tasks/train/guard.py): a restart
-    would only repeat either;
+    would only repeat either; nor one that exits with PAUSED_EXIT (75): it paused on request
+    (tasks/train/pause.py) with its checkpoint committed, and the job ends there;
   - records every event (job_start, spawn, restart, hang, worker_exit, budget_exhausted) in
     events.jsonl and the task log; the worker logs them to the MLflow run.
 """
@@ -57,6 +58,9 @@ RUN_DIR_ENV = "LLMOPS_TRAIN_RUN_DIR"
 FATAL_EXIT = 3  # a failure a restart would repeat (bad config or data, the guard gave up)
 # a node failed a health check (tasks/train/health.py): restarting on it would repeat the failure
 NODE_UNHEALTHY_EXIT = 76
+# the job paused on request (tasks/train/pause.py): its checkpoint of that step is committed and
+# its result says paused_at_step; not a failure to restart. 75 is sysexits' EX_TEMPFAIL
+PAUSED_EXIT = 75
 STOP_GRACE_S = 10.0
 
 
@@ -201,6 +205,9 @@ class Supervisor:
                 self.events.emit("worker_exit", code=code, attempt=worker.attempt, step=step)
                 if code == 0:
                     return 0
+                if code == PAUSED_EXIT:
+                    self.events.emit("paused", attempt=worker.attempt, step=step)
+                    return code
                 if code in (FATAL_EXIT, NODE_UNHEALTHY_EXIT):
                     self.events.emit("fatal", attempt=worker.attempt,
                                      reason="the worker stopped on an error a restart would "
