@@ -10,7 +10,7 @@ command runs on every backend. --faults (or $LLMOPS_FAULTS) injects failures for
 
 A marker output_dir/checkpoints/PAUSE (or <checkpoint_uri>/PAUSE) pauses it (tasks/train/pause.py):
 it checkpoints the step, logs "paused at step N", writes a result with paused: true and
-paused_at_step (no model is published) and exits with PAUSED_EXIT (75) from the job's rank 0.
+paused_at_step (no model is published) and exits with PAUSED_EXIT (77) from the job's rank 0.
 
 Writes output_dir/checkpoints/step_*/ while training (mirrored to checkpoint_uri when set),
 output_dir/resilience/ (events, step times, skipped batches, goodput) and output_dir/model/ at

@@ -29,7 +29,7 @@ The supervisor
   - stops after max_restarts restarts (the task then fails, and Airflow's retry takes over), and
     never restarts a worker that exits with FATAL_EXIT (3): bad config or data found while
     setting up, or a NaN/spike the spike guard gave up on (tasks/train/guard.py): a restart
-    would only repeat either; nor one that exits with PAUSED_EXIT (75): it paused on request
+    would only repeat either; nor one that exits with PAUSED_EXIT (77): it paused on request
     (tasks/train/pause.py) with its checkpoint committed, and the job ends there;
   - records every event (job_start, spawn, restart, hang, worker_exit, budget_exhausted) in
     events.jsonl and the task log; the worker logs them to the MLflow run.
@@ -59,8 +59,9 @@ FATAL_EXIT = 3  # a failure a restart would repeat (bad config or data, the guar
 # a node failed a health check (tasks/train/health.py): restarting on it would repeat the failure
 NODE_UNHEALTHY_EXIT = 76
 # the job paused on request (tasks/train/pause.py): its checkpoint of that step is committed and
-# its result says paused_at_step; not a failure to restart. 75 is sysexits' EX_TEMPFAIL
-PAUSED_EXIT = 75
+# its result says paused_at_step; not a failure to restart. Not 75: that is a worker stuck in a
+# group its peers left (tasks/train/distributed.STALE_GROUP_EXIT), which must be restarted
+PAUSED_EXIT = 77
 STOP_GRACE_S = 10.0
 
 
