@@ -889,6 +889,30 @@ def row_service(action: str, after: float = 5.0) -> Callable[[Matrix, Row], None
     return body
 
 
+# The compressed MaxRuntime: 60 s per attempt (Batch's least attemptDurationSeconds) for a job of
+# 170 lines, ~55 of which fit in an attempt: three stops at least, each resumed from the newest
+# checkpoint inside the same task try.
+MAX_RUNTIME_S, MAX_RUNTIME_LINES = 60, 170
+
+
+def row_max_runtime(m: Matrix, row: Row) -> None:
+    """The stage outlives its MaxRuntime three times: the service stops each attempt at its
+    deadline (SageMaker MaxRuntimeExceeded, Batch's attempt duration) and the operator's next
+    attempt goes on from the newest checkpoint, in the same try."""
+    run = m.trigger(row, SMALL_DAG, {**m.conf(seconds=MAX_RUNTIME_LINES),
+                                     "max_run_seconds": MAX_RUNTIME_S})
+    row.claim(*REMOTE_TASKS)
+    m.wait_runs(row, timeout=1200)
+    report = m.report()
+    for task_id in REMOTE_TASKS:
+        stops = [j for j in m.jobs_of(run, task_id, report) if j.get("stopped_by") == "deadline"]
+        if len(stops) >= 3:
+            row.land(task_id, f"{len(stops)} MaxRuntime stops: {', '.join(j['name'] for j in stops)}",
+                     at=stops[0]["ended_at"])
+        else:
+            row.miss(task_id, f"{len(stops)} MaxRuntime stop(s), not 3")
+
+
 def row_mark_failed(m: Matrix, row: Row) -> None:
     """Control row: the user marks the deferred tasks failed (once their trigger runs: what a
     user does to a multi-day job); their jobs must be stopped (the stops are expected) and none
@@ -965,6 +989,7 @@ ROWS: list[tuple[str, Callable[[Matrix, Row], None], str]] = [
     ("job fails on the service side", row_service("fail"), "scoped"),
     ("job stopped on the service side", row_service("stop"), "scoped"),
     ("node's host lost mid-job (next attempt on a fresh disk, from S3)", row_service("host", after=20), "scoped"),
+    ("stage outlives MaxRuntime three times (60 s attempts)", row_max_runtime, "scoped"),
     ("task marked failed by the user (control)", row_mark_failed, "scoped"),
 ]
 

@@ -6,7 +6,8 @@ lands while the job runs.
 - `chaos_remote`: both deferred (the triggerer waits, as on MWAA with deferrable operators);
 - `chaos_remote_worker`: both waited for in the worker (the task holds a worker slot throughout).
 
-Params: `seconds` (job length), `exit_code` (non-zero: the job fails with it). The job
+Params: `seconds` (job length), `exit_code` (non-zero: the job fails with it),
+`max_run_seconds` (each attempt's MaxRuntime; the operator's next attempt goes on past it). The job
 checkpoints its line every 5 lines in the run's storage and a new attempt resumes from there. Retries 2, 5 s
 apart: a row's fault (a killed worker, a job failed on the service side) takes one, and a try
 that dies before it runs (its start call to the execution API timing out on busy cores, seen on
@@ -21,7 +22,8 @@ from airflow.sdk import DAG, Param
 from llmops.operators.job import JobOperator
 
 PARAMS = {"seconds": Param(40, type="number", minimum=0),
-          "exit_code": Param(0, type="integer", minimum=0, maximum=255)}
+          "exit_code": Param(0, type="integer", minimum=0, maximum=255),
+          "max_run_seconds": Param(900, type="integer", minimum=1)}
 # The label tells the matrix which task instance submitted a job (tests/chaos/numbered_job.py).
 # output_dir and checkpoint_uri empty: the backend puts them in the run's storage (staging), where
 # every attempt of the task's job, on whatever node, finds the checkpoints.
@@ -40,5 +42,5 @@ for dag_id, deferrable in [("chaos_remote", True), ("chaos_remote_worker", False
             JobOperator(task_id=task_id, deferrable=deferrable, poll_interval=2.0,
                         spec={"stage": "sample", "entrypoint": ENTRYPOINT, "config": CONFIG,
                               "backend": backend, "instance_type": instance_type,
-                              "max_run_seconds": 900})
+                              "max_run_seconds": "{{ params.max_run_seconds }}"})
     globals()[dag_id] = dag
