@@ -116,7 +116,7 @@ SLOWEST_FIRST = [  # by their seconds on 2 cores (--durations), the slowest firs
     "test_lifecycle_e2e", "test_lifecycle_reuse", "test_multiweek", "test_browser",
     "test_post_training", "test_lifecycle_hf", "test_multinode_no_shared_disk",
     "test_backend_sagemaker_lifecycle",
-    "test_resilience", "test_run_failure", "test_mwaa",
+    "test_resilience", "test_pause", "test_fork", "test_run_failure", "test_mwaa",
     "test_training_scale", "test_retrain", "test_training", "test_links", "test_sweep_dag",
     "test_processing_two_phase", "test_jobs", "test_secrets", "test_start_run_validation",
     "test_fake_aws", "test_data_prep", "test_hf_models", "test_eval",
