@@ -173,6 +173,18 @@ class PretrainBatches:
     def __call__(self, b: int) -> Batch:
         return self.rows.take(self.sampler.at(self.positions(b)))
 
+    def seen(self, cursor: int, skipped: set[int] | frozenset[int] = frozenset()) -> dict[str, Any]:
+        """What the global batches before `cursor` (less the skipped ones) consumed, exactly and
+        in a few numbers: the sampler's seed, the global batch in rows, the split's row count and
+        the trained batch ranges. tasks/train/seen.py turns it into shard rows on demand."""
+        trained, start = [], 0
+        for b in sorted(x for x in skipped if x < cursor) + [cursor]:
+            if b > start:
+                trained.append([start, b])
+            start = b + 1
+        return {"sampler": "epoch_permutation", "seed": self.sampler.seed,
+                "global_batch": self.global_batch, "rows": self.rows.rows, "batches": trained}
+
 
 # --------------------------------------------------------------------------------------------
 # Supervised fine-tuning: prompt/completion pairs, loss on the completion only

@@ -329,6 +329,9 @@ class _Trainer:
             "rng": rng_state(), "guard": self.guard.state_dict(), "world_size": self.world,
             "global_batch": self.opts.global_batch,
             "samples_seen": self.step * self.opts.global_batch}
+        seen = getattr(self.get_batch, "seen", None)
+        if seen is not None:  # the data consumed so far (tasks/train/seen.py)
+            trainer["data_seen"] = seen(self.cursor, self.skipped)
         if self.dist is not None:
             trainer["rng_ranks"] = self.dist.gather(trainer["rng"])  # dropout differs per rank
         if self.fsdp:  # every rank saves its own shards: nothing is gathered

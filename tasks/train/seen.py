@@ -1,0 +1,199 @@
+"""What a checkpoint trained on: its consumed shard rows, and whether it saw a given document.
+
+Every pretraining checkpoint's trainer state (trainer.pt, listed with its sha256 in the
+checkpoint's manifest) holds `data_seen`: the sampler's seed, the global batch in rows, the
+split's row count and the trained global batch ranges (the data cursor less any skipped
+batches). Batch order is a pure function of (seed, batch index) (tasks/train/data.py), so that
+record is exact; the rows are computed from it on demand here.
+
+A document's rows are found by replaying data prep's packing (tasks/data/prep.py): per input
+shard, its training documents in split-score order, each tokenized and followed by EOS, the
+shards' streams concatenated and cut into rows of seq_len + 1 tokens. The replayed tokens are
+compared with the rows on disk, so a wrong answer is refused rather than given.
+
+    python -m tasks.train.seen CHECKPOINT --data-dir D --doc ID     # did CHECKPOINT see ID
+    python -m tasks.train.seen CHECKPOINT --data-dir D              # its consumed row ranges
+    python -m tasks.train.seen CHECKPOINT --data-dir D --diff OTHER # rows one read, not the other
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tasks.train import checkpoint as ckpt
+from tasks.train.data import DataDir, EpochSampler, TokenRows
+
+
+def record(checkpoint_dir: str | Path) -> dict[str, Any]:
+    """The checkpoint's `data_seen`, after verifying every file its manifest lists."""
+    path = Path(checkpoint_dir)
+    why = ckpt.verify_checkpoint(path)
+    if why:
+        raise ValueError(f"{path} does not verify: {why}.")
+    trainer = ckpt.read_part(path, "trainer") or {}
+    if "data_seen" not in trainer:
+        raise ValueError(f"{path} records no data_seen (an SFT checkpoint, or one saved before "
+                         "the trainer recorded it).")
+    return trainer["data_seen"]
+
+
+def consumed_rows(checkpoint_dir: str | Path, data_dir: str | Path) -> np.ndarray:
+    """Sorted unique global row indices of the train split that the checkpoint trained on."""
+    seen = record(checkpoint_dir)
+    rows = DataDir(data_dir).split("train").rows
+    if rows != int(seen["rows"]):
+        raise ValueError(f"{data_dir} has {rows} train rows; the checkpoint trained on data with "
+                         f"{seen['rows']}: not the same data.")
+    g = int(seen["global_batch"])
+    if not seen["batches"]:
+        return np.zeros(0, dtype=np.int64)
+    positions = np.concatenate([np.arange(a * g, b * g, dtype=np.int64) for a, b in seen["batches"]])
+    sampler = EpochSampler(rows, g, int(seen["seed"]))
+    epochs = positions // rows
+    out = np.empty_like(positions)
+    for e in np.unique(epochs).tolist():
+        mask = epochs == e
+        out[mask] = sampler._perm(e)[positions[mask] % rows]
+    return np.unique(out)
+
+
+def _ranges(values: np.ndarray) -> list[list[int]]:
+    """[start, end) runs of sorted unique ints."""
+    if len(values) == 0:
+        return []
+    breaks = np.flatnonzero(np.diff(values) != 1) + 1
+    return [[int(run[0]), int(run[-1]) + 1] for run in np.split(values, breaks)]
+
+
+def _by_shard(data_dir: str | Path, rows: np.ndarray) -> dict[str, list[list[int]]]:
+    data = DataDir(data_dir)
+    shards = [s for s in data.manifest["splits"]["train"]["shards"] if int(s["rows"])]
+    starts = np.cumsum([0] + [int(s["rows"]) for s in shards])
+    out: dict[str, list[list[int]]] = {}
+    for i, shard in enumerate(shards):
+        mine = rows[(rows >= starts[i]) & (rows < starts[i + 1])] - starts[i]
+        if len(mine):
+            out[shard["path"]] = _ranges(mine)
+    return out
+
+
+def consumed(checkpoint_dir: str | Path, data_dir: str | Path) -> dict[str, Any]:
+    """The checkpoint's consumed data: trained batch ranges and, per token shard, row ranges."""
+    seen = record(checkpoint_dir)
+    rows = consumed_rows(checkpoint_dir, data_dir)
+    return {"checkpoint": str(checkpoint_dir), "batches": seen["batches"],
+            "samples": sum(b - a for a, b in seen["batches"]) * int(seen["global_batch"]),
+            "unique_rows": int(len(rows)), "rows": _by_shard(data_dir, rows)}
+
+
+def diff(a: str | Path, b: str | Path, data_dir: str | Path) -> dict[str, Any]:
+    """Rows only `a` trained on and rows only `b` trained on (e.g. a fork and its parent)."""
+    ra, rb = consumed_rows(a, data_dir), consumed_rows(b, data_dir)
+    only_a, only_b = np.setdiff1d(ra, rb), np.setdiff1d(rb, ra)
+    return {"only_a": _by_shard(data_dir, only_a), "only_b": _by_shard(data_dir, only_b),
+            "only_a_rows": int(len(only_a)), "only_b_rows": int(len(only_b)),
+            "common_rows": int(len(np.intersect1d(ra, rb)))}
+
+
+def document_rows(data_dir: str | Path, doc_id: str) -> list[tuple[int, int]]:
+    """Global train row ranges [first, last + 1) of every occurrence of the document in the
+    packed rows (more than one where its source's mix weight repeats it; none where it went to
+    val, or into the tail that did not fill a row). KeyError if no kept document has that id."""
+    import pyarrow.parquet as pq
+    from tasks.data.prep import mix_repeats, split_score
+
+    data = DataDir(data_dir)
+    config = data.manifest["config"]
+    weights = config.get("input_weights")
+    if weights and any(float(w) != 1.0 for w in weights):
+        raise NotImplementedError("input_weights other than 1: mapping a document file to its "
+                                  "source's weight is not implemented yet.")
+    tokenizer = _tokenizer(data)
+    seed, row_len = int(config["seed"]), int(data.manifest["row_len"])
+    offset, found, spans = 0, False, []
+    for name in data.manifest["documents"]["files"]:
+        table = pq.read_table(data.path / name, columns=["id", "text", "split"]).to_pydict()
+        train = [i for i, s in enumerate(table["split"]) if s == "train"]
+        found = found or doc_id in table["id"]
+        order = sorted(train, key=lambda i: split_score(table["id"][i], seed))
+        repeats = [mix_repeats(table["id"][i], 1.0, seed) for i in order]
+        lengths = [len(e.ids) + 1 for e in tokenizer.encode_batch_fast(
+            [table["text"][i] for i in order], add_special_tokens=False)] if order else []
+        for k in range(max(repeats, default=0)):  # as tasks.data.tokens.encode_stream repeats
+            for i, n, r in zip(order, lengths, repeats):
+                if r > k and table["id"][i] == doc_id:
+                    spans.append((offset, offset + n))
+                offset += n if r > k else 0
+    if not found:
+        raise KeyError(f"No kept document in {data_dir} has id {doc_id!r}.")
+    rows = TokenRows(data.path, data.manifest, "train")
+    out = []
+    for start, end in spans:
+        end = min(end, rows.rows * row_len)
+        if start >= end:
+            continue  # in the tail that did not fill a row
+        _check_tokens(rows, tokenizer, data, doc_id, start, end)
+        out.append((start // row_len, (end - 1) // row_len + 1))
+    return out
+
+
+def _tokenizer(data: DataDir):
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(data.tokenizer_path))
+
+
+def _check_tokens(rows: TokenRows, tokenizer, data: DataDir, doc_id: str, start: int, end: int) -> None:
+    import pyarrow.parquet as pq
+
+    text = None
+    for name in data.manifest["documents"]["files"]:
+        t = pq.read_table(data.path / name, columns=["id", "text"], filters=[("id", "==", doc_id)])
+        if t.num_rows:
+            text = t.column("text")[0].as_py()
+            break
+    expected = tokenizer.encode(text, add_special_tokens=False).ids + [data.eos_id]
+    row_len = rows.row_len
+    first, last = start // row_len, (end - 1) // row_len
+    flat = np.concatenate([rows.shards[s][i - rows.starts[s]] for s, i in
+                           ((int(np.searchsorted(rows.starts, r, side="right") - 1), r)
+                            for r in range(first, last + 1))])
+    actual = flat[start - first * row_len: end - first * row_len].astype(np.int64).tolist()
+    if actual != expected[: end - start]:
+        raise ValueError(f"Replaying data prep's packing put {doc_id!r} at tokens {start}..{end} "
+                         "of the train rows, but the rows there hold other tokens; the data dir "
+                         "does not match its manifest's config.")
+
+
+def saw(checkpoint_dir: str | Path, data_dir: str | Path, doc_id: str) -> bool:
+    """Did the checkpoint train on any row holding (part of) the document?"""
+    rows = consumed_rows(checkpoint_dir, data_dir)
+    return any(np.any((rows >= a) & (rows < b)) for a, b in document_rows(data_dir, doc_id))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tasks.train.seen", description=__doc__.split("\n")[0])
+    parser.add_argument("checkpoint")
+    parser.add_argument("--data-dir", required=True)
+    parser.add_argument("--doc", help="a document id: print whether the checkpoint saw it")
+    parser.add_argument("--diff", help="another checkpoint: rows only one of them trained on")
+    args = parser.parse_args(argv)
+    if args.doc is not None:
+        spans = document_rows(args.data_dir, args.doc)
+        result = {"doc": args.doc, "saw": saw(args.checkpoint, args.data_dir, args.doc),
+                  "rows": [list(s) for s in spans]}
+    elif args.diff is not None:
+        result = diff(args.checkpoint, args.diff, args.data_dir)
+    else:
+        result = consumed(args.checkpoint, args.data_dir)
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
