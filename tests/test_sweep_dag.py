@@ -109,7 +109,9 @@ def test_a_killed_sweep_resumes_keeping_finished_trials_and_survives_a_failing_o
     states: dict = {}
     try:
         # kill it once one trial has finished and the next one is running
-        while not ("COMPLETE" in states and "RUNNING" in states):
+        # (a trial is RUNNING in the study a moment before its sampler has set its params)
+        while not ("COMPLETE" in states and "RUNNING" in states
+                   and "model.n_head" in states["RUNNING"].params):
             assert time.time() < deadline, "the sweep did not get that far in time"
             assert first.poll() is None, "the sweep ended before it could be killed"
             time.sleep(0.3)
