@@ -367,7 +367,7 @@ class Matrix:
         with self.lock:
             if key in self.labels:
                 return self.labels[key]
-        group = "/aws/sagemaker/TrainingJobs" if job["service"] == "sagemaker" else "/aws/batch/job"
+        group = _log_group(job)
         label = None
         for stream in job.get("streams") or []:
             try:
@@ -390,7 +390,7 @@ class Matrix:
         """The numbers of the `chaos-line`s a job printed, from its CloudWatch streams in moto
         (every line, whatever the task log kept: Airflow opens a try's trigger log part anew
         for each deferral, so a chain's earlier attempts are not all in it)."""
-        group = "/aws/sagemaker/TrainingJobs" if job["service"] == "sagemaker" else "/aws/batch/job"
+        group = _log_group(job)
         numbers: list[int] = []
         for stream in job.get("streams") or []:
             token = None
@@ -622,6 +622,11 @@ def _lost_progress(runs: list[list[int]]) -> tuple[int, int]:
         worst = max(worst, reached - min(lines) + 1)
         reached = max(reached, max(lines))
     return worst, max(0, len(runs) - 1)
+
+
+def _log_group(job: dict[str, Any]) -> str:
+    """The CloudWatch log group the service writes the job's streams to."""
+    return "/aws/sagemaker/TrainingJobs" if job["service"] == "sagemaker" else "/aws/batch/job"
 
 
 def _cancelled_before_start(job: dict[str, Any]) -> bool:

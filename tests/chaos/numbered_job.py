@@ -28,8 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tasks.common.entry import run_stage
-
-MANIFEST = "manifest.json"   # tasks/train/checkpoint.py's commit marker, written last
+from tasks.train.s3 import MANIFEST, S3Mirror   # boto3 is imported on a mirror's first call
 
 
 @dataclass(kw_only=True)
@@ -50,8 +49,6 @@ class LineCheckpoints:
         self.root = Path(cfg.output_dir) / "checkpoints" if cfg.output_dir else None
         self.mirror = None
         if (cfg.checkpoint_uri or "").startswith("s3://"):
-            from tasks.train.s3 import S3Mirror   # boto3: only where there is an S3 prefix
-
             self.mirror = S3Mirror(cfg.checkpoint_uri)
 
     def newest(self) -> int | None:

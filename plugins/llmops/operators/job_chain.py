@@ -65,7 +65,7 @@ class JobChain:
                          f" in {delay:.0f} s" if delay else "")
         if delay:
             # The spec (and its MLflow child run) is built once, by the next attempt.
-            if self._defers_backend((self._handle or {}).get("backend", "")):
+            if self._defers_backend(backend_name):
                 from airflow.providers.standard.triggers.temporal import TimeDeltaTrigger
                 from datetime import timedelta
 
