@@ -113,7 +113,7 @@ SHARED_RUN_GROUPS = {
     "test_lifecycle_reuse": "tiny_lifecycle_run",
 }
 SLOWEST_FIRST = [  # by their seconds on 2 cores (--durations), the slowest first
-    "test_lifecycle_e2e", "test_lifecycle_reuse", "test_multiweek", "test_browser",
+    "test_lifecycle_e2e", "test_lifecycle_reuse", "test_browser",
     "test_post_training", "test_lifecycle_hf", "test_multinode_no_shared_disk",
     "test_backend_sagemaker_lifecycle",
     "test_resilience", "test_pause", "test_fork", "test_run_failure", "test_mwaa",
