@@ -118,3 +118,22 @@ def download_prefix(hook: Any, uri: str, local: str | os.PathLike,
             os.replace(tmp, target)
             count += 1
     return count
+
+
+def child_names(hook: Any, uri: str) -> list[str]:
+    """The names of the "directories" right under the prefix `uri` (its CommonPrefixes)."""
+    bucket, prefix = split_s3(uri)
+    prefix = prefix.rstrip("/") + "/" if prefix else ""
+    names: list[str] = []
+    for page in hook.get_conn().get_paginator("list_objects_v2").paginate(
+            Bucket=bucket, Prefix=prefix, Delimiter="/"):
+        names += [p["Prefix"][len(prefix):].rstrip("/") for p in page.get("CommonPrefixes", [])]
+    return names
+
+
+def exists(hook: Any, uri: str) -> bool:
+    """Whether the object `uri` is there (one ListObjectsV2: no 403 for a missing key without
+    s3:ListBucket, as a HeadObject gives)."""
+    bucket, key = split_s3(uri)
+    listed = hook.get_conn().list_objects_v2(Bucket=bucket, Prefix=key, MaxKeys=1).get("Contents", [])
+    return any(obj["Key"] == key for obj in listed)

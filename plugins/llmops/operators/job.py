@@ -9,6 +9,7 @@ attempts). The deferred wait is llmops.triggers.job.JobTrigger.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from typing import Any, Callable
@@ -24,7 +25,8 @@ from llmops.jobs.watch import JobWatch, call_with_retries
 from llmops.operators import links
 from llmops.operators.job_books import JobBooks
 from llmops.operators.job_cache import JobCache
-from llmops.operators.job_chain import LOG_TAIL_LINES, JobChain
+from llmops.operators.job_chain import (DEFAULT_MAX_STALLED_ATTEMPTS, LOG_TAIL_LINES, JobChain,
+                                        max_stalled_attempts_setting)
 from llmops.operators.job_identity import NOT_IDENTITY, JobIdentity, job_identity
 from llmops.operators.job_wait import (CHECKPOINT_SECONDS, DEFAULT_GRACE_SECONDS, STATE_KEY,
                                        STATE_LOOKUP_SECONDS, WORKER_BACKENDS, JobWait)
@@ -117,6 +119,7 @@ class JobOperator(JobCache, JobChain, JobWait, JobBooks, BaseOperator):
                  deadline_grace_seconds: float | None = None,
                  force_rerun: bool | str | None = None,
                  max_attempts: int = 20, run_deadline_hours: float | None = None,
+                 max_stalled_attempts: int = DEFAULT_MAX_STALLED_ATTEMPTS,
                  **kwargs: Any):
         super().__init__(**kwargs)
         if (spec is None) == (build_spec is None):
@@ -135,6 +138,7 @@ class JobOperator(JobCache, JobChain, JobWait, JobBooks, BaseOperator):
         self.force_rerun = force_rerun
         self.max_attempts = max_attempts
         self.run_deadline_hours = run_deadline_hours
+        self.max_stalled_attempts = max_stalled_attempts_setting(max_stalled_attempts)
         # The chain of attempts of this try (llmops.jobs.continuation): how many jobs so far,
         # since when, how many capacity waits. Travels through deferrals in the trigger's context.
         self._chain: dict[str, Any] = {"attempts": 1, "since": None, "capacity_waits": 0}
@@ -164,6 +168,7 @@ class JobOperator(JobCache, JobChain, JobWait, JobBooks, BaseOperator):
             return reused
         try:
             record = self._submit_or_reattach(backend, spec, store)
+            self._chain_begins()
             status = self._watch(context, backend, spec, store, record)
         except AirflowTaskTimeout:
             # The task's own execution_timeout: the user's limit for this task, job included.
@@ -342,7 +347,10 @@ class JobOperator(JobCache, JobChain, JobWait, JobBooks, BaseOperator):
     # -- end ---------------------------------------------------------------------------------
     def _finish(self, context: Any, status: JobStatus, stage: str, mlflow_run_id: str) -> dict[str, Any]:
         name = self._handle["name"]
-        self._record_end(status)
+        why = None if self._job_stopped else continuation.reason(status)
+        stop = self._chain_exhausted(why) if why else ""   # reads the job's newest checkpoint
+        self._record_end(dataclasses.replace(status, message=f"{status.message} (the chain of "
+                                             f"attempts stopped: {stop})") if stop else status)
         if status.state is JobState.SUCCEEDED:
             result = dict(status.result or {})
             result.update(job_name=name, backend=self._handle["backend"], mlflow_run_id=mlflow_run_id)
@@ -353,22 +361,25 @@ class JobOperator(JobCache, JobChain, JobWait, JobBooks, BaseOperator):
                           ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                                     for k, v in sorted(metrics.items())))
             return result
-        why = None if self._job_stopped else continuation.reason(status)
         if why:
-            exhausted = self._chain_exhausted()
-            if not exhausted:
+            if not stop:
                 return self._continue(context, status, why)
             self.log.error("%s job %s ended (%s: %s) and %s: the chain of attempts stops here.",
-                           stage, name, why, status.message, exhausted)
+                           stage, name, why, status.message, stop)
         self._end_run(mlflow_run_id, "KILLED" if status.state is JobState.STOPPED else "FAILED")
-        self._fail_parent_if_last_try(context["ti"])
+        final = bool(self._chain.get("no_progress"))   # the same again: no Airflow retry
+        if final:
+            self._end_run(self._parent_run_id, "FAILED")
+        else:
+            self._fail_parent_if_last_try(context["ti"])
         try:
             tail = get_backend(self._handle["backend"]).log_tail(self._handle, LOG_TAIL_LINES)
         except Exception as exc:  # noqa: BLE001 - the failure itself is what matters
             tail = [f"(could not read the log: {type(exc).__name__}: {exc})"]
-        raise AirflowException(
+        raise (AirflowFailException if final else AirflowException)(
             f"{stage} job {name} {status.state.value}: {status.message}.\n"
-            f"Last lines of its log:\n" + "\n".join(env_secrets.redact_lines(tail)))
+            + (f"The chain of attempts stopped: {stop}\n" if stop else "")
+            + "Last lines of its log:\n" + "\n".join(env_secrets.redact_lines(tail)))
 
 
 def _as_bool(value: Any) -> bool:

@@ -2,6 +2,16 @@
 the next attempt fixes (a lost node, capacity), JobOperator submits the next attempt from the
 newest checkpoint, within `max_attempts` and `run_deadline_hours`.
 
+A chain must make progress: the newest committed checkpoint step in the job's storage
+(`Backend.checkpoint_step`) is read when the chain's first attempt is submitted and when each
+attempt ends. An attempt that ran and ended without a newer checkpoint than the one it started
+from made no progress (it hung before its first save, failed at restore, or was ended sooner
+than its checkpoint interval); after `max_stalled_attempts` such attempts in a row the chain
+stops and the task fails without Airflow retries, since the next attempt would start from the
+same checkpoint and end the same way. Attempts ended by a capacity error never ran and are not
+judged; nor is one whose progress cannot be read (storage unreadable, a job an earlier try
+started).
+
 JobChain is mixed into llmops.operators.job.JobOperator.
 """
 
@@ -13,13 +23,27 @@ from typing import Any
 
 from llmops.jobs import continuation, env_secrets
 from llmops.jobs.backends import JobStatus
+from llmops.jobs.backends.base import NO_CHECKPOINT
 
 LOG_TAIL_LINES = 40
+DEFAULT_MAX_STALLED_ATTEMPTS = 2
+
+
+def max_stalled_attempts_setting(value: Any) -> int:
+    """JobOperator's `max_stalled_attempts`, checked: an integer >= 1."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"JobOperator max_stalled_attempts must be an integer >= 1 (attempts in a "
+                         f"row without a newer checkpoint before the chain stops), got {value!r}.")
+    return value
+
+
+def _step_text(step: int | None) -> str:
+    return "no checkpoint" if step is None or step == NO_CHECKPOINT else f"checkpoint step {step}"
 
 
 class JobChain:
-    """Mixed into JobOperator: needs its `_chain`, `max_attempts`, `run_deadline_hours`,
-    `_prepare`, `_watch`, `_finish`, `_save` and `_defers_backend` (JobWait), and `_backend(name)`."""
+    """Mixed into JobOperator: needs its `_chain`, `max_attempts`, `max_stalled_attempts`,
+    `run_deadline_hours`, `_prepare`, `_watch`, `_finish`, `_save` and `_defers_backend` (JobWait), and `_backend(name)`."""
 
     def _quote_tail(self, who: str) -> None:
         """The ended job's last lines in this log part, each as `<who> | <line>`."""
@@ -34,8 +58,61 @@ class JobChain:
         for line in env_secrets.redact_lines(tail):
             self.log.info("%s | %s", who, line)
 
-    def _chain_exhausted(self) -> str:
-        """Why no further attempt may start ("" when one may)."""
+    def _checkpoint_step(self) -> int | None:
+        """The newest committed checkpoint step of the job's storage; None when unknown."""
+        handle = self._handle or {}
+        try:
+            return self._backend(handle["backend"]).checkpoint_step(handle)
+        except Exception as exc:  # noqa: BLE001 - unknown progress is not judged, never fatal
+            self.log.warning("Could not read the newest checkpoint of job %s (%s: %s): this "
+                             "attempt's progress is not judged.", handle.get("name"),
+                             type(exc).__name__, exc)
+            return None
+
+    def _chain_begins(self) -> None:
+        """The checkpoint the chain's first attempt starts from (unknown for a job an earlier
+        try started: it may have saved since)."""
+        if "from_step" not in self._chain:
+            self._chain["from_step"] = (None if (self._handle or {}).get("reattached")
+                                        else self._checkpoint_step())
+
+    def _stalled(self, why: str) -> str:
+        """Judge the attempt that just ended by `why`: the reason the chain stops for lack of
+        progress, or ""."""
+        chain = self._chain
+        start, end = chain.get("from_step"), self._checkpoint_step()
+        chain["from_step"] = end   # where the next attempt starts
+        if why == "capacity" or start is None or end is None:
+            return ""   # it never ran, or its progress is unknown: the streak stands
+        if end > start:
+            chain["stalled"] = []
+            return ""
+        chain["stalled"] = [*chain.get("stalled", []), {
+            "attempt": int(chain.get("attempts", 1)), "why": why, "from_step": start,
+            "job": str((self._handle or {}).get("job_name") or (self._handle or {}).get("name"))}]
+        if len(chain["stalled"]) < self.max_stalled_attempts:
+            return ""
+        chain["no_progress"] = True
+        stalled = chain["stalled"]
+        where = (self._handle or {}).get("checkpoint_uri") or "the job's checkpoint storage"
+        each = "; ".join(f"attempt {s['attempt']} ({s['job']}, ended by {s['why']}) started from "
+                         f"{_step_text(s['from_step'])}" for s in stalled)
+        return (f"{len(stalled)} attempts in a row made no progress (max_stalled_attempts "
+                f"{self.max_stalled_attempts}): {each}, and none saved a newer checkpoint in "
+                f"{where}. The next attempt would start from the same {_step_text(end)} and end "
+                "the same way, so this try stops without retries. Check the attempts' logs (the "
+                "last lines below): a hang or an error before the first checkpoint save (data "
+                "loading, a collective that never completes), a failure while restoring "
+                f"{_step_text(end)} (damaged or incompatible: delete that step_* directory, or "
+                "trigger with force_rerun to start from scratch), or a checkpoint interval longer "
+                "than the job's max_run_seconds or the time a spot instance lasts. Clearing the "
+                "task starts a new chain.")
+
+    def _chain_exhausted(self, why: str = "") -> str:
+        """Why no further attempt may start after one ended by `why` ("" when one may)."""
+        stalled = self._stalled(why)
+        if stalled:
+            return stalled
         attempts = int(self._chain.get("attempts", 1))
         if attempts >= self.max_attempts:
             return f"this try has run {attempts} attempts (max_attempts {self.max_attempts})"
@@ -59,9 +136,11 @@ class JobChain:
             # showed give way to the next attempt's: keep its last lines here, quoted.
             self._quote_tail(f"attempt {chain['attempts']}")
         delay = continuation.backoff_seconds(why, int(chain.get("capacity_waits", 0)))
+        newest = chain.get("from_step")
         self.log.warning("Attempt %d (%s) ended: %s (%s). Attempt %d goes on from the newest "
-                         "checkpoint%s.", chain["attempts"], (self._handle or {}).get("job_name"),
+                         "checkpoint%s%s.", chain["attempts"], (self._handle or {}).get("job_name"),
                          why, status.message, chain["attempts"] + 1,
+                         "" if newest is None else f" ({_step_text(newest)})",
                          f" in {delay:.0f} s" if delay else "")
         if delay:
             # The spec (and its MLflow child run) is built once, by the next attempt.

@@ -4,10 +4,18 @@ from __future__ import annotations
 
 import abc
 import enum
+import os
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from llmops.jobs.spec import JobSpec
+
+# A committed checkpoint: tasks/train/checkpoint.py's step_{step:06d} directory, whose manifest is
+# written last (docker/job_entry.py reads the same layout to restore the newest one).
+CHECKPOINT_STEP = re.compile(r"^step_(\d{6,})$")
+CHECKPOINT_COMMIT = "manifest.json"
+NO_CHECKPOINT = -1   # checkpoint_step: the job's storage holds no complete checkpoint yet
 
 
 class JobState(str, enum.Enum):
@@ -62,6 +70,37 @@ class Backend(abc.ABC):
         This default reads the whole log; backends whose logs can be read from the end override it.
         """
         return self.read_logs(handle, None)[0][-lines:] if lines > 0 else []
+
+    def checkpoint_step(self, handle: dict[str, Any]) -> int | None:
+        """The step of the newest complete checkpoint (a step_NNNNNN directory with its
+        manifest) under the handle's `checkpoint_uri`, the storage every attempt of the job
+        shares; NO_CHECKPOINT when there is none yet; None when the handle names no storage (a
+        local job, a handle from before the field). Raises when the storage cannot be read.
+
+        The chain of attempts compares it at an attempt's start and end (llmops.operators.job_chain).
+        """
+        uri = str(handle.get("checkpoint_uri") or "")
+        if not uri:
+            return None
+        if uri.startswith("s3://"):
+            from llmops.aws import s3
+
+            hook = s3.s3_hook(handle.get("aws_conn_id"), handle.get("region_name") or None,
+                              handle.get("kms_key_id"))
+            names = s3.child_names(hook, uri)
+
+            def committed(name: str) -> bool:
+                return s3.exists(hook, s3.join(uri, name, CHECKPOINT_COMMIT))
+        elif "://" not in uri:
+            names = os.listdir(uri) if os.path.isdir(uri) else []
+
+            def committed(name: str) -> bool:
+                return os.path.isfile(os.path.join(uri, name, CHECKPOINT_COMMIT))
+        else:
+            return None
+        steps = sorted((int(m.group(1)) for name in names if (m := CHECKPOINT_STEP.match(name))),
+                       reverse=True)
+        return next((step for step in steps if committed(f"step_{step:06d}")), NO_CHECKPOINT)
 
     def fingerprint(self, spec: JobSpec) -> str:
         """A hash of the backend settings this spec's job is built from (e.g. the resolved stage

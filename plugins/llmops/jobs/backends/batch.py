@@ -449,7 +449,8 @@ class BatchBackend(Backend):
         handle = {"backend": self.name, "name": spec.name, "job_name": job_name, "job_id": job_id,
                   "attempt": attempt, "aws_conn_id": settings.aws_conn_id,
                   "region_name": settings.region_name, "result_uri": staged.result_uri,
-                  "staging_prefix": staged.prefix, "copy_back": staged.copy_back,
+                  "checkpoint_uri": staged.checkpoint_uri, "staging_prefix": staged.prefix,
+                  "copy_back": staged.copy_back,
                   "output_uri": staged.output_uri, "reattached": reattached,
                   "kms_key_id": settings.kms_key_id,
                   **remote.resource_fields(spec, settings), **remote.watch_fields(settings)}

@@ -494,6 +494,7 @@ class HyperPodBackend(Backend):
                 "eks_cluster_name": settings.eks_cluster_name,
                 "kubernetes_conn_id": settings.kubernetes_conn_id,
                 "result_uri": staged.result_uri, "staging_prefix": staged.prefix,
+                "checkpoint_uri": staged.checkpoint_uri,
                 "copy_back": staged.copy_back, "reattached": reattached,
                 "kms_key_id": settings.kms_key_id,
                 **remote.resource_fields(spec, settings), **remote.watch_fields(settings)}
