@@ -39,6 +39,10 @@ from tasks.train.supervisor import FATAL_EXIT, PAUSED_EXIT, Supervisor, WorkerEn
 
 log = logging.getLogger("tasks.pretrain")
 FORK_FILE = "fork.json"   # the fork's lineage (tasks/train/fork.py), for the worker's MLflow run
+# The checkpoint steps the retention policy left (tasks/train/retention.py), on the MLflow run
+# for the run page (llmops.run_summary): comma-separated, ascending; the count beside it.
+KEPT_TAG, KEPT_COUNT_TAG = "checkpoints.kept", "checkpoints.kept_count"
+KEPT_TAG_CHARS = 4000   # under MLflow's tag value limit; a longer list keeps its newest steps
 
 
 def check_model_fits_data(model: ModelConfig, vocab_size: int, seq_len: int) -> None:
@@ -238,6 +242,7 @@ def _train(cfg: TrainConfig, setup: _Setup, env: WorkerEnv, *, stage: str, publi
         }
         if (run_dir / FORK_FILE).exists():
             out["fork"] = read_json(run_dir / FORK_FILE)
+        out["kept_steps"] = record_kept_steps(cfg)
         if publish:
             if dist is not None and dist.parallelism == "fsdp":
                 model = _from_checkpoint(cfg, result.checkpoint)  # the sharded one cannot export
@@ -270,10 +275,27 @@ def _paused_result(run_dir: Path, result: Any, run: Any, cfg: TrainConfig) -> di
         "resume": {"fork_from": checkpoints, "fork_step": result.paused_at},
         "resumed_from": result.resumed_from,
         "mlflow_run_id": run.info.run_id,
+        "kept_steps": record_kept_steps(cfg),
     }
     if (run_dir / FORK_FILE).exists():
         out["fork"] = read_json(run_dir / FORK_FILE)
     return out
+
+
+def record_kept_steps(cfg: TrainConfig) -> list[int]:
+    """The steps whose checkpoints the retention policy left (the newest keep_checkpoints plus
+    every keep_every-th), ascending, tagged on the active MLflow run: the points a fork or a
+    rollback can start from, listed on the run page without it reading this disk."""
+    import mlflow
+
+    from tasks.train.checkpoint import step_dirs
+
+    kept = sorted(step for step, _ in step_dirs(Path(cfg.output_dir) / "checkpoints"))
+    listed = ",".join(map(str, kept))
+    while len(listed) > KEPT_TAG_CHARS:   # drop the oldest: the count says how many there are
+        listed = listed.split(",", 1)[1]
+    mlflow.set_tags({KEPT_TAG: listed, KEPT_COUNT_TAG: str(len(kept))})
+    return kept
 
 
 def _from_checkpoint(cfg: TrainConfig, path: str) -> Any:

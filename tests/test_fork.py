@@ -113,6 +113,15 @@ def test_a_fork_with_a_new_learning_rate_starts_from_the_parents_checkpoint(pare
     assert tags["fork.parent_checkpoint"] == str(parent["checkpoints"] / "step_000008")
 
 
+def test_the_steps_the_retention_policy_kept_are_recorded_for_the_run_page(parent):
+    """The job records what it kept (the run page lists them from MLflow, not from this disk)."""
+    from mlflow import MlflowClient
+
+    assert parent["result"]["kept_steps"] == [4, 8, 10, 12]
+    tags = MlflowClient().get_run(parent["result"]["mlflow_run_id"]).data.tags
+    assert (tags["checkpoints.kept"], tags["checkpoints.kept_count"]) == ("4,8,10,12", "4")
+
+
 def test_a_step_the_parent_did_not_keep_is_refused_before_anything_trains(parent, tmp_path):
     cfg = fork_cfg(parent, tmp_path / "fork", 6)   # pruned: neither newest nor a multiple of 4
     proc, _ = run_pretrain(cfg, tmp_path)

@@ -260,6 +260,31 @@ def test_the_same_weights_are_never_registered_twice(model_uri):
                              candidates=("challenger",))["version"] == "2"
 
 
+def test_a_fork_s_version_names_the_parent_run_and_step(model_uri):
+    """A run whose pretraining forked an earlier run's at a step (Param fork_step): its version
+    carries the parent pretraining's MLflow run, the step and the earlier DAG run; a run that
+    forked nothing carries none of them (issue 24, point 1)."""
+    client = tracking.client()
+    name = "promotion-test-fork"
+    fork = {"checkpoints": "/out/pretrain/checkpoints", "step": 10, "hash": "h" * 64,
+            "parent_run_id": "parent-pretrain-run"}
+    run = {**lifecycle_run("f1"), "model_name": name,
+           "from_run": {"run_id": "manual__first", "parent_run_id": "first-parent", "fork": fork,
+                        "start_at": "pretrain", "stages": {}, "sweep_best": None}}
+    decision = promotion.gate(run, evaluation(model_uri, 0.80, 40.0, 1.50), {"data_hash": "d"},
+                              candidates=("challenger",))
+    tags = client.get_model_version(name, decision["version"]).tags
+    assert (tags["fork.parent_run_id"], tags["fork.step"], tags["fork.from_run"]) == (
+        "parent-pretrain-run", "10", "manual__first")
+    assert tags["training_run_id"] == "train-run"  # beside the lineage it had before
+    unforked = {**lifecycle_run("f2"), "model_name": name,
+                "from_run": {"run_id": "manual__first", "start_at": "finetune", "fork": None}}
+    other = promotion.gate(unforked, evaluation(model_uri, 0.81, 40.0, 1.50), {"data_hash": "d"},
+                           candidates=("challenger",))
+    assert other["version"] != decision["version"]
+    assert not [k for k in client.get_model_version(name, other["version"]).tags if k.startswith("fork.")]
+
+
 def test_the_champion_s_scores_come_with_this_run_s_reference_to_it():
     """Evaluation keys on the champion's weights: its scores may be an earlier job's, for the
     same weights under another version, or the scores of this run's model holding them. The gate

@@ -178,3 +178,80 @@ def test_the_plugin_adds_a_tab_to_the_dag_run_page():
     assert plugin.fastapi_apps[0]["url_prefix"] == "/llmops"
     assert isinstance(plugin.fastapi_apps[0]["app"], run_page.LazyApp)
     assert plugin.listeners == [run_note]
+
+
+# -- a fork (issue 24): its curve continues its parent's; the kept checkpoints are listed ---------
+
+@pytest.fixture()
+def forked_run(lifecycle_run):
+    """A second lifecycle run whose pretraining forked the first's at step 10, as the fork's job
+    tags it (tasks/train/fork.py, tasks/pretrain.py): it logs from step 11 on, keeps steps 10,
+    20 and 30 (keep_checkpoints 2, keep_every 10), and its registered version names the parent."""
+    from llmops import tracking
+
+    parent_run_id, first = lifecycle_run
+    client = tracking.client()
+    exp_id = tracking.ensure_experiment(DAG_ID)
+    # the parent's pretraining goes on past the fork step: those points are not the fork's past
+    for step, value in ((15, 5.2), (30, 4.5)):
+        client.log_metric(first["pretrain"], "loss", value, step=step)
+    client.log_metric(first["pretrain"], "val_loss", 4.4, step=30)
+    run_id = f"manual__fork_{uuid.uuid4().hex[:8]}"
+    parent = tracking.start_parent_run(experiment=DAG_ID, dag_id=DAG_ID, run_id=run_id,
+                                       config={"recipe_test": True})
+    pretrain = _child(client, exp_id, parent, run_id, "pretrain", "pretrain", tags={
+        "fork.parent_run_id": first["pretrain"], "fork.step": "10",
+        "checkpoints.kept": "10,20,30", "checkpoints.kept_count": "3"},
+        params={"keep_checkpoints": "2", "keep_every": "10"},
+        history={"loss/train": [(11, 5.45), (20, 5.0), (30, 4.7)], "loss/val": [(20, 4.9), (30, 4.6)]})
+    name = f"llm-fork-{uuid.uuid4().hex[:6]}"
+    client.create_registered_model(name)
+    client.create_model_version(name, source="file:///nonexistent/model", tags={
+        "lifecycle_run_id": parent, "candidate": "student", "gate.passed": "true",
+        "fork.parent_run_id": first["pretrain"], "fork.step": "10", "fork.from_run": parent_run_id})
+    tracking.end_run(parent, "FINISHED")
+    return run_id, {"parent": parent, "pretrain": pretrain, "parent_pretrain": first["pretrain"],
+                    "from_run": parent_run_id}
+
+
+def test_a_fork_s_curve_continues_its_parent_s_from_the_fork_step(forked_run, airflow_db):
+    from fastapi.testclient import TestClient
+
+    from llmops import run_page, run_summary
+
+    run_id, ids = forked_run
+    s = run_summary.collect(DAG_ID, run_id)
+    curve = s["curves"]["pretrain"]
+    fork = curve["fork"]
+    assert (fork["step"], fork["parent_run_id"], fork["parent"]) == (
+        10, ids["parent_pretrain"], ids["from_run"])
+    train, val = fork["segments"]["train"], fork["segments"]["val"]
+    # the parent's segment ends at the fork step (its steps 15, 20 and 30 are not this run's past)
+    assert train["parent"] == [[1.0, 5.7], [10.0, 5.5]] and val["parent"] == [[10.0, 5.38]]
+    # the fork's starts there, from the state it took over, then its own points
+    assert train["fork"] == [[10.0, 5.5], [11.0, 5.45], [20.0, 5.0], [30.0, 4.7]]
+    assert val["fork"] == [[10.0, 5.38], [20.0, 4.9], [30.0, 4.6]]
+    assert curve["train"][0] == [11.0, 5.45]  # the run's own curve stays its own
+    assert s["checkpoints"] == {"kept": [10, 20, 30], "count": 3, "keep_last": 2, "keep_every": 10,
+                                "mlflow_run_id": ids["pretrain"]}
+    assert s["gate"]["fork"] == {"parent_run_id": ids["parent_pretrain"], "step": "10",
+                                 "from_run": ids["from_run"]}
+
+    html = TestClient(run_page.make_app(authorize=lambda: None)).get(f"/runs/{DAG_ID}/{run_id}").text
+    series = {name: (first, last) for name, first, last in re.findall(
+        r'data-series="([^"]+)" data-first-step="([^"]*)" data-last-step="([^"]*)"', html)}
+    label = f"parent {ids['from_run']} to step 10"
+    assert series == {f"{label} · train": ("1.0", "10.0"), f"{label} · val": ("10.0", "10.0"),
+                      "this run · train": ("10.0", "30.0"), "this run · val": ("10.0", "30.0")}
+    assert f"forked from {ids['from_run']} at step 10" in html and 'data-mark-step="10.0"' in html
+    figures = _page_figures(html)
+    assert figures["pretrain.fork_step"] == "10" and figures["pretrain.kept_steps"] == "10,20,30"
+    assert "kept 3 checkpoints (the newest 2 plus every multiple of 10)" in html
+    assert 'data-key="pretrain.kept_steps" data-value="10,20,30">10, 20, 30</span>' in html
+    assert figures["gate.fork.from_run"] == ids["from_run"] and figures["gate.fork.step"] == "10"
+
+    # the parent's own page: one chart of its own curves, nothing kept recorded, no fork
+    parent_html = TestClient(run_page.make_app(authorize=lambda: None)).get(
+        f"/runs/{DAG_ID}/{ids['from_run']}").text
+    assert "this run · train" not in parent_html and "pretrain.kept_steps" not in parent_html
+    assert 'data-series="train" data-first-step="1.0" data-last-step="30.0"' in parent_html

@@ -14,7 +14,8 @@ not worse than the champion it would replace.
                      item-level score (GateConfig.exclude_contaminated), and more than
                      GateConfig.max_contaminated_share of them refuses every candidate.
     gate             registers the candidate as a model version with its lineage (data manifest,
-                     checkpoint, parent runs, evaluation run) and the gate's verdict as tags; it
+                     checkpoint, parent runs, evaluation run; for a fork, fork.parent_run_id,
+                     fork.step and fork.from_run) and the gate's verdict as tags; it
                      holds the alias `challenger` until crowned. A refused version keeps it, with
                      the reasons in the tag `gate.reasons`.
     crown            moves `champion` to a version that passed (after a human approval, when
@@ -257,6 +258,18 @@ def _register_once(client: Any, name: str, model_uri: str, lineage: dict[str, st
     return mlflow.register_model(model_uri, name, tags=lineage).version
 
 
+def fork_lineage(run: dict[str, Any]) -> dict[str, str]:
+    """For a run whose pretraining forked an earlier one's (Param fork_step): the parent
+    pretraining's MLflow run, the step, and the earlier DAG run, as the version's tags (the
+    same names as on the fork's MLflow run). Empty for a run that forked nothing."""
+    earlier = run.get("from_run") or {}
+    fork = earlier.get("fork")
+    if not fork:
+        return {}
+    return {"fork.parent_run_id": str(fork.get("parent_run_id") or ""), "fork.step": str(fork["step"]),
+            "fork.from_run": str(earlier.get("run_id") or "")}
+
+
 def gate(run: dict[str, Any], evaluation: dict[str, Any], data: dict[str, Any],
          candidates: tuple[str, ...] = ("teacher", "student")) -> dict[str, Any]:
     """Decide, register the chosen candidate (the preferred passing one, else the preferred one)
@@ -284,7 +297,8 @@ def gate(run: dict[str, Any], evaluation: dict[str, Any], data: dict[str, Any],
                "training_run_id": model.get("mlflow_run_id") or "",
                "evaluation_run_id": evaluation.get("mlflow_run_id", ""),
                "lifecycle_run_id": run["parent_run_id"],
-               **{f"lineage.{k}": str(v) for k, v in (model.get("lineage") or {}).items()}}
+               **{f"lineage.{k}": str(v) for k, v in (model.get("lineage") or {}).items()},
+               **fork_lineage(run)}
     client = tracking.client()
     name = run["model_name"]
     same = registered_with_content(client, name, lineage.get("lineage.content_sha256", ""))

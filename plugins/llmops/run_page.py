@@ -87,13 +87,37 @@ def _ticks(lo: float, hi: float, n: int = 5) -> list[float]:
     return [start + i * step for i in range(int((hi - start) / step + 1e-9) + 1)]
 
 
+def _legend_rows(names: list[str], width: int, left: int) -> list[list[tuple[str, float]]]:
+    """Long legend labels in rows under the chart: [(name, x)] per row, wrapped at `width`."""
+    rows: list[list[tuple[str, float]]] = [[]]
+    x = float(left)
+    for name in names:
+        w = 14 + 6.5 * len(name) + 16
+        if rows[-1] and x + w > width:
+            rows.append([])
+            x = float(left)
+        rows[-1].append((name, x))
+        x += w
+    return rows
+
+
 def line_chart(series: dict[str, list[list[float]]], *, title: str, x_label: str = "step",
-               y_label: str = "loss", width: int = 460, height: int = 260) -> str:
-    """Lines (with a dot per point) sharing one pair of axes, and a legend."""
+               y_label: str = "loss", width: int = 460, height: int = 260,
+               style: dict[str, tuple[str, bool]] | None = None,
+               marks: dict[float, str] | None = None) -> str:
+    """Lines (with a dot per point) sharing one pair of axes, and a legend. `style` gives a
+    series its colour and whether it is dashed; `marks` draws a labelled vertical line at a
+    step. Each series is a <g data-series data-first-step data-last-step> for machines."""
     points = [p for pts in series.values() for p in pts]
     if not points:
         return f'<div class="empty">{_e(title)}: no points logged</div>'
+    style, marks = style or {}, marks or {}
     left, right, top, bottom = 56, 12, 28, 40
+    # short labels sit on the title's line; long ones in rows under the chart
+    legend = _legend_rows(list(series), width - right, left) \
+        if any(len(name) > 8 for name in series) else None
+    extra = 18 * len(legend) if legend else 0
+    height += extra
     xs, ys = [p[0] for p in points], [p[1] for p in points]
     x0, x1 = min(xs), max(xs)
     y0, y1 = min(ys), max(ys)
@@ -101,7 +125,7 @@ def line_chart(series: dict[str, list[list[float]]], *, title: str, x_label: str
     y0, y1 = y0 - pad, y1 + pad
     if x1 == x0:
         x0, x1 = x0 - 1, x1 + 1
-    pw, ph = width - left - right, height - top - bottom
+    pw, ph = width - left - right, height - top - bottom - extra
 
     def sx(x: float) -> float:
         return left + (x - x0) / (x1 - x0) * pw
@@ -118,18 +142,30 @@ def line_chart(series: dict[str, list[list[float]]], *, title: str, x_label: str
     for t in _ticks(x0, x1):
         out.append(f'<text x="{sx(t):.1f}" y="{top + ph + 16}" class="tick" text-anchor="middle">{t:g}</text>')
     out.append(f'<rect x="{left}" y="{top}" width="{pw}" height="{ph}" class="frame"/>')
-    out.append(f'<text x="{left + pw / 2}" y="{height - 6}" class="axis" text-anchor="middle">{_e(x_label)}</text>')
+    out.append(f'<text x="{left + pw / 2}" y="{height - 6 - extra}" class="axis" text-anchor="middle">{_e(x_label)}</text>')
     out.append(f'<text transform="translate(14 {top + ph / 2}) rotate(-90)" class="axis" '
                f'text-anchor="middle">{_e(y_label)}</text>')
+    for step, label in marks.items():
+        if x0 <= step <= x1:
+            out.append(f'<line x1="{sx(step):.1f}" x2="{sx(step):.1f}" y1="{top}" y2="{top + ph}" '
+                       f'class="mark" data-mark-step="{_e(_raw(step))}"/>'
+                       f'<text x="{sx(step) + 3:.1f}" y="{top + 11}" class="tick">{_e(label)}</text>')
+    at = {name: (x, top + ph + bottom + 12 + 18 * r) for r, row in enumerate(legend or []) for name, x in row}
     for i, (name, pts) in enumerate(series.items()):
-        colour = PALETTE[i % len(PALETTE)]
+        colour, dashed = style.get(name, (PALETTE[i % len(PALETTE)], False))
         path = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in pts)
+        first, last = (_raw(pts[0][0]), _raw(pts[-1][0])) if pts else ("", "")
+        out.append(f'<g class="series" data-series="{_e(name)}" data-first-step="{_e(first)}" '
+                   f'data-last-step="{_e(last)}">')
         if len(pts) > 1:
-            out.append(f'<polyline points="{path}" fill="none" stroke="{colour}" stroke-width="2"/>')
+            dash = ' stroke-dasharray="6 4"' if dashed else ""
+            out.append(f'<polyline points="{path}" fill="none" stroke="{colour}" stroke-width="2"{dash}/>')
         out += [f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="2.5" fill="{colour}"/>' for x, y in pts]
-        lx = width - right - 70 * (len(series) - i)  # the legend sits on the title's line
-        out.append(f'<rect x="{lx}" y="7" width="10" height="10" fill="{colour}"/>'
-                   f'<text x="{lx + 14}" y="16" class="legend">{_e(name)}</text>')
+        lx, ly = at.get(name, (width - right - 70 * (len(series) - i), 16))  # on the title's line
+        swatch = (f'<line x1="{lx}" x2="{lx + 11}" y1="{ly - 4}" y2="{ly - 4}" stroke="{colour}" '
+                  f'stroke-width="2" stroke-dasharray="3 2"/>') if dashed else \
+            f'<rect x="{lx}" y="{ly - 9}" width="10" height="10" fill="{colour}"/>'
+        out.append(f'{swatch}<text x="{lx + 14}" y="{ly}" class="legend">{_e(name)}</text></g>')
     out.append("</svg>")
     return "".join(out)
 
@@ -187,6 +223,51 @@ def timeline_chart(stages: list[dict[str, Any]], *, width: int = 940) -> str:
     return "".join(out)
 
 
+def fork_series(fork: dict[str, Any]) -> tuple[dict[str, list[list[float]]], dict[str, tuple[str, bool]]]:
+    """A fork's curves as chart series: its parent's up to the fork step (dashed), this run's
+    from that step on; train in one colour, val in another."""
+    parent = f"parent {fork['parent']} to step {fork['step']}"
+    series: dict[str, list[list[float]]] = {}
+    style: dict[str, tuple[str, bool]] = {}
+    for who, label, dashed in (("parent", parent, True), ("fork", "this run", False)):
+        for i, name in enumerate(("train", "val")):
+            points = (fork["segments"].get(name) or {}).get(who) or []
+            if points:
+                series[f"{label} · {name}"] = points
+                style[f"{label} · {name}"] = (PALETTE[i], dashed)
+    return series, style
+
+
+def fork_chart(stage: str, curve: dict[str, Any]) -> str:
+    """One chart: the parent's loss to the fork step, and this run's continuing from it."""
+    fork = curve["fork"]
+    series, style = fork_series(fork)
+    if not series:  # the parent is gone from MLflow: this run's own curves, said so
+        series = {"this run · train": curve["train"], "this run · val": curve["val"]}
+    title = f"{stage}: loss, forked from {fork['parent']} at step {fork['step']}"
+    return (f'<div class="fork" data-key="{_e(stage)}.fork_step" data-value="{_e(fork["step"])}" '
+            f'data-parent-run-id="{_e(fork["parent_run_id"])}">'
+            + line_chart(series, title=title, width=620, style=style,
+                         marks={float(fork["step"]): f"fork at step {fork['step']}"}) + "</div>")
+
+
+def kept_checkpoints(checkpoints: dict[str, Any] | None) -> str:
+    """The pretraining's kept checkpoint steps (what a fork or a rollback can start from), with
+    the retention policy that kept them."""
+    if not checkpoints:
+        return ""
+    kept, keep_last, every = checkpoints["kept"], checkpoints["keep_last"], checkpoints["keep_every"]
+    policy = " plus ".join(([f"the newest {keep_last}"] if keep_last else [])
+                           + ([f"every multiple of {every}"] if every else []))
+    more = checkpoints["count"] - len(kept)
+    listed = ", ".join(map(str, kept)) or "none"
+    return (f'<p class="kept">Pretraining kept {checkpoints["count"]} checkpoint'
+            f'{"" if checkpoints["count"] == 1 else "s"}{f" ({policy})" if policy else ""}, '
+            f'to fork or roll back from: steps {"… " if more > 0 else ""}'
+            f'{figure("pretrain.kept_steps", ",".join(map(str, kept)), shown=listed)}'
+            f'{f" (the {more} oldest not listed)" if more > 0 else ""}.</p>')
+
+
 # -- the page ---------------------------------------------------------------------------------
 
 CSS = """
@@ -207,6 +288,7 @@ table.stages td:nth-child(-n+3),table.stages th:nth-child(-n+3){text-align:left}
 .charts{display:flex;flex-wrap:wrap;gap:16px} .chart .title{font-weight:600;font-size:13px}
 .chart .tick{font-size:11px;fill:#4a5568} .chart .axis{font-size:11px;fill:#4a5568}
 .chart .legend{font-size:11px} .chart .grid{stroke:#edf2f7} .chart .frame{fill:none;stroke:#cbd5e0}
+.chart .mark{stroke:#718096;stroke-dasharray:3 3}
 .empty{color:#718096;font-style:italic;padding:6px 0}
 .passed{color:#276749;font-weight:600} .refused{color:#c53030;font-weight:600}
 .state-FINISHED{color:#276749} .state-FAILED{color:#c53030} .state-RUNNING{color:#2b6cb0}
@@ -309,14 +391,16 @@ def render(summary: dict[str, Any], airflow: dict[str, Any] | None = None) -> st
     else:
         body.append('<div class="empty">no trials yet</div>')
 
-    # training curves
+    # training curves; a fork's continues its parent's
     body.append("<h2>Training</h2>")
     if s["curves"]:
         body.append('<div class="charts">' + "".join(
+            fork_chart(stage, c) if c.get("fork") else
             line_chart({"train": c["train"], "val": c["val"]}, title=f"{stage}: loss")
             for stage, c in s["curves"].items()) + "</div>")
     else:
         body.append('<div class="empty">no training stage has logged yet</div>')
+    body.append(kept_checkpoints(s.get("checkpoints")))
 
     # goodput
     body.append("<h2>Pretraining goodput</h2>")
@@ -355,6 +439,9 @@ def render(summary: dict[str, Any], airflow: dict[str, Any] | None = None) -> st
             ["aliases", _e(", ".join(gate.get("aliases") or []) or "none")],
             ["reasons", _e(gate.get("reasons") or "none")],
             ["compared to", _e(gate.get("compared_to") or "–")],
+            *([["forked from", f"run {figure('gate.fork.from_run', gate['fork'].get('from_run'))} "
+                               f"at step {figure('gate.fork.step', gate['fork'].get('step'))}"]]
+              if (gate.get("fork") or {}).get("step") else []),
             # paired against the champion: difference [interval] items p policy: verdict
             *[[f"paired: {_e(metric)}", figure(f"gate.paired.{metric}", verdict)]
               for metric, verdict in (gate.get("paired") or {}).items()]], "gate"))

@@ -3,7 +3,9 @@
     collect(dag_id, run_id)   the parent run (tags kind/dag_id/run_id) and its child runs ->
                               a plain dict: stage timeline, loss curves per training stage, the
                               sweep's trials, goodput and its badput buckets, data prep counts
-                              and drop reasons, the evaluation table, the gate and the version
+                              and drop reasons, the evaluation table, the gate and the version;
+                              for a forked pretraining its parent's curve up to the fork step,
+                              and the checkpoint steps the pretraining kept
     headline(summary)         the few figures a reader wants first (`summary/*` metrics)
     note_line(summary)        one line for the Airflow DAG run's note
     publish(dag_id, run_id)   headline metrics + summary.json + summary.md on the parent run
@@ -110,6 +112,59 @@ def _history(client: Any, run: Any, name: str) -> list[list[float]]:
     return [[float(step), float(value)] for step, value in sorted(points.items())]
 
 
+def _source(client: Any, run: Any) -> Any:
+    """The run that computed `run`'s outputs: itself, or for a reused stage the job's run
+    (`cached_from`), whose tags say what that job did (its fork, the checkpoints it kept)."""
+    source = run.data.tags.get("cached_from")
+    return client.get_run(source) if source and source != run.info.run_id else run
+
+
+def _fork(client: Any, run: Any, curve: dict[str, Any]) -> dict[str, Any] | None:
+    """A forked training stage (tags fork.parent_run_id, fork.step; tasks/train/fork.py): its
+    parent's curves up to the fork step, and its own from there, the parent's point at the fork
+    step first where the fork logged none (at that step the fork's state is the parent's)."""
+    tags = _source(client, run).data.tags
+    parent_id, step = tags.get("fork.parent_run_id"), tags.get("fork.step")
+    if not parent_id or step in (None, ""):
+        return None
+    from mlflow.exceptions import MlflowException
+
+    step_f = float(step)
+    try:
+        parent = client.get_run(parent_id)
+    except MlflowException:  # a parent deleted from MLflow: the fork's own curve only
+        log.warning("the fork's parent run %s is not in MLflow", parent_id)
+        return {"step": int(step_f), "parent_run_id": parent_id, "parent": parent_id,
+                "segments": {}}
+    segments: dict[str, dict[str, list[list[float]]]] = {}
+    for name in ("train", "val"):
+        before = [p for p in _history(client, parent, f"{name}_loss") if p[0] <= step_f]
+        after = [p for p in curve[name] if p[0] >= step_f]
+        if before and (not after or after[0][0] > step_f):
+            after = [before[-1]] + after
+        segments[name] = {"parent": before, "fork": after}
+    return {"step": int(step_f), "parent_run_id": parent_id,
+            "parent": parent.data.tags.get("run_id") or parent_id, "segments": segments}
+
+
+def _checkpoints(client: Any, run: Any) -> dict[str, Any] | None:
+    """The checkpoint steps a training job kept (tag checkpoints.kept, tasks/pretrain.py) and
+    the retention policy that chose them (its params keep_checkpoints, keep_every)."""
+    source = _source(client, run)
+    tags, params = source.data.tags, source.data.params
+    if "checkpoints.kept" not in tags:
+        return None
+    kept = [int(s) for s in tags["checkpoints.kept"].split(",") if s.strip()]
+    count = tags.get("checkpoints.kept_count", "")
+
+    def number(name: str) -> int | None:
+        return int(params[name]) if str(params.get(name, "")).isdigit() else None
+
+    return {"kept": kept, "count": int(count) if count.isdigit() else len(kept),
+            "keep_last": number("keep_checkpoints"), "keep_every": number("keep_every"),
+            "mlflow_run_id": source.info.run_id}
+
+
 def _finite(value: float | None) -> float | None:
     return value if value is not None and math.isfinite(value) else None
 
@@ -179,7 +234,10 @@ def _gate(client: Any, parent: Any) -> dict[str, Any]:
                 reasons=mv.tags.get("gate.reasons"), compared_to=mv.tags.get("gate.compared_to"),
                 aliases=sorted(aliases),
                 paired={k.removeprefix("gate.paired."): v for k, v in sorted(mv.tags.items())
-                        if k.startswith("gate.paired.")})
+                        if k.startswith("gate.paired.")},
+                # lineage of a version whose pretraining forked another's (llmops.promotion)
+                fork={k.removeprefix("fork."): v for k, v in sorted(mv.tags.items())
+                      if k.startswith("fork.")})
     if gate["outcome"] is None and "gate.passed" in mv.tags:
         gate["outcome"] = "passed" if mv.tags["gate.passed"] == "true" else "refused"
     return gate
@@ -204,6 +262,9 @@ def collect(dag_id: str, run_id: str, client: Any = None) -> dict[str, Any] | No
             curves[stage] = {"train": _history(client, run, "train_loss"),
                              "val": _history(client, run, "val_loss"),
                              "mlflow_run_id": run.info.run_id}
+            fork = _fork(client, run, curves[stage])
+            if fork:
+                curves[stage]["fork"] = fork
     trials = sorted(({**_trial(r), "curve": _history(client, r, "val_loss")}
                      for r in by_stage.get("sweep", [])),
                     key=lambda t: (t["number"] is None, t["number"] or 0))
@@ -228,6 +289,7 @@ def collect(dag_id: str, run_id: str, client: Any = None) -> dict[str, Any] | No
         "duration_s": _seconds(parent.info.start_time, parent.info.end_time),
         "stages": stages, "curves": curves, "trials": trials, "sweep": sweep,
         "goodput": _goodput(pretrain[0]) if pretrain else None, "data": data,
+        "checkpoints": _checkpoints(client, pretrain[0]) if pretrain else None,
         "evaluation": evaluation, "gate": _gate(client, parent),
     }
     summary["headline"] = headline(summary)

@@ -38,6 +38,13 @@ def summarize(dag_id: str) -> str:
             figures = ", ".join(f"{k}={v:.4g}" for k, v in sorted(shown.items()))
             lines.append(f"  {stage:<10} {run.data.tags.get('task_id', ''):<14} "
                          f"{run.info.status:<9} {figures}")
+            tags = run.data.tags
+            if tags.get("fork.step"):   # tasks/train/fork.py
+                lines.append(f"  {'':<10} forked from MLflow run {tags.get('fork.parent_run_id')} "
+                             f"at step {tags['fork.step']}")
+            if tags.get("checkpoints.kept"):   # tasks/pretrain.py: what the retention policy left
+                lines.append(f"  {'':<10} kept checkpoints: steps "
+                             f"{tags['checkpoints.kept'].replace(',', ', ')}")
     champion = parent.data.tags.get("champion")
     if champion:
         name, version = champion.rsplit("/", 1)
