@@ -757,6 +757,30 @@ def test_a_later_try_reattaches_through_the_task_state_store(use_backend, clock)
     assert "line-0" not in job_lines(retry.log)
 
 
+@pytest.mark.parametrize("recorded_status, defers", [(SUCCEEDED, False), (RUNNING, True)])
+def test_a_deferrable_retry_finishes_a_job_that_already_succeeded_in_the_worker(use_backend, clock,
+                                                                                recorded_status, defers):
+    """A retry that reattaches to a job already ended does not defer: its trigger would fire at
+    once, and Airflow's scheduler can take the deferring try's late exit for an external kill of
+    the resumed task (apache/airflow#67287; the fault matrix's killed-worker row lost a
+    succeeded job's result to it). A job still running defers as before."""
+    from airflow.sdk.exceptions import TaskDeferred
+
+    backend = use_backend(ScriptedBackend([recorded_status]))
+    store = FakeStore()
+    name = name_for(operator(), FakeTI())
+    store.data["llmops_job"] = {"name": name, "try_number": 1,
+                                "handle": {"backend": "fake", "name": name}}
+    retry = operator(deferrable=True)
+    if defers:
+        with pytest.raises(TaskDeferred):
+            retry.execute(context(FakeTI(try_number=2), store))
+    else:
+        result = retry.execute(context(FakeTI(try_number=2), store))
+        assert result["job_name"] == name and result["metrics"] == {"answer": 42}
+    assert backend.submits == 0
+
+
 @pytest.mark.parametrize("recorded_status, recorded_name_matches, submits", [
     (FAILED, True, 1),          # the recorded job failed: a new attempt is submitted
     (RUNNING, False, 1),        # the spec changed since: a new job

@@ -15,7 +15,7 @@ from typing import Any
 from airflow.sdk import conf
 from airflow.sdk.exceptions import AirflowException
 
-from llmops.jobs import env_secrets
+from llmops.jobs import continuation, env_secrets
 from llmops.jobs.backends import Backend, JobState, JobStatus
 from llmops.jobs.errors import Backoff
 from llmops.jobs.spec import JobSpec
@@ -78,7 +78,28 @@ class JobWait:
         return 0.0 if handle.get("backend") in WORKER_BACKENDS else float(DEFAULT_GRACE_SECONDS)
 
     def _defers(self, spec: JobSpec) -> bool:
-        return self._defers_backend(spec.backend)
+        return self._defers_backend(spec.backend) and not self._reattached_to_ended_job(spec)
+
+    def _reattached_to_ended_job(self, spec: JobSpec) -> bool:
+        """Whether this try reattached to a job that has already ended. Such a job is finished
+        here, in the worker: deferred, its trigger would fire within seconds, and Airflow's
+        scheduler (3.3.2 and MWAA's 3.3.1) can then read the deferring try's late exit report as
+        an external kill of the resumed task and fail or retry it though the job succeeded
+        (apache/airflow#66374, #67287, #72716; the fault matrix's killed-worker row met it)."""
+        handle = self._handle or {}
+        if not handle.get("reattached"):
+            return False
+        try:
+            status = self._backend(spec.backend).status(handle)
+        except Exception:  # noqa: BLE001 - unread now: defer as usual, the trigger reads it again
+            return False
+        # An end the chain goes on from (MaxRuntime, a lost host) still defers: its next attempt
+        # is waited for in the triggerer.
+        if not status.state.terminal or continuation.reason(status) is not None:
+            return False
+        self.log.info("Job %s has already ended (%s): finishing here rather than in the triggerer",
+                      spec.name, status.state.value)
+        return True
 
     def _defers_backend(self, backend: str) -> bool:
         if self.deferrable is not None:
