@@ -9,7 +9,7 @@ normally (the plugins folder is on sys.path) and its plugins are registered here
 
 from airflow.plugins_manager import AirflowPlugin
 
-from llmops import run_note, run_page
+from llmops import pause_api, run_note, run_page
 from llmops.sweep import pool as sweep_pool
 
 
@@ -29,3 +29,12 @@ class RunPagePlugin(AirflowPlugin):
     external_views = [{"name": "LLM run", "href": run_page.RUN_PAGE_HREF, "destination": "dag_run",
                        "url_route": "llm-run"}]
     listeners = [run_note] if run_note.hookimpl is not None else []
+
+
+class PausePlugin(AirflowPlugin):
+    """Pause a running pretraining from the UI: the pretrain task's link "Pause pretraining" opens
+    a page of this app (mounted under /llmops-pause), whose button writes the job's PAUSE marker."""
+
+    name = "llmops_pause"
+    fastapi_apps = [{"app": pause_api.app, "url_prefix": pause_api.URL_PREFIX,
+                     "name": "llmops pause pretraining"}]

@@ -159,4 +159,5 @@ print(json.dumps({"plugins": [p.name for p in plugins], "errors": errors,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert report == {"plugins": ["llmops_sweep_pool", "llmops_run_page"], "errors": {}, "shadowed": []}
+    assert report == {"plugins": ["llmops_sweep_pool", "llmops_run_page", "llmops_pause"], "errors": {},
+                      "shadowed": []}

@@ -50,9 +50,9 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("llmops.stages", ("llmops.lifecycle", "llmops.retraining", "llmops.reuse", "llmops.replay",
                        "llmops.run_summary", "llmops.summary", "llmops.sweep.stage",
                        "llmops.sweep.ladder", "llmops.sweep.tuning")),
-    # Airflow's side: operators, triggers, the run page and note, the sweep's pool
+    # Airflow's side: operators, triggers, the run page and note, the pause page, the sweep's pool
     ("llmops.airflow", ("llmops.operators", "llmops.triggers", "llmops.run_note", "llmops.run_page",
-                        "llmops.sweep.trial_operator", "llmops.sweep.pool")),
+                        "llmops.pause_api", "llmops.sweep.trial_operator", "llmops.sweep.pool")),
     # wiring only
     ("dags", ("dags", "scripts")),
 ]

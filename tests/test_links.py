@@ -112,7 +112,7 @@ def test_every_job_task_has_the_links():
 
     names = {link.name for link in JobOperator.operator_extra_links}
     assert names == {"MLflow run", "SageMaker job", "CloudWatch logs", "Batch job",
-                     "HyperPod (EKS) workload", "Ray job"}
+                     "HyperPod (EKS) workload", "Ray job", "Pause pretraining"}
     assert TrialOperator.operator_extra_links == JobOperator.operator_extra_links
 
 

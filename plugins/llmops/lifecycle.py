@@ -20,7 +20,7 @@ from llmops import params as lifecycle_params
 from llmops import model_refs, promotion
 from llmops import reuse, settings, step_cache, teams, tracking
 from llmops.jobs.backends import settings as backend_settings
-from llmops.jobs.spec import JobSpec
+from llmops.jobs.spec import JobSpec, NothingToRun
 # the path checks start_run makes, named here too for the DAGs and scripts that call them
 from llmops.paths import LifecycleParamError, check_data_path, check_storage_root  # noqa: F401
 from llmops.sweep import budget as sweep_budget
@@ -437,7 +437,9 @@ def teacher_cache_spec(run: dict[str, Any], data: dict[str, Any], teacher: dict[
 def given_base(run: dict[str, Any]) -> dict[str, Any]:
     """The run's base_model Param, shaped like the pretraining stage's result."""
     if not run.get("base_model"):
-        raise ValueError("pretraining produced no model and the run names no base_model.")
+        # pretraining was skipped or paused on request (its task's log says at which step)
+        raise NothingToRun("pretraining produced no model (it was paused or skipped: see the "
+                           "pretrain task's log) and the run names no base_model.")
     return {"outputs": {"model_dir": run["base_model"]}, "mlflow_run_id": "",
             "content_hashes": {"model_dir": run.get("base_model_hash", "")}}
 

@@ -24,6 +24,11 @@ class JobSpecError(ValueError):
     """The spec is invalid; the message names the field."""
 
 
+class NothingToRun(ValueError):
+    """A build_spec has no job to build (say, the model it would train was never made because
+    pretraining paused): JobOperator ends the task skipped with this message."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class JobSpec:
     stage: str                                   # data_prep, sweep, pretrain, finetune, distill, evaluate

@@ -15,12 +15,13 @@ import time
 from typing import Any, Callable
 
 from airflow.sdk import BaseOperator
-from airflow.sdk.exceptions import AirflowException, AirflowFailException, AirflowTaskTimeout
+from airflow.sdk.exceptions import (AirflowException, AirflowFailException, AirflowSkipException,
+                                    AirflowTaskTimeout)
 
 from llmops import ledger, tracking
 from llmops.jobs import continuation, env_secrets
 from llmops.jobs.backends import Backend, JobState, JobStatus, get_backend
-from llmops.jobs.spec import JobSpec, JobSpecError
+from llmops.jobs.spec import JobSpec, JobSpecError, NothingToRun
 from llmops.jobs.watch import JobWatch, call_with_retries
 from llmops.operators import links
 from llmops.operators.job_books import JobBooks
@@ -28,6 +29,7 @@ from llmops.operators.job_cache import JobCache
 from llmops.operators.job_chain import (DEFAULT_MAX_STALLED_ATTEMPTS, LOG_TAIL_LINES, JobChain,
                                         max_stalled_attempts_setting)
 from llmops.operators.job_identity import NOT_IDENTITY, JobIdentity, job_identity
+from llmops.operators.job_pause import JobPause, paused
 from llmops.operators.job_wait import (CHECKPOINT_SECONDS, DEFAULT_GRACE_SECONDS, STATE_KEY,
                                        STATE_LOOKUP_SECONDS, WORKER_BACKENDS, JobWait)
 from llmops.triggers.job import JobTrigger
@@ -46,7 +48,7 @@ NOT_ENDED_BY_USER = frozenset({"running", "queued", "scheduled", "deferred", "up
 CLEARED = frozenset({"restarting", None})
 
 
-class JobOperator(JobCache, JobChain, JobWait, JobBooks, BaseOperator):
+class JobOperator(JobCache, JobChain, JobWait, JobBooks, JobPause, BaseOperator):
     """Run one job and return its result (metrics, output URIs, MLflow run id) as the XCom.
 
     Give either `spec` (a JobSpec or its dict) or `build_spec(**op_kwargs)`, which builds the spec
@@ -75,6 +77,10 @@ class JobOperator(JobCache, JobChain, JobWait, JobBooks, BaseOperator):
     to the triggerer, so a days-long job holds no worker slot; local jobs run on the worker and are
     waited for there. True/False decide for every backend; `[llmops] defer_remote_jobs = False`
     turns the default off for a deployment without a triggerer.
+
+    **A job that paused on request** (its PAUSE marker: tasks/train/pause.py, written from the
+    "Pause pretraining" link, llmops.pause_api) ends the task skipped, its log saying "paused at
+    step N" and how to resume; no retry, no further attempt (llmops.operators.job_pause).
 
     **When the job is stopped.** Only when its deadline passes (`max_run_seconds` plus
     `deadline_grace_seconds` from when it started running: time queued does not count), when it
@@ -182,7 +188,7 @@ class JobOperator(JobCache, JobChain, JobWait, JobBooks, BaseOperator):
         """Record the job's start, then wait for it here or defer to the triggerer."""
         self._chain["since"] = self._chain.get("since") or record.get("submitted_at") or time.time()
         self._record_start(backend, spec, record, event)
-        self._push_links(self._run_id)
+        self._push_links(self._run_id, self._pause_links(spec))
         watch_kwargs = {"poll_interval": self._poll_interval(backend),
                         "max_run_seconds": spec.max_run_seconds,
                         "grace_seconds": self._grace_seconds(),
@@ -268,6 +274,8 @@ class JobOperator(JobCache, JobChain, JobWait, JobBooks, BaseOperator):
             raw = self.spec if self.build_spec is None else self.build_spec(**self.op_kwargs)
             spec = raw if isinstance(raw, JobSpec) else JobSpec.from_dict(raw)
             backend = get_backend(spec.backend)
+        except NothingToRun as exc:
+            raise AirflowSkipException(f"{self.task_id}: {exc}") from None
         except (JobSpecError, ValueError) as exc:
             raise AirflowFailException(f"Invalid job spec for task {self.task_id}: {exc}") from exc
         ti = context["ti"]
@@ -361,6 +369,10 @@ class JobOperator(JobCache, JobChain, JobWait, JobBooks, BaseOperator):
                           ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                                     for k, v in sorted(metrics.items())))
             return result
+        was_paused, step = paused(status)
+        if was_paused and not self._job_stopped:
+            # paused on request (tasks/train/pause.py): skipped, no retry, no further attempt
+            self._end_paused(context, stage, name, step)
         if why:
             if not stop:
                 return self._continue(context, status, why)

@@ -47,9 +47,9 @@ class JobBooks:
             ledger.record_job("ended", {**self._ledger_job, "try_number": int(self._ti.try_number)},
                               **ledger.end_fields(status, self._started_at))
 
-    def _push_links(self, mlflow_run_id: str) -> None:
-        """The task's extra links, as soon as the job's handle is known (links.py); the MLflow
-        run's URL also goes to the task log."""
+    def _push_links(self, mlflow_run_id: str, extra: dict[str, str] | None = None) -> None:
+        """The task's extra links, as soon as the job's handle is known (links.py), with `extra`
+        ({link name: URL}); the MLflow run's URL also goes to the task log."""
         mlflow_run = ""
         if mlflow_run_id:
             try:
@@ -58,7 +58,8 @@ class JobBooks:
             except Exception as exc:  # noqa: BLE001 - a link is never worth failing the task
                 self.log.warning("Could not build the MLflow run's URL: %s", exc)
         try:
-            links.push_links(self._ti, links.links_for(self._handle or {}, mlflow_run))
+            links.push_links(self._ti, {**links.links_for(self._handle or {}, mlflow_run),
+                                       **(extra or {})})
         except Exception as exc:  # noqa: BLE001
             self.log.warning("Could not store the task's links: %s", exc)
 

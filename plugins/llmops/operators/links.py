@@ -1,5 +1,5 @@
 """Buttons on a job task's page: its MLflow run, and where its job runs and logs (the SageMaker,
-Batch, EKS and CloudWatch consoles, the Ray dashboard).
+Batch, EKS and CloudWatch consoles, the Ray dashboard); on the pretrain task, "Pause pretraining".
 
 How Airflow 3 shows an extra link: the serialized DAG keeps only each link's name and `xcom_key`,
 and the API server shows the XCom stored under that key (it never runs `get_link`). The worker
@@ -73,8 +73,15 @@ class RayJobLink(_JobLink):
     name = "Ray job"
 
 
+class PausePretrainingLink(_JobLink):
+    """The lifecycle's pretrain task only: its run's pause page (llmops.pause_api)."""
+
+    name = "Pause pretraining"
+
+
 JOB_LINKS: tuple[_JobLink, ...] = (MLflowRunLink(), SageMakerJobLink(), CloudWatchLogsLink(),
-                                   BatchJobLink(), EksWorkloadLink(), RayJobLink())
+                                   BatchJobLink(), EksWorkloadLink(), RayJobLink(),
+                                   PausePretrainingLink())
 
 
 # -- the URLs --------------------------------------------------------------------------------------

@@ -144,7 +144,15 @@ class LocalBackend(Backend):
             if code == 0:
                 return JobStatus(JobState.FAILED, "the job exited 0 but wrote no result.json",
                                  details=times)
+            # A pretraining paused on request (tasks/train/pause.py) exits non-zero with a result
+            # saying so (77 from its rank 0; under torchrun, torchrun's own code): pass it on.
+            try:
+                paused = json.loads(result_file.read_text()) if result_file.exists() else {}
+            except ValueError:   # a failed job's half-written result: not a pause
+                paused = {}
             return JobStatus(JobState.FAILED, f"the job exited with code {code}",
+                             result=paused if isinstance(paused, dict) and paused.get("paused")
+                             else None,
                              details={"exit_code": code, **times})
         if not runner.exists():
             return JobStatus(JobState.PENDING, "not started")
