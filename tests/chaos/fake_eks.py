@@ -42,8 +42,12 @@ operators and HyperPod's elastic agent:
   ..., N more needed") and the job has the training operator's Suspended condition
   ("PyTorchJob <name> is suspended."); no pod exists and startTime is unset. On admission
   (QuotaReserved and Admitted True) Kueue clears suspend; the operator marks the job resumed,
-  sets startTime then, and starts its pods. Not simulated: a job without a queue name waiting
-  for nodes (its pods Pending, Unschedulable), preemption.
+  sets startTime then, and starts its pods. Not simulated: preemption.
+- Nodes (`hold_nodes(seconds)`: jobs without a queue name created from then on wait that long;
+  0: none): the job's pods are listed Pending, each with the scheduler's condition PodScheduled
+  False, reason Unschedulable, message "0/<n> nodes are available: <n> Insufficient <resource>.
+  preemption: ..."; no process runs, their logs answer 400 (waiting to start), the job keeps
+  only its Created condition and no startTime. Then the pods start as at create.
 - Lost responses (`lose_responses(method, count)`): the next `count` calls of `method` (e.g.
   `create_namespaced_custom_object`) take effect, then raise what the kubernetes client raises
   when the connection drops before the answer (urllib3's ProtocolError "Connection aborted.",
@@ -132,6 +136,7 @@ class Job:
         self.lost = threading.Event()
         self.created_at = time.time()
         self.admit_at = self.created_at      # Kueue admits it then (a capacity hold: later)
+        self.schedule_at: float | None = None   # its pods wait for nodes until then (hold_nodes)
         self.workload: dict[str, Any] | None = None
         meta = self.body["metadata"]
         meta.update(uid=str(uuid.uuid4()), creationTimestamp=_now())
@@ -189,6 +194,7 @@ class FakeEks:
         self.injections: list[dict[str, Any]] = []   # every answer lost
         self.history: list[Job] = []             # every job created, deleted ones too
         self.capacity_wait_seconds = 0.0         # Kueue holds jobs created from now on this long
+        self.node_wait_seconds = 0.0             # ... and the scheduler those without a queue
         self.bin = self.workdir / "bin"
         self.bin.mkdir(parents=True, exist_ok=True)
         agent = self.bin / "hyperpodrun"   # HyperPod's elastic agent, simulated by torchrun
@@ -230,6 +236,8 @@ class FakeEks:
                 self.history.append(job)
                 if QUEUE_LABEL in job.body["metadata"].get("labels", {}):
                     self._enqueue(job)
+                elif self.node_wait_seconds > 0:
+                    job.schedule_at = job.created_at + self.node_wait_seconds
                 else:
                     self._start_pods(job)
                 threading.Thread(target=self._watch, args=(job,), daemon=True,
@@ -250,12 +258,15 @@ class FakeEks:
                                   and (not label or j.workload["metadata"]["labels"].get(label) == value)]}
             if method == "list_namespaced_pod":
                 label, _, value = kw["label_selector"].partition("=")
-                pods = [p for (ns, _), j in self.jobs.items()
-                        if ns == kw["namespace"] and label == "llmops/job" and j.name == value
-                        for p in j.pods]
+                jobs = [j for (ns, _), j in self.jobs.items()
+                        if ns == kw["namespace"] and label == "llmops/job" and j.name == value]
                 return SimpleNamespace(items=[SimpleNamespace(metadata=SimpleNamespace(name=p.name))
-                                              for p in pods])
+                                              for j in jobs for p in j.pods]
+                                       + [p for j in jobs for p in self._unscheduled(j)])
             if method == "read_namespaced_pod_log":
+                if any(kw["name"] == p.metadata.name for j in self.jobs.values()
+                       for p in self._unscheduled(j)):
+                    raise ApiError(400)   # container "..." in pod "..." is waiting to start
                 pod = next((p for j in self.jobs.values() for p in j.pods if p.name == kw["name"]), None)
                 if pod is None:
                     raise ApiError(404)
@@ -273,6 +284,12 @@ class FakeEks:
         """Kueue admits the queued jobs created from now on only after `seconds` (0: at once)."""
         with self.lock:
             self.capacity_wait_seconds = float(seconds)
+
+    def hold_nodes(self, seconds: float) -> None:
+        """Jobs without a queue name created from now on have their pods Pending, unschedulable,
+        for `seconds` (0: scheduled at once)."""
+        with self.lock:
+            self.node_wait_seconds = float(seconds)
 
     def report(self) -> dict[str, Any]:
         """The simulator's record: every job (created_at, started_at, ended_at, status, reason,
@@ -403,6 +420,22 @@ class FakeEks:
             job.pods = pods
         job.condition("Running", startTime=job.body.get("status", {}).get("startTime") or _now())
 
+    def _unscheduled(self, job: Job) -> list[SimpleNamespace]:
+        """The pods of a job waiting for nodes, as the API lists them: Pending, with the
+        scheduler's PodScheduled condition."""
+        if job.schedule_at is None:
+            return []
+        replicas = self._replicas(job)
+        limits = replicas[0][1]["spec"]["containers"][0].get("resources", {}).get("limits") or {"cpu": 1}
+        resource, nodes = next(iter(limits)), len(replicas) + 2
+        message = (f"0/{nodes} nodes are available: {nodes} Insufficient {resource}. preemption: "
+                   f"0/{nodes} nodes are available: {nodes} No preemption victims found for "
+                   "incoming pod.")
+        return [SimpleNamespace(metadata=SimpleNamespace(name=name), status=SimpleNamespace(
+            phase="Pending", conditions=[SimpleNamespace(type="PodScheduled", status="False",
+                                                         reason="Unschedulable", message=message)]))
+                for name, _ in replicas]
+
     # -- Kueue ----------------------------------------------------------------------------------
     def _enqueue(self, job: Job) -> None:
         """Kueue's webhook suspends the job; its Workload waits for quota while capacity is held."""
@@ -461,7 +494,14 @@ class FakeEks:
                     else:
                         job.deleted.wait(0.2)
                         continue
+                unscheduled = job.schedule_at is not None and time.time() < job.schedule_at
+                if job.schedule_at is not None and not unscheduled:   # nodes came: pods start
+                    job.schedule_at = None
+                    self._start_pods(job)
                 pods = list(job.pods)
+            if unscheduled:
+                job.deleted.wait(0.2)
+                continue
             if job.past_deadline():
                 self._end(job, "Failed", f"Job {job.name} has failed because it was active longer "
                           "than specified deadline", reason="DeadlineExceeded")

@@ -26,6 +26,8 @@ Rules it implements, so both places keep them alike:
   StatusMessage, Kueue's Suspended message) is reported once as `Step.waiting`, with the time
   queued so far; the worker wait and the trigger log it. `waiting` (the last reported state and
   reason) travels with a trigger's checkpoints, so a triggerer restart repeats at most one line.
+  A wait that does not change is said again every WAITING_REPEAT_SECONDS ("still waiting: ...",
+  with the time queued by then), so a task log that waits for hours shows it still does.
 - a job's end is reported after one more log read, `min(poll interval, backend.log_lag_seconds)`
   later, when its backend's log service delivers lines late (CloudWatch: seconds after Describe*
   says the job ended); the task log then ends with the job's own last lines, and the failure
@@ -50,6 +52,7 @@ from llmops.jobs.backends.base import Backend, JobState, JobStatus
 from llmops.jobs.errors import Backoff, is_transient
 
 log = logging.getLogger(__name__)
+WAITING_REPEAT_SECONDS = 15 * 60   # an unchanged wait is said again this often
 
 
 @dataclass
@@ -62,7 +65,7 @@ class Step:
     started: bool = False               # started_at became known (or changed) in this poll
     start_from_poll: bool = False       # ... and only this watch knows it (the backend reports none)
     stopped: bool = False               # this watch stopped the job (its deadline passed)
-    waiting: str = ""                   # the job's waiting state changed: say so, once
+    waiting: str = ""                   # the job's waiting state changed (or still holds): say so
 
     @property
     def done(self) -> bool:
@@ -89,6 +92,7 @@ class JobWatch:
         self.max_queue_seconds = max_queue_seconds or None
         self.submitted_at = submitted_at
         self.waiting = waiting  # the waiting state and reason last reported ("" = none yet)
+        self._waiting_said_at: float | None = None   # when this watch last said it
         self._stop_message = ""
         self._stopping = False
         self._cursor_loaded = False
@@ -203,13 +207,18 @@ class JobWatch:
             self.submitted_at = self.clock()
         if status.state is JobState.PENDING:
             now = status.message or "pending"
+            # Queue time counts until the first start; later waits (a spot interruption,
+            # a Batch retry) are the run's.
+            when = (f"queued {_duration(self.queued_seconds())}" if self.started_at is None
+                    else "after it had started")
             if now != self.waiting:
-                self.waiting = now
-                # Queue time counts until the first start; later waits (a spot interruption,
-                # a Batch retry) are the run's.
-                when = (f"queued {_duration(self.queued_seconds())}" if self.started_at is None
-                        else "after it had started")
+                self.waiting, self._waiting_said_at = now, self.clock()
                 step.waiting = f"waiting: {now} ({when})"
+            elif self._waiting_said_at is None:   # said before this watch (a triggerer restart)
+                self._waiting_said_at = self.clock()
+            elif self.clock() - self._waiting_said_at >= WAITING_REPEAT_SECONDS:
+                self._waiting_said_at = self.clock()
+                step.waiting = f"still waiting: {now} ({when})"
         elif status.state is JobState.RUNNING and self.waiting:
             self.waiting = ""
             step.waiting = "running"

@@ -52,6 +52,13 @@ it) while its quota is not reserved or it was evicted ("couldn't assign flavors 
 master: insufficient unused quota for nvidia.com/gpu ..."); the training operator's condition
 says only "<kind> <name> is suspended.". Reading it needs `list` on workloads.kueue.x-k8s.io in
 the job's namespace; without it the operator's words are shown.
+
+A job whose pods wait for nodes (no Kueue queue, or admitted by Kueue before the nodes are
+there) is PENDING in the scheduler's own words: the message of its pods' PodScheduled condition
+while False with reason Unschedulable ("0/4 nodes are available: 4 Insufficient nvidia.com/gpu.
+..."), which the training operator's Created condition does not carry. The watch says it in the
+task log with the time waited, and again while it lasts (llmops.jobs.watch). Reading it needs
+`list` on pods (deploy/iam/hyperpod-rbac.yaml), which the logs already need.
 """
 
 from __future__ import annotations
@@ -276,6 +283,33 @@ def kueue_reason(kube: "KubeClient", resource: dict[str, Any], namespace: str) -
             if (waiting or evicted) and condition.get("message"):
                 return str(condition["message"])
     return ""
+
+
+def _model_field(obj: Any, name: str) -> Any:
+    """A field of a kubernetes client model, or of the same object as a dict."""
+    return obj.get(name) if isinstance(obj, dict) else getattr(obj, name, None)
+
+
+def unschedulable_reason(kube: "KubeClient", handle: dict[str, Any]) -> str:
+    """Why the job's pods wait for nodes, in the scheduler's words: "<n> of <m> pods
+    unschedulable: <its message>" from the PodScheduled condition (False, reason Unschedulable)
+    of the first such pod; "" when none is (or the pods cannot be listed)."""
+    try:
+        pods = kube.call("core", "list_namespaced_pod", namespace=handle["namespace"],
+                         label_selector=f"{JOB_LABEL}={handle['k8s_name']}").items
+    except Exception as exc:  # noqa: BLE001 - the operator's own words stand in
+        log.debug("Could not list the pods of %s: %s", handle["k8s_name"], exc)
+        return ""
+    get = _model_field
+    messages = []
+    for pod in sorted(pods or [], key=lambda p: str(get(get(p, "metadata") or {}, "name"))):
+        for condition in get(get(pod, "status") or {}, "conditions") or []:
+            if (get(condition, "type"), get(condition, "status"), get(condition, "reason")) == \
+                    ("PodScheduled", "False", "Unschedulable"):
+                messages.append(str(get(condition, "message") or "no message"))
+    if not messages:
+        return ""
+    return f"{len(messages)} of {len(pods)} pods unschedulable: {messages[0]}"
 
 
 def started_at(resource: dict[str, Any]) -> float | None:
@@ -545,7 +579,9 @@ class HyperPodBackend(Backend):
                              f"suspended by Kueue (queued or preempted) {message}".strip(), details=details)
         if state in ("Running", "Restarting"):
             return JobStatus(JobState.RUNNING, f"{state} {message}".strip(), details=details)
-        return JobStatus(JobState.PENDING, state or "waiting for the operator", details=details)
+        # Created: its pods may wait for nodes; the scheduler says why, the operator does not.
+        why = unschedulable_reason(kube, handle)
+        return JobStatus(JobState.PENDING, why or state or "waiting for the operator", details=details)
 
     def stop(self, handle: dict[str, Any]) -> None:
         """Record the stop, then delete the job (see the module docstring for why not suspend)."""
