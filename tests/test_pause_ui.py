@@ -111,6 +111,8 @@ def test_the_later_stages_skip_when_pretraining_made_no_model(use_backend, clock
     run = {"config": {"finetune": {}}, "root": "/tmp/x"}
     with pytest.raises(NothingToRun, match="paused or skipped"):
         lifecycle.finetune_spec(run, {"outputs": {"data_dir": "d"}, "data_hash": ""}, None)
+    with pytest.raises(NothingToRun, match="paused or skipped"):   # evaluate: none_failed too
+        lifecycle.evaluate_spec(run, {"outputs": {"data_dir": "d"}, "data_hash": ""}, None, None, None)
     op = JobOperator(task_id="finetune", build_spec=lifecycle.finetune_spec, deferrable=False,
                      op_kwargs={"run": run, "data": {"outputs": {"data_dir": "d"}}, "base": None})
     with pytest.raises(AirflowSkipException, match="finetune: pretraining produced no model"):
