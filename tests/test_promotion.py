@@ -214,6 +214,17 @@ def test_the_paired_verdict_is_on_the_registered_version_and_before_the_approver
     body = promotion.approval_body(decision)
     assert "| metric | difference | interval | items | p | policy | verdict |" in body
     assert "| task_accuracy | +0.1250 | [+0.0" in body and "| 400 | 8e-10 | superior | pass |" in body
+    assert "Contamination audit" not in body   # this evaluation ran no audit
+
+
+def test_the_approver_sees_the_contamination_audit_beside_the_scores(model_uri):
+    found = evaluation(model_uri, 0.85, 38.0, 1.48, (0.80, 40.0, 1.50))
+    found["contamination"] = {"task_accuracy": {"contaminated": 3, "items": 28, "unchecked": 0}}
+    run = lifecycle_run("c1", require_approval=True)
+    decision = promotion.gate(run, found, {"data_hash": "d" * 64}, candidates=("challenger",))
+    body = promotion.approval_body(decision)
+    assert "Contamination audit: items found in the training data (left out of the scores" in body
+    assert "| task_accuracy | 3 of 28 | 11% |" in body
 
 
 def test_a_published_model_carries_the_hash_of_its_weights_and_tokenizer(tiny_data_dir, tmp_path):

@@ -285,7 +285,13 @@ def gate(run: dict[str, Any], evaluation: dict[str, Any], data: dict[str, Any],
                                 "comparisons": {n: {m: c.to_dict() for m, c in cs.items()}
                                                 for n, cs in comparisons.items()},
                                 "model_name": run["model_name"], "version": None,
-                                "champion_before": _champion_version(evaluation)}
+                                "champion_before": _champion_version(evaluation),
+                                # the audit's counts per metric, for the approver (the items are
+                                # in the evaluation run's contamination.json)
+                                "contamination": {m: {k: found.get(k) for k in ("contaminated", "items")}
+                                                  for m, found in sorted((evaluation.get("contamination")
+                                                                          or {}).items())},
+                                "contamination_excluded": gate_cfg.exclude_contaminated}
     if chosen is None:
         decision["reasons"] = "no candidate was evaluated"
         return decision
@@ -404,6 +410,14 @@ def approval_body(decision: dict[str, Any]) -> str:
                   f"({conf:.0%} bootstrap interval, exact McNemar p):\n\n"
                   "| metric | difference | interval | items | p | policy | verdict |\n"
                   "|---|---|---|---|---|---|---|\n" + "\n".join(rows))
+    audit = decision.get("contamination") or {}
+    if audit:   # how far the scores above can be trusted: items the model may have trained on
+        fate = "left out of" if decision.get("contamination_excluded", True) else "counted in"
+        rows = [f"| {m} | {c['contaminated']} of {c['items']} | "
+                f"{c['contaminated'] / max(c['items'] or 0, 1):.0%} |" for m, c in audit.items()]
+        table += (f"\n\nContamination audit: items found in the training data ({fate} the scores "
+                  "above; the evaluation run's contamination.json lists them):\n\n"
+                  "| metric | items found | share |\n|---|---|---|\n" + "\n".join(rows))
     return f"{summary(decision)}\n\n{table}\n"
 
 
