@@ -319,6 +319,19 @@ def test_a_dag_run_forks_the_pretraining_at_a_kept_step_and_ends_bitwise_where_i
         assert flat_ours.keys() == flat_theirs.keys()
         assert all(torch.equal(flat_ours[k], flat_theirs[k]) for k in flat_theirs), part
     assert ours["trainer"]["data_cursor"] == theirs["trainer"]["data_cursor"]
+    # the run page: the parent's curve to step 10, the fork's from there; the steps it kept
+    from llmops import run_summary
+
+    kept = [int(s) for s in pretrain.data.tags["checkpoints.kept"].split(",")]
+    assert 10 in kept and kept[-1] == 20
+    summary = run_summary.collect("llm_lifecycle", forked["run_id"])
+    fork = summary["curves"]["pretrain"]["fork"]
+    assert (fork["step"], fork["parent"]) == (10, first["run_id"])
+    for segment in fork["segments"].values():
+        assert segment["parent"] and all(step <= 10 for step, _ in segment["parent"])
+        assert segment["fork"][0] == segment["parent"][-1]
+        assert segment["fork"][-1][0] == 20 and all(step > 10 for step, _ in segment["fork"][1:])
+    assert summary["checkpoints"]["kept"] == kept
 
 
 def _tensors(state: object, prefix: str = "") -> dict:
