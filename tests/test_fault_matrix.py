@@ -53,5 +53,9 @@ def test_every_fault_lands_and_leaves_no_duplicate_orphan_wrong_stop_lost_result
         if row["lost_progress_steps"] > matrix.LOST_PROGRESS_BOUND:
             problems.append(f"{row['fault']}: a failure cost {row['lost_progress_steps']} steps, more "
                             f"than one checkpoint interval ({matrix.LOST_PROGRESS_BOUND})")
+    # The failing rows' notes (what each task and job did) in the message itself: on a CI machine
+    # the results file is gone once the run ends.
+    failing = {p.split(": ", 1)[0] for p in problems}
+    notes = [f"{row['fault']}:\n  " + "\n  ".join(row.get("notes", [])) for row in rows if row["fault"] in failing]
     assert not problems, (f"{len(problems)} problems (details in {out}):\n" + "\n".join(problems)
-                          + "\n\n" + matrix.table(result))
+                          + "\n\n" + matrix.table(result) + "\n\n" + "\n".join(notes))

@@ -298,9 +298,12 @@ class Faults:
                 if rule.fires(call, keys, origin):
                     if rule.remaining is not None:
                         rule.remaining -= 1
+                    # "about": the jobs a narrowed rule matched the call to (which half of a
+                    # row an S3 upload belongs to cannot be told by its service)
                     self.injections.append({"at": time.time(), "service": call.service,
                                             "operation": call.operation, "kind": rule.kind, "rule": index,
-                                            "origin": origin})
+                                            "origin": origin,
+                                            "about": sorted(k for k in keys() if "=" not in k) if rule.jobs else []})
                     log.info("injecting %s into %s %s", rule.kind, call.service, call.operation)
                     return rule
         return None
@@ -468,8 +471,15 @@ class Simulator:
         with self.lock:
             return [j.report() for j in sorted(self.jobs.values(), key=lambda j: j.created_at)]
 
-    def keys(self, call: Call, body: bytes) -> set[str]:
-        """Names and `tag=value`s of the known jobs a call is about (for rules with `jobs`)."""
+    def keys(self, call: Call, body: bytes, path: str = "") -> set[str]:
+        """Names and `tag=value`s of the known jobs a call is about (for rules with `jobs`). An S3
+        call is about the jobs whose staging prefix (`.../<job name>/...`, shared by a job's
+        attempts, where its checkpoints live) its path is under."""
+        if call.service == "s3":
+            with self.lock:
+                return {item for job in self.jobs.values()
+                        if f"/{re.sub(r'-r[0-9]+$', '', job.name)}/" in path
+                        for item in (job.name, *_tag_pairs(job.request))}
         try:
             request = json.loads(body or b"{}")
         except ValueError:
@@ -1047,7 +1057,7 @@ class ProxyHandler(BaseHTTPRequestHandler):
             return self._send(self._control(url.path, body))
         call = identify(self.command, url.path, url.query, self.headers, body)
         self.fake.count(call, self.origin)
-        rule = self.fake.faults.pick(call, lambda: self.fake.sim.keys(call, body), self.origin)
+        rule = self.fake.faults.pick(call, lambda: self.fake.sim.keys(call, body, url.path), self.origin)
         if rule is None:
             answer = self.fake.sim.handle(call, body, self._forward, self.headers.get("User-Agent", ""))
             return self._send(answer)

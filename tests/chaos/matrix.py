@@ -147,6 +147,7 @@ QUOTED_TAIL = re.compile(r"attempt \d+ \| ")   # an ended attempt's last lines, 
 LOST_PROGRESS_BOUND = 5
 STEP = re.compile(r"step \d+/\d+\b.*")
 BASE = re.compile(r"-r\d+$")
+LABEL = re.compile(r"chaos-label (\S+) run=([0-9a-f]{8})")   # a container's first line: whose, which start
 
 
 def base_of(job_name: str) -> str:
@@ -186,6 +187,9 @@ class Row:
     rule_halves: dict[str, str] = field(default_factory=dict)   # half -> service its rules must hit
     marked_failed: dict[str, float] = field(default_factory=dict)   # base -> when
     service_stopped: set[str] = field(default_factory=set)          # job names stopped by us
+    # The row's max_queue_seconds: a job that never started, stopped once it had waited that long,
+    # was stopped by the bound the user set (not wrongly)
+    queue_limit_s: float | None = None
     seconds: float = 0.0
     error: str = ""
     started_at: float = 0.0
@@ -356,10 +360,6 @@ class Matrix:
         found = self._identity(job)
         return found[0] if found else None
 
-    def _token(self, job: dict[str, Any]) -> str | None:
-        found = self._identity(job)
-        return found[1] if found else None
-
     def _identity(self, job: dict[str, Any]) -> tuple[str, str] | None:
         """(label, token) from the `chaos-label <label> run=<token>` line a job printed first,
         read from its CloudWatch stream in moto (directly: no faults on the harness's reads)."""
@@ -368,31 +368,54 @@ class Matrix:
             if key in self.labels:
                 return self.labels[key]
         group = _log_group(job)
-        label = None
+        label, unread = None, False
         for stream in job.get("streams") or []:
-            try:
-                events = self.logs.get_log_events(logGroupName=group, logStreamName=stream,
-                                                  startFromHead=True, limit=20)["events"]
-            except Exception:
-                continue
-            for event in events:
-                if found := re.search(r"chaos-label (\S+) run=([0-9a-f]{8})", event["message"]):
+            events = self._head(group, stream)
+            unread = unread or events is None
+            for event in events or []:
+                if found := LABEL.search(event["message"]):
                     label = (found.group(1), found.group(2))
                     break
             if label:
                 break
-        if label or job.get("ended_at"):
+        # An ended job's label is final, unless a read failed: a harness miss is not the job's.
+        if label or (job.get("ended_at") and not unread):
             with self.lock:
                 self.labels[key] = label
         return label
 
-    def job_lines(self, job: dict[str, Any]) -> list[int]:
-        """The numbers of the `chaos-line`s a job printed, from its CloudWatch streams in moto
-        (every line, whatever the task log kept: Airflow opens a try's trigger log part anew
-        for each deferral, so a chain's earlier attempts are not all in it)."""
-        group = _log_group(job)
-        numbers: list[int] = []
+    def tokens(self, job: dict[str, Any]) -> set[str]:
+        """The tokens a job's containers drew (`chaos-label <label> run=<token>`, one per start:
+        a SageMaker spot restart inside the job draws another), from its CloudWatch streams."""
+        group, found = _log_group(job), set()
         for stream in job.get("streams") or []:
+            found |= {m.group(2) for e in self._head(group, stream) or [] if (m := LABEL.search(e["message"]))}
+        return found
+
+    def _head(self, group: str, stream: str) -> list[dict[str, Any]] | None:
+        """A stream's first 20 events from moto, or None when it could not be read (moto at
+        load 5+ can time a read out: it is read again first)."""
+        for wait in (1, 3, None):
+            try:
+                return self.logs.get_log_events(logGroupName=group, logStreamName=stream,
+                                                startFromHead=True, limit=20)["events"]
+            except Exception:  # noqa: BLE001
+                if wait is None:
+                    return None
+                time.sleep(wait)
+        return None
+
+    def job_runs(self, job: dict[str, Any]) -> list[list[int]]:
+        """The numbers of the `chaos-line`s a job printed, per container start (the chaos jobs
+        run one node: a stream each, in order; a SageMaker spot restart inside the job opens a new
+        one), from its CloudWatch streams in moto (every line, whatever the task log kept: Airflow
+        opens a try's trigger log part anew for each deferral, so a chain's earlier attempts are
+        not all in it)."""
+        group = _log_group(job)
+        runs: list[list[int]] = []
+        for stream in job.get("streams") or []:
+            numbers: list[int] = []
+            runs.append(numbers)
             token = None
             while True:
                 kwargs = {"nextToken": token} if token else {}
@@ -405,7 +428,7 @@ class Matrix:
                 if not page["events"] or page.get("nextForwardToken") == token:
                     break
                 token = page.get("nextForwardToken")
-        return numbers
+        return runs
 
     def jobs_of(self, run: Run, task_id: str, report: dict[str, Any] | None = None) -> list[dict[str, Any]]:
         """The task instance's jobs: those that printed its label, those whose name base is one
@@ -542,14 +565,15 @@ class Matrix:
                               and base_of(str(xcom.get("job_name"))) in {base_of(n) for n in succeeded})
                     else:
                         # The job's own result: the token it drew, and its metrics.
-                        tokens = {self._token(j) for j in jobs if j["status"] in SUCCEEDED} - {None}
+                        tokens = {t for j in jobs if j["status"] in SUCCEEDED for t in self.tokens(j)}
                         ok = (isinstance(xcom, dict) and (xcom.get("metrics") or {}).get("answer") == 42.0
                               and (xcom.get("outputs") or {}).get("token") in tokens)
                     ok = ok and ti.get("state") == "success"
                     if not ok:
                         counts["lost_results"] += 1
                         details.append(f"{label}: job(s) {sorted(succeeded)} succeeded, task {ti.get('state')}, "
-                                       f"XCom job_name={xcom.get('job_name') if isinstance(xcom, dict) else xcom!r}")
+                                       f"XCom {str(xcom)[:400]}" + ("" if run.dag_id == LIFECYCLE_DAG else
+                                                           f", the succeeded jobs' tokens {sorted(tokens)}"))
                 # duplicated log lines
                 seen: dict[str, int] = {}
                 for event in events_by_task[task_id]:
@@ -570,9 +594,9 @@ class Matrix:
                     counts["duplicated_log_lines"] += extra
                     details.append(f"{label}: {extra} job log line(s) shown more than once")
                 # progress lost: lines a later run of the job printed again
-                lost, restarts = _lost_progress([self.job_lines(j) for j in jobs])
+                lost, restarts = _lost_progress([run for j in jobs for run in self.job_runs(j)])
                 if restarts:
-                    details.append(f"{label}: its job ran {restarts + 1} times; the most lines one "
+                    details.append(f"{label}: its job's container started {restarts + 1} times; the most lines one "
                                    f"failure cost: {lost}")
                 lost_progress = max(lost_progress, lost)
                 row_jobs = ", ".join(f"{j['name'].split('-', 1)[0]}{'-' + j['name'].rsplit('-', 1)[1] if BASE.search(j['name']) else ''}"
@@ -582,7 +606,9 @@ class Matrix:
         if row.rule_halves:
             injections = self.injections_of(row, report)
             for half, service in row.rule_halves.items():
-                hits = [i for i in injections if i["service"] == service]
+                # S3 is both halves' service: an upload is its half's by the job it is about
+                hits = [i for i in injections if i["service"] == service and (
+                    service != "s3" or any(a.startswith(half + "-") for a in i.get("about") or []))]
                 if hits:
                     kinds = "/".join(sorted({i["kind"] for i in hits}))
                     row.land(half, f"{len(hits)} {kinds} injections into its {service} calls "
@@ -608,6 +634,9 @@ class Matrix:
                 continue          # the user marked the task failed
             if job["name"] in row.service_stopped:
                 continue
+            if (row.queue_limit_s is not None and not job.get("started_at")
+                    and at >= job["created_at"] + row.queue_limit_s - 1):
+                continue          # past the stage's max_queue_seconds, never started
             return True
         return False
 
@@ -670,22 +699,24 @@ def _each_task(body: Callable[[str], None]) -> None:
             future.result()
 
 
-def row_faults(rules: list[dict[str, Any]], both: bool = True, own_jobs: bool = False
-               ) -> Callable[[Matrix, Row], None]:
+def row_faults(rules: list[dict[str, Any]], both: bool = True, own_jobs: bool = False,
+               halves: dict[str, str] | None = None, wait: float = 300.0) -> Callable[[Matrix, Row], None]:
     """Fault rules while a deferred run (and, with `both`, an in-worker one) runs. `own_jobs`:
     the rules are narrowed to the calls about this row's jobs (by their run_id tag), so the row
-    can run beside others; otherwise they hit every call and the row runs alone."""
+    can run beside others; otherwise they hit every call and the row runs alone. `halves`: the
+    service each task's half must see the rules hit (HALVES by default); `wait`: how long the
+    runs may take beyond twice the job's length."""
     def body(m: Matrix, row: Row) -> None:
         dags = [SMALL_DAG] + ([WORKER_DAG] if both else [])
         run_ids = [m.new_run_id() for _ in dags]
         applied = [{**r, "jobs": [f"run_id={i}" for i in run_ids]} if own_jobs else r for r in rules]
-        row.rule_halves = dict(HALVES)
-        row.claim(*HALVES)
+        row.rule_halves = dict(halves or HALVES)
+        row.claim(*row.rule_halves)
         m.add_faults(row, applied)
         try:
             for dag_id, run_id in zip(dags, run_ids):
                 m.trigger(row, dag_id, m.conf(), run_id)
-            m.wait_runs(row, timeout=300 + 2 * m.seconds)
+            m.wait_runs(row, timeout=wait + 2 * m.seconds)
         finally:
             m.remove_faults(row)
         row.notes.append(f"faults: {json.dumps(applied)}")
@@ -854,18 +885,22 @@ def row_same_conf_twice(m: Matrix, row: Row) -> None:
             row.miss(task_id, f"a run submitted no job ({[len(j) for j in jobs]} jobs)")
 
 
-SERVICE_ACTIONS = {"fail": "fail", "stop": "stop", "host": "lose_host"}   # action -> ChaosClient method
+SERVICE_ACTIONS = {"fail": "fail", "stop": "stop", "host": "lose_host",
+                   "reclaim": "reclaim"}   # action -> ChaosClient method
 
 
-def row_service(action: str, after: float = 5.0) -> Callable[[Matrix, Row], None]:
+def row_service(action: str, after: float = 5.0, conf: dict[str, Any] | None = None
+                ) -> Callable[[Matrix, Row], None]:
     """The first attempt of each task's job, `after` s into its run, fails (its container
-    crashes), is stopped from the console, or loses its node's host (and the node's disk with
-    it), on the service side. A crash or a stop fails the try, and the task's retry must start
-    `-r2`; a lost host is the service's fault, and the operator's next attempt goes on at once.
-    Either way the new job resumes from the newest checkpoint on S3 (lost_progress_steps)."""
+    crashes), is stopped from the console, loses its node's host (and the node's disk with
+    it), or has its spot capacity reclaimed, on the service side. A crash or a stop fails the
+    try, and the task's retry must start `-r2`; a lost host is the service's fault, and the
+    operator's next attempt goes on at once; a reclaimed SageMaker managed spot job restarts
+    inside itself (Batch: its host is lost). Either way the new container resumes from the
+    newest checkpoint on S3 (lost_progress_steps). `conf`: the run's extra Params."""
     def body(m: Matrix, row: Row) -> None:
         assert m.dep is not None
-        run = m.trigger(row, SMALL_DAG, m.conf())
+        run = m.trigger(row, SMALL_DAG, {**m.conf(), **(conf or {})})
         row.claim(*REMOTE_TASKS)
 
         def hit(task_id: str) -> None:
@@ -892,6 +927,46 @@ def row_service(action: str, after: float = 5.0) -> Callable[[Matrix, Row], None
             row.notes.append(f"{task_id}: service reason {reason[:80]!r} "
                              f"{'is' if shown else 'is NOT'} in the task log")
     return body
+
+
+# The stage's max_queue_seconds against a capacity wait six times as long: every job of the row
+# waits held for capacity, and past the bound Airflow stops it and fails the task with the
+# service's own reason (the simulator's capacity wait holds every job made meanwhile: the row
+# runs alone).
+QUEUE_LIMIT_S = 20
+
+
+def row_queue_limit(m: Matrix, row: Row) -> None:
+    assert m.dep is not None
+    row.queue_limit_s = QUEUE_LIMIT_S
+    bound = {"max_queue_seconds": QUEUE_LIMIT_S}
+    m.chaos.config(capacity_wait_seconds=QUEUE_LIMIT_S * 6)
+    try:
+        run = m.trigger(row, SMALL_DAG, {**m.conf(), "settings_overrides": {
+            "SageMakerSettings": bound, "BatchSettings": bound}})
+        row.claim(*REMOTE_TASKS)
+        m.wait_runs(row, timeout=300 + QUEUE_LIMIT_S * 6)
+    finally:
+        m.chaos.config(capacity_wait_seconds=0.0)
+    report = m.report()
+    for task_id in REMOTE_TASKS:
+        # none of its jobs ever ran, so none printed its label: they are the ones its log names
+        run.bases[task_id] |= {base_of(n) for n in m.named_in_log(run, task_id)}
+        jobs = m.jobs_of(run, task_id, report)
+        ti = m.ti(run, task_id)
+        text = "\n".join(e["event"] for e in m.dep.task_log_events(run.dag_id, run.run_id, task_id))
+        started = [j["name"] for j in jobs if j.get("started_at")]
+        if not jobs:
+            row.miss(task_id, f"no job was made (task {ti['state']})")
+        elif started:
+            row.miss(task_id, f"{started} started: the capacity wait did not hold them")
+        else:
+            row.land(task_id, f"{len(jobs)} job(s) held for capacity, none started; task {ti['state']}")
+            if ti["state"] != "failed":
+                row.notes.append(f"ERROR: {task_id} ended {ti['state']}, not failed, past max_queue_seconds")
+            if not re.search(r"max_queue_seconds \(%ds\)" % QUEUE_LIMIT_S, text) or "capacity" not in text.lower():
+                row.notes.append(f"ERROR: {task_id}'s log does not say the job passed max_queue_seconds "
+                                 "waiting for capacity, in the service's words")
 
 
 # The compressed MaxRuntime: 60 s per attempt (Batch's least attemptDurationSeconds) for a job of
@@ -971,6 +1046,18 @@ SERVICES = ["sagemaker", "batch", "logs", "s3"]
 FIVE_XX = [{"operations": ["*"], "services": SERVICES, "kind": "500", "rate": 0.15, "seconds": 150},
            {"operations": ["*"], "services": SERVICES, "kind": "503", "rate": 0.18, "seconds": 150}]
 RESETS = [{"operations": ["*"], "services": SERVICES, "kind": "reset", "rate": 0.2, "seconds": 150}]
+# Every status and log read about the row's jobs answered 503 for 10 minutes: far longer than the
+# jobs (they end meanwhile) and than any retry budget. Nothing may fail or stop; once the reads
+# come back, the task must pick up the job's end, its result and its whole log.
+OUTAGE_S = 600
+OUTAGE = [{"operations": DESCRIBE_AND_LOGS, "kind": "503", "seconds": OUTAGE_S}]
+# S3's 503 SlowDown to the jobs' own writes (their checkpoints, their result) for 60 s: the jobs
+# retry with backoff (tasks/train/s3.py) and neither fail nor lose a checkpoint. The Batch half
+# only: a SageMaker job writes its checkpoints to local disk and the service syncs them (its own
+# traffic, which S3 may slow down without the job knowing), so no upload of the job is slowed.
+SLOWDOWN = [{"operations": ["PutObject", "UploadPart", "CreateMultipartUpload", "CompleteMultipartUpload"],
+             "services": ["s3"], "kind": "throttle", "origin": "jobs", "seconds": 60}]
+SPOT = {"settings_overrides": {"SageMakerSettings": {"spot": True}}}
 
 # (fault, body, group): "global" rows run alone, one after another (their faults hit every
 # client: 5xx and resets also hit S3 and creates, which no job tag narrows; a component restart
@@ -995,6 +1082,13 @@ ROWS: list[tuple[str, Callable[[Matrix, Row], None], str]] = [
     ("job stopped on the service side", row_service("stop"), "scoped"),
     ("node's host lost mid-job (next attempt on a fresh disk, from S3)", row_service("host", after=20), "scoped"),
     ("stage outlives MaxRuntime three times (60 s attempts)", row_max_runtime, "scoped"),
+    ("capacity wait past max_queue_seconds (20 s)", row_queue_limit, "global"),
+    ("spot capacity reclaimed mid-job (SageMaker managed spot; Batch: its host)",
+     row_service("reclaim", after=12, conf=SPOT), "scoped"),
+    ("describe and log reads down for 10 minutes (503)",
+     row_faults(OUTAGE, own_jobs=True, wait=OUTAGE_S + 300), "scoped"),
+    ("SlowDown on the jobs' own checkpoint uploads for 60 s (Batch)",
+     row_faults(SLOWDOWN, own_jobs=True, halves={"finetune": "s3"}), "scoped"),
     ("task marked failed by the user (control)", row_mark_failed, "scoped"),
 ]
 

@@ -7,7 +7,8 @@ lands while the job runs.
 - `chaos_remote_worker`: both waited for in the worker (the task holds a worker slot throughout).
 
 Params: `seconds` (job length), `exit_code` (non-zero: the job fails with it),
-`max_run_seconds` (each attempt's MaxRuntime; the operator's next attempt goes on past it). The job
+`max_run_seconds` (each attempt's MaxRuntime; the operator's next attempt goes on past it),
+`settings_overrides` (backend settings for the run's jobs: spot, max_queue_seconds). The job
 checkpoints its line every 5 lines in the run's storage and a new attempt resumes from there. Retries 2, 5 s
 apart: a row's fault (a killed worker, a job failed on the service side) takes one, and a try
 that dies before it runs (its start call to the execution API timing out on busy cores, seen on
@@ -23,7 +24,9 @@ from llmops.operators.job import JobOperator
 
 PARAMS = {"seconds": Param(40, type="number", minimum=0),
           "exit_code": Param(0, type="integer", minimum=0, maximum=255),
-          "max_run_seconds": Param(900, type="integer", minimum=1)}
+          "max_run_seconds": Param(900, type="integer", minimum=1),
+          # backend settings for this run's jobs ({"SageMakerSettings": {"spot": true}, ...})
+          "settings_overrides": Param({}, type="object")}
 # The label tells the matrix which task instance submitted a job (tests/chaos/numbered_job.py).
 # output_dir and checkpoint_uri empty: the backend puts them in the run's storage (staging), where
 # every attempt of the task's job, on whatever node, finds the checkpoints.
@@ -42,5 +45,6 @@ for dag_id, deferrable in [("chaos_remote", True), ("chaos_remote_worker", False
             JobOperator(task_id=task_id, deferrable=deferrable, poll_interval=2.0,
                         spec={"stage": "sample", "entrypoint": ENTRYPOINT, "config": CONFIG,
                               "backend": backend, "instance_type": instance_type,
-                              "max_run_seconds": "{{ params.max_run_seconds }}"})
+                              "max_run_seconds": "{{ params.max_run_seconds }}",
+                              "settings_overrides": "{{ params.settings_overrides }}"})
     globals()[dag_id] = dag
