@@ -7,7 +7,7 @@ import pendulum
 from airflow.sdk import Asset, dag, get_current_context, task
 from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
 
-from llmops import lifecycle, promotion, run_summary
+from llmops import lifecycle, notify, promotion, run_summary
 from llmops.operators.job import JobOperator
 from llmops.params import lifecycle_params
 from llmops.sweep import LADDER_RECOMMENDATION_URI, POOL, SWEEP_BEST_URI
@@ -29,7 +29,9 @@ LADDER_RECOMMENDATION = Asset(LADDER_RECOMMENDATION_URI)
     catchup=False,
     max_active_runs=1,
     params=lifecycle_params(),
-    default_args={"retries": 1, "retry_delay": pendulum.duration(seconds=5)},
+    # A stage's final failure (not a retry) alerts the deployment's topic, if it has one.
+    default_args={"retries": 1, "retry_delay": pendulum.duration(seconds=5),
+                  "on_failure_callback": notify.stage_failed},
     tags=["llm", "lifecycle"],
     doc_md=__doc__,
 )

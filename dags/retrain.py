@@ -16,7 +16,7 @@ from airflow.sdk import (Asset, AssetOrTimeSchedule, CronTriggerTimetable, dag,
                          get_current_context, task)
 from airflow.sdk.exceptions import AirflowSkipException
 
-from llmops import promotion, retraining
+from llmops import notify, promotion, retraining
 from llmops.operators.job import JobOperator
 from llmops.params import retrain_params
 
@@ -32,7 +32,9 @@ WEEKLY = CronTriggerTimetable("0 3 * * 1", timezone="UTC")  # Mondays 03:00 UTC
     catchup=False,
     max_active_runs=1,
     params=retrain_params(),
-    default_args={"retries": 1, "retry_delay": pendulum.duration(seconds=5)},
+    # A stage's final failure (not a retry) alerts the deployment's topic, if it has one.
+    default_args={"retries": 1, "retry_delay": pendulum.duration(seconds=5),
+                  "on_failure_callback": notify.stage_failed},
     tags=["llm", "retrain"],
     doc_md=__doc__,
 )

@@ -42,6 +42,9 @@ S3_ACTIONS = {
     "read_key": "s3:GetObject", "get_key": "s3:GetObject", "check_for_key": "s3:GetObject",
     "list_keys": "s3:ListBucket", "list_prefixes": "s3:ListBucket",
 }
+# The amazon provider's notifiers and hook methods that make an AWS call of their own, by the name
+# the code uses (llmops.notify publishes alerts through SnsNotifier).
+PROVIDER_ACTIONS = {"SnsNotifier": "sns:Publish", "publish_to_target": "sns:Publish"}
 # Method names that are also AWS operations but are not AWS calls where this code makes them.
 NOT_AWS = {
     "search": "re.Pattern.search",
@@ -54,7 +57,8 @@ NOT_AWS = {
 # `client.op(...)` or `client.op` passed on (a retry wrapper), `get_paginator("op")`, and operation
 # names kept in tables ("describe_training_job").
 CALLS = (re.compile(r"\.([a-z][a-z0-9_]+)\b"), re.compile(r"get_paginator\(\s*[\"']([a-z0-9_]+)[\"']"),
-         re.compile(r"[\"']((?:describe|stop|list|create)_[a-z_]+)[\"']"))
+         re.compile(r"[\"']((?:describe|stop|list|create)_[a-z_]+)[\"']"),
+         re.compile(r"\b(SnsNotifier)\("))
 
 
 def _operations() -> dict[str, list[str]]:
@@ -80,7 +84,7 @@ def _called(*roots: str) -> dict[str, set[str]]:
             for name in names:
                 if name in NOT_AWS and not (name == "submit_job" and path.name == "batch.py"):
                     continue
-                if name in OPERATIONS or name in S3_ACTIONS:
+                if name in OPERATIONS or name in S3_ACTIONS or name in PROVIDER_ACTIONS:
                     found.setdefault(name, set()).add(str(path.relative_to(ROOT)))
     return found
 
@@ -96,6 +100,8 @@ def _granted(policy: dict) -> set[str]:
 
 def _needed(name: str) -> list[str]:
     """The IAM actions of which one must be granted for a call of `name`."""
+    if name in PROVIDER_ACTIONS:
+        return [PROVIDER_ACTIONS[name]]
     return [S3_ACTIONS[name]] if name in S3_ACTIONS else OPERATIONS[name]
 
 

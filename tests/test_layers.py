@@ -36,9 +36,9 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
                            "docker")),
     # where things live, which paths a run may use, which code ran
     ("llmops.core", ("llmops", "llmops.settings", "llmops.paths", "llmops.provenance")),
-    # AWS clients and hooks, MLflow, the job ledger, the step cache
+    # AWS clients and hooks, MLflow, the job ledger, the step cache, alerts (SNS)
     ("llmops.infra", ("llmops.aws", "llmops.hooks", "llmops.tracking", "llmops.ledger",
-                      "llmops.step_cache")),
+                      "llmops.step_cache", "llmops.notify")),
     # the backend-neutral spec, watching a job, the backends and their settings
     ("llmops.jobs", ("llmops.jobs",)),
     # what a run may ask for and may use: the Param table, teams, budgets, the sweep's size,

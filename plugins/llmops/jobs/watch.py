@@ -37,6 +37,8 @@ Rules it implements, so both places keep them alike:
   recorded, else this watch's first poll) is stopped and the wait ends with the service's last
   waiting reason and the limit. Only the first start counts: a job that ran and is queued again
   (a spot interruption, a Batch retry) is under the run deadline instead.
+- alerts: `alerts(step, watch)` (llmops.jobs.alerts) sees every step after its lines are
+  counted as shown, in the poll's own thread; its failure is a warning, never the wait's.
 """
 
 from __future__ import annotations
@@ -78,7 +80,8 @@ class JobWatch:
                  log_cursor: Any = None, started_at: float | None = None,
                  fixed_deadline: float | None = None, backoff: Backoff | None = None,
                  clock: Callable[[], float] | None = None, max_queue_seconds: float | None = None,
-                 submitted_at: float | None = None, waiting: str = ""):
+                 submitted_at: float | None = None, waiting: str = "",
+                 alerts: Callable[[Step, "JobWatch"], None] | None = None):
         self.backend = backend
         self.handle = handle
         self.poll_interval = poll_interval
@@ -92,6 +95,7 @@ class JobWatch:
         self.max_queue_seconds = max_queue_seconds or None
         self.submitted_at = submitted_at
         self.waiting = waiting  # the waiting state and reason last reported ("" = none yet)
+        self.alerts = alerts    # called with each step (llmops.jobs.alerts.JobAlerts)
         self._waiting_said_at: float | None = None   # when this watch last said it
         self._stop_message = ""
         self._stopping = False
@@ -116,6 +120,11 @@ class JobWatch:
                 save_log_cursor(self.handle, self.log_cursor)
             except Exception as exc:  # noqa: BLE001 - a restart may then repeat these lines
                 step.warnings.append(f"could not save the log cursor: {_describe(exc)}")
+        if self.alerts is not None:
+            try:
+                self.alerts(step, self)
+            except Exception as exc:  # noqa: BLE001 - an alert never fails the wait
+                step.warnings.append(f"could not send an alert: {_describe(exc)}")
         return step
 
     def _poll(self) -> Step:
@@ -209,7 +218,7 @@ class JobWatch:
             now = status.message or "pending"
             # Queue time counts until the first start; later waits (a spot interruption,
             # a Batch retry) are the run's.
-            when = (f"queued {_duration(self.queued_seconds())}" if self.started_at is None
+            when = (f"queued {duration(self.queued_seconds())}" if self.started_at is None
                     else "after it had started")
             if now != self.waiting:
                 self.waiting, self._waiting_said_at = now, self.clock()
@@ -258,36 +267,49 @@ LOG_CURSOR_FILE = "log-cursor.json"
 def log_cursor_uri(handle: dict[str, Any]) -> str:
     """Where this job's log cursor is kept: beside its result (every backend's handle has one),
     so it lives as long as the job's own records and needs no Airflow database."""
+    return beside_result_uri(handle, LOG_CURSOR_FILE)
+
+
+def beside_result_uri(handle: dict[str, Any], name: str) -> str:
+    """The file `name` beside the job's result (local or s3://); "" when there is no such place."""
     result = str(handle.get("result_uri") or "")
     if not result or ("://" in result and not result.startswith("s3://")):
         return ""
-    return result.rsplit("/", 1)[0] + "/" + LOG_CURSOR_FILE
+    return result.rsplit("/", 1)[0] + "/" + name
 
 
 def load_log_cursor(handle: dict[str, Any]) -> Any:
-    uri = log_cursor_uri(handle)
+    return (read_beside_result(handle, LOG_CURSOR_FILE) or {}).get("cursor")
+
+
+def save_log_cursor(handle: dict[str, Any], cursor: Any) -> None:
+    write_beside_result(handle, LOG_CURSOR_FILE, {
+        "job_name": handle.get("job_name") or handle.get("name"), "cursor": cursor,
+        "saved_at": time.time()})
+
+
+def read_beside_result(handle: dict[str, Any], name: str) -> Any:
+    """The JSON file `name` beside the job's result; None when it (or the place) does not exist."""
+    uri = beside_result_uri(handle, name)
     if not uri:
         return None
     if uri.startswith("s3://"):
         from llmops.aws import s3
 
-        data = s3.read_json(s3.s3_hook(handle.get("aws_conn_id") or None,
+        return s3.read_json(s3.s3_hook(handle.get("aws_conn_id") or None,
                                        handle.get("region_name") or None), uri)
-    else:
-        try:
-            with open(uri) as fh:
-                data = json.load(fh)
-        except FileNotFoundError:
-            return None
-    return (data or {}).get("cursor")
+    try:
+        with open(uri) as fh:
+            return json.load(fh)
+    except FileNotFoundError:
+        return None
 
 
-def save_log_cursor(handle: dict[str, Any], cursor: Any) -> None:
-    uri = log_cursor_uri(handle)
+def write_beside_result(handle: dict[str, Any], name: str, data: Any) -> None:
+    """Write the JSON file `name` beside the job's result (no place: nothing is written)."""
+    uri = beside_result_uri(handle, name)
     if not uri:
         return
-    data = {"job_name": handle.get("job_name") or handle.get("name"), "cursor": cursor,
-            "saved_at": time.time()}
     if uri.startswith("s3://"):
         from llmops.aws import s3
 
@@ -309,12 +331,12 @@ def deadline_message(max_run_seconds: float | None, grace_seconds: float, legacy
 
 
 def queue_limit_message(max_queue_seconds: float, queued: float, reason: str) -> str:
-    return (f"the job waited {_duration(queued)} without starting, past its max_queue_seconds "
+    return (f"the job waited {duration(queued)} without starting, past its max_queue_seconds "
             f"({max_queue_seconds:.0f}s), and was stopped; the service's last word: "
             f"{reason or 'pending'}")
 
 
-def _duration(seconds: float) -> str:
+def duration(seconds: float) -> str:
     if seconds < 120:
         return f"{seconds:.0f} s"
     if seconds < 2 * 3600:

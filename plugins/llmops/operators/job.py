@@ -20,6 +20,7 @@ from airflow.sdk.exceptions import (AirflowException, AirflowFailException, Airf
 
 from llmops import ledger, tracking
 from llmops.jobs import continuation, env_secrets
+from llmops.jobs.alerts import JobAlerts, where_of
 from llmops.jobs.backends import Backend, JobState, JobStatus, get_backend
 from llmops.jobs.spec import JobSpec, JobSpecError, NothingToRun
 from llmops.jobs.watch import JobWatch, call_with_retries
@@ -208,7 +209,8 @@ class JobOperator(JobCache, JobChain, JobWait, JobBooks, JobPause, BaseOperator)
                                                    "cache": self._cache_ctx, "chain": self._chain},
                                           **watch_kwargs),
                        method_name="execute_complete")
-        return self._wait(JobWatch(backend, self._handle, **watch_kwargs), store)
+        alerts = JobAlerts.from_settings(self._handle, where_of(self._ti))
+        return self._wait(JobWatch(backend, self._handle, **watch_kwargs, alerts=alerts), store)
 
     def execute_complete(self, context: Any, event: dict[str, Any]) -> dict[str, Any]:
         self._ti = context["ti"]

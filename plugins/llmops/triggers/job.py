@@ -11,6 +11,7 @@ from typing import Any, AsyncIterator
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
 from llmops.jobs import env_secrets
+from llmops.jobs.alerts import JobAlerts, where_of
 from llmops.jobs.backends import get_backend
 from llmops.jobs.errors import Backoff
 from llmops.jobs.watch import JobWatch, call_with_retries, log_cursor_uri
@@ -111,7 +112,10 @@ class JobTrigger(BaseTrigger):
                          log_cursor=self.log_cursor, started_at=self.started_at,
                          fixed_deadline=self.deadline if self.max_run_seconds is None else None,
                          max_queue_seconds=self.max_queue_seconds, submitted_at=self.submitted_at,
-                         waiting=self.waiting)
+                         waiting=self.waiting,
+                         # polled in a thread: the alerts' S3 and SNS calls stay off the loop
+                         alerts=JobAlerts.from_settings(
+                             self.handle, where_of(getattr(self, "task_instance", None))))
         checkpoint_at, lines_since = time.monotonic(), 0
         checked_at = time.monotonic()
         cursor_is_saved = bool(log_cursor_uri(self.handle))

@@ -1,0 +1,175 @@
+"""Alerts: a message to the deployment's SNS topic when something needs a person.
+
+Where to send is a deployment setting, in the `[llmops]` section of Airflow's config (or its
+environment form `AIRFLOW__LLMOPS__<KEY>`, an MWAA configuration option `llmops.<key>`):
+
+  notify_sns_topic_arn   the topic to publish to (the amazon provider's SnsNotifier). Unset or
+                         blank: no alert is sent and nothing is logged as an error.
+  notify_aws_conn_id     the Airflow connection it publishes with (default: $LLMOPS_AWS_CONN_ID,
+                         else aws_default).
+  notify_queue_seconds   a job still queued for capacity this long after its submission is
+                         alerted on once (default 3600; 0 turns that alert off).
+
+What fires: a stage task's final failure (`stage_failed`, the on_failure_callback of the
+lifecycle and retrain DAGs: not on a retry), and inside a running job a guard rollback, a capacity
+wait past notify_queue_seconds and a stalled worker (llmops.jobs.alerts). Sending never raises:
+an alert that cannot be sent is logged as a warning and the task or watch goes on. Each message
+goes through Airflow's secrets masker first, so a masked value shows as ***.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from typing import Any, Callable
+
+log = logging.getLogger(__name__)
+
+SECTION = "llmops"
+TOPIC_SETTING = "notify_sns_topic_arn"
+CONN_SETTING = "notify_aws_conn_id"
+QUEUE_SETTING = "notify_queue_seconds"
+DEFAULT_QUEUE_SECONDS = 3600.0
+SUBJECT_MAX = 100   # SNS refuses a longer Subject
+# arn:<partition>:sns:<region>:<account>:<topic name> (a FIFO topic's name ends in .fifo)
+TOPIC_ARN = re.compile(r"^arn:aws[a-z-]*:sns:[a-z]{2}(-[a-z]+)+-\d:\d{12}:[A-Za-z0-9_-]{1,256}(\.fifo)?$")
+
+
+class NotifySettingsError(ValueError):
+    """A notification setting is malformed; the message names the setting."""
+
+
+def _setting(key: str) -> str:
+    try:
+        from airflow.sdk import conf
+
+        value = conf.get(SECTION, key, fallback=None)
+    except Exception:  # noqa: BLE001 - no Airflow config here: its environment form only
+        value = None
+    if value is None:
+        value = os.environ.get(f"AIRFLOW__{SECTION.upper()}__{key.upper()}")
+    return str(value or "").strip()
+
+
+def topic_arn() -> str:
+    """The configured topic's ARN, "" when none is; NotifySettingsError when it is malformed."""
+    arn = _setting(TOPIC_SETTING)
+    if arn and not TOPIC_ARN.match(arn):
+        raise NotifySettingsError(
+            f"[{SECTION}] {TOPIC_SETTING} is not an SNS topic ARN: {arn!r} (expected "
+            f"arn:aws:sns:<region>:<12-digit account>:<topic name>).")
+    return arn
+
+
+def queue_seconds() -> float | None:
+    """notify_queue_seconds: None when the capacity-wait alert is off."""
+    text = _setting(QUEUE_SETTING)
+    if not text:
+        return DEFAULT_QUEUE_SECONDS
+    try:
+        value = float(text)
+    except ValueError:
+        raise NotifySettingsError(f"[{SECTION}] {QUEUE_SETTING} must be a number of seconds "
+                                  f"(0 turns the alert off), not {text!r}.") from None
+    if value < 0:
+        raise NotifySettingsError(f"[{SECTION}] {QUEUE_SETTING} must be >= 0, not {text!r}.")
+    return value or None
+
+
+def configured() -> bool:
+    """Whether alerts go anywhere (a malformed setting counts: sending then says what is wrong)."""
+    return bool(_setting(TOPIC_SETTING))
+
+
+def send(subject: str, message: str, context: Any = None) -> bool:
+    """Publish one alert; True when it was sent. Never raises: nothing configured sends nothing,
+    and a failure (a malformed setting, AWS refusing) is logged as a warning."""
+    try:
+        arn = topic_arn()
+    except NotifySettingsError as exc:
+        log.warning("Alert not sent: %s", exc)
+        return False
+    if not arn:
+        return False
+    try:
+        from airflow.providers.amazon.aws.notifications.sns import SnsNotifier
+
+        from llmops.settings import aws_conn_id
+
+        notifier = SnsNotifier(aws_conn_id=_setting(CONN_SETTING) or aws_conn_id(),
+                               target_arn=arn, subject=_subject(_redact(subject)),
+                               message=_redact(message), region_name=arn.split(":")[3])
+        notifier.notify(context or {})
+    except Exception as exc:  # noqa: BLE001 - an alert must never fail what it reports on
+        log.warning("Could not send the alert %r to %s: %s: %s", subject, arn,
+                    type(exc).__name__, exc)
+        return False
+    log.info("Alert sent to %s: %s", arn, subject)
+    return True
+
+
+def stage_failed(context: Any, sender: Callable[[str, str, Any], bool] | None = None) -> bool:
+    """The on_failure_callback of every stage task: one message naming the DAG, the run, the
+    task, the first line of why it failed, and where its log and the run's page are. Airflow calls
+    it on the final failure only (a retry calls on_retry_callback)."""
+    try:
+        subject, message = stage_failure_message(context)
+    except Exception as exc:  # noqa: BLE001 - a callback must not hide the failure itself
+        log.warning("Could not describe the failure for an alert: %s: %s", type(exc).__name__, exc)
+        return False
+    return (sender or send)(subject, message, context)
+
+
+def stage_failure_message(context: Any) -> tuple[str, str]:
+    ti = context.get("ti") or context.get("task_instance")
+    dag_id = getattr(ti, "dag_id", None) or getattr(context.get("dag"), "dag_id", "?")
+    run_id = getattr(ti, "run_id", None) or context.get("run_id") or "?"
+    task_id = getattr(ti, "task_id", None) or "?"
+    map_index = getattr(ti, "map_index", -1)
+    task = task_id if map_index is None or map_index < 0 else f"{task_id}[{map_index}]"
+    exc = context.get("exception")
+    reason = first_line(str(exc) if exc is not None else "") or (
+        type(exc).__name__ if exc is not None else "no reason given (see the task log)")
+    lines = [f"Stage {task} failed in DAG {dag_id}, run {run_id}.",
+             f"Reason: {reason}"]
+    log_url = _log_url(ti)
+    if log_url:
+        lines.append(f"Task log: {log_url}")
+    lines.append(f"Run page: {run_url(dag_id, run_id)}")
+    try_number = getattr(ti, "try_number", None)
+    if try_number:
+        lines.append(f"Try {try_number}: the task will not be retried.")
+    return f"[llmops] {dag_id}: {task} failed", "\n".join(lines)
+
+
+def run_url(dag_id: str, run_id: str) -> str:
+    from llmops.tracking import airflow_run_url
+
+    return airflow_run_url(dag_id, run_id)
+
+
+def first_line(text: str) -> str:
+    return next((line.strip() for line in str(text).splitlines() if line.strip()), "")
+
+
+def _log_url(ti: Any) -> str:
+    try:
+        return str(getattr(ti, "log_url", "") or "")
+    except Exception:  # noqa: BLE001 - the run page still says where
+        return ""
+
+
+def _subject(text: str) -> str:
+    # SNS: ASCII printable, no line breaks, at most 100 characters
+    text = "".join(c if 32 <= ord(c) < 127 else "?" for c in first_line(text))
+    return text if len(text) <= SUBJECT_MAX else text[: SUBJECT_MAX - 3] + "..."
+
+
+def _redact(text: str) -> str:
+    try:
+        from airflow.sdk.log import redact
+
+        return str(redact(text))
+    except Exception:  # noqa: BLE001 - outside Airflow: nothing is registered to mask
+        return text

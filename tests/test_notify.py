@@ -1,0 +1,256 @@
+"""Alerts (llmops.notify, llmops.jobs.alerts) against a local SNS: moto's, read back through an SQS
+queue subscribed to the topic, so each test reads the subject and text a person would get."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from typing import Any
+
+import pytest
+
+import llmops.triggers.job as job_trigger
+from llmops import notify
+from llmops.jobs.alerts import ALERTS_FILE, JobAlerts
+from llmops.jobs.backends import JobState, JobStatus
+from llmops.jobs.watch import JobWatch
+from tests.aws_fixtures import CONN_ID, REGION
+from tests.isolated_env import moto_server  # noqa: F401 - the session's moto server
+from tests.test_wait_faults import ScriptedBackend
+
+ROLLBACK_LINE = ("2026-12-04 03:10:00,000 INFO tasks.train.telemetry: [worker rank 0] rollback "
+                 "from_step=120 to_step=100 anomaly=spike path=s3://b/ckpt/step-100")
+STALL_LINE = ("2026-12-04 03:20:00,000 ERROR tasks.train.supervisor: [supervisor rank 0] no progress "
+              "from worker 4242 for 612.3s (step 130, forward, budget 600s); dumping its stacks")
+CAPACITY = "RUNNABLE CAPACITY:INSUFFICIENT_INSTANCE_CAPACITY - Service cannot fulfill the capacity"
+
+
+class FailingTI:
+    dag_id, run_id, task_id, map_index, try_number = "llm_lifecycle", "manual__2026-12-04", "pretrain", -1, 2
+    log_url = "http://airflow.example/dags/llm_lifecycle/runs/manual__2026-12-04/tasks/pretrain?try_number=2"
+
+
+@pytest.fixture
+def topic(moto_server, monkeypatch):  # noqa: F811
+    """A topic on moto's SNS with an SQS queue subscribed; returns a function that reads what was
+    published to it since the last call, as (subject, message) pairs."""
+    sns, sqs = moto_server.client("sns"), moto_server.client("sqs")
+    name = f"llmops-alerts-{uuid.uuid4().hex[:8]}"   # one per test: nothing left from another
+    arn = sns.create_topic(Name=name)["TopicArn"]
+    queue = sqs.create_queue(QueueName=f"{name}-inbox")["QueueUrl"]
+    queue_arn = sqs.get_queue_attributes(QueueUrl=queue, AttributeNames=["QueueArn"])["Attributes"]["QueueArn"]
+    sub = sns.subscribe(TopicArn=arn, Protocol="sqs", Endpoint=queue_arn)["SubscriptionArn"]
+    monkeypatch.setenv("AIRFLOW__LLMOPS__NOTIFY_SNS_TOPIC_ARN", arn)
+    monkeypatch.setenv("AIRFLOW__LLMOPS__NOTIFY_AWS_CONN_ID", CONN_ID)
+
+    def published() -> list[tuple[str, str]]:
+        got = []
+        while True:
+            batch = sqs.receive_message(QueueUrl=queue, MaxNumberOfMessages=10,
+                                        WaitTimeSeconds=0).get("Messages", [])
+            if not batch:
+                return got
+            for m in batch:
+                body = json.loads(m["Body"])
+                got.append((body.get("Subject"), body["Message"]))
+                sqs.delete_message(QueueUrl=queue, ReceiptHandle=m["ReceiptHandle"])
+
+    published.arn = arn
+    yield published
+    sns.unsubscribe(SubscriptionArn=sub)
+    sns.delete_topic(TopicArn=arn)
+    sqs.delete_queue(QueueUrl=queue)
+
+
+def test_a_stage_failure_sends_one_message_a_person_can_act_on(topic):
+    error = RuntimeError("pretrain job pretrain-7f3a failed: the job exited with code 5.\n"
+                         "Last lines of its log:\nTraceback ...")
+    assert notify.stage_failed({"ti": FailingTI(), "exception": error}) is True
+    [(subject, message)] = topic()
+    assert subject == "[llmops] llm_lifecycle: pretrain failed"
+    assert message.splitlines() == [
+        "Stage pretrain failed in DAG llm_lifecycle, run manual__2026-12-04.",
+        "Reason: pretrain job pretrain-7f3a failed: the job exited with code 5.",
+        f"Task log: {FailingTI.log_url}",
+        "Run page: " + notify.run_url("llm_lifecycle", "manual__2026-12-04"),
+        "Try 2: the task will not be retried."]
+    assert "Traceback" not in message   # the first line of the reason only
+
+
+def test_a_masked_secret_never_reaches_the_message(topic):
+    from airflow.sdk.log import mask_secret
+
+    mask_secret("hunter2-very-secret")
+    error = RuntimeError("could not log in with password hunter2-very-secret")
+    assert notify.stage_failed({"ti": FailingTI(), "exception": error})
+    [(_, message)] = topic()
+    assert "hunter2-very-secret" not in message and "***" in message
+
+
+def test_nothing_configured_sends_nothing_and_logs_no_error(topic, monkeypatch, caplog):
+    monkeypatch.delenv("AIRFLOW__LLMOPS__NOTIFY_SNS_TOPIC_ARN")
+    with caplog.at_level(logging.INFO):
+        assert notify.stage_failed({"ti": FailingTI(), "exception": RuntimeError("boom")}) is False
+        assert JobAlerts.from_settings({"name": "job-1"}) is None
+    assert topic() == []
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+@pytest.mark.parametrize("arn", ["sns-topic", "arn:aws:sqs:us-east-1:123456789012:q",
+                                 "arn:aws:sns:us-east-1:1234:topic"])
+def test_a_malformed_topic_arn_is_refused_naming_the_setting(arn, monkeypatch, caplog):
+    monkeypatch.setenv("AIRFLOW__LLMOPS__NOTIFY_SNS_TOPIC_ARN", arn)
+    with pytest.raises(notify.NotifySettingsError, match=r"\[llmops\] notify_sns_topic_arn"):
+        notify.topic_arn()
+    with caplog.at_level(logging.WARNING):
+        assert notify.send("subject", "text") is False   # ... and sending says so, never raises
+    assert any("notify_sns_topic_arn" in r.getMessage() for r in caplog.records)
+
+
+def test_a_bad_queue_seconds_setting_names_itself(monkeypatch):
+    monkeypatch.setenv("AIRFLOW__LLMOPS__NOTIFY_QUEUE_SECONDS", "an hour")
+    with pytest.raises(notify.NotifySettingsError, match="notify_queue_seconds"):
+        notify.queue_seconds()
+    monkeypatch.setenv("AIRFLOW__LLMOPS__NOTIFY_QUEUE_SECONDS", "0")
+    assert notify.queue_seconds() is None
+    monkeypatch.delenv("AIRFLOW__LLMOPS__NOTIFY_QUEUE_SECONDS")
+    assert notify.queue_seconds() == notify.DEFAULT_QUEUE_SECONDS
+
+
+def test_sns_refusing_the_message_fails_neither_the_callback_nor_the_watch(topic, monkeypatch, tmp_path):
+    # a well-formed ARN of a topic that does not exist: SNS answers NotFound
+    monkeypatch.setenv("AIRFLOW__LLMOPS__NOTIFY_SNS_TOPIC_ARN",
+                       topic.arn.rsplit(":", 1)[0] + ":no-such-topic")
+    assert notify.stage_failed({"ti": FailingTI(), "exception": RuntimeError("boom")}) is False
+    backend = LinesBackend([JobStatus(JobState.RUNNING), JobStatus(JobState.SUCCEEDED)], [ROLLBACK_LINE])
+    watch = JobWatch(backend, handle(tmp_path), poll_interval=1, max_run_seconds=None,
+                     alerts=JobAlerts.from_settings(handle(tmp_path)))
+    assert drain(watch).state is JobState.SUCCEEDED
+    assert topic() == []
+
+
+def test_an_alert_that_raises_is_a_warning_of_the_poll(tmp_path):
+    def broken(subject, message):
+        raise ConnectionError("SNS is down")
+
+    backend = LinesBackend([JobStatus(JobState.RUNNING), JobStatus(JobState.SUCCEEDED)], [ROLLBACK_LINE])
+    watch = JobWatch(backend, handle(tmp_path), poll_interval=1, max_run_seconds=None,
+                     alerts=JobAlerts(handle(tmp_path), sender=broken))
+    warnings: list[str] = []
+    assert drain(watch, warnings).state is JobState.SUCCEEDED
+    assert any("could not send an alert: ConnectionError: SNS is down" in w for w in warnings)
+
+
+# -- inside a running job ----------------------------------------------------------------------
+
+class LinesBackend(ScriptedBackend):
+    """The scripted backend, its job writing `lines` (each visible after one more status call)."""
+
+    def __init__(self, statuses: list, lines: list[str]):
+        super().__init__(statuses, lines=0)
+        self.all_lines, self.polls = list(lines), 0
+
+    def status(self, handle: dict[str, Any]) -> JobStatus:
+        status = super().status(handle)
+        self.polls += 1
+        self.visible = min(len(self.all_lines), self.polls)   # one new line per poll
+        return status
+
+
+def handle(tmp_path) -> dict[str, Any]:
+    return {"backend": "fake", "name": "pretrain-7f3a", "result_uri": str(tmp_path / "job" / "result.json")}
+
+
+def drain(watch: JobWatch, warnings: list[str] | None = None) -> JobStatus:
+    for _ in range(50):
+        step = watch.poll()
+        if warnings is not None:
+            warnings.extend(step.warnings)
+        if step.done:
+            return step.status
+    raise AssertionError("the watch did not end")
+
+
+def test_a_rollback_and_a_stall_alert_once_each_across_polls_and_watches(tmp_path):
+    sent: list[tuple[str, str]] = []
+    lines = [ROLLBACK_LINE, "step 130/1000 | loss 2.31", ROLLBACK_LINE.replace("120", "140"),
+             STALL_LINE, STALL_LINE, ROLLBACK_LINE]
+    running = [JobStatus(JobState.RUNNING)] * 8
+
+    def watch_once():
+        backend = LinesBackend([*running, JobStatus(JobState.SUCCEEDED)], lines)
+        alerts = JobAlerts(handle(tmp_path), {"dag_id": "llm_lifecycle", "run_id": "r1",
+                                              "task_id": "pretrain", "map_index": -1},
+                           sender=lambda s, m: sent.append((s, m)) or True)
+        drain(JobWatch(backend, handle(tmp_path), poll_interval=1, max_run_seconds=None, alerts=alerts))
+
+    watch_once()
+    assert [s for s, _ in sent] == ["[llmops] llm_lifecycle pretrain: rollback",
+                                    "[llmops] llm_lifecycle pretrain: stalled"]
+    assert sent[0][1].splitlines()[0] == ("Job pretrain-7f3a rolled back from step 120 to step 100 "
+                                          "after a loss spike.")
+    assert sent[1][1].splitlines()[0] == ("Job pretrain-7f3a stalled: no progress from a worker for "
+                                          "612 s (step 130, forward).")
+    assert "Task pretrain in DAG llm_lifecycle, run r1." in sent[0][1]
+    # A new watch of the same job (a triggerer restart, a retry that reattaches) sends neither
+    # again, even when it reads the same lines again (its log cursor was lost, say).
+    (tmp_path / "job" / "log-cursor.json").unlink()
+    watch_once()
+    assert len(sent) == 2
+    assert json.loads((tmp_path / "job" / ALERTS_FILE).read_text())["sent"] == ["rollback", "stalled"]
+
+
+def test_a_capacity_wait_past_the_threshold_alerts_once(tmp_path):
+    now = [1000.0]
+    sent: list[tuple[str, str]] = []
+    backend = LinesBackend([JobStatus(JobState.PENDING, CAPACITY)] * 6 + [JobStatus(JobState.RUNNING),
+                                                                          JobStatus(JobState.SUCCEEDED)], [])
+    alerts = JobAlerts(handle(tmp_path), queue_seconds=3600, sender=lambda s, m: sent.append((s, m)) or True)
+    watch = JobWatch(backend, handle(tmp_path), poll_interval=1200, max_run_seconds=None,
+                     clock=lambda: now[0], submitted_at=1000.0, alerts=alerts)
+    polls = 0
+    while True:
+        step = watch.poll()
+        polls += 1
+        if polls == 3:   # queued 40 min after two more polls: not yet
+            assert sent == []
+        if step.done:
+            break
+        now[0] += 1200
+    [(subject, message)] = sent
+    assert subject == "[llmops] pretrain-7f3a: capacity"
+    assert message.splitlines()[0] == f"Job pretrain-7f3a still waiting for capacity after 60 min: {CAPACITY}."
+
+
+def test_the_trigger_publishes_a_rollback_from_the_job_log(topic, monkeypatch, tmp_path):
+    backend = LinesBackend([JobStatus(JobState.RUNNING)] * 3 + [JobStatus(JobState.SUCCEEDED)],
+                           ["starting", ROLLBACK_LINE, ROLLBACK_LINE])
+    monkeypatch.setattr(job_trigger, "get_backend", lambda name: backend)
+    trigger = job_trigger.JobTrigger(handle=handle(tmp_path), poll_interval=0.01, max_run_seconds=3600,
+                                     started_at=time.time(), context={"stage": "pretrain"})
+
+    async def run() -> list[dict]:
+        return [event.payload async for event in trigger.run()]
+
+    [event] = asyncio.run(run())
+    assert event["state"] == "succeeded"
+    [(subject, message)] = topic()
+    assert subject == "[llmops] pretrain-7f3a: rollback"
+    assert message.startswith("Job pretrain-7f3a rolled back from step 120 to step 100 after a loss spike.")
+
+
+def test_the_lifecycle_and_retrain_dags_alert_on_a_stage_failure():
+    from airflow.dag_processing.dagbag import DagBag
+
+    from tests.aws_fixtures import ROOT
+
+    bag = DagBag(dag_folder=str(ROOT / "dags"))
+    for dag_id in ("llm_lifecycle", "llm_retrain"):
+        for task in bag.dags[dag_id].tasks:
+            callbacks = task.on_failure_callback
+            callbacks = callbacks if isinstance(callbacks, list) else [callbacks]
+            assert notify.stage_failed in callbacks, (dag_id, task.task_id)
+            assert notify.stage_failed not in (task.on_retry_callback or []), (dag_id, task.task_id)
