@@ -25,12 +25,12 @@ LOCAL_ENV := LLMOPS_HOME AIRFLOW_HOME MLFLOW_TRACKING_URI AIRFLOW__CORE__DAGS_FO
   AIRFLOW__CORE__PLUGINS_FOLDER AIRFLOW__CORE__LOAD_EXAMPLES AIRFLOW__CORE__PARALLELISM \
   AIRFLOW__SCHEDULER__MIN_FILE_PROCESS_INTERVAL PYTHONPATH PATH RAY_AUTH_MODE MPLBACKEND
 
-.PHONY: help install browser demo test test-multiweek test-matrix chaos up shell-env airflow-db clean bench-data \
+.PHONY: help install browser demo test test-slow test-matrix chaos up shell-env airflow-db clean bench-data \
   mwaa-bundle mwaa-check
 
 help:
 	@echo "make demo   - run the whole LLM lifecycle DAG locally (sets everything up first)"
-	@echo "make test   - run the test suite, then the multi-week runs (make test-multiweek), then the fault matrix (make test-matrix)"
+	@echo "make test   - run the test suite, then the slow runs (make test-slow), then the fault matrix (make test-matrix)"
 	@echo "make chaos  - only the fault matrix; writes benchmarks/results/fault_matrix.json"
 	@echo "make up     - Airflow UI on :8080 and MLflow UI on :5000, to trigger runs with Params"
 	@echo "make clean  - remove local state (.llmops); keeps the venv"
@@ -61,21 +61,24 @@ browser:
 	  SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
 	  $$SUDO apt-get update -qq && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
 
-# The suite on TEST_WORKERS processes (pytest-xdist; 0 runs it in this process), then the two slow
-# matrices as targets of their own: the compressed multi-week run per backend (~11 min on 2 cores)
-# and the fault matrix (~16 min: benchmarks/results/fault_matrix.json).
+# The suite on TEST_WORKERS processes (pytest-xdist; 0 runs it in this process), then the slow runs
+# and the fault matrix as targets of their own: the compressed multi-week run per backend and the
+# whole scaling-ladder DAG (~11 min on 2 cores), the fault matrix (~18 min).
 TEST_WORKERS ?= 2
 SLOW_MATRICES := tests/test_multiweek.py tests/test_fault_matrix.py
 test: install browser
 	$(PY) -m pytest tests $(SLOW_MATRICES:%=--ignore=%) -n $(TEST_WORKERS) --dist loadgroup \
 	  --no-loadscope-reorder --durations=25
-	$(MAKE) --no-print-directory test-multiweek
+	$(MAKE) --no-print-directory test-slow
 	$(MAKE) --no-print-directory test-matrix
 
-# tests/test_multiweek.py alone: a multi-week pretraining compressed to minutes on SageMaker, Batch
-# and HyperPod (against the simulators), its backends two at a time (each is mostly waits).
-test-multiweek: install
-	$(PY) -m pytest tests/test_multiweek.py -n $(TEST_WORKERS) --dist load --durations=5
+# The slow runs alone, two at a time (each is mostly waits): a multi-week pretraining compressed to
+# minutes on SageMaker, Batch and HyperPod (against the simulators), and the scaling-ladder DAG end
+# to end on the tiny recipe (the suite skips it: LLMOPS_SLOW_TESTS).
+test-slow: install
+	LLMOPS_SLOW_TESTS=1 $(PY) -m pytest tests/test_multiweek.py \
+	  tests/test_ladder.py::test_the_ladder_dag_publishes_a_recommendation \
+	  -n $(TEST_WORKERS) --dist load --durations=5
 
 # tests/test_fault_matrix.py alone: the fault matrix as a test (asserts every fault landed where
 # its row claims and every cell is zero), on a PostgreSQL-backed deployment as MWAA's.

@@ -1,6 +1,6 @@
 """Scaling ladders: the Chinchilla fit recovers a known law from noisy data, the compute-optimal
 split, the fit job's MLflow record, the budget refusal, and pretraining sized from the result.
-(The whole DAG: LLMOPS_SLOW_TESTS=1.)"""
+(The whole DAG: LLMOPS_SLOW_TESTS=1, as `make test-slow` sets it.)"""
 
 from __future__ import annotations
 
@@ -167,7 +167,7 @@ def test_trials_and_rungs_run_in_the_experiments_pool():
 
 
 @pytest.mark.skipif(not os.environ.get("LLMOPS_SLOW_TESTS"),
-                    reason="the whole ladder DAG (~2 min on 2 cores): LLMOPS_SLOW_TESTS=1")
+                    reason="the whole ladder DAG (~2 min on 2 cores): make test-slow runs it (LLMOPS_SLOW_TESTS=1)")
 def test_the_ladder_dag_publishes_a_recommendation(airflow_db):
     from llmops import tracking
     from tests.isolated_env import airflow_cli
