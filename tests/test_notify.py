@@ -254,3 +254,41 @@ def test_the_lifecycle_and_retrain_dags_alert_on_a_stage_failure():
             callbacks = callbacks if isinstance(callbacks, list) else [callbacks]
             assert notify.stage_failed in callbacks, (dag_id, task.task_id)
             assert notify.stage_failed not in (task.on_retry_callback or []), (dag_id, task.task_id)
+
+
+FAILING_DAG = '''
+import pendulum
+from airflow.sdk import dag, task
+
+from llmops import notify
+
+
+@dag(dag_id="alerting", schedule=None, start_date=pendulum.datetime(2026, 1, 1, tz="UTC"),
+     default_args={"retries": 1, "retry_delay": pendulum.duration(seconds=0),
+                   "on_failure_callback": notify.stage_failed})
+def alerting():
+    @task
+    def pretrain():
+        raise RuntimeError("pretrain job pretrain-7f3a failed: the job exited with code 5.\\nmore")
+
+    pretrain()
+
+
+alerting()
+'''
+
+
+def test_airflow_calls_it_once_on_the_final_failure_not_on_the_retry(topic, airflow_db, tmp_path):
+    from tests.isolated_env import airflow_cli
+
+    (tmp_path / "dags").mkdir()
+    (tmp_path / "dags" / "alerting.py").write_text(FAILING_DAG)
+    done = airflow_cli("dags", "test", "alerting", "2026-12-04", dags_folder=tmp_path / "dags")
+    assert "pretrain job pretrain-7f3a failed" in done.stdout + done.stderr
+    [(subject, message)] = topic()   # the second try's failure only
+    assert subject == "[llmops] alerting: pretrain failed"
+    lines = message.splitlines()
+    assert lines[0].startswith("Stage pretrain failed in DAG alerting, run ")
+    assert lines[1] == "Reason: pretrain job pretrain-7f3a failed: the job exited with code 5."
+    assert lines[2].startswith("Task log: http") and "/dags/alerting/runs/" in lines[2]
+    assert lines[-1] == "Try 2: the task will not be retried."
