@@ -292,3 +292,26 @@ def test_airflow_calls_it_once_on_the_final_failure_not_on_the_retry(topic, airf
     assert lines[1] == "Reason: pretrain job pretrain-7f3a failed: the job exited with code 5."
     assert lines[2].startswith("Task log: http") and "/dags/alerting/runs/" in lines[2]
     assert lines[-1] == "Try 2: the task will not be retried."
+
+
+def test_a_loss_that_stops_improving_for_n_evaluations_alerts_once(tmp_path, monkeypatch):
+    sent: list[tuple[str, str]] = []
+    losses = [3.0, 2.5, 2.4, 2.401, 2.399, 2.41, 2.5, 2.45, 2.6, 2.7]   # 2.399: under 0.1% better
+    lines = [f"2026-12-04 INFO tasks.train.loop: step {100 * (i + 1)}/1000 | val_loss {loss:.4f} | "
+             f"prose_val_loss 9.0000 | 10% eta 2h" for i, loss in enumerate(losses)]
+    monkeypatch.setenv("AIRFLOW__LLMOPS__NOTIFY_SNS_TOPIC_ARN", "arn:aws:sns:us-east-1:123456789012:t")
+    monkeypatch.setenv("AIRFLOW__LLMOPS__NOTIFY_PLATEAU_EVALS", "5")
+    alerts = JobAlerts.from_settings(handle(tmp_path))
+    alerts.sender = lambda s, m: sent.append((s, m)) or True
+    backend = LinesBackend([JobStatus(JobState.RUNNING)] * 12 + [JobStatus(JobState.SUCCEEDED)], lines)
+    drain(JobWatch(backend, handle(tmp_path), poll_interval=1, max_run_seconds=None, alerts=alerts))
+    [(subject, message)] = sent
+    assert subject == "[llmops] pretrain-7f3a: plateau"
+    assert message.splitlines()[0] == (
+        "Job pretrain-7f3a stopped improving: val_loss 2.4000 at step 300 is still the best after "
+        "5 more evaluations (now 2.4500 at step 800).")
+    monkeypatch.setenv("AIRFLOW__LLMOPS__NOTIFY_PLATEAU_EVALS", "0")
+    assert JobAlerts.from_settings(handle(tmp_path)).plateau_evals is None
+    monkeypatch.setenv("AIRFLOW__LLMOPS__NOTIFY_PLATEAU_EVALS", "five")
+    with pytest.raises(notify.NotifySettingsError, match="notify_plateau_evals"):
+        notify.plateau_evals()

@@ -9,10 +9,12 @@ environment form `AIRFLOW__LLMOPS__<KEY>`, an MWAA configuration option `llmops.
                          else aws_default).
   notify_queue_seconds   a job still queued for capacity this long after its submission is
                          alerted on once (default 3600; 0 turns that alert off).
+  notify_plateau_evals   a job whose validation loss made no new best for this many evaluations
+                         in a row is alerted on once (default 5; 0 turns that alert off).
 
 What fires: a stage task's final failure (`stage_failed`, the on_failure_callback of the
 lifecycle and retrain DAGs: not on a retry), and inside a running job a guard rollback, a capacity
-wait past notify_queue_seconds and a stalled worker (llmops.jobs.alerts). Sending never raises:
+wait past notify_queue_seconds, a stalled worker and a loss plateau (llmops.jobs.alerts). Sending never raises:
 an alert that cannot be sent is logged as a warning and the task or watch goes on. Each message
 goes through Airflow's secrets masker first, so a masked value shows as ***.
 """
@@ -31,6 +33,8 @@ TOPIC_SETTING = "notify_sns_topic_arn"
 CONN_SETTING = "notify_aws_conn_id"
 QUEUE_SETTING = "notify_queue_seconds"
 DEFAULT_QUEUE_SECONDS = 3600.0
+PLATEAU_SETTING = "notify_plateau_evals"
+DEFAULT_PLATEAU_EVALS = 5
 SUBJECT_MAX = 100   # SNS refuses a longer Subject
 # arn:<partition>:sns:<region>:<account>:<topic name> (a FIFO topic's name ends in .fifo)
 TOPIC_ARN = re.compile(r"^arn:aws[a-z-]*:sns:[a-z]{2}(-[a-z]+)+-\d:\d{12}:[A-Za-z0-9_-]{1,256}(\.fifo)?$")
@@ -75,6 +79,17 @@ def queue_seconds() -> float | None:
     if value < 0:
         raise NotifySettingsError(f"[{SECTION}] {QUEUE_SETTING} must be >= 0, not {text!r}.")
     return value or None
+
+
+def plateau_evals() -> int | None:
+    """notify_plateau_evals: None when the plateau alert is off."""
+    text = _setting(PLATEAU_SETTING)
+    if not text:
+        return DEFAULT_PLATEAU_EVALS
+    if not text.isdigit():
+        raise NotifySettingsError(f"[{SECTION}] {PLATEAU_SETTING} must be a whole number of "
+                                  f"evaluations (0 turns the alert off), not {text!r}.")
+    return int(text) or None
 
 
 def configured() -> bool:

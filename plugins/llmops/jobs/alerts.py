@@ -10,6 +10,11 @@ event loop, so the SNS call is too). It sends (llmops.notify) one alert per job 
              from worker ...` or its `hang` event, tasks/train/supervisor.py)
   capacity   the job is still queued, not yet started, `[llmops] notify_queue_seconds` after its
              submission (the watch's waiting state and reason)
+  plateau    the validation loss made no new best (by more than PLATEAU_MIN_GAIN of it) for
+             `[llmops] notify_plateau_evals` evaluations in a row (the evaluation's log line
+             `step N/M | val_loss L | ...`, tasks/train/loop.py). The count lives in the watch: a
+             new watch (the log cursor resumes past the lines it saw) starts it again, which can
+             delay this alert but never repeat it.
 
 No storm: a kind is sent at most once per job. What was sent is kept in memory for the watch and
 in `alerts.json` beside the job's result (where the log cursor lives), written *before* the alert
@@ -34,16 +39,21 @@ ROLLBACK = re.compile(r"\] rollback from_step=(?P<from_step>\d+) to_step=(?P<to_
                       r"anomaly=(?P<anomaly>\S+)")
 STALLED = re.compile(r"\] no progress from worker \d+ for (?P<stale>[\d.]+)s \(step (?P<step>\d+), "
                      r"(?P<phase>[^,]+),|\] hang attempt=\S+ step=(?P<hang_step>\d+) phase=(?P<hang_phase>\S+)")
+EVAL = re.compile(r"\bstep (?P<step>\d+)/\d+ \|(?:.*? \|)? val_loss (?P<loss>[^\s|]+)")
+PLATEAU_MIN_GAIN = 1e-3   # a new best must beat the old one by 0.1% of it
 ANOMALY_WORDS = {"spike": "a loss spike", "nan": "a NaN loss"}
 
 
 class JobAlerts:
     def __init__(self, handle: dict[str, Any], where: dict[str, Any] | None = None, *,
-                 queue_seconds: float | None = None,
+                 queue_seconds: float | None = None, plateau_evals: int | None = None,
                  sender: Callable[[str, str], bool] | None = None):
         self.handle = handle
         self.where = where or {}   # dag_id, run_id, task_id, map_index of the task that waits
         self.queue_seconds = queue_seconds
+        self.plateau_evals = plateau_evals
+        self.best: tuple[float, int] | None = None   # (lowest val_loss, its step)
+        self.evals_since_best = 0
         self.sender = sender or (lambda subject, message: notify.send(subject, message))
         self.sent: set[str] = set()
         self._loaded = False
@@ -53,12 +63,8 @@ class JobAlerts:
         """The alerts the deployment asks for; None when no alert goes anywhere."""
         if not notify.configured():
             return None
-        try:
-            queue = notify.queue_seconds()
-        except notify.NotifySettingsError as exc:
-            log.warning("The capacity-wait alert is off: %s", exc)
-            queue = None
-        return cls(handle, where, queue_seconds=queue)
+        return cls(handle, where, queue_seconds=_or_off(notify.queue_seconds, "capacity-wait"),
+                   plateau_evals=_or_off(notify.plateau_evals, "loss plateau"))
 
     def __call__(self, step: Step, watch: Any) -> None:
         for kind, what in self.events(step, watch):
@@ -81,11 +87,34 @@ class JobAlerts:
                 else:
                     what = f"stalled: the watchdog killed a hung worker (step {m['hang_step']}, {m['hang_phase']})"
                 found.append(("stalled", what))
+            m = EVAL.search(line)
+            if m and self.plateau_evals:
+                plateau = self._evaluated(int(m["step"]), m["loss"])
+                if plateau:
+                    found.append(("plateau", plateau))
         if (self.queue_seconds and watch.started_at is None and watch.waiting
                 and watch.submitted_at is not None and watch.queued_seconds() >= self.queue_seconds):
             found.append(("capacity", f"still waiting for capacity after "
                                       f"{duration(watch.queued_seconds())}: {watch.waiting}"))
         return found
+
+    def _evaluated(self, step: int, text: str) -> str:
+        """Count one evaluation; what to say when it makes the plateau, else ""."""
+        try:
+            loss = float(text)
+        except ValueError:
+            return ""
+        if loss != loss and self.best is None:   # a NaN before any loss: nothing to compare
+            return ""
+        if self.best is None or loss < self.best[0] - PLATEAU_MIN_GAIN * abs(self.best[0]):
+            self.best, self.evals_since_best = (loss, step), 0
+            return ""
+        self.evals_since_best += 1   # a NaN never beats the best: it counts here too
+        if self.evals_since_best < self.plateau_evals:
+            return ""
+        return (f"stopped improving: val_loss {self.best[0]:.4f} at step {self.best[1]} is still "
+                f"the best after {self.evals_since_best} more evaluations (now {loss:.4f} at "
+                f"step {step})")
 
     def alert(self, kind: str, what: str) -> bool:
         """Send `kind` unless it was sent for this job before; True when sent now."""
@@ -125,6 +154,14 @@ class JobAlerts:
             log.warning("Could not read the job's sent alerts: %s", exc)
             return
         self.sent |= set(saved.get("sent") or [])
+
+
+def _or_off(setting: Callable[[], Any], alert: str) -> Any:
+    try:
+        return setting()
+    except notify.NotifySettingsError as exc:
+        log.warning("The %s alert is off: %s", alert, exc)
+        return None
 
 
 def where_of(ti: Any) -> dict[str, Any]:
