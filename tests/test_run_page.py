@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 import uuid
 
 import pytest
@@ -14,8 +15,8 @@ DAG_ID = "llm_lifecycle"
 
 
 def _child(client, exp_id, parent_id, run_id, stage, task_id, *, map_index=-1, tags=None,
-           params=None, metrics=None, history=None):
-    run = client.create_run(exp_id, run_name=task_id, tags={
+           params=None, metrics=None, history=None, status="FINISHED", start_time=None):
+    run = client.create_run(exp_id, run_name=task_id, start_time=start_time, tags={
         "mlflow.parentRunId": parent_id, "stage": stage, "dag_id": DAG_ID, "run_id": run_id,
         "task_id": task_id, "map_index": str(map_index), "try_number": "1", **(tags or {})})
     rid = run.info.run_id
@@ -26,7 +27,8 @@ def _child(client, exp_id, parent_id, run_id, stage, task_id, *, map_index=-1, t
     for k, points in (history or {}).items():
         for step, value in points:
             client.log_metric(rid, k, value, step=step)
-    client.set_terminated(rid, "FINISHED")
+    if status != "RUNNING":
+        client.set_terminated(rid, status)
     return rid
 
 
@@ -255,3 +257,167 @@ def test_a_fork_s_curve_continues_its_parent_s_from_the_fork_step(forked_run, ai
         f"/runs/{DAG_ID}/{ids['from_run']}").text
     assert "this run · train" not in parent_html and "pretrain.kept_steps" not in parent_html
     assert 'data-series="train" data-first-step="1.0" data-last-step="30.0"' in parent_html
+
+
+# -- while the run runs (issue 24): the page refreshes itself, a "Now" card per training run ------
+
+@pytest.fixture()
+def running_run():
+    """A lifecycle run in the middle of its pretraining: data prep finished; the pretrain job
+    started 60 s ago, has logged up to step 30 of its max_steps 100 (the param its config
+    logged) and has not ended its MLflow run."""
+    from llmops import tracking
+
+    client = tracking.client()
+    exp_id = tracking.ensure_experiment(DAG_ID)
+    run_id = f"manual__live_{uuid.uuid4().hex[:8]}"
+    parent = tracking.start_parent_run(experiment=DAG_ID, dag_id=DAG_ID, run_id=run_id,
+                                       config={"recipe_test": True})
+    _child(client, exp_id, parent, run_id, "data_prep", "data_prep", metrics={"documents_kept": 191})
+    started = int(time.time() * 1000) - 60_000
+    pretrain = _child(client, exp_id, parent, run_id, "pretrain", "pretrain", status="RUNNING",
+                      start_time=started, params={"max_steps": "100", "batch_size": "8"}, history={
+                          "loss/train": [(1, 5.7), (10, 5.4), (20, 5.1), (30, 4.93)],
+                          "perf/tokens_per_s": [(10, 11800.0), (20, 12100.0), (30, 12345.0)],
+                          "loss/val": [(20, 5.2)]})
+    return run_id, {"parent": parent, "pretrain": pretrain, "started": started}
+
+
+def _page_for(run_id, state, failure=None):
+    from fastapi.testclient import TestClient
+
+    from llmops import run_page
+
+    airflow = {"state": state, "note": None, "failure": failure}
+    api = TestClient(run_page.make_app(authorize=lambda: None, airflow_run=lambda d, r: airflow))
+    resp = api.get(f"/runs/{DAG_ID}/{run_id}")
+    assert resp.status_code == 200
+    return resp.text
+
+
+def _visible(html: str) -> str:
+    """The page's text as a reader sees it (tags, styles and scripts dropped)."""
+    body = re.sub(r"<(style|script)>.*?</\1>", "", html, flags=re.S)
+    return re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", body))
+
+
+def test_a_running_pretraining_has_a_now_card_with_an_eta(running_run):
+    from llmops import run_summary
+
+    run_id, ids = running_run
+    before = time.time()
+    html = _page_for(run_id, "running")
+    figures, text = _page_figures(html), _visible(html)
+    assert 'data-stage="pretrain"' in html and "Now" in text
+    assert (figures["now.pretrain.step"], figures["now.pretrain.max_steps"]) == ("30.0", "100.0")
+    assert "step 30 of 100" in text
+    assert float(figures["now.pretrain.train_loss"]) == 4.93      # the latest, not the first
+    assert float(figures["now.pretrain.tokens_per_s"]) == 12345.0
+    assert "12,345" in text and "now.pretrain.goodput" not in figures  # none logged yet
+    # 30 steps in ~60 s: 0.5 steps/s, so the 70 steps left take ~140 s
+    elapsed = time.time() - ids["started"] / 1000
+    eta = float(figures["now.pretrain.eta_s"])
+    assert 70 / (30 / (before - ids["started"] / 1000)) - 1 <= eta <= 70 / (30 / elapsed) + 1
+    assert 120 < eta < 200 and re.search(r"ETA 2\.\d min \(about \d\d:\d\d:\d\d UTC\)", text)
+    assert re.search(r"pretrain is running, 0\.[45]\d* steps/s since it started 6\d\.\d s ago", text)
+    # the loss chart draws the partial history
+    assert 'data-series="train" data-first-step="1.0" data-last-step="30.0"' in html
+    assert 'data-series="val" data-first-step="20.0" data-last-step="20.0"' in html
+    # it refreshes itself, and says when it was drawn
+    assert "<script>" in html and "setTimeout" in html and "DOMParser" in html
+    assert re.search(r"live: updated \d\d:\d\d:\d\d UTC · refreshes every 20 s while the run is running",
+                     text)
+    assert "http://" not in html.replace('xmlns="http://www.w3.org/2000/svg"', "")  # no library fetched
+    # the same figures in summary.json; a run that finished has no "Now"
+    s = run_summary.collect(DAG_ID, run_id, now_ms=ids["started"] + 120_000)
+    (live,) = s["live"]
+    assert (live["task_id"], live["step"], live["max_steps"], live["mlflow_run_id"]) == (
+        "pretrain", 30, 100, ids["pretrain"])
+    assert live["steps_per_s"] == 0.25 and live["eta_s"] == 280.0   # 30 steps in 120 s
+
+
+def test_the_page_stops_refreshing_once_the_airflow_run_ended(running_run, lifecycle_run):
+    run_id, ids = running_run
+    queued = _page_for(run_id, "queued")
+    assert "<script>" in queued and "live: updated" in queued
+    for state in ("success", "failed"):
+        html = _page_for(run_id, state, failure="pretrain failed: killed" if state == "failed" else None)
+        text = _visible(html)
+        assert "<script" not in html and "live: updated" not in text
+        # MLflow still marks the pretraining RUNNING (its job was killed): its last figures, no ETA
+        assert f"MLflow still marks pretrain RUNNING, but the Airflow run is {state}" in text
+        assert "step 30 of 100" in text and "now.pretrain.eta_s" not in html and "ETA" not in text
+    finished_id, _ = lifecycle_run
+    finished = _page_for(finished_id, "success")
+    assert "<script" not in finished and "data-stage=" not in finished and " Now " not in _visible(finished)
+    # a run queued before start_run: the page without MLflow refreshes too, until the run appears
+    from fastapi.testclient import TestClient
+
+    from llmops import run_page
+
+    api = TestClient(run_page.make_app(authorize=lambda: None,
+                                       airflow_run=lambda d, r: {"state": "queued", "failure": None}))
+    missing = api.get(f"/runs/{DAG_ID}/manual__not_started").text
+    assert "<script>" in missing and "start_run" in missing
+
+
+def test_in_a_browser_the_page_swaps_in_fresh_figures_and_stops_when_the_run_ends(
+        running_run, monkeypatch):
+    """The refresh script for real, in Chromium against the app served by uvicorn (refreshing
+    every second here): a step logged meanwhile appears without a reload, and once Airflow says
+    the run succeeded the page says so and fetches no more."""
+    import os
+    import socket
+    import threading
+
+    if not os.path.exists("/usr/bin/chromium"):
+        pytest.skip("/usr/bin/chromium is missing: `apt-get install -y chromium`")
+    sync_api = pytest.importorskip("playwright.sync_api")
+    import uvicorn
+
+    from llmops import run_page, tracking
+
+    run_id, ids = running_run
+    monkeypatch.setattr(run_page, "REFRESH_S", 1)
+    airflow = {"state": "running", "note": None, "failure": None}
+    served: list[str] = []
+
+    def airflow_run(dag_id, rid):
+        served.append(airflow["state"])
+        return dict(airflow)
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(
+        run_page.make_app(authorize=lambda: None, airflow_run=airflow_run), host="127.0.0.1",
+        port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        with sync_api.sync_playwright() as p:
+            browser = p.chromium.launch(executable_path="/usr/bin/chromium",
+                                        args=["--headless", "--no-sandbox", "--disable-gpu"])
+            try:
+                page = browser.new_page()
+                deadline = time.time() + 30
+                while not server.started and time.time() < deadline:
+                    time.sleep(0.1)
+                page.goto(f"http://127.0.0.1:{port}/runs/{DAG_ID}/{run_id}")
+                step = page.locator('[data-key="now.pretrain.step"]')
+                assert step.inner_text() == "30"
+                tracking.client().log_metric(ids["pretrain"], "loss/train", 4.8, step=40)
+                step.filter(has_text="40").wait_for(timeout=20_000)  # no reload: swapped in
+                assert page.locator('[data-key="now.pretrain.train_loss"]').inner_text() == "4.8"
+                assert page.locator('[data-key="live"]').is_visible()
+                airflow["state"] = "success"
+                page.locator('[data-key="live"]').wait_for(state="detached", timeout=20_000)
+                assert "but the Airflow run is success" in page.locator(".now").inner_text()
+                fetched = len(served)
+                time.sleep(3)   # three refresh periods: nothing more asked
+                assert len(served) == fetched
+            finally:
+                browser.close()
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)

@@ -8,7 +8,11 @@ what the scheduler reported (llmops.run_note, the same line as the run's note) a
 run whose first task died before it ran has no MLflow run at all: the page then shows only that.
 
 Rendered on the server with inline SVG charts: no JavaScript build, no CDN, nothing fetched by the
-browser but the page itself. Every figure shown carries `data-key`/`data-value` attributes with the
+browser but the page itself. While Airflow has the run queued or running, a few lines of inline
+script fetch the page again every REFRESH_S seconds and swap its body in (the page says when it
+was drawn: "live: updated HH:MM:SS UTC"); the first page drawn after the run ended has no script,
+so the refreshing stops. A training run MLflow marks RUNNING gets a "Now" card: its latest step
+of max_steps, train loss, tokens/s, goodput so far, and an ETA (llmops.run_summary._live). Every figure shown carries `data-key`/`data-value` attributes with the
 exact number MLflow holds, so a test (or a script) can read the page and compare.
 
 `app` is a small ASGI shim that builds the FastAPI app on its first request: the plugin is
@@ -66,6 +70,8 @@ def percent(value: float | None) -> str:
 def _duration(seconds: float | None) -> str:
     if seconds is None:
         return "–"
+    if seconds >= 7200:
+        return f"{seconds / 3600:.1f} h"
     return f"{seconds:.1f} s" if seconds < 120 else f"{seconds / 60:.1f} min"
 
 
@@ -291,6 +297,8 @@ table.stages td:nth-child(-n+3),table.stages th:nth-child(-n+3){text-align:left}
 .chart .mark{stroke:#718096;stroke-dasharray:3 3}
 .empty{color:#718096;font-style:italic;padding:6px 0}
 .passed{color:#276749;font-weight:600} .refused{color:#c53030;font-weight:600}
+.live{color:#2b6cb0;font-size:12px;margin:2px 0 6px} .now{border-left:4px solid #1f77b4;padding:2px 10px;margin:8px 0}
+.now .stale{color:#c05621}
 .state-FINISHED{color:#276749} .state-FAILED{color:#c53030} .state-RUNNING{color:#2b6cb0}
 code{font-size:12px;color:#4a5568}
 """
@@ -307,9 +315,40 @@ def _table(head: list[str], rows: list[list[str]], cls: str = "") -> str:
     return "".join(out) + "</tbody></table>"
 
 
-def _page(title: str, body: str) -> str:
+# Airflow states in which the run may still change: the page refreshes itself in these.
+LIVE_STATES = ("queued", "running")
+REFRESH_S = 20
+# Fetch the page again (the UI's cookie goes with it) and swap its body in; stop once the new body
+# is no longer live (no data-key="live"). A failed fetch is said on the page and tried again.
+REFRESH_JS = """(function(){var every=%d*1000;function again(){setTimeout(tick,every)}
+function tick(){fetch(location.href,{credentials:"same-origin",cache:"no-store"}).then(function(r){
+if(!r.ok&&r.status!==404)throw new Error("HTTP "+r.status);return r.text()}).then(function(text){
+var doc=new DOMParser().parseFromString(text,"text/html");
+document.documentElement.replaceChild(document.adoptNode(doc.body),document.body);
+if(document.querySelector('[data-key="live"]'))again()
+}).catch(function(err){var el=document.querySelector('[data-key="live"]');
+if(el)el.textContent=el.textContent.split(" · update failed")[0]+" · update failed ("+err.message+
+"), trying again";again()})}again()})();"""
+
+
+def _is_live(airflow: dict[str, Any] | None) -> bool:
+    return bool(airflow) and str(airflow.get("state")) in LIVE_STATES
+
+
+def _live_line(airflow: dict[str, Any] | None, at: dt.datetime | None = None) -> str:
+    """'live: updated HH:MM:SS UTC' while the run is queued or running; nothing after."""
+    if not _is_live(airflow):
+        return ""
+    at = at or dt.datetime.now(dt.timezone.utc)
+    return (f'<div class="live" data-key="live" data-value="{REFRESH_S}">live: updated '
+            f'{at.strftime("%H:%M:%S")} UTC · refreshes every {REFRESH_S} s while the run is '
+            f'{_e(airflow["state"])}</div>')
+
+
+def _page(title: str, body: str, live: bool = False) -> str:
+    script = f"<script>{REFRESH_JS % REFRESH_S}</script>" if live else ""
     return (f'<!doctype html><html lang="en"><head><meta charset="utf-8"><title>{_e(title)}</title>'
-            f"<style>{CSS}</style></head><body>{body}</body></html>")
+            f"<style>{CSS}</style>{script}</head><body>{body}</body></html>")
 
 
 def _failure(airflow: dict[str, Any] | None) -> str:
@@ -323,10 +362,46 @@ def render_missing(dag_id: str, run_id: str, airflow: dict[str, Any] | None = No
     state = (f"<div class='sub'>Airflow: <span class='state-{_e(airflow['state'])}' data-key='state'>"
              f"{_e(airflow['state'])}</span></div>") if airflow else ""
     return _page(f"{dag_id} {run_id}",
-                 f"<h1>{_e(dag_id)} · {_e(run_id)}</h1>{state}{_failure(airflow)}"
+                 f"<h1>{_e(dag_id)} · {_e(run_id)}</h1>{state}{_live_line(airflow)}{_failure(airflow)}"
                  f"<p class='empty'>MLflow has no lifecycle run for this DAG run"
                  f"{'' if airflow and airflow.get('failure') else ' yet'}: it appears once the task "
-                 f"<code>start_run</code> has run.</p>")
+                 f"<code>start_run</code> has run.</p>", live=_is_live(airflow))
+
+
+def now_cards(live: list[dict[str, Any]], airflow: dict[str, Any] | None) -> str:
+    """One "Now" block per training run MLflow marks RUNNING: latest step of max_steps, train
+    loss, tokens/s, goodput so far and the ETA. Once Airflow says the run ended, a run MLflow
+    still marks RUNNING was never closed (its job was killed): its last figures, no ETA."""
+    if not live:
+        return ""
+    ended = bool(airflow) and not _is_live(airflow)
+    out = ["<h2>Now</h2>"]
+    for r in live:
+        name = r["task_id"] + (f"[{r['map_index']}]" if r["map_index"] >= 0 else "")
+        key = f"now.{name}"
+        step = figure(f"{key}.step", r["step"]) if r["step"] is not None else "no step logged yet"
+        of = f" of {figure(f'{key}.max_steps', r['max_steps'])}" if r["max_steps"] is not None else ""
+        cards = [f'<div class="card"><div class="label">step</div><div class="value">{step}{of}</div></div>',
+                 _card("train loss", f"{key}.train_loss", r["train_loss"]),
+                 _card("tokens/s", f"{key}.tokens_per_s", r["tokens_per_s"], digits=5)]
+        if r["goodput"] is not None:
+            cards.append(f'<div class="card"><div class="label">goodput so far</div><div class="value">'
+                         f'{figure(f"{key}.goodput", r["goodput"], shown=percent(r["goodput"]))}</div></div>')
+        if ended:
+            head = (f'<span class="stale">MLflow still marks {_e(name)} RUNNING, but the Airflow run is '
+                    f'{_e(airflow["state"])}: its last logged figures</span>')
+        else:
+            eta = r["eta_s"]
+            shown = (f"{_duration(eta)} (about {_time(r['eta_ms'])[11:]})" if eta is not None
+                     else "–")
+            cards.append(f'<div class="card"><div class="label">ETA</div><div class="value">'
+                         f'{figure(f"{key}.eta_s", eta, shown=shown)}</div></div>')
+            rate = (f", {fmt(r['steps_per_s'], 2)} steps/s since it started "
+                    f"{_duration(r['elapsed_s'])} ago (the ETA's rate)" if r["steps_per_s"] else "")
+            head = f"{_e(name)} is running{rate}"
+        out.append(f'<div class="now" data-stage="{_e(name)}"><div>{head}</div>'
+                   f'<div class="cards">{"".join(cards)}</div></div>')
+    return "".join(out)
 
 
 def render(summary: dict[str, Any], airflow: dict[str, Any] | None = None) -> str:
@@ -337,6 +412,8 @@ def render(summary: dict[str, Any], airflow: dict[str, Any] | None = None) -> st
             f'{_e(s["mlflow_run_id"])}</code> (experiment {_e(s["experiment_id"])}) · '
             f'<span class="state-{_e(s["status"])}">{_e(s["status"])}</span> · started {_e(_time(s["start_ms"]))}'
             f' · {_e(_duration(s["duration_s"]))}</div>',
+            _live_line(airflow, dt.datetime.fromtimestamp(s["as_of_ms"] / 1000, dt.timezone.utc)
+                       if s.get("as_of_ms") else None),
             f'<div class="note" data-key="note">{_e(s.get("note") or run_summary.note_line(s))}</div>',
             _failure(airflow)]
 
@@ -357,6 +434,7 @@ def render(summary: dict[str, Any], airflow: dict[str, Any] | None = None) -> st
     if gate.get("version"):
         cards.append(_card(f"{gate['model_name']} version", "gate.version", gate["version"]))
     body.append('<div class="cards">' + "".join(cards) + "</div>")
+    body.append(now_cards(s.get("live") or [], airflow))
 
     # stage timeline
     body.append("<h2>Stages</h2>" + timeline_chart(s["stages"]))
@@ -447,7 +525,7 @@ def render(summary: dict[str, Any], airflow: dict[str, Any] | None = None) -> st
               for metric, verdict in (gate.get("paired") or {}).items()]], "gate"))
     else:
         body.append('<div class="empty">the gate has not decided yet</div>')
-    return _page(f"{s['dag_id']} {s['run_id']}", "".join(body))
+    return _page(f"{s['dag_id']} {s['run_id']}", "".join(body), live=_is_live(airflow))
 
 
 # -- the FastAPI app, built on first request -------------------------------------------------

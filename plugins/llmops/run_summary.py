@@ -5,7 +5,9 @@
                               sweep's trials, goodput and its badput buckets, data prep counts
                               and drop reasons, the evaluation table, the gate and the version;
                               for a forked pretraining its parent's curve up to the fork step,
-                              and the checkpoint steps the pretraining kept
+                              and the checkpoint steps the pretraining kept; for each
+                              training run MLflow still marks RUNNING, its latest figures and an
+                              ETA (`live`)
     headline(summary)         the few figures a reader wants first (`summary/*` metrics)
     note_line(summary)        one line for the Airflow DAG run's note
     publish(dag_id, run_id)   headline metrics + summary.json + summary.md on the parent run
@@ -20,6 +22,7 @@ import logging
 import math
 import os
 import tempfile
+import time
 from typing import Any
 
 from llmops import tracking
@@ -40,6 +43,7 @@ METRIC_ALIASES: dict[str, tuple[str, ...]] = {
                                     "goodput_excluding_hang_wait"),
     "productive_s": ("resilience/productive_s", "productive_s"),
     "trial_steps_run": ("trial/steps_run", "trial_steps_run"),
+    "tokens_per_s": ("perf/tokens_per_s", "tokens_per_s"),
 }
 # canonical prefix -> the prefixes a family of metrics may be logged under
 METRIC_FAMILIES: dict[str, tuple[str, ...]] = {
@@ -205,6 +209,26 @@ def _goodput(run: Any) -> dict[str, Any] | None:
             "resilience": counters}
 
 
+def _live(client: Any, run: Any, now_ms: int, curve: dict[str, Any] | None) -> dict[str, Any]:
+    """A training run MLflow marks RUNNING, as it stands at `now_ms`: its latest logged step of
+    `max_steps` (the param its config logged, tasks.common.tracking.stage_run), latest train loss,
+    tokens/s, goodput if logged yet, and an ETA at the average step rate since the run started
+    (steps from the fork step for a fork; a retry's run keeps its first start, so slower)."""
+    train = curve["train"] if curve else _history(client, run, "train_loss")
+    metrics, params = run.data.metrics, run.data.params
+    step = int(train[-1][0]) if train else None
+    max_steps = int(params["max_steps"]) if str(params.get("max_steps", "")).isdigit() else None
+    base = int((curve or {}).get("fork", {}).get("step", 0))
+    elapsed = _seconds(run.info.start_time, now_ms)
+    rate = (step - base) / elapsed if step is not None and step > base and elapsed else None
+    eta = max(0.0, (max_steps - step) / rate) if rate and max_steps is not None else None
+    return {**_stage_row(run), "step": step, "max_steps": max_steps,
+            "train_loss": _finite(train[-1][1]) if train else None,
+            "tokens_per_s": metric(metrics, "tokens_per_s"), "goodput": metric(metrics, "goodput"),
+            "elapsed_s": elapsed, "steps_per_s": rate, "eta_s": eta,
+            "eta_ms": now_ms + int(eta * 1000) if eta is not None else None}
+
+
 def _evaluation(run: Any) -> dict[str, Any]:
     table: dict[str, dict[str, float]] = {}
     for key, value in run.data.metrics.items():
@@ -243,9 +267,12 @@ def _gate(client: Any, parent: Any) -> dict[str, Any]:
     return gate
 
 
-def collect(dag_id: str, run_id: str, client: Any = None) -> dict[str, Any] | None:
-    """Everything the run page shows about one DAG run, or None when MLflow has no parent run."""
+def collect(dag_id: str, run_id: str, client: Any = None,
+            now_ms: int | None = None) -> dict[str, Any] | None:
+    """Everything the run page shows about one DAG run, or None when MLflow has no parent run.
+    `now_ms` (default: now) is the time the ETAs of running stages count from (`as_of_ms`)."""
     client = client or tracking.client()
+    now_ms = now_ms if now_ms is not None else int(time.time() * 1000)
     parent = find_parent(client, dag_id, run_id)
     if parent is None:
         return None
@@ -265,6 +292,11 @@ def collect(dag_id: str, run_id: str, client: Any = None) -> dict[str, Any] | No
             fork = _fork(client, run, curves[stage])
             if fork:
                 curves[stage]["fork"] = fork
+    # what is training now: a RUNNING run with a train loss or a step budget (a stage's, a trial's)
+    own = {c["mlflow_run_id"]: c for c in curves.values()}  # curves already read
+    live = [_live(client, r, now_ms, own.get(r.info.run_id))
+            for r in children if r.info.status == "RUNNING"
+            and (metric_key(r.data.metrics, "train_loss") or "max_steps" in r.data.params)]
     trials = sorted(({**_trial(r), "curve": _history(client, r, "val_loss")}
                      for r in by_stage.get("sweep", [])),
                     key=lambda t: (t["number"] is None, t["number"] or 0))
@@ -291,6 +323,7 @@ def collect(dag_id: str, run_id: str, client: Any = None) -> dict[str, Any] | No
         "goodput": _goodput(pretrain[0]) if pretrain else None, "data": data,
         "checkpoints": _checkpoints(client, pretrain[0]) if pretrain else None,
         "evaluation": evaluation, "gate": _gate(client, parent),
+        "live": live, "as_of_ms": now_ms,
     }
     summary["headline"] = headline(summary)
     return summary
