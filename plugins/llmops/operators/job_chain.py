@@ -8,9 +8,10 @@ attempt ends. An attempt that ran and ended without a newer checkpoint than the 
 from made no progress (it hung before its first save, failed at restore, or was ended sooner
 than its checkpoint interval); after `max_stalled_attempts` such attempts in a row the chain
 stops and the task fails without Airflow retries, since the next attempt would start from the
-same checkpoint and end the same way. Attempts ended by a capacity error never ran and are not
-judged; nor is one whose progress cannot be read (storage unreadable, a job an earlier try
-started).
+same checkpoint and end the same way. Attempts ended by a capacity error never ran, and those
+whose host was lost or whose spot capacity was reclaimed were ended by the fleet, however early
+(a new attempt runs on other hardware): they are not judged; nor is one whose progress cannot be
+read (storage unreadable, a job an earlier try started).
 
 JobChain is mixed into llmops.operators.job.JobOperator.
 """
@@ -27,6 +28,11 @@ from llmops.jobs.backends.base import NO_CHECKPOINT
 
 LOG_TAIL_LINES = 40
 DEFAULT_MAX_STALLED_ATTEMPTS = 2
+
+
+# Ends of an attempt that are the fleet's doing, not the job's (llmops.jobs.continuation's reasons):
+# no sign that the next attempt would stall the same way.
+FLEET_ENDS = frozenset({"capacity", "host", "spot"})
 
 
 def max_stalled_attempts_setting(value: Any) -> int:
@@ -82,8 +88,8 @@ class JobChain:
         chain = self._chain
         start, end = chain.get("from_step"), self._checkpoint_step()
         chain["from_step"] = end   # where the next attempt starts
-        if why == "capacity" or start is None or end is None:
-            return ""   # it never ran, or its progress is unknown: the streak stands
+        if why in FLEET_ENDS or start is None or end is None:
+            return ""   # the fleet ended it, or its progress is unknown: the streak stands
         if end > start:
             chain["stalled"] = []
             return ""
