@@ -6,7 +6,7 @@
 SETUP     one fake AWS (tests/chaos/fake_aws.py: moto behind a fault-injecting proxy and a job
           simulator that runs each job's container entry, docker/job_entry.py, on this machine)
           and one Airflow deployment (tests/chaos/airflow_deployment.py: api-server, scheduler,
-          dag-processor, triggerer as separate processes, LocalExecutor, parallelism 4) on a
+          dag-processor, triggerer as separate processes, LocalExecutor, parallelism 8) on a
           PostgreSQL metadata DB as MWAA's (tests/chaos/postgres.py: a cluster of its own in a
           temp dir; `--database sqlite` for standalone's), whose `llmops_aws` connection points
           at the proxy. Bucket, Batch compute environment and queue are created through the
@@ -264,8 +264,11 @@ class Matrix:
                "MLFLOW_TRACKING_URI": f"sqlite:///{self.workdir / 'mlflow.db'}",
                **DUMMY_CREDENTIALS}
         env.pop("LLMOPS_STORAGE_ROOT", None)
+        # 8 worker slots: the scoped rows (19) run side by side, and an in-worker wait holds its
+        # slot for the whole job (the 10-minute outage row's for 11 minutes); with 4, later rows'
+        # runs stayed queued past their rows' timeouts and their faults expired unlanded.
         self.dep = AirflowDeployment(self.workdir / "deployment", dags_folder=dags, env=env,
-                                     database=self.database)
+                                     database=self.database, parallelism=PARALLELISM)
         self.dep.migrate()
         # The accelerator pool the lifecycle's sweep trials run in.
         subprocess.run([sys.executable, "-m", "llmops.sweep.pool"], env=self.dep.env, check=True,
@@ -688,6 +691,7 @@ def _agent(user_agent: str) -> str:
 # Each row function triggers its runs, applies its fault, records where it landed (Row.land) or
 # why not (Row.miss) for every half it claims, and returns when its runs have ended.
 
+PARALLELISM = 8   # the deployment's worker slots (see Matrix.start)
 HALVES = {"pretrain": "sagemaker", "finetune": "batch"}   # the chaos DAGs' tasks and their service
 
 

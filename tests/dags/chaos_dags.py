@@ -39,7 +39,7 @@ TASKS = [("pretrain", "sagemaker", "ml.g5.2xlarge"), ("finetune", "batch", "p4d.
 for dag_id, deferrable in [("chaos_remote", True), ("chaos_remote_worker", False)]:
     with DAG(dag_id, schedule=None, start_date=pendulum.datetime(2026, 1, 1, tz="UTC"),
              catchup=False, params=PARAMS, render_template_as_native_obj=True,
-             max_active_runs=4, tags=["chaos", "test"],
+             max_active_runs=16, tags=["chaos", "test"],
              default_args={"retries": 2, "retry_delay": timedelta(seconds=5)}) as dag:
         for task_id, backend, instance_type in TASKS:
             JobOperator(task_id=task_id, deferrable=deferrable, poll_interval=2.0,
