@@ -50,6 +50,7 @@ def run(conf: dict, dying: str, dag=None) -> str:
 
     from airflow import settings
     from airflow.executors import workloads
+    from airflow.callbacks.database_callback_sink import DatabaseCallbackSink
     from airflow.executors.local_executor import LocalExecutor
     from airflow.jobs.scheduler_job_runner import SchedulerJobRunner
     from airflow.models.dagbag import DBDagBag
@@ -73,6 +74,9 @@ def run(conf: dict, dying: str, dag=None) -> str:
         triggering_user_name="dying_tasks", start_date=now, session=session)
     session.commit()
     executor = LocalExecutor(parallelism=1)
+    # Where the scheduler puts a failed task's callback requests (the DAGs' on_failure_callback
+    # alert), as SchedulerJobRunner sets it up: the dag-processor would run them.
+    executor.callback_sink = DatabaseCallbackSink()
     executor.start()
     deadline = time.monotonic() + TIMEOUT_S
     try:

@@ -18,7 +18,6 @@ from llmops.jobs.alerts import ALERTS_FILE, JobAlerts
 from llmops.jobs.backends import JobState, JobStatus
 from llmops.jobs.watch import JobWatch
 from tests.aws_fixtures import CONN_ID, REGION
-from tests.isolated_env import moto_server  # noqa: F401 - the session's moto server
 from tests.test_wait_faults import ScriptedBackend
 
 ROLLBACK_LINE = ("2026-12-04 03:10:00,000 INFO tasks.train.telemetry: [worker rank 0] rollback "
@@ -34,7 +33,7 @@ class FailingTI:
 
 
 @pytest.fixture
-def topic(moto_server, monkeypatch):  # noqa: F811
+def topic(moto_server, monkeypatch):  # the session's moto server (tests.isolated_env)
     """A topic on moto's SNS with an SQS queue subscribed; returns a function that reads what was
     published to it since the last call, as (subject, message) pairs."""
     sns, sqs = moto_server.client("sns"), moto_server.client("sqs")
