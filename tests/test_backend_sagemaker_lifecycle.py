@@ -102,7 +102,9 @@ def test_lifecycle_with_pretraining_on_sagemaker(airflow_db, sagemaker_deploymen
     # 3. The same run again: reattach everywhere, the result flows on.
     code, output = run_dag(conf)
     assert code == 0 and "state=success" in output, output[-6000:]
-    assert "deferred" in output.lower(), "the jobs were waited for by the triggerer"
+    # The job ended already: the reattaching task finishes it in the worker, without deferring
+    # (Airflow's scheduler can fail a task whose trigger fires at once: llmops.operators.job_wait)
+    assert "has already ended (succeeded): finishing here rather than in the triggerer" in output, output[-6000:]
     assert re.search(r"Reattached to pretrain job pretrain-[0-9a-f]{12}", output)
     assert re.search(r"pretrain job pretrain-[0-9a-f]{12} succeeded: .*val_loss=", output)
     assert moto.training_jobs("pretrain-") == [job], "still exactly one training job"
