@@ -8,7 +8,8 @@
                                the environment's Airflow configuration options (the
                                AirflowConfigurationOptions of CreateEnvironment/UpdateEnvironment,
                                `airflow_configuration_options` in Terraform): deferral on, so a
-                               task waiting on a remote job frees its worker slot for the triggerer
+                               task waiting on a remote job frees its worker slot for the triggerer,
+                               and workers' API calls retried through an API server restart
 
 MWAA unpacks plugins.zip into its plugins folder, which is on every component's sys.path, so
 `import llmops` and `import tasks.configs` work as they do locally. tasks/ is the job side: only
@@ -52,10 +53,20 @@ fi
 """
 
 
+# A worker's calls to the API server (its heartbeat, its XCom push, its final state) retried
+# through an API server restart (an MWAA update or maintenance window): Airflow's default, 5
+# tries with random exponential waits, gives up within ~30 s. In the fault matrix a restart on a
+# loaded machine took 93 s, and tasks whose jobs had succeeded failed pushing their result.
+# 12 tries with waits up to 60 s outlast ~4 minutes of restart.
+EXECUTION_API_RETRIES = {
+    "workers.execution_api_retries": "12",
+    "workers.execution_api_retry_wait_max": "60",
+}
 # MWAA takes string values only. operators.default_deferrable: every deferrable operator (ours,
 # the provider's) waits in the triggerer instead of holding a worker for days of pretraining.
 AIRFLOW_CONFIGURATION_OPTIONS = {
     "operators.default_deferrable": "True",
+    **EXECUTION_API_RETRIES,
 }
 
 

@@ -444,5 +444,7 @@ def test_the_mwaa_bundle_turns_deferral_on(tmp_path):
     out = mwaa_bundle.build(tmp_path / "mwaa", "https://mlflow.example.com", "s3://b/llmops")
     options = json.loads((out / "airflow_configuration_options.json").read_text())
     assert options["operators.default_deferrable"] == "True"
+    # workers' API calls outlast an API server restart (the matrix's restart row)
+    assert int(options["workers.execution_api_retries"]) >= 10
     # What `aws mwaa update-environment --airflow-configuration-options file://...` sends.
     validate_request("mwaa", "UpdateEnvironment", {"Name": "llmops", "AirflowConfigurationOptions": options})

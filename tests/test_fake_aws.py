@@ -147,6 +147,34 @@ def test_a_few_503s_and_500s_are_retried_through(fake, chaos, no_backoff):
         chaos.faults([{"operations": ["*"], "kind": "slow"}])
 
 
+def test_a_per_job_window_opens_at_each_jobs_first_call_and_outlives_a_re_push(monkeypatch):
+    """A narrowed rule with `per_job_seconds` hits a job that comes late for as long as one
+    that came first; pushing the same rule again (another row's rules changed) keeps the clocks."""
+    from tests.chaos import fake_aws
+
+    clock = [1000.0]
+    monkeypatch.setattr(fake_aws.time, "time", lambda: clock[0])
+    faults = fake_aws.Faults()
+    rule = {"operations": ["DescribeJobs"], "kind": "503", "jobs": ["run_id=r1"], "per_job_seconds": 60}
+    faults.set([rule])
+    call = fake_aws.Call("batch", "DescribeJobs", "rest-json")
+    early, late = (lambda: {"job-a", "run_id=r1"}), (lambda: {"job-b", "run_id=r1"})
+    assert faults.pick(call, early) is not None
+    clock[0] += 50
+    faults.set([rule])   # re-pushed: job-a's window still closes at 1060
+    assert faults.pick(call, early) is not None
+    clock[0] += 20       # 1070: job-a's window has closed; job-b's first call opens its own
+    assert faults.pick(call, early) is None
+    assert faults.pick(call, late) is not None
+    clock[0] += 59
+    assert faults.pick(call, late) is not None
+    clock[0] += 2
+    assert faults.pick(call, late) is None
+    assert faults.pick(call, lambda: {"job-c", "run_id=r2"}) is None, "another run's job is not narrowed in"
+    with pytest.raises(ValueError, match='"per_job_seconds" needs "jobs"'):
+        faults.set([{"operations": ["*"], "kind": "503", "per_job_seconds": 5}])
+
+
 def test_resets_and_timeouts_are_connection_errors(fake, chaos, no_backoff):
     start = time.time()
     chaos.faults([{"operations": ["ListTrainingJobs"], "kind": "reset"}])

@@ -69,6 +69,20 @@ SQLITE_CONNECT_ARGS = {"timeout": 120}
 API_SQLITE_CONNECT_ARGS = {"timeout": 15}
 
 
+def mwaa_worker_env() -> dict[str, str]:
+    """The workers' settings the MWAA bundle ships (scripts/mwaa_bundle.py), as environment
+    variables: this deployment stands in for MWAA, so its workers ride out an API server restart
+    exactly as the shipped configuration lets them."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("mwaa_bundle", ROOT / "scripts" / "mwaa_bundle.py")
+    assert spec is not None and spec.loader is not None
+    bundle = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bundle)
+    return {"AIRFLOW__{}__{}".format(*(part.upper() for part in option.split(".", 1))): value
+            for option, value in bundle.EXECUTION_API_RETRIES.items()}
+
+
 def _connect_args_env(name: str) -> dict[str, str]:
     """The settings that make Airflow's sync and async engines read their SQLite connect
     arguments from this module's `name`."""
@@ -202,6 +216,7 @@ class AirflowDeployment(StartStop):
             "AIRFLOW__TRIGGERER__JOB_HEARTBEAT_SEC": "2",
             "AIRFLOW__TRIGGERER__TRIGGERER_HEALTH_CHECK_THRESHOLD": "15",
             "AIRFLOW__LOGGING__LOGGING_LEVEL": "INFO",
+            **mwaa_worker_env(),
             "RAY_AUTH_MODE": "disabled",
             "MPLBACKEND": "Agg",
             **(env or {}),

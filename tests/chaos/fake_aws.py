@@ -68,7 +68,9 @@ The containers' own AWS calls (their checkpoint uploads, result writes) go throu
 port (`FakeAws.jobs_url`, their AWS_ENDPOINT_URL): a rule touches them only when its `origin` is
 "jobs" (or "*"), e.g. `{"operations": ["PutObject", "UploadPart"], "kind": "throttle",
 "origin": "jobs", "seconds": 30}` answers S3's 503 SlowDown to their uploads; rules without an
-origin touch only the clients' port, as before. Their calls are counted apart (the report's
+origin touch only the clients' port, as before. A rule narrowed to `jobs` may time its window
+per job instead (`"per_job_seconds": 60`): each job meets it for that long from the first call
+about that job the rule matched. Their calls are counted apart (the report's
 `job_operations`). SageMaker's own checkpoint sync (the service's traffic) reaches moto directly.
 HyperPod pods (fake_eks) get the endpoint their harness passes. Jobs belong to
 this process, not to the client: they keep running when Airflow dies, and end when this stops.
@@ -242,11 +244,17 @@ class Rule:
     hold_seconds: float = 70.0          # "timeout": how long the connection is held
     origin: str = "clients"             # whose calls: clients (the proxy port), jobs (the jobs' port), *
     rng: random.Random = field(default_factory=random.Random)
+    # "per_job_seconds" (with "jobs"): each job meets the fault for that long from the first call
+    # about it the rule matched, however late the job comes (a loaded machine can start a job
+    # after a window counted from the row's start has closed, and the fault would not land).
+    per_job_seconds: float | None = None
+    first_call: dict[str, float] = field(default_factory=dict)   # job name -> when its window opened
+    signature: str = ""                 # the rule minus its timing: its windows outlive a re-push
 
     @classmethod
     def parse(cls, raw: dict[str, Any]) -> Rule:
         allowed = {"operations", "kind", "rate", "seconds", "count", "seed", "services", "hold_seconds",
-                   "jobs", "origin"}
+                   "jobs", "origin", "per_job_seconds"}
         if unknown := set(raw) - allowed:
             raise ValueError(f"unknown fault rule keys {sorted(unknown)}; allowed: {sorted(allowed)}")
         if str(raw.get("kind")) not in KINDS:
@@ -255,13 +263,19 @@ class Rule:
             raise ValueError('a fault rule needs "operations": names or globs, "*" for all')
         if raw.get("origin", "clients") not in ORIGINS:
             raise ValueError(f"fault origin {raw.get('origin')!r} is not one of {list(ORIGINS)}")
+        if raw.get("per_job_seconds") is not None and not raw.get("jobs"):
+            raise ValueError('"per_job_seconds" needs "jobs": the window is counted per job')
         return cls(operations=list(raw["operations"]), kind=str(raw["kind"]),
                    rate=float(raw.get("rate", 1.0)),
                    until=time.time() + float(raw["seconds"]) if raw.get("seconds") is not None else None,
                    remaining=int(raw["count"]) if raw.get("count") is not None else None,
                    services=raw.get("services"), hold_seconds=float(raw.get("hold_seconds", 70.0)),
                    jobs=list(raw["jobs"]) if raw.get("jobs") else None,
-                   origin=str(raw.get("origin", "clients")), rng=random.Random(raw.get("seed")))
+                   origin=str(raw.get("origin", "clients")), rng=random.Random(raw.get("seed")),
+                   per_job_seconds=(float(raw["per_job_seconds"]) if raw.get("per_job_seconds") is not None
+                                    else None),
+                   signature=json.dumps({k: v for k, v in raw.items() if k != "seconds"}, sort_keys=True,
+                                        default=str))
 
     def fires(self, call: Call, keys: Callable[[], set[str]] = set, origin: str = "clients") -> bool:
         """`keys`: the names and `tag=value`s of the jobs the call is about (asked only when
@@ -276,6 +290,12 @@ class Rule:
             return False
         if self.jobs and not any(fnmatch.fnmatchcase(k, g) for k in keys() for g in self.jobs):
             return False
+        if self.per_job_seconds is not None:
+            now = time.time()
+            names = sorted(k for k in keys() if "=" not in k) or sorted(keys())
+            opened = [self.first_call.setdefault(name, now) for name in names]
+            if all(now > start + self.per_job_seconds for start in opened):
+                return False
         return self.rng.random() < self.rate
 
 
@@ -284,10 +304,14 @@ class Faults:
         self.lock = threading.Lock()
         self.rules: list[Rule] = []
         self.injections: list[dict[str, Any]] = []
+        self.first_calls: dict[str, dict[str, float]] = {}   # rule signature -> its per-job windows
 
     def set(self, raw_rules: list[dict[str, Any]]) -> None:
         rules = [Rule.parse(r) for r in raw_rules]   # all or nothing: a bad rule changes nothing
         with self.lock:
+            # the same rule pushed again (another row's rules changed) keeps its jobs' windows
+            for rule in rules:
+                rule.first_call = self.first_calls.setdefault(rule.signature, {})
             self.rules = rules
 
     def pick(self, call: Call, keys: Callable[[], set[str]] = set, origin: str = "clients") -> Rule | None:
