@@ -229,6 +229,10 @@ def test_a_training_job_runs_logs_live_and_completes(fake, chaos, visible_pendin
     assert [t["Status"] for t in described["SecondaryStatusTransitions"]] == \
         ["Starting", "Downloading", "Training", "Uploading", "Completed"]
     assert described["TrainingEndTime"] > described["TrainingStartTime"]
+    # billed: Downloading to the end of Uploading, whole seconds; the ledger's cost takes it
+    running = status.details["ended_at"] - status.details["started_at"]
+    assert described["BillableTimeInSeconds"] == described["TrainingTimeInSeconds"] >= running
+    assert status.details["billed_seconds"] == described["BillableTimeInSeconds"]
     job = chaos.job(handle["job_name"])
     assert job["exit_code"] == 0 and job["log_lines"] == len(lines) and job["stopped_by"] is None
     with pytest.raises(ClientError, match="ResourceInUse"):   # SageMaker refuses a second job of a name
@@ -704,3 +708,6 @@ def test_a_reclaimed_managed_spot_job_is_interrupted_and_restarts_inside_the_sam
     statuses = [t["Status"] for t in described["SecondaryStatusTransitions"]]
     assert statuses[statuses.index("Interrupted"):] == ["Interrupted", "Starting", "Downloading", "Training",
                                                          "Uploading", "Completed"], statuses
+    # managed spot bills less than the time it ran (the simulator's share), and the backend says so
+    assert described["BillableTimeInSeconds"] < described["TrainingTimeInSeconds"]
+    assert status.details["billed_seconds"] == described["BillableTimeInSeconds"]

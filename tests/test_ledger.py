@@ -248,3 +248,47 @@ def test_an_attempt_that_never_started_records_all_its_time_as_queued():
     assert event.queue_seconds == 3600 and event.instance_hours == 0.0
     # A pending event knows no queue time yet.
     assert with_usage(JobEvent(event="submitted", job_name="j", submitted_at=start)).queue_seconds is None
+
+
+def test_the_cost_is_the_services_billed_time_and_the_named_hosts_are_kept(home):
+    """Issue 21.2: SageMaker's BillableTimeInSeconds (download and upload included, a managed spot
+    discount applied) is what an attempt costs; issue 24.5: the hosts a job named stragglers or
+    caught computing wrong results are on its `ended` row, for a platform to query."""
+    from llmops.jobs.backends import JobState, JobStatus
+
+    start = 1_780_000_000.0
+    status = JobStatus(JobState.SUCCEEDED, details={"started_at": start, "ended_at": start + 3600,
+                                                    "billed_seconds": 1200.0},
+                       result={"metrics": {"goodput": 0.9}, "health": {
+                           "stragglers": [{"step": 40, "rank": 3, "host": "ip-10-0-0-7"},
+                                          {"step": 80, "rank": 3, "host": "ip-10-0-0-7"}],
+                           "sdc_mismatches": [{"step": 60, "ranks": [1, 2], "hosts": ["ip-a", "ip-b"]}]}})
+    fields = ledger.end_fields(status, None)
+    assert fields["straggler_hosts"] == "ip-10-0-0-7 (rank 3)"   # named twice, listed once
+    assert fields["sdc_hosts"] == "ip-a (rank 1), ip-b (rank 2)"
+    ledger.record_job("ended", {"job_name": "spot-job", "instance_type": "ml.p4d.24xlarge",
+                                "instance_count": 2}, **fields)
+    row = rows_of("spot-job")[0]
+    assert row["instance_hours"] == pytest.approx(2.0)              # it ran an hour on 2 instances
+    assert row["billed_seconds"] == 1200.0
+    assert row["estimated_cost_usd"] == pytest.approx(1200 / 3600 * 2 * 37.688)   # billed, not run
+    assert row["straggler_hosts"] == "ip-10-0-0-7 (rank 3)"
+    # Without a billed time from the service, the running time is charged.
+    plain = with_usage(JobEvent(event="ended", job_name="j", instance_type="ml.p4d.24xlarge",
+                                started_at=start, ended_at=start + 3600))
+    assert plain.billed_seconds is None and plain.estimated_cost_usd == pytest.approx(37.688)
+
+
+def test_a_ledger_from_an_earlier_release_gets_the_new_columns_and_keeps_its_rows(home):
+    import sqlite3
+
+    path = store.sqlite_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    old = [f for f in FIELDS if f not in ("billed_seconds", "straggler_hosts", "sdc_hosts")]
+    with sqlite3.connect(path) as conn:
+        conn.execute(f"CREATE TABLE job_events ({', '.join(old)})")
+        conn.execute("INSERT INTO job_events (event, job_name, event_id, recorded_at) VALUES "
+                     "('submitted', 'old-job', 'e1', 1780000000.0)")
+    ledger.record_job("ended", {"job_name": "new-job"}, state="succeeded", billed_seconds=5.0)
+    assert [r["event"] for r in rows_of("old-job")] == ["submitted"]
+    assert rows_of("new-job")[0]["billed_seconds"] == 5.0

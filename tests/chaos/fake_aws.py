@@ -90,6 +90,7 @@ import functools
 import http.client
 import json
 import logging
+import math
 import os
 import random
 import re
@@ -335,6 +336,9 @@ class Faults:
 
 # -- the job simulator ---------------------------------------------------------------------------
 
+BILLED_STATUSES = ("Downloading", "Training", "Uploading")   # SageMaker's billed secondary statuses
+SPOT_BILLED_SHARE = 0.3    # a managed spot job's billed share of its on-demand time (simulated)
+
 @dataclass
 class Job:
     service: str                         # sagemaker | batch
@@ -377,6 +381,17 @@ class Job:
     @property
     def ended(self) -> bool:
         return self.ended_at is not None
+
+    def billing(self) -> dict[str, int]:
+        """An ended SageMaker job's TrainingTimeInSeconds and BillableTimeInSeconds: whole seconds
+        in Downloading, Training and Uploading (instance start-up and spot interruptions are not
+        billed); managed spot billed at SPOT_BILLED_SHARE of that (simulated: AWS's savings vary
+        by instance type and hour)."""
+        seconds = sum((t.get("EndTime") or self.ended_at or time.time()) - t["StartTime"]
+                      for t in self.transitions if t["Status"] in BILLED_STATUSES)
+        spot = bool(self.request.get("EnableManagedSpotTraining"))
+        return {"TrainingTimeInSeconds": math.ceil(seconds),
+                "BillableTimeInSeconds": math.ceil(seconds * (SPOT_BILLED_SHARE if spot else 1.0))}
 
     def report(self) -> dict[str, Any]:
         return {"service": self.service, "name": self.name, "job_id": self.job_id, "status": self.status,
@@ -590,6 +605,8 @@ class Simulator:
                     described[key] = value
                 else:
                     described.pop(key, None)
+            if job.ended:
+                described.update(job.billing())
         return status, headers, json.dumps(described, default=str).encode()
 
     def _sagemaker_ListTrainingJobs(self, call, body, forward, user_agent):

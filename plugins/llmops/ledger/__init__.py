@@ -8,7 +8,9 @@ Airflow dag_id / run_id / task_id / map_index / try_number, instance type and co
 (submitted, started, ended: epoch seconds in SQLite, UTC timestamps in Parquet), queue seconds,
 state and failure reason, and on `ended` rows the attempt's instance-hours, accelerator-hours and
 estimated cost from the price table in the repo (llmops/ledger/prices.json, with its source and
-date; local jobs cost 0). `ended` rows of pretraining jobs also carry the job's goodput.
+date; local jobs cost 0; where the service reports its billed time, SageMaker's
+BillableTimeInSeconds, the cost is that: `billed_seconds`). `ended` rows of pretraining jobs also
+carry the job's goodput and the hosts it named stragglers or caught computing wrong results.
 
 Writing to the ledger never fails a task or stops a job: errors are logged and counted
 (`write_errors`). Kept in SQLite locally and as Parquet on S3 when the storage root is s3://
@@ -25,7 +27,8 @@ Athena / Glue (Hive-style partitions, one small file per event):
       accelerators_per_instance bigint, submitted_at timestamp, started_at timestamp,
       ended_at timestamp, queue_seconds double, state string, failure_reason string,
       instance_hours double, accelerator_hours double, usd_per_instance_hour double,
-      estimated_cost_usd double, goodput double, badput_seconds double, mlflow_run_id string,
+      estimated_cost_usd double, goodput double, badput_seconds double, billed_seconds double,
+      straggler_hosts string, sdc_hosts string, mlflow_run_id string,
       schema_version bigint, event_id string)
     PARTITIONED BY (dt string)
     STORED AS PARQUET
@@ -140,10 +143,30 @@ def end_fields(status: Any, started_at: float | None) -> dict[str, Any]:
     state = getattr(status.state, "value", str(status.state))
     metrics = (status.result or {}).get("metrics") or {}
     goodput = metrics.get("goodput")
+    billed = details.get("billed_seconds")
+    health = (status.result or {}).get("health") or {}
     return {"state": state, "failure_reason": "" if state == "succeeded" else status.message,
             "started_at": details.get("started_at", started_at),
             "ended_at": details.get("ended_at") or time.time(),
-            "goodput": float(goodput) if isinstance(goodput, (int, float)) else None}
+            "goodput": float(goodput) if isinstance(goodput, (int, float)) else None,
+            "billed_seconds": float(billed) if isinstance(billed, (int, float)) else None,
+            "straggler_hosts": _named_hosts(health.get("stragglers")),
+            "sdc_hosts": _named_hosts(health.get("sdc_mismatches"))}
+
+
+def _named_hosts(found: Any) -> str:
+    """"host (rank N), ..." of the ranks a job's health checks named (tasks/train/health.py),
+    each once, in the order first named."""
+    named: list[str] = []
+    for item in found if isinstance(found, list) else []:
+        if not isinstance(item, dict):
+            continue
+        ranks, hosts = item.get("ranks") or [item.get("rank")], list(item.get("hosts") or [item.get("host")])
+        for rank, host in zip(ranks, hosts + [""] * (len(ranks) - len(hosts))):
+            label = f"{host or '?'} (rank {rank})"
+            if rank is not None and label not in named:
+                named.append(label)
+    return ", ".join(named)
 
 
 _FIELD_NAMES = frozenset(JobEvent.__dataclass_fields__)

@@ -68,6 +68,12 @@ class JobEvent:
     estimated_cost_usd: float | None = None
     goodput: float | None = None       # the job's reported goodput share (pretraining)
     badput_seconds: float | None = None  # its non-productive seconds, when the result says
+    # What the service bills per instance for the attempt, when it says (SageMaker's
+    # BillableTimeInSeconds: from Downloading to the end of Uploading, managed spot's discount
+    # applied); None: it does not say, and the running time is what is charged.
+    billed_seconds: float | None = None
+    straggler_hosts: str = ""          # the hosts (ranks) the job named stragglers, comma-separated
+    sdc_hosts: str = ""                # ... whose replica checksums disagreed (silent corruption)
     mlflow_run_id: str = ""
     schema_version: int = SCHEMA_VERSION
     event_id: str = ""
@@ -144,7 +150,8 @@ def with_usage(event: JobEvent) -> JobEvent:
     """The ended event with its instance-hours, accelerator-hours and estimated cost filled in.
 
     Running time is started_at..ended_at (queueing is not billed); an attempt whose start is
-    unknown (it never ran) counts 0 hours. Accelerators per instance: the backend's count when the
+    unknown (it never ran) counts 0 hours. The cost is the service's billed time where it reports
+    one (billed_seconds), else the running time, at the table's on-demand price. Accelerators per instance: the backend's count when the
     caller set one (HyperPod's gpus_per_node), else prices.json's; a type in neither has unknown
     accelerator-hours and cost (None), never a guess.
     """
@@ -168,7 +175,8 @@ def with_usage(event: JobEvent) -> JobEvent:
     if event.accelerators_per_instance is not None:
         event.accelerator_hours = event.instance_hours * event.accelerators_per_instance
     event.usd_per_instance_hour = price
-    event.estimated_cost_usd = None if price is None else event.instance_hours * price
+    billed_hours = (hours if event.billed_seconds is None else event.billed_seconds / 3600) * event.instance_count
+    event.estimated_cost_usd = None if price is None else billed_hours * price
     return event
 
 

@@ -30,14 +30,26 @@ def sqlite_path() -> Path:
     return settings.home() / "ledger.db"
 
 
-def _columns_sql() -> str:
-    types = {"event_id": "TEXT PRIMARY KEY"}
+def _column_types() -> dict[str, str]:
     ints = {"attempt", "map_index", "try_number", "instance_count", "accelerators_per_instance",
             "schema_version"}
     floats = {*TIME_FIELDS, "queue_seconds", "instance_hours", "accelerator_hours",
-              "usd_per_instance_hour", "estimated_cost_usd", "goodput", "badput_seconds"}
-    return ", ".join(f"{name} {types.get(name) or ('INTEGER' if name in ints else 'REAL' if name in floats else 'TEXT')}"
-                     for name in FIELDS)
+              "usd_per_instance_hour", "estimated_cost_usd", "goodput", "badput_seconds", "billed_seconds"}
+    return {name: "TEXT PRIMARY KEY" if name == "event_id" else
+            "INTEGER" if name in ints else "REAL" if name in floats else "TEXT" for name in FIELDS}
+
+
+def _columns_sql() -> str:
+    return ", ".join(f"{name} {kind}" for name, kind in _column_types().items())
+
+
+def _add_new_columns(conn: sqlite3.Connection) -> None:
+    """A ledger written by an earlier release lacks the columns added since: add them (empty
+    for the old rows) rather than fail every write."""
+    present = {row[1] for row in conn.execute("PRAGMA table_info(job_events)")}
+    for name, kind in _column_types().items():
+        if name not in present:
+            conn.execute(f"ALTER TABLE job_events ADD COLUMN {name} {kind}")
 
 
 @contextlib.contextmanager
@@ -48,6 +60,7 @@ def connect(path: Path | None = None) -> Iterator[sqlite3.Connection]:
     try:
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute(f"CREATE TABLE IF NOT EXISTS job_events ({_columns_sql()})")
+        _add_new_columns(conn)
         conn.execute("CREATE INDEX IF NOT EXISTS job_events_team_end ON job_events (team, event, ended_at)")
         conn.execute("CREATE INDEX IF NOT EXISTS job_events_job ON job_events (job_name, attempt)")
         conn.row_factory = sqlite3.Row

@@ -547,6 +547,10 @@ class _SageMakerBackend(Backend):
         end = remote.epoch(description.get("TrainingEndTime") or description.get("ProcessingEndTime"))
         if end is not None:
             details["ended_at"] = end  # billing stops here (the job ledger's accelerator-hours)
+        if description.get("BillableTimeInSeconds") is not None:
+            # what SageMaker charges per instance: Downloading and Uploading included, managed
+            # spot's discount applied (the ledger's cost)
+            details["billed_seconds"] = float(description["BillableTimeInSeconds"])
         if state in ("InProgress", "Stopping"):
             secondary = description.get("SecondaryStatus", state)
             running = (secondary not in NOT_RUNNING if self.kind == "training"
