@@ -50,6 +50,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from tasks.uris import split_s3   # the image puts tasks/ on PYTHONPATH (/opt/llmops)
+
 log = logging.getLogger("llmops.entry")
 FAILURE_FILE = "/opt/ml/output/failure"   # SageMaker reports its content as FailureReason
 RDZV_PORT = "29500"
@@ -185,11 +187,6 @@ def sse_args() -> dict[str, str]:
     ($LLMOPS_S3_KMS_KEY_ID): a bucket policy may refuse any PutObject without it."""
     key = os.environ.get(KMS_ENV, "")
     return {"ServerSideEncryption": "aws:kms", "SSEKMSKeyId": key} if key else {}
-
-
-def split_s3(uri: str) -> tuple[str, str]:
-    bucket, _, key = uri[len("s3://"):].partition("/")
-    return bucket, key
 
 
 def read_text(location: str) -> str:

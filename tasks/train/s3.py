@@ -31,6 +31,7 @@ from typing import Any, Callable, Collection
 
 from tasks.common.io import read_json
 from tasks.train.retention import prunable
+from tasks.uris import split_s3
 
 log = logging.getLogger(__name__)
 
@@ -41,11 +42,8 @@ _RETRY_CODES = {"SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeo
 
 
 def split_uri(uri: str) -> tuple[str, str]:
-    if not uri.startswith("s3://"):
-        raise ValueError(f"{uri!r} is not an s3://bucket/prefix URI.")
-    bucket, _, prefix = uri[len("s3://"):].partition("/")
-    if not bucket:
-        raise ValueError(f"{uri!r} names no bucket; write s3://bucket/prefix.")
+    """s3://bucket/prefix/ -> ("bucket", "prefix"): tasks.uris's parse, the prefix unslashed."""
+    bucket, prefix = split_s3(uri)
     return bucket, prefix.strip("/")
 
 

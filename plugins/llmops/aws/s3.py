@@ -16,22 +16,10 @@ import os
 from pathlib import Path
 from typing import Any, Iterable
 
+from tasks.uris import is_s3, split_s3  # noqa: F401 - one parser for every side (tasks/uris.py)
+
 SKIP_DIRS = ("checkpoints",)  # synced by the job itself (SageMaker CheckpointConfig), never copied back
 KMS_ENV = "LLMOPS_S3_KMS_KEY_ID"   # the key when no settings block names one; also the jobs' variable
-
-
-def is_s3(uri: str) -> bool:
-    return uri.startswith("s3://")
-
-
-def split_s3(uri: str) -> tuple[str, str]:
-    """s3://bucket/some/key -> ("bucket", "some/key")."""
-    if not is_s3(uri):
-        raise ValueError(f"Not an S3 URI: {uri!r} (expected s3://bucket/key).")
-    bucket, _, key = uri[len("s3://"):].partition("/")
-    if not bucket:
-        raise ValueError(f"S3 URI {uri!r} has no bucket.")
-    return bucket, key
 
 
 def join(uri: str, *parts: str) -> str:
