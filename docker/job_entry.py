@@ -55,6 +55,7 @@ from tasks.uris import split_s3   # the image puts tasks/ on PYTHONPATH (/opt/ll
 log = logging.getLogger("llmops.entry")
 FAILURE_FILE = "/opt/ml/output/failure"   # SageMaker reports its content as FailureReason
 RDZV_PORT = "29500"
+PAUSED_EXIT = 77   # tasks.train.supervisor.PAUSED_EXIT: the stage paused on request
 CHECKPOINT_STEP = re.compile(r"^step_(\d{6,})$")   # tasks/train/checkpoint.py's layout
 CHECKPOINT_COMMIT = "manifest.json"                 # written last: a step without it is unfinished
 KMS_ENV = "LLMOPS_S3_KMS_KEY_ID"                    # llmops.aws.s3.KMS_ENV, set by the backends
@@ -387,6 +388,15 @@ def process_dir(workdir: Path) -> Path:
     return workdir / f"rank-{int(rank)}" if rank is not None and rank.isdigit() else workdir
 
 
+def paused_result(result_file: Path) -> dict[str, Any] | None:
+    """The result of a stage that paused on request, else None (a failed stage writes none)."""
+    try:
+        result = json.loads(result_file.read_text())
+    except (OSError, ValueError):
+        return None
+    return result if isinstance(result, dict) and result.get("paused") else None
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stdout,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -450,7 +460,25 @@ def main(argv: list[str] | None = None) -> int:
     cmd = launch_command(args, ["--config", str(config_file), "--result", str(result_file), *stage_argv])
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     log.info("running %s", " ".join(cmd))
+    mapping = {str(local_out): output_uri or str(local_out)}
+    if checkpoint_uri:
+        mapping[str(local_out / "checkpoints")] = checkpoint_uri
+        if checkpoint_dir:
+            mapping[checkpoint_dir] = checkpoint_uri
+            mapping[os.path.realpath(checkpoint_dir)] = checkpoint_uri
+    destination = args.result if n_hosts == 1 or host == 0 else args.result.replace(
+        "result.json", f"result-host-{host}.json")
     code, tail = run(cmd, env)
+    paused = paused_result(result_file) if code != 0 and is_leader(args) else None
+    if paused is not None:
+        # Paused on request (tasks/train/pause.py): the result names the step and its checkpoint
+        # (written through to checkpoint_uri as it committed), which the task reports; published
+        # like a finished job's. The exit is PAUSED_EXIT whatever the launcher made of rank 0's
+        # (torchrun turns any non-zero exit into its own 1).
+        write_text(destination, json.dumps(rewrite(paused, mapping), indent=2, sort_keys=True, default=str))
+        log.info("paused at step %s on request; result written to %s", paused.get("paused_at_step"),
+                 destination)
+        return PAUSED_EXIT
     if code != 0:
         if os.path.isdir(os.path.dirname(FAILURE_FILE)):
             Path(FAILURE_FILE).write_text(f"{args.entrypoint} exited with {code}:\n" + "\n".join(tail[-15:]))
@@ -472,15 +500,7 @@ def main(argv: list[str] | None = None) -> int:
     if upload_outputs:
         count = upload(local_out, output_uri)
         log.info("uploaded %d output files to %s", count, output_uri)
-    mapping = {str(local_out): output_uri or str(local_out)}
-    if checkpoint_uri:
-        mapping[str(local_out / "checkpoints")] = checkpoint_uri
-        if checkpoint_dir:
-            mapping[checkpoint_dir] = checkpoint_uri
-            mapping[os.path.realpath(checkpoint_dir)] = checkpoint_uri
     result = rewrite(result, mapping)
-    destination = args.result if n_hosts == 1 or host == 0 else args.result.replace(
-        "result.json", f"result-host-{host}.json")
     write_text(destination, json.dumps(result, indent=2, sort_keys=True, default=str))
     log.info("result written to %s", destination)
     return 0

@@ -18,6 +18,7 @@ class SampleConfig:
     spawn_child: bool = False     # start a grandchild, to prove stop() ends the whole group
     marker_dir: str = ""          # where to record the pids and each start
     print_env: list = field(default_factory=list)  # names of env vars to print (masker tests)
+    pause_at_step: int = 0        # non-zero: end as a stage paused on request there (PAUSED_EXIT)
 
 
 def main(cfg: SampleConfig) -> dict:
@@ -39,8 +40,13 @@ def main(cfg: SampleConfig) -> dict:
     if cfg.exit_code:
         print("sample job failing on purpose", flush=True)
         sys.exit(cfg.exit_code)
+    if cfg.pause_at_step:   # what tasks/pretrain.py returns when it paused (then exits 77)
+        print(f"paused at step {cfg.pause_at_step}", flush=True)
+        return {"paused": True, "paused_at_step": cfg.pause_at_step,
+                "metrics": {"step": cfg.pause_at_step}}
     return {"metrics": {"answer": 42.0}, "outputs": {"where": cfg.marker_dir}}
 
 
 if __name__ == "__main__":
-    run_stage("sample", SampleConfig, main)
+    outcome = run_stage("sample", SampleConfig, main)
+    sys.exit(77 if outcome and outcome.get("paused") else 0)

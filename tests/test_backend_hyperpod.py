@@ -5,6 +5,7 @@ mistyped field fails here; the API server would silently prune it."""
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 
@@ -519,3 +520,20 @@ def test_a_create_whose_answer_was_lost_is_resent_and_its_job_recognised(eks):
     assert len(creates) == 2 and len(eks.report()["jobs"]) == 1
     assert [i["operation"] for i in eks.report()["injections"]] == ["create_namespaced_custom_object"]
     assert handle["reattached"] is False and handle["attempt"] == 1
+
+
+def test_a_failed_job_that_paused_on_request_is_told_by_its_published_result(cluster, moto_server):
+    """The operator says a replica failed, not with which code: a job whose entry published a
+    paused result (docker/job_entry.py, PAUSED_EXIT) carries it, so its task can say "paused at
+    step N"; a plain failure has none."""
+    from llmops.operators.job_pause import paused
+
+    backend = HyperPodBackend(settings=hp_settings())
+    handle = backend.submit(spec())
+    cluster.set_condition(handle["k8s_name"], "Failed")
+    assert backend.status(handle).result is None and paused(backend.status(handle)) == (False, None)
+    bucket, key = handle["result_uri"][len("s3://"):].split("/", 1)
+    moto_server.client("s3").put_object(Bucket=bucket, Key=key, Body=json.dumps(
+        {"paused": True, "paused_at_step": 40, "metrics": {"step": 40}}).encode())
+    status = backend.status(handle)
+    assert status.state is JobState.FAILED and paused(status) == (True, 40)

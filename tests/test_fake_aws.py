@@ -342,6 +342,22 @@ def test_a_batch_job_runs_with_torchrun_and_a_terminate_fails_it(fake, chaos, ba
     assert described["statusReason"] == STOP_REASON and described["stoppedAt"] > described["startedAt"]
 
 
+def test_a_batch_job_paused_on_request_tells_its_step(fake, chaos, batch_queue):
+    """A stage that paused on request (rank 0's result says so; torchrun exits 1 for it) ends the
+    Batch job with PAUSED_EXIT, and the backend reads the result the entry published: the task
+    can say "paused at step N" on Batch as it does locally (llmops.operators.job_pause)."""
+    from llmops.operators.job_pause import paused
+
+    backend = batch_backend()
+    handle = backend.submit(sample("batch-pause", pause_at_step=6).replace(instance_type="m5.xlarge"))
+    status, _ = wait_state(backend, handle, {JobState.SUCCEEDED, JobState.FAILED, JobState.STOPPED},
+                           timeout=60)
+    assert status.state is JobState.FAILED and status.details["exit_code"] == 77, status
+    assert "(exit code 77)" in status.message
+    assert paused(status) == (True, 6)
+    assert chaos.job(handle["job_id"])["exit_code"] == 77
+
+
 # -- the command line ----------------------------------------------------------------------------
 
 def test_the_command_line_serves_until_sigterm(tmp_path):

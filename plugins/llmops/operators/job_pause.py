@@ -19,10 +19,10 @@ from airflow.sdk import conf
 from airflow.sdk.exceptions import AirflowSkipException
 
 from llmops import pause_api
-from llmops.jobs.backends import JobStatus
+from llmops.jobs.backends import JobStatus, remote
 from llmops.jobs.spec import JobSpec
 
-PAUSED_EXIT = 77  # tasks.train.supervisor.PAUSED_EXIT (tests/test_pause_ui.py checks they agree)
+PAUSED_EXIT = remote.PAUSED_EXIT  # tasks.train.supervisor's (tests/test_pause_ui.py checks they agree)
 _EXIT_77 = re.compile(rf"\bexit(?:ed with)? code {PAUSED_EXIT}\b|\bexitCode\W+{PAUSED_EXIT}\b")
 
 

@@ -512,9 +512,19 @@ class BatchBackend(Backend):
             return JobStatus(JobState.SUCCEEDED, result=result, details=details)
         if reason.startswith(STOP_REASON):
             return JobStatus(JobState.STOPPED, f"Batch job {handle['job_name']} was stopped", details=details)
-        exit_code = job.get("container", {}).get("exitCode")
+        # a multi-node job has no container of its own: its main node's is the last attempt's
+        exit_code = (job.get("container") or {}).get("exitCode")
+        if exit_code is None and job.get("attempts"):
+            exit_code = (job["attempts"][-1].get("container") or {}).get("exitCode")
+        result = None
+        if exit_code is not None:
+            details["exit_code"] = exit_code
+            if exit_code == remote.PAUSED_EXIT:
+                result = remote.paused_result(handle, s3.s3_hook(handle["aws_conn_id"],
+                                                                 handle.get("region_name", "")))
         return JobStatus(JobState.FAILED, f"Batch job {handle['job_name']} failed: {reason or state}"
-                         + (f" (exit code {exit_code})" if exit_code is not None else ""), details=details)
+                         + (f" (exit code {exit_code})" if exit_code is not None else ""),
+                         result=result, details=details)
 
     def stop(self, handle: dict[str, Any]) -> None:
         hook = self._hook(handle["aws_conn_id"], handle.get("region_name", ""))

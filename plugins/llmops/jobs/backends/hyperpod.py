@@ -571,7 +571,10 @@ class HyperPodBackend(Backend):
                 return JobStatus(JobState.FAILED, why, details=details)
             return JobStatus(JobState.SUCCEEDED, result=result, details=details)
         if state == "Failed":
-            return JobStatus(JobState.FAILED, f"{what} failed: {message}", details=details)
+            # the operator says which replica failed, not with which code: a job that paused on
+            # request (exit PAUSED_EXIT) is told by the result its entry published
+            return JobStatus(JobState.FAILED, f"{what} failed: {message}", details=details,
+                             result=remote.paused_result(handle, self._s3(handle)))
         if suspended(resource, state):
             # Kueue holds a job suspended until its queue admits it, and again when preempted.
             why = kueue_reason(kube, resource, handle["namespace"])

@@ -374,6 +374,21 @@ def entry_args(spec: JobSpec, staged: Staged, *, config: str | None = None,
     return args
 
 
+# A stage that paused on request exits with this (tasks.train.supervisor.PAUSED_EXIT); the image's
+# entry (docker/job_entry.py) publishes its result first, which names the step.
+PAUSED_EXIT = 77
+
+
+def paused_result(handle: dict[str, Any], hook: Any) -> dict | None:
+    """The result of a job that ended because it paused on request, else None (a failed job
+    writes no result, and an unreadable one only costs the step in the task's message)."""
+    try:
+        result = s3.read_json(hook, handle["result_uri"])
+    except Exception:  # noqa: BLE001 - the job has ended either way
+        return None
+    return result if isinstance(result, dict) and result.get("paused") else None
+
+
 def fetch_result(handle: dict[str, Any], hook: Any, log: Any) -> tuple[dict | None, str]:
     """The job's result JSON (with outputs copied back to local storage if needed), or
     (None, why not)."""
