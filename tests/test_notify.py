@@ -314,3 +314,102 @@ def test_a_loss_that_stops_improving_for_n_evaluations_alerts_once(tmp_path, mon
     monkeypatch.setenv("AIRFLOW__LLMOPS__NOTIFY_PLATEAU_EVALS", "five")
     with pytest.raises(notify.NotifySettingsError, match="notify_plateau_evals"):
         notify.plateau_evals()
+
+
+class MailSink:
+    """A local SMTP server (stdlib socketserver, speaking just enough of RFC 5321 for smtplib:
+    greeting, EHLO/HELO, MAIL, RCPT, DATA, QUIT) that keeps each message it accepts, parsed."""
+
+    def __init__(self):
+        import email
+        import socketserver
+        import threading
+
+        self.messages: list[tuple[list[str], Any]] = []
+        sink = self
+
+        class Session(socketserver.StreamRequestHandler):
+            def handle(self):
+                say = lambda line: self.wfile.write(f"{line}\r\n".encode())  # noqa: E731
+                say("220 sink ready")
+                recipients: list[str] = []
+                for raw in self.rfile:
+                    verb = raw.decode().strip().split(" ", 1)[0].upper()
+                    if verb in ("EHLO", "HELO"):
+                        say("250 sink")
+                    elif verb == "RCPT":
+                        recipients.append(raw.decode().split(":", 1)[1].strip(" <>\r\n"))
+                        say("250 ok")
+                    elif verb == "DATA":
+                        say("354 go on")
+                        body = b""
+                        for line in self.rfile:
+                            if line == b".\r\n":
+                                break
+                            body += line
+                        sink.messages.append((recipients, email.message_from_bytes(body)))
+                        recipients = []
+                        say("250 queued")
+                    elif verb == "QUIT":
+                        say("221 bye")
+                        return
+                    else:   # MAIL, RSET, NOOP
+                        say("250 ok")
+
+        self.server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), Session)
+        self.server.daemon_threads = True
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def mailbox(monkeypatch):
+    sink = MailSink()
+    monkeypatch.setenv("AIRFLOW_CONN_LLMOPS_ALERTS_SMTP", json.dumps(
+        {"conn_type": "smtp", "host": "127.0.0.1", "port": sink.port,
+         "extra": {"disable_ssl": True, "disable_tls": True, "from_email": "airflow@example.com",
+                   "retry_limit": 0, "timeout": 10}}))
+    monkeypatch.setenv("AIRFLOW__LLMOPS__NOTIFY_SMTP_CONN_ID", "llmops_alerts_smtp")
+    monkeypatch.delenv("AIRFLOW__LLMOPS__NOTIFY_SNS_TOPIC_ARN", raising=False)
+    yield sink
+    sink.close()
+
+
+def test_an_alert_is_e_mailed_where_addresses_are_configured(mailbox, monkeypatch):
+    """The same alert as SNS's, through the smtp provider's notifier to a real (local) SMTP
+    server: the recipients, the subject and the text a person reads, a masked secret masked."""
+    from airflow.sdk.log import mask_secret
+
+    monkeypatch.setenv("AIRFLOW__LLMOPS__NOTIFY_EMAIL_TO", "ml-oncall@example.com, ana@example.com")
+    assert notify.configured()
+    mask_secret("s3cr3t-token-value")
+    error = RuntimeError("pretrain job failed: token s3cr3t-token-value refused <&>")
+    assert notify.stage_failed({"ti": FailingTI(), "exception": error}) is True
+    [(recipients, mail)] = mailbox.messages
+    assert recipients == ["ml-oncall@example.com", "ana@example.com"]
+    assert mail["Subject"] == "[llmops] llm_lifecycle: pretrain failed"
+    assert mail["From"] == "airflow@example.com"
+    html = next(p for p in mail.walk() if p.get_content_type() == "text/html").get_payload(decode=True).decode()
+    assert "Stage pretrain failed in DAG llm_lifecycle, run manual__2026-12-04." in html
+    assert "s3cr3t-token-value" not in html and "***" in html
+    assert "&lt;&amp;&gt;" in html, "the reason is escaped, not read as HTML"
+
+
+def test_a_malformed_address_or_a_dead_mail_server_is_a_warning_never_a_failure(mailbox, monkeypatch,
+                                                                                   caplog):
+    monkeypatch.setenv("AIRFLOW__LLMOPS__NOTIFY_EMAIL_TO", "ml-oncall")
+    with caplog.at_level(logging.WARNING):
+        assert notify.send("subject", "text") is False
+    assert any("notify_email_to" in r.getMessage() and "ml-oncall" in r.getMessage() for r in caplog.records)
+    monkeypatch.setenv("AIRFLOW__LLMOPS__NOTIFY_EMAIL_TO", "ml-oncall@example.com")
+    mailbox.close()   # nothing listens any more
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        assert notify.send("subject", "text") is False
+    assert any("Could not send the alert" in r.getMessage() and "ml-oncall@example.com" in r.getMessage()
+               for r in caplog.records)
+    assert mailbox.messages == []

@@ -1,4 +1,4 @@
-"""Alerts: a message to the deployment's SNS topic when something needs a person.
+"""Alerts: a message to the deployment's SNS topic and/or e-mail when something needs a person.
 
 Where to send is a deployment setting, in the `[llmops]` section of Airflow's config (or its
 environment form `AIRFLOW__LLMOPS__<KEY>`, an MWAA configuration option `llmops.<key>`):
@@ -7,6 +7,11 @@ environment form `AIRFLOW__LLMOPS__<KEY>`, an MWAA configuration option `llmops.
                          blank: no alert is sent and nothing is logged as an error.
   notify_aws_conn_id     the Airflow connection it publishes with (default: $LLMOPS_AWS_CONN_ID,
                          else aws_default).
+  notify_email_to        comma-separated addresses to e-mail the same alert to (the smtp
+                         provider's SmtpNotifier). Unset or blank: no e-mail.
+  notify_smtp_conn_id    the SMTP connection it sends with (default smtp_default: host, port,
+                         login, and the sender in its extra `from_email`; Amazon SES's SMTP
+                         endpoint works as any other).
   notify_queue_seconds   a job still queued for capacity this long after its submission is
                          alerted on once (default 3600; 0 turns that alert off).
   notify_plateau_evals   a job whose validation loss made no new best for this many evaluations
@@ -35,6 +40,10 @@ QUEUE_SETTING = "notify_queue_seconds"
 DEFAULT_QUEUE_SECONDS = 3600.0
 PLATEAU_SETTING = "notify_plateau_evals"
 DEFAULT_PLATEAU_EVALS = 5
+EMAIL_SETTING = "notify_email_to"
+SMTP_CONN_SETTING = "notify_smtp_conn_id"
+DEFAULT_SMTP_CONN_ID = "smtp_default"
+ADDRESS = re.compile(r"^[^@\s,;<>]+@[^@\s,;<>]+\.[^@\s,;<>]+$")
 SUBJECT_MAX = 100   # SNS refuses a longer Subject
 # arn:<partition>:sns:<region>:<account>:<topic name> (a FIFO topic's name ends in .fifo)
 TOPIC_ARN = re.compile(r"^arn:aws[a-z-]*:sns:[a-z]{2}(-[a-z]+)+-\d:\d{12}:[A-Za-z0-9_-]{1,256}(\.fifo)?$")
@@ -92,36 +101,66 @@ def plateau_evals() -> int | None:
     return int(text) or None
 
 
+def email_to() -> list[str]:
+    """notify_email_to's addresses, [] when unset; NotifySettingsError naming a malformed one."""
+    addresses = [a.strip() for a in _setting(EMAIL_SETTING).split(",") if a.strip()]
+    bad = [a for a in addresses if not ADDRESS.match(a)]
+    if bad:
+        raise NotifySettingsError(f"[{SECTION}] {EMAIL_SETTING} has malformed address(es) {bad}: "
+                                  "write name@example.com, several separated by commas.")
+    return addresses
+
+
 def configured() -> bool:
     """Whether alerts go anywhere (a malformed setting counts: sending then says what is wrong)."""
-    return bool(_setting(TOPIC_SETTING))
+    return bool(_setting(TOPIC_SETTING) or _setting(EMAIL_SETTING))
 
 
 def send(subject: str, message: str, context: Any = None) -> bool:
-    """Publish one alert; True when it was sent. Never raises: nothing configured sends nothing,
-    and a failure (a malformed setting, AWS refusing) is logged as a warning."""
-    try:
-        arn = topic_arn()
-    except NotifySettingsError as exc:
-        log.warning("Alert not sent: %s", exc)
-        return False
-    if not arn:
-        return False
-    try:
-        from airflow.providers.amazon.aws.notifications.sns import SnsNotifier
+    """Send one alert to every configured channel; True when one took it. Never raises: nothing
+    configured sends nothing, and a failure (a malformed setting, AWS or the mail server
+    refusing) is logged as a warning."""
+    subject, message = _subject(_redact(subject)), _redact(message)
+    sent = False
+    for targets, deliver in ((topic_arn, _publish), (email_to, _email)):
+        try:
+            where = targets()
+        except NotifySettingsError as exc:
+            log.warning("Alert not sent: %s", exc)
+            continue
+        if not where:
+            continue
+        try:
+            said = deliver(where, subject, message, context or {})
+        except Exception as exc:  # noqa: BLE001 - an alert must never fail what it reports on
+            log.warning("Could not send the alert %r to %s: %s: %s", subject, where,
+                        type(exc).__name__, exc)
+            continue
+        log.info("Alert sent to %s: %s", said, subject)
+        sent = True
+    return sent
 
-        from llmops.settings import aws_conn_id
 
-        notifier = SnsNotifier(aws_conn_id=_setting(CONN_SETTING) or aws_conn_id(),
-                               target_arn=arn, subject=_subject(_redact(subject)),
-                               message=_redact(message), region_name=arn.split(":")[3])
-        notifier.notify(context or {})
-    except Exception as exc:  # noqa: BLE001 - an alert must never fail what it reports on
-        log.warning("Could not send the alert %r to %s: %s: %s", subject, arn,
-                    type(exc).__name__, exc)
-        return False
-    log.info("Alert sent to %s: %s", arn, subject)
-    return True
+def _publish(arn: str, subject: str, message: str, context: Any) -> str:
+    from airflow.providers.amazon.aws.notifications.sns import SnsNotifier
+
+    from llmops.settings import aws_conn_id
+
+    SnsNotifier(aws_conn_id=_setting(CONN_SETTING) or aws_conn_id(), target_arn=arn, subject=subject,
+                message=message, region_name=arn.split(":")[3]).notify(context)
+    return arn
+
+
+def _email(to: list[str], subject: str, message: str, context: Any) -> str:
+    import html
+
+    from airflow.providers.smtp.notifications.smtp import SmtpNotifier
+
+    conn_id = _setting(SMTP_CONN_SETTING) or DEFAULT_SMTP_CONN_ID
+    # notify() sends the fields as given: no Jinja rendering of the message's own text
+    SmtpNotifier(to=to, subject=subject, smtp_conn_id=conn_id, mime_subtype="alternative",
+                 html_content=f"<pre>{html.escape(message)}</pre>").notify(context)
+    return f"{', '.join(to)} (connection {conn_id})"
 
 
 def stage_failed(context: Any, sender: Callable[[str, str, Any], bool] | None = None) -> bool:
