@@ -556,6 +556,46 @@ def test_a_lost_hyperpod_create_answer_is_resent_and_leaves_one_job_this_try_own
         eks.shutdown()
 
 
+def test_a_job_kueue_preempts_waits_in_kueues_words_and_runs_again_as_the_same_job(fake, chaos, tmp_path,
+                                                                                     monkeypatch):
+    """Simulated (tests/chaos/fake_eks.py `preempt`): Kueue evicts a running HyperPod job's
+    Workload for a higher-priority one, its pods are deleted, and it is admitted again later on
+    fresh disks. The watch the task runs reads that as a wait in Kueue's words (never a stop or a
+    failure, so no new attempt is submitted), and the same job then runs to its end."""
+    from llmops.jobs.backends import hyperpod
+    from tests.chaos.fake_aws import CREDENTIALS
+    from tests.chaos.fake_eks import FakeEks
+
+    eks = FakeEks(tmp_path / "eks", {**CREDENTIALS, "AWS_ENDPOINT_URL": fake.moto_url,
+                                     "AWS_ENDPOINT_URL_S3": fake.moto_url})
+    monkeypatch.setattr(hyperpod, "connect", lambda *key: eks)
+    monkeypatch.setattr(hyperpod, "_CLIENTS", {})
+    backend = hyperpod.HyperPodBackend(settings={"hyperpod": {
+        "aws_conn_id": CONN, "staging_uri": f"s3://{BUCKET}/hp-preempt", "image": IMAGE,
+        "eks_cluster_name": "hp", "kind": "PyTorchJob", "queue_name": "research-queue"}})
+    marker = tmp_path / "marker"
+    try:
+        handle = backend.submit(sample("hp-preempt", seconds=4, marker_dir=str(marker))
+                                .replace(instance_type="ml.m5.xlarge"))
+        watch = JobWatch(backend, handle, poll_interval=0.3, max_run_seconds=600)
+        said, preempted, deadline = [], False, time.monotonic() + 120
+        while not (step := watch.poll()).done:
+            said += [step.waiting] if step.waiting else []
+            if not preempted and (marker / "starts").exists():
+                eks.preempt(handle["k8s_name"], hold_seconds=3)
+                preempted = True
+            assert time.monotonic() < deadline, said
+            time.sleep(0.3)
+        assert step.status.state is JobState.SUCCEEDED, step.status.message
+        assert any(w.startswith("waiting: suspended by Kueue: Preempted to accommodate a workload")
+                   for w in said), said
+        assert len((marker / "starts").read_text().split()) == 2, "its pods ran again after the eviction"
+        assert eks.job(handle["k8s_name"]).preemptions == 1
+        assert [j["name"] for j in eks.report()["jobs"]] == [handle["k8s_name"]], "one job, never resubmitted"
+    finally:
+        eks.shutdown()
+
+
 # -- a sustained outage of the read calls -----------------------------------------------------------
 
 OUTAGE_SECONDS = 20.0   # the issue's 10 minutes, compressed 30x (see the test's docstring)

@@ -42,7 +42,12 @@ operators and HyperPod's elastic agent:
   ..., N more needed") and the job has the training operator's Suspended condition
   ("PyTorchJob <name> is suspended."); no pod exists and startTime is unset. On admission
   (QuotaReserved and Admitted True) Kueue clears suspend; the operator marks the job resumed,
-  sets startTime then, and starts its pods. Not simulated: preemption.
+  sets startTime then, and starts its pods. Preemption (`preempt(name, hold_seconds)`): Kueue
+  evicts a running job's Workload for a higher-priority one (Evicted True, reason Preempted,
+  Kueue's message; QuotaReserved and Admitted False) and sets suspend again; the operator
+  deletes its pods (killed, their disks gone) and marks it Suspended. After `hold_seconds` the
+  Workload is admitted again and the job's pods start afresh on new disks, as after a node loss:
+  only what reached S3 survives. startTime is kept (the Kubeflow operator's, for a deadline).
 - Nodes (`hold_nodes(seconds)`: jobs without a queue name created from then on wait that long;
   0: none): the job's pods are listed Pending, each with the scheduler's condition PodScheduled
   False, reason Unschedulable, message "0/<n> nodes are available: <n> Insufficient <resource>.
@@ -138,6 +143,7 @@ class Job:
         self.admit_at = self.created_at      # Kueue admits it then (a capacity hold: later)
         self.schedule_at: float | None = None   # its pods wait for nodes until then (hold_nodes)
         self.workload: dict[str, Any] | None = None
+        self.preemptions = 0
         meta = self.body["metadata"]
         meta.update(uid=str(uuid.uuid4()), creationTimestamp=_now())
 
@@ -343,6 +349,27 @@ class FakeEks:
         pod.kill()
         job.lost.set()
 
+    def preempt(self, name: str, hold_seconds: float) -> None:
+        """Kueue preempts the running job for a higher-priority workload (see the module
+        docstring) and admits it again after `hold_seconds`."""
+        job = self.job(name)
+        with self.lock:
+            pods, job.pods = list(job.pods), []
+            job.finished_pods += pods
+            job.run_policy["suspend"] = True
+            job.admit_at = time.time() + hold_seconds
+            message = ("Preempted to accommodate a workload (UID: " + str(uuid.uuid4()) + ") due to "
+                       "prioritization in the ClusterQueue")
+            self._workload_condition(job, "Evicted", "True", "Preempted", message)
+            self._workload_condition(job, "QuotaReserved", "False", "Pending", message)
+            self._workload_condition(job, "Admitted", "False", "NoReservation",
+                                     "The workload has no reservation")
+            job.condition("Suspended", f"{job.kind} {job.name} is suspended.", reason=f"{job.kind}Suspended")
+            job.preemptions += 1
+        log.info("%s: preempted by Kueue; admitted again in %.0f s", name, hold_seconds)
+        for pod in pods:
+            pod.kill()
+
     def logs(self, name: str) -> list[tuple[float, str, str]]:
         """(epoch seconds, pod, line) of every pod the job ever ran, in time order."""
         job = self.job(name)
@@ -472,6 +499,8 @@ class FakeEks:
                                  "Quota reserved in ClusterQueue cluster-queue")
         self._workload_condition(job, "Admitted", "True", "Admitted",
                                  "The workload is admitted")
+        if any(c["type"] == "Evicted" for c in job.workload["status"]["conditions"]):
+            self._workload_condition(job, "Evicted", "False", "Admitted", "")
         job.run_policy["suspend"] = False
         if job.body.get("status", {}).get("conditions", [{}])[-1].get("type") == "Suspended":
             job.condition("Resumed", f"{job.kind} {job.name} is resumed.", reason=f"{job.kind}Resumed")
@@ -507,6 +536,9 @@ class FakeEks:
                           "than specified deadline", reason="DeadlineExceeded")
                 return
             codes = [p.proc.poll() for p in pods]
+            with self.lock:   # preempted meanwhile: those pods were Kueue's to kill, not a failure
+                if job.pods != pods:
+                    continue
             failed = job.lost.is_set() or any(c not in (None, 0) for c in codes)
             if not failed and all(c == 0 for c in codes):
                 self._end(job, "Succeeded", "every pod exited 0")
