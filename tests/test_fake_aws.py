@@ -526,74 +526,68 @@ def test_a_job_not_visible_yet_is_waited_for_not_failed_nor_submitted_again(fake
 
 # -- HyperPod on the simulated EKS ---------------------------------------------------------------
 
-def test_a_lost_hyperpod_create_answer_is_resent_and_leaves_one_job_this_try_owns(fake, chaos, tmp_path,
-                                                                                 monkeypatch):
+@pytest.fixture()
+def eks_backend(fake, tmp_path, monkeypatch):
+    """(the simulated EKS cluster, a HyperPod backend on it) with the fake AWS for S3; the
+    backend's settings are the test's (`make(staging prefix, **settings)`)."""
+    from llmops.jobs.backends import hyperpod
+    from tests.chaos.fake_aws import CREDENTIALS
+    from tests.chaos.fake_eks import FakeEks
+
+    eks = FakeEks(tmp_path / "eks", {**CREDENTIALS, "AWS_ENDPOINT_URL": fake.moto_url,
+                                     "AWS_ENDPOINT_URL_S3": fake.moto_url})
+    monkeypatch.setattr(hyperpod, "connect", lambda *key: eks)
+    monkeypatch.setattr(hyperpod, "_CLIENTS", {})
+
+    def make(prefix: str, **settings):
+        return eks, hyperpod.HyperPodBackend(settings={"hyperpod": {
+            "aws_conn_id": CONN, "staging_uri": f"s3://{BUCKET}/{prefix}", "image": IMAGE,
+            "eks_cluster_name": "hp", **settings}})
+    yield make
+    eks.shutdown()
+
+
+def test_a_lost_hyperpod_create_answer_is_resent_and_leaves_one_job_this_try_owns(fake, chaos, eks_backend):
     """Simulated (tests/chaos/fake_eks.py): the API server creates the job, the connection drops
     before its answer (urllib3's ProtocolError; a POST is not resent by urllib3). The backend sends
     the create again, the API server answers AlreadyExists (409), and the job's token annotation
     says it is this try's: one job, a submit (not a reattach) for the ledger."""
-    from llmops.jobs.backends import hyperpod
-    from tests.chaos.fake_aws import CREDENTIALS
-    from tests.chaos.fake_eks import FakeEks
-
-    eks = FakeEks(tmp_path / "eks", {**CREDENTIALS, "AWS_ENDPOINT_URL": fake.moto_url,
-                                     "AWS_ENDPOINT_URL_S3": fake.moto_url})
-    monkeypatch.setattr(hyperpod, "connect", lambda *key: eks)
-    monkeypatch.setattr(hyperpod, "_CLIENTS", {})
-    backend = hyperpod.HyperPodBackend(settings={"hyperpod": {
-        "aws_conn_id": CONN, "staging_uri": f"s3://{BUCKET}/hp-lost", "image": IMAGE,
-        "eks_cluster_name": "hp", "kind": "HyperPodPyTorchJob"}})
+    eks, backend = eks_backend("hp-lost", kind="HyperPodPyTorchJob")
     eks.lose_responses("create_namespaced_custom_object", 1)
-    try:
-        handle = backend.submit(sample("hp-lost", seconds=1).replace(instance_type="ml.m5.xlarge"))
-        creates = [kw for method, kw in eks.calls if method == "create_namespaced_custom_object"]
-        assert len(creates) == 2, "the create whose answer was lost is sent again"
-        assert [j.name for j in eks.jobs.values()] == [handle["k8s_name"]]
-        assert handle["reattached"] is False
-        status, _ = wait_state(backend, handle, {JobState.SUCCEEDED, JobState.FAILED, JobState.STOPPED})
-        assert status.state is JobState.SUCCEEDED, status.message
-    finally:
-        eks.shutdown()
+    handle = backend.submit(sample("hp-lost", seconds=1).replace(instance_type="ml.m5.xlarge"))
+    creates = [kw for method, kw in eks.calls if method == "create_namespaced_custom_object"]
+    assert len(creates) == 2, "the create whose answer was lost is sent again"
+    assert [j.name for j in eks.jobs.values()] == [handle["k8s_name"]]
+    assert handle["reattached"] is False
+    status, _ = wait_state(backend, handle, {JobState.SUCCEEDED, JobState.FAILED, JobState.STOPPED})
+    assert status.state is JobState.SUCCEEDED, status.message
 
 
 def test_a_job_kueue_preempts_waits_in_kueues_words_and_runs_again_as_the_same_job(fake, chaos, tmp_path,
-                                                                                     monkeypatch):
+                                                                                     eks_backend):
     """Simulated (tests/chaos/fake_eks.py `preempt`): Kueue evicts a running HyperPod job's
     Workload for a higher-priority one, its pods are deleted, and it is admitted again later on
     fresh disks. The watch the task runs reads that as a wait in Kueue's words (never a stop or a
     failure, so no new attempt is submitted), and the same job then runs to its end."""
-    from llmops.jobs.backends import hyperpod
-    from tests.chaos.fake_aws import CREDENTIALS
-    from tests.chaos.fake_eks import FakeEks
-
-    eks = FakeEks(tmp_path / "eks", {**CREDENTIALS, "AWS_ENDPOINT_URL": fake.moto_url,
-                                     "AWS_ENDPOINT_URL_S3": fake.moto_url})
-    monkeypatch.setattr(hyperpod, "connect", lambda *key: eks)
-    monkeypatch.setattr(hyperpod, "_CLIENTS", {})
-    backend = hyperpod.HyperPodBackend(settings={"hyperpod": {
-        "aws_conn_id": CONN, "staging_uri": f"s3://{BUCKET}/hp-preempt", "image": IMAGE,
-        "eks_cluster_name": "hp", "kind": "PyTorchJob", "queue_name": "research-queue"}})
+    eks, backend = eks_backend("hp-preempt", kind="PyTorchJob", queue_name="research-queue")
     marker = tmp_path / "marker"
-    try:
-        handle = backend.submit(sample("hp-preempt", seconds=4, marker_dir=str(marker))
-                                .replace(instance_type="ml.m5.xlarge"))
-        watch = JobWatch(backend, handle, poll_interval=0.3, max_run_seconds=600)
-        said, preempted, deadline = [], False, time.monotonic() + 120
-        while not (step := watch.poll()).done:
-            said += [step.waiting] if step.waiting else []
-            if not preempted and (marker / "starts").exists():
-                eks.preempt(handle["k8s_name"], hold_seconds=3)
-                preempted = True
-            assert time.monotonic() < deadline, said
-            time.sleep(0.3)
-        assert step.status.state is JobState.SUCCEEDED, step.status.message
-        assert any(w.startswith("waiting: suspended by Kueue: Preempted to accommodate a workload")
-                   for w in said), said
-        assert len((marker / "starts").read_text().split()) == 2, "its pods ran again after the eviction"
-        assert eks.job(handle["k8s_name"]).preemptions == 1
-        assert [j["name"] for j in eks.report()["jobs"]] == [handle["k8s_name"]], "one job, never resubmitted"
-    finally:
-        eks.shutdown()
+    handle = backend.submit(sample("hp-preempt", seconds=4, marker_dir=str(marker))
+                            .replace(instance_type="ml.m5.xlarge"))
+    watch = JobWatch(backend, handle, poll_interval=0.3, max_run_seconds=600)
+    said, preempted, deadline = [], False, time.monotonic() + 120
+    while not (step := watch.poll()).done:
+        said += [step.waiting] if step.waiting else []
+        if not preempted and (marker / "starts").exists():
+            eks.preempt(handle["k8s_name"], hold_seconds=3)
+            preempted = True
+        assert time.monotonic() < deadline, said
+        time.sleep(0.3)
+    assert step.status.state is JobState.SUCCEEDED, step.status.message
+    assert any(w.startswith("waiting: suspended by Kueue: Preempted to accommodate a workload")
+               for w in said), said
+    assert len((marker / "starts").read_text().split()) == 2, "its pods ran again after the eviction"
+    assert eks.job(handle["k8s_name"]).preemptions == 1
+    assert [j["name"] for j in eks.report()["jobs"]] == [handle["k8s_name"]], "one job, never resubmitted"
 
 
 # -- a sustained outage of the read calls -----------------------------------------------------------
