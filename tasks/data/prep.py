@@ -885,7 +885,10 @@ def _pack_and_write_manifest(out_dir: Path, config: DataPrepConfig, files: list[
         "steps": steps,
         "sources": sources,
         "documents": {"files": sorted(p for p in hashes if p.startswith("documents/")),
-                      "rows": counts["kept_documents"]},
+                      "rows": counts["kept_documents"],
+                      # each file's `inputs` entry: its mix weight, for tasks.train.seen's replay
+                      "sources": {shard_files(out_dir, job["index"])["documents"].relative_to(out_dir)
+                                  .as_posix(): job["file"]["source"] for job in jobs}},
         "dropped": {"files": sorted(p for p in hashes if p.startswith("dropped/")),
                     "rows": sum(dropped.values())},
         "length_histogram": {"bin_edges": LENGTH_BINS.tolist(),

@@ -103,16 +103,19 @@ def diff(a: str | Path, b: str | Path, data_dir: str | Path) -> dict[str, Any]:
 def document_rows(data_dir: str | Path, doc_id: str) -> list[tuple[int, int]]:
     """Global train row ranges [first, last + 1) of every occurrence of the document in the
     packed rows (more than one where its source's mix weight repeats it; none where it went to
-    val, or into the tail that did not fill a row). KeyError if no kept document has that id."""
+    val, where a weight below 1 left it out, or into the tail that did not fill a row). KeyError
+    if no kept document has that id."""
     import pyarrow.parquet as pq
     from tasks.data.prep import mix_repeats, split_score
 
     data = DataDir(data_dir)
     config = data.manifest["config"]
-    weights = config.get("input_weights")
-    if weights and any(float(w) != 1.0 for w in weights):
-        raise NotImplementedError("input_weights other than 1: mapping a document file to its "
-                                  "source's weight is not implemented yet.")
+    weights = [float(w) for w in config.get("input_weights") or []]
+    sources = data.manifest["documents"].get("sources")
+    if any(w != 1.0 for w in weights) and sources is None:
+        raise ValueError(f"{data_dir} was prepared with input_weights {weights} before data prep "
+                         "recorded each documents file's source: prepare it again to map a "
+                         "document to its rows.")
     tokenizer = _tokenizer(data)
     seed, row_len = int(config["seed"]), int(data.manifest["row_len"])
     offset, found, spans = 0, False, []
@@ -121,7 +124,8 @@ def document_rows(data_dir: str | Path, doc_id: str) -> list[tuple[int, int]]:
         train = [i for i, s in enumerate(table["split"]) if s == "train"]
         found = found or doc_id in table["id"]
         order = sorted(train, key=lambda i: split_score(table["id"][i], seed))
-        repeats = [mix_repeats(table["id"][i], 1.0, seed) for i in order]
+        weight = weights[sources[name]] if weights else 1.0   # its source's mix weight
+        repeats = [mix_repeats(table["id"][i], weight, seed) for i in order]
         lengths = [len(e.ids) + 1 for e in tokenizer.encode_batch_fast(
             [table["text"][i] for i in order], add_special_tokens=False)] if order else []
         for k in range(max(repeats, default=0)):  # as tasks.data.tokens.encode_stream repeats
