@@ -264,6 +264,40 @@ def distilled(tiny_data_dir, workdir, finetuned, teacher_cache) -> dict:
     return run_entrypoint("distill", distill_config(tiny_data_dir, workdir, finetuned), workdir)
 
 
+def test_a_finetuning_checkpoint_names_the_examples_and_replayed_rows_it_trained_on(finetuned, tiny_data_dir,
+                                                                                     workdir, tmp_path):
+    """Issue 25.3 for SFT: the checkpoint records its SFT sampler, and tasks.train.seen gives the
+    examples (and the replayed pretraining rows) of exactly the steps before it, as the batch
+    reader drew them; other SFT files than the ones it read are refused."""
+    from tasks.posttrain.batches import SFTSteps
+    from tasks.posttrain.datasets import load_sft_data
+    from tasks.train import checkpoint as ckpt
+    from tasks.train import seen
+
+    cfg = tiny().finetune   # the `finetuned` fixture's, but for its paths
+    step, path = max(ckpt.step_dirs(workdir / "finetune" / "checkpoints"), key=lambda s: s[0])
+    record = seen.record(path)
+    assert record["kind"] == "sft" and record["batches"] == [[0, step]], record["batches"]
+    data = DataDir(tiny_data_dir)
+    sft = load_sft_data(tiny_data_dir, finetuned["outputs"]["model_dir"], 10_000, 1)
+    reader = SFTSteps(sft.train, batch_size=cfg.batch_size, seed=cfg.seed, block_size=10_000,
+                      pad_id=sft.eos_id, packing=False, replay_rows=data.split("train"),
+                      replay_fraction=cfg.replay_fraction)
+    drawn = sorted({i for s in range(step) for u in reader.sampler.indices(s) for i in reader.units[u]})
+    train_file = data.sft_path("train")
+    assert seen.consumed_examples(path, [train_file]) == [sft.train[i].id for i in drawn]
+    assert len(drawn) < len(sft.train), "some examples unseen, or the test proves nothing"
+    replayed = {int(r) for s in range(step) for r in reader.replay_indices(s)}
+    assert set(seen.consumed_rows(path, tiny_data_dir).tolist()) == replayed and replayed
+    other = tmp_path / "other.jsonl"
+    other.write_text(Path(train_file).read_text().split("\n", 1)[1])   # one example fewer
+    with pytest.raises(ValueError, match="not the .* the checkpoint trained on"):
+        seen.consumed_examples(path, [other])
+    _, pretraining = max(ckpt.step_dirs(workdir / "pretrain" / "checkpoints"), key=lambda s: s[0])
+    with pytest.raises(ValueError, match="pretraining checkpoint"):
+        seen.consumed_examples(pretraining, [train_file])
+
+
 def test_finetuning_lowers_held_out_completion_loss(finetuned, pretrained):
     metrics = finetuned["metrics"]
     assert metrics["val_loss"] < metrics["val_loss_before"] - 0.1

@@ -12,6 +12,7 @@ resumed job reads exactly the batches the uninterrupted job would have.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +21,8 @@ import torch
 
 from tasks.model import IGNORE_INDEX
 from tasks.posttrain.packing import PAD_SEGMENT, first_fit_decreasing
-from tasks.train.data import Batch, EpochSampler, SFTExample, TokenRows, collate_sft, sft_sequence
+from tasks.train.data import (Batch, EpochSampler, SFTExample, TokenRows, collate_sft, sft_sequence,
+                              trained_ranges)
 
 
 @dataclass
@@ -108,6 +110,24 @@ class SFTSteps:
         self.sampler = EpochSampler(len(self.units), self.n_sft, seed)
         self.replay_sampler = (EpochSampler(replay_rows.rows, self.n_replay, seed + 1)
                                if self.n_replay else None)
+
+    def seen(self, cursor: int, skipped: set[int] | frozenset[int] = frozenset()) -> dict[str, Any]:
+        """What the steps before `cursor` (less the skipped ones) trained on, for the checkpoint
+        (tasks/train/seen.py): the SFT sampler (seed, units per step, the trained step ranges),
+        the examples behind each unit when packed (which examples share a row depends on the
+        tokenizer, so it is recorded, not recomputed), the ids' count and hash (the data file
+        must be the same one), and the replayed pretraining rows' sampler."""
+        ids = "\n".join(ex.id for ex in self.examples)
+        out: dict[str, Any] = {
+            "kind": "sft", "sampler": "epoch_permutation", "seed": self.sampler.seed,
+            "global_batch": self.n_sft, "units": len(self.units), "examples": len(self.examples),
+            "examples_sha256": hashlib.sha256(ids.encode()).hexdigest(),
+            "packed_units": self.units if self.packing else None,
+            "batches": trained_ranges(cursor, skipped)}
+        if self.replay_sampler is not None:
+            out["replay"] = {"seed": self.replay_sampler.seed, "global_batch": self.n_replay,
+                             "rows": self.replay_rows.rows}
+        return out
 
     def replay_indices(self, step: int) -> np.ndarray:
         """The pretraining rows replayed at `step` (the teacher cache job precomputes these)."""

@@ -177,13 +177,19 @@ class PretrainBatches:
         """What the global batches before `cursor` (less the skipped ones) consumed, exactly and
         in a few numbers: the sampler's seed, the global batch in rows, the split's row count and
         the trained batch ranges. tasks/train/seen.py turns it into shard rows on demand."""
-        trained, start = [], 0
-        for b in sorted(x for x in skipped if x < cursor) + [cursor]:
-            if b > start:
-                trained.append([start, b])
-            start = b + 1
         return {"sampler": "epoch_permutation", "seed": self.sampler.seed,
-                "global_batch": self.global_batch, "rows": self.rows.rows, "batches": trained}
+                "global_batch": self.global_batch, "rows": self.rows.rows,
+                "batches": trained_ranges(cursor, skipped)}
+
+
+def trained_ranges(cursor: int, skipped: set[int] | frozenset[int] = frozenset()) -> list[list[int]]:
+    """[start, end) ranges of the batch numbers before `cursor` that were trained (not skipped)."""
+    trained, start = [], 0
+    for b in sorted(x for x in skipped if x < cursor) + [cursor]:
+        if b > start:
+            trained.append([start, b])
+        start = b + 1
+    return trained
 
 
 # --------------------------------------------------------------------------------------------

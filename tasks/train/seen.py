@@ -14,11 +14,17 @@ compared with the rows on disk, so a wrong answer is refused rather than given.
     python -m tasks.train.seen CHECKPOINT --data-dir D --doc ID     # did CHECKPOINT see ID
     python -m tasks.train.seen CHECKPOINT --data-dir D              # its consumed row ranges
     python -m tasks.train.seen CHECKPOINT --data-dir D --diff OTHER # rows one read, not the other
+    python -m tasks.train.seen FT_CHECKPOINT --data-dir D --example ID  # did fine-tuning see it
+
+A fine-tuning (or distillation) checkpoint records its SFT sampler instead (`kind: sft`: seed,
+units per step, the trained steps, the examples behind each packed row, the ids' count and
+hash) and, with replay, the sampler of the pretraining rows it replayed.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -26,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from tasks.train import checkpoint as ckpt
-from tasks.train.data import DataDir, EpochSampler, TokenRows
+from tasks.train.data import DataDir, EpochSampler, TokenRows, read_jsonl
 
 
 def record(checkpoint_dir: str | Path) -> dict[str, Any]:
@@ -37,29 +43,62 @@ def record(checkpoint_dir: str | Path) -> dict[str, Any]:
         raise ValueError(f"{path} does not verify: {why}.")
     trainer = ckpt.read_part(path, "trainer") or {}
     if "data_seen" not in trainer:
-        raise ValueError(f"{path} records no data_seen (an SFT checkpoint, or one saved before "
-                         "the trainer recorded it).")
+        raise ValueError(f"{path} records no data_seen (saved before the trainer recorded it).")
     return trainer["data_seen"]
 
 
-def consumed_rows(checkpoint_dir: str | Path, data_dir: str | Path) -> np.ndarray:
-    """Sorted unique global row indices of the train split that the checkpoint trained on."""
-    seen = record(checkpoint_dir)
-    rows = DataDir(data_dir).split("train").rows
-    if rows != int(seen["rows"]):
-        raise ValueError(f"{data_dir} has {rows} train rows; the checkpoint trained on data with "
-                         f"{seen['rows']}: not the same data.")
-    g = int(seen["global_batch"])
-    if not seen["batches"]:
+def _drawn(n: int, global_batch: int, seed: int, batches: list[list[int]]) -> np.ndarray:
+    """Sorted unique indices (of n items) that the epoch sampler gave the trained batches."""
+    if not batches or not global_batch:
         return np.zeros(0, dtype=np.int64)
-    positions = np.concatenate([np.arange(a * g, b * g, dtype=np.int64) for a, b in seen["batches"]])
-    sampler = EpochSampler(rows, g, int(seen["seed"]))
-    epochs = positions // rows
+    positions = np.concatenate([np.arange(a * global_batch, b * global_batch, dtype=np.int64)
+                                for a, b in batches])
+    sampler = EpochSampler(n, global_batch, seed)
+    epochs = positions // n
     out = np.empty_like(positions)
     for e in np.unique(epochs).tolist():
         mask = epochs == e
-        out[mask] = sampler._perm(e)[positions[mask] % rows]
+        out[mask] = sampler._perm(e)[positions[mask] % n]
     return np.unique(out)
+
+
+def consumed_rows(checkpoint_dir: str | Path, data_dir: str | Path) -> np.ndarray:
+    """Sorted unique global row indices of the train split that the checkpoint trained on (for
+    a fine-tuning checkpoint: the pretraining rows it replayed)."""
+    seen = record(checkpoint_dir)
+    drawn = seen if seen.get("kind") != "sft" else {**(seen.get("replay") or {}), "batches": seen["batches"]}
+    if "rows" not in drawn:   # fine-tuning without replay: no pretraining row
+        return np.zeros(0, dtype=np.int64)
+    rows = DataDir(data_dir).split("train").rows
+    if rows != int(drawn["rows"]):
+        raise ValueError(f"{data_dir} has {rows} train rows; the checkpoint trained on data with "
+                         f"{drawn['rows']}: not the same data.")
+    return _drawn(rows, int(drawn["global_batch"]), int(drawn["seed"]), drawn["batches"])
+
+
+def example_ids(sft_files: list[str | Path]) -> list[str]:
+    """The ids of the SFT examples in these files, in the order fine-tuning reads them
+    (tasks.posttrain.datasets.load_sft_data: an example without an id is its line's index)."""
+    return [str(r.get("id", i)) for path in sft_files for i, r in enumerate(read_jsonl(path))]
+
+
+def consumed_examples(checkpoint_dir: str | Path, sft_files: list[str | Path]) -> list[str]:
+    """The ids of the SFT examples a fine-tuning (or distillation) checkpoint trained on, in file
+    order. The files must be the ones it read, in the same order (checked by the ids' hash)."""
+    seen = record(checkpoint_dir)
+    if seen.get("kind") != "sft":
+        raise ValueError(f"{checkpoint_dir} is a pretraining checkpoint: it trained on rows, not "
+                         "SFT examples (ask for its rows or documents).")
+    ids = example_ids(sft_files)
+    digest = hashlib.sha256("\n".join(ids).encode()).hexdigest()
+    if len(ids) != int(seen["examples"]) or digest != seen["examples_sha256"]:
+        raise ValueError(f"{[str(f) for f in sft_files]} hold {len(ids)} examples that are not the "
+                         f"{seen['examples']} the checkpoint trained on: pass the files it read "
+                         "(its config's train_files, else the data dir's sft/train.jsonl).")
+    units = _drawn(int(seen["units"]), int(seen["global_batch"]), int(seen["seed"]), seen["batches"])
+    packed = seen.get("packed_units")
+    chosen = sorted({i for u in units.tolist() for i in (packed[u] if packed else [u])})
+    return [ids[i] for i in chosen]
 
 
 def _ranges(values: np.ndarray) -> list[list[int]]:
@@ -82,13 +121,19 @@ def _by_shard(data_dir: str | Path, rows: np.ndarray) -> dict[str, list[list[int
     return out
 
 
-def consumed(checkpoint_dir: str | Path, data_dir: str | Path) -> dict[str, Any]:
-    """The checkpoint's consumed data: trained batch ranges and, per token shard, row ranges."""
+def consumed(checkpoint_dir: str | Path, data_dir: str | Path,
+             sft_files: list[str | Path] | None = None) -> dict[str, Any]:
+    """The checkpoint's consumed data: trained batch ranges and, per token shard, row ranges;
+    for a fine-tuning checkpoint also the SFT examples (from `sft_files`, else the data dir's
+    sft/train.jsonl)."""
     seen = record(checkpoint_dir)
     rows = consumed_rows(checkpoint_dir, data_dir)
-    return {"checkpoint": str(checkpoint_dir), "batches": seen["batches"],
-            "samples": sum(b - a for a, b in seen["batches"]) * int(seen["global_batch"]),
-            "unique_rows": int(len(rows)), "rows": _by_shard(data_dir, rows)}
+    out = {"checkpoint": str(checkpoint_dir), "batches": seen["batches"],
+           "samples": sum(b - a for a, b in seen["batches"]) * int(seen["global_batch"]),
+           "unique_rows": int(len(rows)), "rows": _by_shard(data_dir, rows)}
+    if seen.get("kind") == "sft":
+        out["examples"] = consumed_examples(checkpoint_dir, sft_files or [DataDir(data_dir).sft_path("train")])
+    return out
 
 
 def diff(a: str | Path, b: str | Path, data_dir: str | Path) -> dict[str, Any]:
@@ -186,15 +231,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data-dir", required=True)
     parser.add_argument("--doc", help="a document id: print whether the checkpoint saw it")
     parser.add_argument("--diff", help="another checkpoint: rows only one of them trained on")
+    parser.add_argument("--example", help="an SFT example id: print whether a fine-tuning "
+                                          "checkpoint trained on it")
+    parser.add_argument("--sft-file", action="append", default=None,
+                        help="the SFT file(s) it read, in order (default: the data dir's sft/train.jsonl)")
     args = parser.parse_args(argv)
-    if args.doc is not None:
+    sft_files = args.sft_file or [DataDir(args.data_dir).sft_path("train")]
+    if args.example is not None:
+        ids = example_ids(sft_files)
+        if args.example not in ids:
+            raise SystemExit(f"No SFT example in {sft_files} has id {args.example!r}.")
+        result = {"example": args.example,
+                  "saw": args.example in consumed_examples(args.checkpoint, sft_files)}
+    elif args.doc is not None:
         spans = document_rows(args.data_dir, args.doc)
         result = {"doc": args.doc, "saw": saw(args.checkpoint, args.data_dir, args.doc),
                   "rows": [list(s) for s in spans]}
     elif args.diff is not None:
         result = diff(args.checkpoint, args.diff, args.data_dir)
     else:
-        result = consumed(args.checkpoint, args.data_dir)
+        result = consumed(args.checkpoint, args.data_dir, sft_files)
     print(json.dumps(result, indent=2))
     return 0
 
