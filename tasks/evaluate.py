@@ -96,8 +96,18 @@ def evaluate_model(name: str, ref: str, cfg: EvalConfig, suites: list, device,
             contamination[metric] = audit(ngrams, items)
             per_item[metric]["seen"] = seen_mask(contamination[metric])
     if cfg.lm_eval and suites and not (model_dir / "model_int8.pt").is_file():
-        metrics.update(run_harness(model, model_dir, eos_id, [s.path for s in suites], device,
-                                   limit=cfg.suite_examples, batch_size=cfg.batch_size))
+        harness_scores, harness_items = run_harness(model, model_dir, eos_id, [s.path for s in suites],
+                                                    device, limit=cfg.suite_examples,
+                                                    batch_size=cfg.batch_size)
+        metrics.update(harness_scores)
+        for metric, result in harness_items.items():
+            # the items that fit the context are a subset of the suite's: its audit's mask, cut
+            positions = result.pop("positions")
+            suite_metric = f"suite.{metric[len('harness.'):].rsplit('.', 1)[0]}.accuracy"
+            mask = (per_item.get(suite_metric) or {}).get("seen")
+            if mask:
+                result["seen"] = "".join(mask[i] for i in positions)
+            per_item[metric] = result
     log.info("%s: perplexity %.2f, %.3f bits/byte, task accuracy %.3f (%d examples), %d "
              "parameters%s", name, metrics["perplexity"], metrics["bits_per_byte"],
              task["accuracy"], task["n"], model.num_params(),

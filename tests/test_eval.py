@@ -192,13 +192,23 @@ def test_lm_evaluation_harness_scores_our_local_suites_like_our_own_scorer(
     assert task_config(paths[0])["output_type"] == "multiple_choice"
     assert task_config(gen)["output_type"] == "generate_until"
     # the harness scores the model transformers loads from model_dir: the GPT-2 our GPT is
-    scores = run_harness(model, model_dir, eos_id, [*paths, gen], CPU)
+    scores, per_item = run_harness(model, model_dir, eos_id, [*paths, gen], CPU)
     fast = hf_tokenizer(model_dir, eos_id)
     for path in paths:
         # items whose answer alone outgrows the 32-token context are left out, and counted
         fitting, left_out = fit_to_context(path, fast, 32, tmp_path, None)
         assert scores[f"harness.{path.stem}.left_out"] == left_out < 12
-        ours = suite_lib.score_suite(model, tokenizer, eos_id, suite_lib.load_suite(fitting), CPU)
+        suite = suite_lib.load_suite(fitting)
+        ours = suite_lib.score_suite(model, tokenizer, eos_id, suite, CPU)
         assert scores[f"harness.{path.stem}.acc"] == pytest.approx(ours["choice_accuracy"])
+        # per item, as the gate pairs them: the harness's right/wrong per item agrees with our
+        # scorer's on the same items (same digest), and with its own aggregate
+        harness = per_item[f"harness.{path.stem}.acc"]
+        _, correct = suite_lib.score_suite_items(model, tokenizer, eos_id, suite, CPU)
+        assert harness["items"] == suite_lib.item_results(suite_lib.suite_item_ids(suite), correct)["items"]
+        assert harness["correct"] == "".join("1" if ok else "0" for ok in correct)
+        assert harness["correct"].count("1") / harness["n"] == pytest.approx(scores[f"harness.{path.stem}.acc"])
+        assert len(harness["positions"]) == harness["n"] == 12 - left_out
     ours = suite_lib.score_suite(model, tokenizer, eos_id, suite_lib.load_suite(gen), CPU)
     assert scores["harness.echo.exact_match"] == pytest.approx(ours["exact_match"])
+    assert per_item["harness.echo.exact_match"]["n"] == 2

@@ -513,6 +513,14 @@ def test_evaluate_reports_every_model(tiny_data_dir, workdir, pretrained, finetu
             assert 0.0 <= result["metrics"][f"{name}.suite.{suite}.accuracy"] <= 1.0
         assert report["models"][name]["task_examples"] == len(scored)
         assert set(report["models"][name]["per_skill"]) == {r["skill"] for r in scored}
+        # the harness's per-item results, for the gate to pair (the items that fit the context)
+        per_item = result["models"][name]["per_item"]
+        for suite in ("sft_choice", "prose_cloze"):
+            harness, ours = per_item[f"harness.{suite}.acc"], per_item[f"suite.{suite}.accuracy"]
+            assert 0 < harness["n"] <= ours["n"] and "positions" not in harness
+            assert harness["correct"].count("1") / harness["n"] == pytest.approx(
+                result["metrics"][f"{name}.harness.{suite}.acc"])
+            assert ("seen" in harness) == ("seen" in ours)
     # the base model saw the same prose the val shards hold; evaluation must agree with pretraining
     assert result["metrics"]["base.val_loss"] == pytest.approx(
         math.log(result["metrics"]["base.perplexity"]))

@@ -7,10 +7,16 @@ format) becomes a harness task config pointing the `json` dataset builder at the
 the harness reads nothing from the network (HF_DATASETS_OFFLINE / HF_HUB_OFFLINE are set too).
 An int8 model (torch's dynamic quantization) is not a transformers model: the harness skips it,
 the project's own suite scorer (tasks/eval/suites.py) scores it like every other.
+
+Per item too: the harness's own per-sample scores (its `log_samples`) become per-item results
+in the form the gate pairs (tasks.eval.suites.item_results: the items' digest, one character per
+item), keyed `harness.<suite>.<metric>`, with the positions in the suite of the items that fit
+the context (for the contamination audit's mask, tasks/evaluate.py).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import tempfile
@@ -19,7 +25,7 @@ from typing import Any
 
 import torch
 
-from tasks.eval.suites import load_suite
+from tasks.eval.suites import item_id, item_results, load_suite
 
 log = logging.getLogger(__name__)
 
@@ -92,10 +98,14 @@ def hf_tokenizer(model_dir: str | Path, eos_id: int):
     return fast
 
 
+PAIRED_METRICS = ("acc", "acc_norm", "exact_match")   # right or wrong per item
+
+
 def run_harness(model, model_dir: str | Path, eos_id: int, suite_paths: list[Path],
                 device: torch.device, limit: int | None = None, batch_size: int = 32
-                ) -> dict[str, float]:
-    """The harness's scores for each suite: {"harness.<suite>.<metric>": value}."""
+                ) -> tuple[dict[str, float], dict[str, dict[str, Any]]]:
+    """The harness's scores for each suite, {"harness.<suite>.<metric>": value}, and its
+    per-item results of each right-or-wrong metric under the same keys (see the docstring)."""
     if not available():
         raise ImportError(INSTALL_HINT)
     # local files only: never let datasets or the hub client reach for the network
@@ -112,12 +122,14 @@ def run_harness(model, model_dir: str | Path, eos_id: int, suite_paths: list[Pat
     lm = HFLM(pretrained=hf, tokenizer=tokenizer, backend="causal", batch_size=batch_size,
               max_length=model.config.block_size)
     scores: dict[str, float] = {}
+    fitted: dict[str, tuple[list[dict[str, Any]], list[int]]] = {}   # suite -> (items, positions)
     with tempfile.TemporaryDirectory(prefix="harness-suites-") as scratch:
         configs = []
         for path in suite_paths:
             fitting, left_out = fit_to_context(path, tokenizer, model.config.block_size,
                                                Path(scratch), limit)
             if fitting is not None:
+                fitted[Path(path).stem] = _positions(path, fitting, limit)
                 config = task_config(fitting)
                 # the json builder's cache goes with the scratch files, not ~/.cache/huggingface
                 config["dataset_kwargs"]["cache_dir"] = str(Path(scratch) / "datasets")
@@ -127,7 +139,7 @@ def run_harness(model, model_dir: str | Path, eos_id: int, suite_paths: list[Pat
                 configs.append(config)
             scores[f"harness.{Path(path).stem}.left_out"] = float(left_out)
         # only our task configs: indexing the harness's thousands of built-in tasks takes ~7 s
-        results = simple_evaluate(model=lm, tasks=configs, limit=limit, log_samples=False,
+        results = simple_evaluate(model=lm, tasks=configs, limit=limit, log_samples=True,
                                   bootstrap_iters=0, verbosity="WARNING",
                                   task_manager=TaskManager(include_defaults=False)
                                   ) if configs else {}
@@ -138,5 +150,33 @@ def run_harness(model, model_dir: str | Path, eos_id: int, suite_paths: list[Pat
             if (isinstance(value, (int, float)) and not metric.endswith("_stderr")
                     and metric not in ("alias", "sample_len")):
                 scores[f"harness.{suite}.{metric}"] = float(value)
+    per_item: dict[str, dict[str, Any]] = {}
+    for name, samples in (results or {}).get("samples", {}).items():
+        suite = name.removeprefix("llmops_")
+        items, positions = fitted[suite]
+        samples = sorted(samples, key=lambda x: int(x["doc_id"]))
+        if [int(x["doc_id"]) for x in samples] != list(range(len(items))):
+            log.warning("harness: %s's samples are not one per item; no per-item results", suite)
+            continue
+        ids = [item_id(json.dumps(item, sort_keys=True, ensure_ascii=False)) for item in items]
+        for metric in PAIRED_METRICS:
+            if all(isinstance(x.get(metric), (int, float)) for x in samples):
+                per_item[f"harness.{suite}.{metric}"] = {
+                    **item_results(ids, [float(x[metric]) == 1.0 for x in samples]), "positions": positions}
     log.info("lm-evaluation-harness: %s", scores)
-    return scores
+    return scores, per_item
+
+
+def _positions(path: str | Path, fitting: Path, limit: int | None) -> tuple[list[dict[str, Any]], list[int]]:
+    """The items of the fitted file, and their positions in the suite (fit_to_context keeps the
+    order and drops some)."""
+    from tasks.train.data import read_jsonl
+
+    items, kept = read_jsonl(path)[:limit], read_jsonl(fitting)
+    positions, at = [], 0
+    for item in kept:
+        while items[at] != item:
+            at += 1
+        positions.append(at)
+        at += 1
+    return kept, positions
