@@ -698,7 +698,7 @@ class LadderFitConfig:
 
 
 # Metrics evaluation scores item by item (tasks/evaluate.py `per_item`).
-ITEM_METRIC = re.compile(r"^(task_accuracy|suite\.[^.]+\.accuracy)$")
+ITEM_METRIC = re.compile(r"^(task_accuracy|suite\.[^.]+\.accuracy|harness\.[^.]+\.(acc|acc_norm|exact_match))$")
 
 
 @dataclass(kw_only=True)
@@ -719,7 +719,8 @@ class GateConfig:
                                           "lower-is-better.")
     require_approval: bool = bounded(False, help="Retraining: a human approves (Airflow's "
                                                  "ApprovalOperator) before `champion` moves.")
-    paired: dict = bounded({}, help="Item-level metric (task_accuracy, suite.<name>.accuracy) -> "
+    paired: dict = bounded({}, help="Item-level metric (task_accuracy, suite.<name>.accuracy, "
+                                    "harness.<name>.acc) -> "
                                     "{'policy': 'superior'} (must beat the champion, with "
                                     "confidence) or {'policy': 'non_inferior', 'margin': 0.02} "
                                     "(at worst that much worse, with confidence): a paired "
@@ -754,7 +755,7 @@ class GateConfig:
             where = f"GateConfig.paired[{metric!r}]"
             _check(isinstance(metric, str) and bool(ITEM_METRIC.match(metric)),
                    f"{where}: only item-level metrics can be compared item by item: "
-                   "task_accuracy or suite.<name>.accuracy.")
+                   "task_accuracy, suite.<name>.accuracy or harness.<name>.acc (acc_norm, exact_match).")
             _check(isinstance(rule, dict) and not set(rule) - {"policy", "margin"},
                    f"{where} must be {{'policy': ..., 'margin': ...}}; unknown keys "
                    f"{sorted(set(rule) - {'policy', 'margin'}) if isinstance(rule, dict) else rule!r}.")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from llmops import lifecycle, promotion, retraining, tracking
-from tasks.configs import GateConfig, ModelConfig, to_dict
+from tasks.configs import ConfigError, GateConfig, ModelConfig, to_dict
 
 NAME = "promotion-test"
 
@@ -95,6 +95,22 @@ def test_paired_policies_judge_by_the_interval_not_the_point_estimate():
     assert compared == {"challenger": {}}
     assert reasons["challenger"] == ["task_accuracy 0.809 is worse than the champion's 0.812 "
                                      "(at most -0 allowed)"]
+
+
+def test_the_harness_per_item_results_are_paired_like_our_own():
+    """lm-evaluation-harness's per-item results (tasks/eval/harness.py) are item-level metrics
+    the gate compares item by item; its aggregate-only metrics are refused by name."""
+    ours, theirs = discordant(400, 250, 60, 10)
+    evaluation = paired_evaluation(ours, theirs)
+    for name, result in (("challenger", ours), ("champion", theirs)):
+        evaluation["models"][name]["per_item"] = {"harness.sft_choice.acc": per_item(result, "choice")}
+    gate = gate_cfg(paired={"harness.sft_choice.acc": {"policy": "superior"}})
+    reasons, compared = promotion.judge(gate, evaluation, ("challenger",))
+    assert reasons == {"challenger": []}
+    c = compared["challenger"]["harness.sft_choice.acc"]
+    assert c.n == 400 and c.low > 0 and c.diff == pytest.approx(50 / 400)
+    with pytest.raises(ConfigError, match=r"harness.sft_choice.left_out.*only item-level metrics"):
+        gate_cfg(paired={"harness.sft_choice.left_out": {"policy": "superior"}})
 
 
 @pytest.fixture(scope="module")
