@@ -120,8 +120,12 @@ def test_lifecycle_with_pretraining_on_sagemaker(airflow_db, sagemaker_deploymen
     assert len(runs) == 1 and runs[0].info.status == "FINISHED"
     assert runs[0].data.tags["team"] == "research" and runs[0].data.tags["job_name"] == job
     assert "loss/train" in runs[0].data.metrics, "the container logged into the same MLflow run"
-    # Other tests in this worker share the registry and may hold a better champion already, so
-    # the check is that this run's candidate was registered and judged, not that it won.
+    # Other tests in this worker share the registry: one may hold a better champion already, or
+    # (the tiny recipe is deterministic) have registered these very weights, which the gate then
+    # does not register twice. So the check is that the gate judged this run, not that it won.
+    [parent] = client.search_runs([exp.experiment_id], f"tags.kind = '{tracking.PARENT_KIND}' and "
+                                                       f"tags.run_id = 'manual__{LOGICAL_DATE}'")
+    verdict = parent.data.tags.get("gate", "")
+    assert re.fullmatch(r"passed|refused|already registered as version \d+", verdict), parent.data.tags
     ours = client.search_model_versions(f"name = 'llm-lifecycle' and tags.run_id = 'manual__{LOGICAL_DATE}'")
-    assert len(ours) == 1, f"this DAG run registered one version: {[v.tags for v in ours]}"
-    assert ours[0].tags["gate.passed"] in ("true", "false") and ours[0].tags["training_run_id"]
+    assert len(ours) == (0 if verdict.startswith("already") else 1), [v.tags for v in ours]
