@@ -2,7 +2,9 @@
 and 8; tasks.train.seen answers "did step N see document X" from the checkpoint's recorded
 data cursor and data prep's manifest. The expected answers are derived independently here:
 each document's rows by searching its tokens in the raw row files, each step's rows by asking
-the training batch reader (PretrainBatches) for the rows of every batch."""
+the training batch reader (PretrainBatches) for the rows of every batch. Copies of those
+checkpoints as older trainers wrote them (no data_seen) must give the same record, derived from
+their data cursor, and the same answers; or be refused, naming what they lack."""
 
 from __future__ import annotations
 
@@ -57,6 +59,13 @@ def _doc_rows_by_search(data_dir: Path) -> dict[str, set[int]]:
     return out
 
 
+def _cli(checkpoint: Path, data_dir: Path, *args: str) -> subprocess.CompletedProcess:
+    """python -m tasks.train.seen, as a researcher runs it."""
+    return subprocess.run([sys.executable, "-m", "tasks.train.seen", str(checkpoint), "--data-dir",
+                           str(data_dir), *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+
+
 def test_saw_follows_the_data_cursor(run, tiny_data_dir):
     cfg, checkpoints = run["cfg"], run["checkpoints"]
     early, late = checkpoints / "step_000002", checkpoints / "step_000008"
@@ -95,9 +104,7 @@ def test_saw_follows_the_data_cursor(run, tiny_data_dir):
     assert d["common_rows"] == len(before_2)
 
     # the CLI, as a researcher runs it
-    proc = subprocess.run([sys.executable, "-m", "tasks.train.seen", str(early), "--data-dir",
-                           str(tiny_data_dir), "--doc", only_late[0]], cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
+    proc = _cli(early, tiny_data_dir, "--doc", only_late[0])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(proc.stdout)["saw"] is False
 
@@ -120,3 +127,97 @@ def test_skipped_batches_are_not_counted_as_seen(tiny_data_dir):
     assert record["batches"] == [[1, 3], [5, 10]]
     assert record["seed"] == 7 and record["global_batch"] == 2 and record["rows"] == data.split("train").rows
     assert reader.seen(0)["batches"] == [] and reader.seen(3)["batches"] == [[0, 3]]
+
+
+def _older(checkpoint: Path, root: Path, *, trainer_lacks: tuple[str, ...] = (),
+           config_lacks: tuple[str, ...] = (), trainer_has: dict | None = None) -> Path:
+    """The checkpoint as an older trainer wrote it: no data_seen, nor the other trainer and
+    config keys named; re-saved by save_checkpoint, so its manifest hashes the parts as written
+    and it verifies like any checkpoint."""
+    state = ckpt.load_checkpoint(checkpoint)
+    step, config = state.pop("step"), state.pop("config")
+    gone = {"data_seen", *trainer_lacks}
+    state["trainer"] = {**{k: v for k, v in state["trainer"].items() if k not in gone},
+                        **(trainer_has or {})}
+    config = {k: v for k, v in config.items() if k not in config_lacks}
+    out = ckpt.save_checkpoint(root, step, state, config, keep=10)
+    assert ckpt.verify_checkpoint(out) is None and "data_seen" not in ckpt.read_part(out, "trainer")
+    return out
+
+
+# what older pretraining checkpoints' trainer state (and config) lacked, by the commit that
+# added it to tasks/train/loop.py `_state` (git log -p): data_seen e6522e0; global_batch (with
+# the config's global_batch_tokens) f4a6254; skipped_batches and world_size 66bca62
+ERAS = {
+    "f4a6254": ((), ()),
+    "66bca62": (("global_batch", "samples_seen"), ("global_batch_tokens",)),
+    "a66eb92": (("global_batch", "samples_seen", "skipped_batches", "world_size",
+                 "recent_batches", "guard"), ("global_batch_tokens",)),
+}
+
+
+@pytest.mark.parametrize("era", list(ERAS))
+def test_an_older_checkpoint_s_record_is_derived_from_its_data_cursor(run, tiny_data_dir, tmp_path, era):
+    trainer_lacks, config_lacks = ERAS[era]
+    for step in (2, STEPS):
+        new = run["checkpoints"] / f"step_{step:06d}"
+        old = _older(new, tmp_path / era, trainer_lacks=trainer_lacks, config_lacks=config_lacks)
+        derived = seen.record(old, tiny_data_dir)
+        assert derived.pop("derived_from") == "data_cursor"
+        assert derived == ckpt.read_part(new, "trainer")["data_seen"]
+        assert np.array_equal(seen.consumed_rows(old, tiny_data_dir), seen.consumed_rows(new, tiny_data_dir))
+        got, want = seen.consumed(old, tiny_data_dir), seen.consumed(new, tiny_data_dir)
+        assert got.pop("derived_from") == "data_cursor" and "derived_from" not in want
+        assert {**got, "checkpoint": None} == {**want, "checkpoint": None}
+
+    # the CLI's answer for a document the early checkpoint did not see and the late one did
+    docs = _doc_rows_by_search(tiny_data_dir)
+    before_2 = set(seen.consumed_rows(run["checkpoints"] / "step_000002", tiny_data_dir).tolist())
+    before_8 = set(seen.consumed_rows(run["checkpoints"] / "step_000008", tiny_data_dir).tolist())
+    doc = next(d for d, r in docs.items() if not r & before_2 and r & before_8)
+    answers = {}
+    for name in ("step_000002", "step_000008"):
+        for ckpt_dir in (run["checkpoints"] / name, tmp_path / era / name):
+            proc = _cli(ckpt_dir, tiny_data_dir, "--doc", doc)
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            answers[ckpt_dir] = json.loads(proc.stdout)
+    for name, saw in (("step_000002", False), ("step_000008", True)):
+        new, old = answers[run["checkpoints"] / name], answers[tmp_path / era / name]
+        assert old.pop("derived_from") == "data_cursor"
+        assert old == new and new["saw"] is saw
+
+
+def test_an_older_checkpoint_s_skipped_batches_are_not_counted(run, tiny_data_dir, tmp_path):
+    """A run that skipped batches 1 and 5 after loss spikes: its cursor is past them, they are
+    not among the trained batches, and their rows only where another batch drew them too."""
+    cfg = run["cfg"]
+    old = _older(run["checkpoints"] / "step_000008", tmp_path, trainer_has={"skipped_batches": [1, 5]})
+    assert seen.record(old, tiny_data_dir)["batches"] == [[0, 1], [2, 5], [6, STEPS]]
+    reader = PretrainBatches(DataDir(tiny_data_dir).split("train"), cfg.batch_size, cfg.seed)
+    g = reader.global_batch
+    trained = set().union(*(set(reader.sampler.at(np.arange(s * g, (s + 1) * g)).tolist())
+                            for s in range(STEPS) if s not in (1, 5)))
+    assert set(seen.consumed_rows(old, tiny_data_dir).tolist()) == trained
+
+
+@pytest.mark.parametrize("lacks, says", [
+    ({"trainer_lacks": ("data_cursor",)}, "lacks data_cursor"),
+    ({"config_lacks": ("seed",)}, "lacks config.json seed"),
+    ({"config_lacks": ("seed", "batch_size"), "trainer_lacks": ("data_cursor",)},
+     "lacks data_cursor, config.json seed, config.json batch_size"),
+    # a global batch its config does not give: the cursor's batches cannot be turned into rows
+    ({"trainer_has": {"global_batch": 3}}, "records a global batch of 3 rows"),
+])
+def test_an_older_checkpoint_without_what_its_record_needs_is_refused(run, tiny_data_dir, tmp_path,
+                                                                      lacks, says):
+    old = _older(run["checkpoints"] / "step_000002", tmp_path, **lacks)
+    with pytest.raises(ValueError, match=says):
+        seen.consumed(old, tiny_data_dir)
+    proc = _cli(old, tiny_data_dir)
+    assert proc.returncode != 0 and says in proc.stderr
+
+
+def test_an_older_checkpoint_needs_the_data_dir_to_derive_its_record(run, tmp_path):
+    old = _older(run["checkpoints"] / "step_000002", tmp_path)
+    with pytest.raises(ValueError, match="pass the data dir it trained on"):
+        seen.record(old)

@@ -19,6 +19,10 @@ compared with the rows on disk, so a wrong answer is refused rather than given.
 A fine-tuning (or distillation) checkpoint records its SFT sampler instead (`kind: sft`: seed,
 units per step, the trained steps, the examples behind each packed row, the ids' count and
 hash) and, with replay, the sampler of the pretraining rows it replayed.
+
+A pretraining checkpoint saved before the trainer recorded `data_seen` gets the same record
+derived from its data cursor (`derived_from: data_cursor`, see `_derived`); a fine-tuning one
+of then is refused, as its packed steps cannot be recovered from a cursor.
 """
 
 from __future__ import annotations
@@ -31,20 +35,64 @@ from typing import Any
 
 import numpy as np
 
+from tasks.common.io import read_json
 from tasks.train import checkpoint as ckpt
-from tasks.train.data import DataDir, EpochSampler, TokenRows, read_jsonl
+from tasks.train.data import DataDir, EpochSampler, PretrainBatches, TokenRows, read_jsonl
 
 
-def record(checkpoint_dir: str | Path) -> dict[str, Any]:
-    """The checkpoint's `data_seen`, after verifying every file its manifest lists."""
+def record(checkpoint_dir: str | Path, data_dir: str | Path | None = None) -> dict[str, Any]:
+    """The checkpoint's `data_seen`, after verifying every file its manifest lists; for a
+    pretraining checkpoint saved before the trainer recorded it, derived (`_derived`: needs the
+    data dir it trained on)."""
     path = Path(checkpoint_dir)
     why = ckpt.verify_checkpoint(path)
     if why:
         raise ValueError(f"{path} does not verify: {why}.")
     trainer = ckpt.read_part(path, "trainer") or {}
-    if "data_seen" not in trainer:
-        raise ValueError(f"{path} records no data_seen (saved before the trainer recorded it).")
-    return trainer["data_seen"]
+    if "data_seen" in trainer:
+        return trainer["data_seen"]
+    return _derived(path, trainer, data_dir)
+
+
+def _derived(path: Path, trainer: dict[str, Any], data_dir: str | Path | None) -> dict[str, Any]:
+    """What PretrainBatches.seen(data_cursor, skipped_batches) would have written, from what
+    every older pretraining checkpoint holds (git history of tasks/train/loop.py `_state`):
+    data_cursor in its trainer state from the first; skipped_batches and world_size since
+    66bca62 (before, batches were never skipped and training ran on one process); global_batch
+    since f4a6254. The seed and per-process batch size are its config.json's (the TrainConfig
+    it ran with: tasks/pretrain.py builds the batch reader from cfg.seed and cfg.batch_size),
+    the row count is the data dir's train split. A world size never changed mid-run without a
+    recorded global batch (the loop refused such a resume), so one global batch covers the
+    whole cursor."""
+    config = read_json(path / "config.json") if (path / "config.json").is_file() else {}
+    if "base_model" in config or "teacher_model" in config:   # FinetuneConfig, DistillConfig
+        raise ValueError(f"{path} is a fine-tuning checkpoint saved before the trainer recorded "
+                         "data_seen: its steps packed SFT examples in an order its data cursor "
+                         "does not give, so what it saw cannot be derived.")
+    missing = ([k for k in ("data_cursor",) if k not in trainer]
+               + [f"config.json {k}" for k in ("seed", "batch_size") if k not in config])
+    if missing:
+        raise ValueError(f"{path} records no data_seen (saved before the trainer recorded it) and "
+                         f"lacks {', '.join(missing)} to derive it from.")
+    if data_dir is None:
+        raise ValueError(f"{path} records no data_seen (saved before the trainer recorded it): "
+                         "pass the data dir it trained on to derive it from its data cursor.")
+    data = DataDir(data_dir)
+    batch, world = int(config["batch_size"]), int(trainer.get("world_size", 1))
+    # global_batch_tokens (with the recorded global batch since f4a6254) fixes the global batch
+    # whatever the world size; without it, it is batch_size sequences on each process
+    tokens = int(config.get("global_batch_tokens") or 0)
+    configured = tokens // data.seq_len if tokens else batch * world
+    recorded = int(trainer.get("global_batch") or configured)
+    if recorded != configured or configured % (batch * world):
+        raise ValueError(f"{path} records a global batch of {recorded} rows, but its config "
+                         f"and {data_dir} give {configured}: not the data it trained on, or a "
+                         "config that is not its own; what it saw cannot be derived.")
+    # the very reader the job trained with, so the record is the one it would have written
+    reader = PretrainBatches(data.split("train"), batch, int(config["seed"]), world_size=world,
+                             accumulation=configured // (batch * world))
+    seen = reader.seen(int(trainer["data_cursor"]), set(trainer.get("skipped_batches", [])))
+    return {**seen, "derived_from": "data_cursor"}
 
 
 def _drawn(n: int, global_batch: int, seed: int, batches: list[list[int]]) -> np.ndarray:
@@ -65,7 +113,7 @@ def _drawn(n: int, global_batch: int, seed: int, batches: list[list[int]]) -> np
 def consumed_rows(checkpoint_dir: str | Path, data_dir: str | Path) -> np.ndarray:
     """Sorted unique global row indices of the train split that the checkpoint trained on (for
     a fine-tuning checkpoint: the pretraining rows it replayed)."""
-    seen = record(checkpoint_dir)
+    seen = record(checkpoint_dir, data_dir)
     drawn = seen if seen.get("kind") != "sft" else {**(seen.get("replay") or {}), "batches": seen["batches"]}
     if "rows" not in drawn:   # fine-tuning without replay: no pretraining row
         return np.zeros(0, dtype=np.int64)
@@ -126,14 +174,19 @@ def consumed(checkpoint_dir: str | Path, data_dir: str | Path,
     """The checkpoint's consumed data: trained batch ranges and, per token shard, row ranges;
     for a fine-tuning checkpoint also the SFT examples (from `sft_files`, else the data dir's
     sft/train.jsonl)."""
-    seen = record(checkpoint_dir)
+    seen = record(checkpoint_dir, data_dir)
     rows = consumed_rows(checkpoint_dir, data_dir)
-    out = {"checkpoint": str(checkpoint_dir), "batches": seen["batches"],
+    out = {"checkpoint": str(checkpoint_dir), **_derivation(seen), "batches": seen["batches"],
            "samples": sum(b - a for a, b in seen["batches"]) * int(seen["global_batch"]),
            "unique_rows": int(len(rows)), "rows": _by_shard(data_dir, rows)}
     if seen.get("kind") == "sft":
         out["examples"] = consumed_examples(checkpoint_dir, sft_files or [DataDir(data_dir).sft_path("train")])
     return out
+
+
+def _derivation(seen: dict[str, Any]) -> dict[str, Any]:
+    """`derived_from` where the record was derived rather than recorded, for the answer to say so."""
+    return {"derived_from": seen["derived_from"]} if "derived_from" in seen else {}
 
 
 def diff(a: str | Path, b: str | Path, data_dir: str | Path) -> dict[str, Any]:
@@ -246,9 +299,14 @@ def main(argv: list[str] | None = None) -> int:
     elif args.doc is not None:
         spans = document_rows(args.data_dir, args.doc)
         result = {"doc": args.doc, "saw": saw(args.checkpoint, args.data_dir, args.doc),
-                  "rows": [list(s) for s in spans]}
+                  "rows": [list(s) for s in spans],
+                  **_derivation(record(args.checkpoint, args.data_dir))}
     elif args.diff is not None:
         result = diff(args.checkpoint, args.diff, args.data_dir)
+        derived = {k: _derivation(record(c, args.data_dir)) for k, c in
+                   (("a", args.checkpoint), ("b", args.diff))}
+        if any(derived.values()):
+            result["derived_from"] = {k: v["derived_from"] for k, v in derived.items() if v}
     else:
         result = consumed(args.checkpoint, args.data_dir, sft_files)
     print(json.dumps(result, indent=2))
