@@ -10,6 +10,7 @@ from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
 from llmops import lifecycle, notify, promotion, run_summary
 from llmops.operators.job import JobOperator
 from llmops.params import lifecycle_params
+from llmops.run import Run
 from llmops.sweep import LADDER_RECOMMENDATION_URI, POOL, SWEEP_BEST_URI
 from llmops.sweep import stage as sweep
 from llmops.sweep.trial_operator import TrialOperator
@@ -55,8 +56,9 @@ def llm_lifecycle():
         ran (all_done runs it anyway; either way start_run left no XCom, so `run` is None)."""
         if run is None:
             raise AirflowSkipException("start_run did not finish (see its log): no sweep to pick from.")
-        if run.get("base_model"):
-            raise AirflowSkipException(f"base_model {run['base_model']} is fine-tuned: no sweep, "
+        run = Run.of(run)
+        if run.base_model:
+            raise AirflowSkipException(f"base_model {run.base_model} is fine-tuned: no sweep, "
                                        "no pretraining.")
         ctx = get_current_context()
         best = sweep.pick_best(run, sweep.latest_extra(ctx["inlet_events"][LADDER_RECOMMENDATION]))

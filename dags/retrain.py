@@ -19,6 +19,7 @@ from airflow.sdk.exceptions import AirflowSkipException
 from llmops import notify, promotion, retraining
 from llmops.operators.job import JobOperator
 from llmops.params import retrain_params
+from llmops.run import Run
 
 CURATED_DATA = Asset("llmops://data/curated")
 CHAMPION = Asset("llmops://models/champion")
@@ -57,7 +58,8 @@ def llm_retrain():
     @task
     def gate(run: dict, evaluation: dict) -> dict:
         """Register the challenger with its lineage; it passes or is kept as `challenger`."""
-        decision = promotion.gate(run, evaluation, run["data"], candidates=("challenger",))
+        run = Run.of(run)
+        decision = promotion.gate(run, evaluation, run.data, candidates=("challenger",))
         return {**decision, "body": promotion.approval_body(decision)}
 
     @task.branch

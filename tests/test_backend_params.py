@@ -38,7 +38,8 @@ def test_team_priority_and_resources_reach_the_job_spec(params):
                                               "nproc_per_node": 8, "max_run_seconds": 432000}}
     params.validate()
     conf = {k: params[k] for k in params}
-    run = {"config": {"pretrain": {"optim": {"lr": 1e-3}}}, "root": "/tmp/r", "experiment": "e",
+    run = {"dag_id": "llm_lifecycle", "run_id": "manual__resources",
+           "config": {"pretrain": {"optim": {"lr": 1e-3}}}, "root": "/tmp/r", "experiment": "e",
            "parent_run_id": "p", "backends": {"pretrain": "batch"},
            "resources": conf["stage_resources"], "team": conf["team"], "priority": conf["priority"]}
     spec = JobSpec.from_dict(lifecycle.pretrain_spec(

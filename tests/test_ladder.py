@@ -138,17 +138,17 @@ def test_pretraining_takes_its_size_from_the_ladders_recommendation():
     from llmops.sweep import stage
 
     cfg = lifecycle.resolve({"recipe": "demo", "pretrain_size_from_ladder": True})
-    run = {"config": configs.to_dict(cfg)}
+    lifecycle_config = configs.to_dict(cfg)
     recommendation = {"compute_optimal": {"n_params": 4e5, "tokens": 2e7}, "mlflow_run_id": "abc",
                       "target_flops": 4.8e13}
-    size = stage._size_from(recommendation, run)
+    size = stage._size_from(recommendation, lifecycle_config)
     assert size["n_embd"] == 128 and size["n_layer"] == 2          # sqrt(4e5 / 24) ~ 129 -> 128
     assert size["max_steps"] == math.ceil(2e7 / (16 * 128)) and size["from_ladder_run"] == "abc"
     config = configs.to_dict(cfg.pretrain)
     stage.apply_best(config, {"params": {"optim.lr": 0.005}, "size": size})
     assert (config["model"]["n_embd"], config["max_steps"]) == (128, size["max_steps"])
     with pytest.raises(ValueError, match="no scaling_ladder run has published a recommendation"):
-        stage._size_from(None, run)
+        stage._size_from(None, lifecycle_config)
 
 
 def test_trials_and_rungs_run_in_the_experiments_pool():

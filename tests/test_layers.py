@@ -34,8 +34,9 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("tasks.entrypoints", ("tasks", "tasks.pretrain", "tasks.finetune", "tasks.distill",
                            "tasks.distill_cache", "tasks.evaluate", "tasks.sweep", "tasks.ladder",
                            "docker")),
-    # where things live, which paths a run may use, which code ran
-    ("llmops.core", ("llmops", "llmops.settings", "llmops.paths", "llmops.provenance")),
+    # where things live, which paths a run may use, which code ran, a run's shape (llmops.run)
+    ("llmops.core", ("llmops", "llmops.settings", "llmops.paths", "llmops.provenance",
+                     "llmops.run")),
     # AWS clients and hooks, MLflow, the job ledger, the step cache, alerts (SNS)
     ("llmops.infra", ("llmops.aws", "llmops.hooks", "llmops.tracking", "llmops.ledger",
                       "llmops.step_cache", "llmops.notify")),

@@ -108,7 +108,8 @@ def test_a_sagemaker_pretraining_says_why_it_cannot_be_paused():
 
 
 def test_the_later_stages_skip_when_pretraining_made_no_model(use_backend, clock):
-    run = {"config": {"finetune": {}}, "root": "/tmp/x"}
+    run = {"dag_id": "llm_lifecycle", "run_id": "manual__paused", "root": "/tmp/x",
+           "config": {"finetune": {}}, "backends": {}, "experiment": "llm_lifecycle", "parent_run_id": ""}
     with pytest.raises(NothingToRun, match="paused or skipped"):
         lifecycle.finetune_spec(run, {"outputs": {"data_dir": "d"}, "data_hash": ""}, None)
     with pytest.raises(NothingToRun, match="paused or skipped"):   # evaluate: none_failed too

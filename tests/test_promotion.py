@@ -140,7 +140,8 @@ def lifecycle_run(run_id: str, **gate) -> dict:
     parent = tracking.start_parent_run(experiment="promotion-test", dag_id="llm_retrain",
                                        run_id=run_id, config={})
     return {"run_id": run_id, "dag_id": "llm_retrain", "model_name": NAME, "parent_run_id": parent,
-            "config": {"gate": to_dict(gate_cfg(**gate))}}
+            "config": {"gate": to_dict(gate_cfg(**gate))}, "root": f"/out/{run_id}",
+            "backends": {}, "experiment": "promotion-test"}
 
 
 def evaluation(model_uri: str, accuracy: float, perplexity: float, bpb: float,
@@ -318,7 +319,8 @@ def test_the_champion_s_scores_come_with_this_run_s_reference_to_it():
     sees them as the run's champion's, never under the earlier reference."""
     champion = {"version": "4", "uri": f"models:/{NAME}/4", "run_id": "train-4",
                 "content_sha256": "c" * 64}
-    run = {"model_name": NAME, "champion": champion}
+    run = {"dag_id": "llm_retrain", "run_id": "w1", "root": "/out/w1", "config": {}, "backends": {},
+           "experiment": "promotion-test", "parent_run_id": "", "model_name": NAME, "champion": champion}
     found = evaluation("runs:/x/model", 0.80, 40.0, 1.50)
     found["models"]["challenger"]["lineage"]["content_sha256"] = "c" * 64
     found["models"]["challenger"]["per_item"] = {"task_accuracy": per_item([1, 0, 1])}

@@ -23,6 +23,7 @@ from llmops.jobs.backends import settings as backend_settings
 from llmops.jobs.spec import JobSpec, NothingToRun
 # the path checks start_run makes, named here too for the DAGs and scripts that call them
 from llmops.paths import LifecycleParamError, check_data_path, check_storage_root  # noqa: F401
+from llmops.run import Run
 from llmops.sweep import budget as sweep_budget
 from llmops.sweep import stage as sweep_stage
 from llmops.sweep import study as studies
@@ -224,7 +225,8 @@ def start_run(params: dict[str, Any], *, dag_id: str, run_id: str,
     """Check every input (before any job, before the MLflow parent run), fix this run's storage
     paths, open the parent run, and pin the current champion (by version) for the run's
     evaluation. `conf` is the DAG run's conf as triggered: a key no Param declares is refused
-    (Airflow drops it from `params` silently); `user` its triggering user (a team's members)."""
+    (Airflow drops it from `params` silently); `user` its triggering user (a team's members).
+    Returns the Run as its XCom dict (Run.to_dict), what the DAG's start_run task returns."""
     storage_root = check_params(params, conf)
     cfg = resolve(params)
     base_model = model_refs.check_run_models(params, cfg)  # the models a run names, and their tokenizer
@@ -251,17 +253,16 @@ def start_run(params: dict[str, Any], *, dag_id: str, run_id: str,
     except Exception as exc:
         fail_parent_run(parent, f"start_run: {exc}")
         raise
-    return {"dag_id": dag_id, "run_id": run_id, "root": root, "config": config,
-            "champion": promotion.pin(champion),
-            "backends": backends, "experiment": dag_id, "parent_run_id": parent,
-            "resources": params.get("stage_resources") or {},
-            "team": team.name if team else params.get("team") or "",
-            "priority": params.get("priority"),
-            "model_name": model_name, "base_model": base_model,
-            "base_model_hash": model_refs.content_hash(base_model) if base_model else "",
-            # the step cache's index lives under it; `cache` says whether to look there
-            "storage_root": storage_root, "cache": params.get("cache", True) is not False,
-            "from_run": earlier}
+    return Run(dag_id=dag_id, run_id=run_id, root=root, config=config,
+               champion=promotion.pin(champion),
+               backends=backends, experiment=dag_id, parent_run_id=parent,
+               resources=params.get("stage_resources") or {},
+               team=team.name if team else params.get("team") or "",
+               priority=params.get("priority"),
+               model_name=model_name, base_model=base_model,
+               base_model_hash=model_refs.content_hash(base_model) if base_model else "",
+               storage_root=storage_root, cache=params.get("cache", True) is not False,
+               from_run=earlier).to_dict()
 
 
 def check_lane(params: dict[str, Any], cfg: configs.LifecycleConfig, backends: dict[str, str],
@@ -291,26 +292,26 @@ def validation_errors() -> tuple[type[Exception], ...]:
             configs.ConfigError, teams.TeamError, reuse.FromRunError)
 
 
-def _spec(run: dict[str, Any], stage: str, config: dict[str, Any], *,
+def _spec(run: Run, stage: str, config: dict[str, Any], *,
           data_hash: str = "", lineage: dict[str, str] | None = None,
           inputs: dict[str, tuple[str, str]] | None = None) -> dict[str, Any]:
     """The stage's JobSpec as a dict; `inputs` (name -> (path, content hash)) is what the step
     cache keys on besides the config (llmops.step_cache)."""
     # Team and priority travel as tags: cost allocation everywhere, and the fair-share identifier
     # and scheduling priority where the backend schedules (Batch, HyperPod).
-    scheduling = {"team": run.get("team") or ""}
-    if run.get("priority") is not None:
-        scheduling["priority"] = str(run["priority"])
-    backend = run["backends"][stage]
+    scheduling = {"team": run.team or ""}
+    if run.priority is not None:
+        scheduling["priority"] = str(run.priority)
+    backend = run.backends[stage]
     return JobSpec(
         stage=stage, entrypoint=ENTRYPOINTS[stage], config=config, backend=backend,
-        output_uri=config.get("output_dir", ""), mlflow_experiment=run["experiment"],
-        mlflow_parent_run_id=run["parent_run_id"],
+        output_uri=config.get("output_dir", ""), mlflow_experiment=run.experiment,
+        mlflow_parent_run_id=run.parent_run_id,
         tags={"data_hash": data_hash, **(lineage or {}), **{k: v for k, v in scheduling.items() if v}},
         cache=step_cache.for_spec(run, stage, inputs),
         # the remote backends submit with the team's role, share, namespace and queue
-        settings_overrides={} if backend == "local" else teams.settings_overrides(run.get("team") or ""),
-        **(run.get("resources") or {}).get(stage, {}),
+        settings_overrides={} if backend == "local" else teams.settings_overrides(run.team or ""),
+        **(run.resources or {}).get(stage, {}),
     ).to_dict()
 
 
@@ -324,32 +325,35 @@ def _model_input(result: dict[str, Any]) -> tuple[str, str]:
     return result["outputs"]["model_dir"], (result.get("content_hashes") or {}).get("model_dir", "")
 
 
-def _out(run: dict[str, Any], *parts: str) -> str:
-    return os.path.join(run["root"], *parts)
+def _out(run: Run, *parts: str) -> str:
+    return os.path.join(run.root, *parts)
 
 
-def data_prep_spec(run: dict[str, Any]) -> dict[str, Any]:
-    config = {**run["config"]["data"], "output_dir": _out(run, "data_prep")}
+def data_prep_spec(run: Run | dict[str, Any]) -> dict[str, Any]:
+    run = Run.of(run)
+    config = {**run.config["data"], "output_dir": _out(run, "data_prep")}
     raw = step_cache.raw_inputs_hash(config["inputs"] + config["sft_inputs"]) \
-        if run.get("storage_root") and not reuse.taken(run, "data_prep") else ""
+        if run.storage_root and not reuse.taken(run, "data_prep") else ""
     return _spec(run, "data_prep", config, inputs={"raw": ("", raw)})
 
 
-def sweep_trials(run: dict[str, Any], data: dict[str, Any]) -> list[dict[str, Any]]:
+def sweep_trials(run: Run | dict[str, Any], data: dict[str, Any]) -> list[dict[str, Any]]:
     """Open the run's Optuna study; one op_kwargs dict per slot, for
     `TrialOperator.partial(...).expand(op_kwargs=...)` (plugins/llmops/sweep). None with a
     base_model: nothing is pretrained."""
-    if run.get("base_model"):
+    run = Run.of(run)
+    if run.base_model:
         return []
     return sweep_stage.plan_trials(run, data)
 
 
-def trial_spec(run: dict[str, Any], data: dict[str, Any], study: dict[str, Any], slot: int,
+def trial_spec(run: Run | dict[str, Any], data: dict[str, Any], study: dict[str, Any], slot: int,
                trial: dict[str, Any]) -> dict[str, Any]:
     """One trial: a short pretraining run with the trial's hyperparameters, evaluated (and
     checkpointed, so a retry resumes) at every point where the study's pruner may stop it."""
+    run = Run.of(run)
     steps, every = study["steps"], study["eval_interval"]
-    config = copy.deepcopy(run["config"]["pretrain"])
+    config = copy.deepcopy(run.config["pretrain"])
     config.update(data_dir=data["outputs"]["data_dir"],
                   output_dir=_out(run, "sweep", f"trial-{trial['number']}"),
                   max_steps=steps, checkpoint_interval=every, eval_interval=every)
@@ -369,13 +373,15 @@ def pretrain_config(config: dict[str, Any], best: dict[str, Any]) -> dict[str, A
     return pretrain
 
 
-def pretrain_spec(run: dict[str, Any], data: dict[str, Any], best: dict[str, Any]) -> dict[str, Any]:
+def pretrain_spec(run: Run | dict[str, Any], data: dict[str, Any], best: dict[str, Any]
+                  ) -> dict[str, Any]:
     """Pretraining's job; with fork_step, a fork of from_run's pretraining at that step
     (tasks/train/fork.py), its checkpoint an input of the step cache."""
-    config = pretrain_config(run["config"], best)
+    run = Run.of(run)
+    config = pretrain_config(run.config, best)
     config.update(data_dir=data["outputs"]["data_dir"], output_dir=_out(run, "pretrain"))
     inputs, lineage = {"data": _data_input(data)}, {"sweep_best_run_id": best.get("mlflow_run_id", "")}
-    fork = (run.get("from_run") or {}).get("fork")
+    fork = (run.from_run or {}).get("fork")
     if fork:
         config.update(fork_from=fork["checkpoints"], fork_step=fork["step"],
                       fork_parent_run_id=fork["parent_run_id"])
@@ -401,22 +407,24 @@ def check_fork(config: dict[str, Any], earlier: dict[str, Any] | None) -> None:
             f"differs in {'; '.join(refused)}. Set them as that run had them. Nothing was started.")
 
 
-def finetune_spec(run: dict[str, Any], data: dict[str, Any], base: dict[str, Any] | None
+def finetune_spec(run: Run | dict[str, Any], data: dict[str, Any], base: dict[str, Any] | None
                   ) -> dict[str, Any]:
     """Fine-tune the pretrained model, or the run's base_model (pretraining skipped: base None)."""
+    run = Run.of(run)
     base = base or given_base(run)
-    config = {**run["config"]["finetune"], "base_model": base["outputs"]["model_dir"],
+    config = {**run.config["finetune"], "base_model": base["outputs"]["model_dir"],
               "data_dir": data["outputs"]["data_dir"], "output_dir": _out(run, "finetune")}
     return _spec(run, "finetune", config, data_hash=data["data_hash"],
                  lineage={"base_run_id": base.get("mlflow_run_id", "")},
                  inputs={"data": _data_input(data), "base": _model_input(base)})
 
 
-def distill_spec(run: dict[str, Any], data: dict[str, Any], teacher: dict[str, Any],
+def distill_spec(run: Run | dict[str, Any], data: dict[str, Any], teacher: dict[str, Any],
                  cache: dict[str, Any] | None = None) -> dict[str, Any]:
     """The student's job; with `cache` (teacher_cache_spec's result) it reads the teacher's
     cached logits instead of running the teacher."""
-    config = {**run["config"]["distill"], "teacher_model": teacher["outputs"]["model_dir"],
+    run = Run.of(run)
+    config = {**run.config["distill"], "teacher_model": teacher["outputs"]["model_dir"],
               "data_dir": data["outputs"]["data_dir"], "output_dir": _out(run, "distill")}
     if cache:
         config["teacher_cache"] = cache["outputs"]["teacher_cache"]
@@ -425,33 +433,36 @@ def distill_spec(run: dict[str, Any], data: dict[str, Any], teacher: dict[str, A
                  inputs={"data": _data_input(data), "teacher": _model_input(teacher)})
 
 
-def teacher_cache_spec(run: dict[str, Any], data: dict[str, Any], teacher: dict[str, Any]
+def teacher_cache_spec(run: Run | dict[str, Any], data: dict[str, Any], teacher: dict[str, Any]
                        ) -> dict[str, Any]:
     """The teacher's top-k logits job (tasks.distill_cache), on the distill stage's backend, from
     the same DistillConfig the student's job will get."""
+    run = Run.of(run)
     spec = distill_spec(run, data, teacher)
     spec["config"]["teacher_cache"] = _out(run, "teacher_cache")
     return {**spec, "stage": "distill_cache", "entrypoint": ENTRYPOINTS["distill_cache"]}
 
 
-def given_base(run: dict[str, Any]) -> dict[str, Any]:
+def given_base(run: Run | dict[str, Any]) -> dict[str, Any]:
     """The run's base_model Param, shaped like the pretraining stage's result."""
-    if not run.get("base_model"):
+    run = Run.of(run)
+    if not run.base_model:
         # pretraining was skipped or paused on request (its task's log says at which step)
         raise NothingToRun("pretraining produced no model (it was paused or skipped: see the "
                            "pretrain task's log) and the run names no base_model.")
-    return {"outputs": {"model_dir": run["base_model"]}, "mlflow_run_id": "",
-            "content_hashes": {"model_dir": run.get("base_model_hash", "")}}
+    return {"outputs": {"model_dir": run.base_model}, "mlflow_run_id": "",
+            "content_hashes": {"model_dir": run.base_model_hash}}
 
 
-def evaluate_spec(run: dict[str, Any], data: dict[str, Any], pretrained: dict[str, Any] | None,
+def evaluate_spec(run: Run | dict[str, Any], data: dict[str, Any], pretrained: dict[str, Any] | None,
                   teacher: dict[str, Any], student: dict[str, Any]) -> dict[str, Any]:
     """Score the pretrained model (or the run's base_model), the teacher and the student."""
+    run = Run.of(run)
     return evaluate_models_spec(run, data, {"pretrained": pretrained or given_base(run),
                                             "teacher": teacher, "student": student})
 
 
-def evaluate_models_spec(run: dict[str, Any], data: dict[str, Any],
+def evaluate_models_spec(run: Run | dict[str, Any], data: dict[str, Any],
                          models: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """Evaluate the named stage results; the run's `champion` (pinned in start_run) joins them
     when there was one, so the gate compares challengers with it on the same data. Every try of
@@ -462,13 +473,14 @@ def evaluate_models_spec(run: dict[str, Any], data: dict[str, Any],
     cache reuses it). A model of this run holding exactly the champion's weights (an identical
     rerun's student, once crowned) is scored once; the gate reads the champion's scores from it
     (promotion.with_champion)."""
-    # A run dict from before pinning (a run started by an older deployment) reads it now.
-    champion = run["champion"] if "champion" in run else promotion.current_champion(run["model_name"])
+    run = Run.of(run)
+    # A run from before pinning (started by an older deployment) reads the champion now.
+    champion = run.champion if run.champion_pinned else promotion.current_champion(run.model_name)
     contents = {name: r.get("content_sha256", "") for name, r in models.items()}
     if champion and promotion.same_weights(champion, contents) is None:
         models = {**models, promotion.CHAMPION: _champion_result(champion)}
     refs = {name: r["outputs"]["model_dir"] for name, r in models.items()}
-    config = {**run["config"]["evaluate"], "models": refs,
+    config = {**run.config["evaluate"], "models": refs,
               "data_dir": data["outputs"]["data_dir"], "output_dir": _out(run, "evaluate")}
     lineage = {f"{name}_run_id": r.get("mlflow_run_id") or "" for name, r in models.items()}
     if champion:
@@ -491,7 +503,8 @@ gate_decisions = promotion.gate_decisions
 LifecycleGateError = promotion.LifecycleGateError
 
 
-def promote(run: dict[str, Any], evaluation: dict[str, Any], data: dict[str, Any]) -> dict[str, Any]:
+def promote(run: Run | dict[str, Any], evaluation: dict[str, Any], data: dict[str, Any]
+            ) -> dict[str, Any]:
     """The gate on teacher and student (and against the current champion, when the evaluation
     scored one): the preferred passing model is registered with its lineage and becomes
     `champion`; otherwise the preferred one is kept as `challenger` with the reasons."""

@@ -32,6 +32,7 @@ import logging
 from typing import Any
 
 from llmops import paired, tracking
+from llmops.run import Run
 from tasks import configs
 
 log = logging.getLogger(__name__)
@@ -201,13 +202,14 @@ def same_weights(champion: dict[str, Any] | None, contents: dict[str, str]) -> s
     return next((name for name, c in contents.items() if content and c == content), None)
 
 
-def with_champion(run: dict[str, Any], evaluation: dict[str, Any]) -> dict[str, Any]:
+def with_champion(run: Run | dict[str, Any], evaluation: dict[str, Any]) -> dict[str, Any]:
     """The evaluation with the run's pinned champion as its `champion` entry. Evaluation keys
     on the champion's content, not its version: the scores may come from an earlier job (the
     step cache) that scored the same weights under another reference, or from the model of this
     run holding the champion's weights (scored once, see lifecycle.evaluate_models_spec). The
     scores stand; the reference (URI, version, run) is the run's champion."""
-    champion = run.get("champion")
+    run = Run.of(run)
+    champion = run.champion
     models = dict(evaluation.get("models") or {})
     if not champion or not champion.get("content_sha256"):
         return evaluation   # keyed by its URI (version): the entry is this champion's already
@@ -225,7 +227,7 @@ def with_champion(run: dict[str, Any], evaluation: dict[str, Any]) -> dict[str, 
         return evaluation   # not these weights: nothing to say about them
     models[CHAMPION] = {**entry, "model_ref": champion["uri"], "mlflow_run_id": champion["run_id"],
                         "lineage": {**(entry.get("lineage") or {}),
-                                    "registered_model": run["model_name"],
+                                    "registered_model": run.model_name,
                                     "registered_version": champion["version"]}}
     return {**evaluation, "models": models, "metrics": metrics}
 
@@ -258,11 +260,11 @@ def _register_once(client: Any, name: str, model_uri: str, lineage: dict[str, st
     return mlflow.register_model(model_uri, name, tags=lineage).version
 
 
-def fork_lineage(run: dict[str, Any]) -> dict[str, str]:
+def fork_lineage(run: Run | dict[str, Any]) -> dict[str, str]:
     """For a run whose pretraining forked an earlier one's (Param fork_step): the parent
     pretraining's MLflow run, the step, and the earlier DAG run, as the version's tags (the
     same names as on the fork's MLflow run). Empty for a run that forked nothing."""
-    earlier = run.get("from_run") or {}
+    earlier = Run.of(run).from_run or {}
     fork = earlier.get("fork")
     if not fork:
         return {}
@@ -270,11 +272,12 @@ def fork_lineage(run: dict[str, Any]) -> dict[str, str]:
             "fork.from_run": str(earlier.get("run_id") or "")}
 
 
-def gate(run: dict[str, Any], evaluation: dict[str, Any], data: dict[str, Any],
+def gate(run: Run | dict[str, Any], evaluation: dict[str, Any], data: dict[str, Any],
          candidates: tuple[str, ...] = ("teacher", "student")) -> dict[str, Any]:
     """Decide, register the chosen candidate (the preferred passing one, else the preferred one)
     with its lineage and verdict, and give it the alias `challenger`. Returns the decision."""
-    gate_cfg = configs.from_dict(configs.GateConfig, run["config"]["gate"])
+    run = Run.of(run)
+    gate_cfg = configs.from_dict(configs.GateConfig, run.config["gate"])
     evaluation = with_champion(run, evaluation)
     decisions, comparisons = judge(gate_cfg, evaluation, candidates)
     order = _order(gate_cfg, candidates)
@@ -284,7 +287,7 @@ def gate(run: dict[str, Any], evaluation: dict[str, Any], data: dict[str, Any],
     decision: dict[str, Any] = {"passed": bool(passing), "candidate": chosen, "gate": decisions,
                                 "comparisons": {n: {m: c.to_dict() for m, c in cs.items()}
                                                 for n, cs in comparisons.items()},
-                                "model_name": run["model_name"], "version": None,
+                                "model_name": run.model_name, "version": None,
                                 "champion_before": _champion_version(evaluation),
                                 # the audit's counts per metric, for the approver (the items are
                                 # in the evaluation run's contamination.json)
@@ -298,22 +301,22 @@ def gate(run: dict[str, Any], evaluation: dict[str, Any], data: dict[str, Any],
     model = evaluation["models"][chosen]
     metrics = {k: v for k, v in evaluation["metrics"].items() if k.startswith(f"{chosen}.")}
     reasons = "; ".join(decisions[chosen])
-    lineage = {"run_id": run["run_id"], "dag_id": run["dag_id"], "candidate": chosen,
+    lineage = {"run_id": run.run_id, "dag_id": run.dag_id, "candidate": chosen,
                "data_hash": data.get("data_hash", ""), "model_dir": model.get("model_dir", ""),
                "training_run_id": model.get("mlflow_run_id") or "",
                "evaluation_run_id": evaluation.get("mlflow_run_id", ""),
-               "lifecycle_run_id": run["parent_run_id"],
+               "lifecycle_run_id": run.parent_run_id,
                **{f"lineage.{k}": str(v) for k, v in (model.get("lineage") or {}).items()},
                **fork_lineage(run)}
     client = tracking.client()
-    name = run["model_name"]
+    name = run.model_name
     same = registered_with_content(client, name, lineage.get("lineage.content_sha256", ""))
-    if same is not None and same.tags.get("run_id") != run["run_id"]:
+    if same is not None and same.tags.get("run_id") != run.run_id:
         # The same weights are registered already (an identical rerun, or the champion itself):
         # a second version would be a copy, and its verdict would overwrite nothing useful.
         decision.update(version=str(same.version), reasons=reasons, metrics=metrics,
                         uri=f"models:/{name}/{same.version}", already_registered=True)
-        client.set_tag(run["parent_run_id"], "gate", f"already registered as version {same.version}")
+        client.set_tag(run.parent_run_id, "gate", f"already registered as version {same.version}")
         log.info("gate: %s (%s) is version %s already: nothing registered", name, chosen, same.version)
         return decision
     version = _register_once(client, name, model["model_uri"], lineage)
@@ -326,7 +329,7 @@ def gate(run: dict[str, Any], evaluation: dict[str, Any], data: dict[str, Any],
     for key, value in tags.items():
         client.set_model_version_tag(name, version, key, value)
     client.set_registered_model_alias(name, CHALLENGER, version)
-    client.set_tag(run["parent_run_id"], "gate", "passed" if passing else "refused")
+    client.set_tag(run.parent_run_id, "gate", "passed" if passing else "refused")
     decision.update(version=str(version), reasons=reasons, metrics=metrics,
                     uri=f"models:/{name}/{version}",
                     champion_metrics={k.split(".", 1)[1]: v for k, v in evaluation["metrics"].items()
@@ -343,9 +346,10 @@ def _champion_version(evaluation: dict[str, Any]) -> str | None:
     return champion.get("lineage", {}).get("registered_version") or champion.get("model_ref")
 
 
-def crown(run: dict[str, Any], decision: dict[str, Any],
+def crown(run: Run | dict[str, Any], decision: dict[str, Any],
           approval: dict[str, Any] | None = None) -> dict[str, Any]:
     """Point `champion` at the version the gate passed (and a human approved, if asked)."""
+    run = Run.of(run)
     if not decision.get("passed"):
         raise LifecycleGateError(f"version {decision.get('version')} did not pass the gate "
                                  f"({decision.get('reasons')}); it stays `challenger`.")
@@ -356,7 +360,7 @@ def crown(run: dict[str, Any], decision: dict[str, Any],
     client.set_registered_model_alias(name, CHAMPION, version)
     if str(client.get_registered_model(name).aliases.get(CHALLENGER)) == str(version):
         client.delete_registered_model_alias(name, CHALLENGER)
-    client.set_tag(run["parent_run_id"], CHAMPION, f"{name}/{version}")
+    client.set_tag(run.parent_run_id, CHAMPION, f"{name}/{version}")
     log.info("%s version %s is now `champion` (was %s)", name, version,
              decision.get("champion_before") or "none")
     return {**decision, "alias": CHAMPION}
@@ -370,14 +374,15 @@ def approval_text(approval: dict[str, Any]) -> str:
     return f"{chosen} by {who} at {approval.get('responded_at')}"
 
 
-def promote(run: dict[str, Any], evaluation: dict[str, Any], data: dict[str, Any],
+def promote(run: Run | dict[str, Any], evaluation: dict[str, Any], data: dict[str, Any],
             candidates: tuple[str, ...] = ("teacher", "student")) -> dict[str, Any]:
     """The lifecycle DAG's last step: gate, then crown what passed. Ends the MLflow parent run.
     Returns the decision with `promoted`; a refused challenger is recorded, not raised."""
+    run = Run.of(run)
     decision = gate(run, evaluation, data, candidates)
     if decision["passed"]:
         decision = crown(run, decision)
-    tracking.end_run(run["parent_run_id"], "FINISHED")
+    tracking.end_run(run.parent_run_id, "FINISHED")
     return {**decision, "promoted": decision["passed"],
             "alias": CHAMPION if decision["passed"] else CHALLENGER}
 

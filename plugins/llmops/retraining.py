@@ -13,6 +13,7 @@ from typing import Any
 
 from llmops import lifecycle, promotion, tracking
 from llmops.params import RETRAIN_KNOBS, set_path
+from llmops.run import Run
 from tasks import configs
 
 log = logging.getLogger(__name__)
@@ -70,23 +71,24 @@ def start_retrain(params: dict[str, Any], *, dag_id: str, run_id: str,
             "data": {"outputs": {"data_dir": data["data_dir"]}, "data_hash": data["data_hash"]}}
 
 
-def champion_as_base(run: dict[str, Any]) -> dict[str, Any]:
+def champion_as_base(run: Run | dict[str, Any]) -> dict[str, Any]:
     """The champion, shaped like a stage result, for finetune_spec (evaluate_models_spec adds
     the run's champion itself)."""
-    return {"outputs": {"model_dir": run["champion"]["uri"]},
-            "mlflow_run_id": run["champion"]["run_id"]}
+    champion = Run.of(run).champion
+    return {"outputs": {"model_dir": champion["uri"]}, "mlflow_run_id": champion["run_id"]}
 
 
-def next_step(run: dict[str, Any], decision: dict[str, Any]) -> str | None:
+def next_step(run: Run | dict[str, Any], decision: dict[str, Any]) -> str | None:
     """Branch after the gate: 'approve' (a human decides), 'promote', or None (refused)."""
     if not decision.get("passed"):
         return None
-    return "approve" if run["config"]["gate"].get("require_approval") else "promote"
+    return "approve" if Run.of(run).config["gate"].get("require_approval") else "promote"
 
 
-def finish(run: dict[str, Any], decision: dict[str, Any] | None,
+def finish(run: Run | dict[str, Any], decision: dict[str, Any] | None,
            approval: dict[str, Any] | None, promoted: dict[str, Any] | None) -> dict[str, Any]:
     """Record how the retraining run ended and close its MLflow parent run."""
+    run = Run.of(run)
     client = tracking.client()
     rejected = bool(approval) and "Approve" not in (approval.get("chosen_options") or [])
     if promoted:
@@ -98,16 +100,18 @@ def finish(run: dict[str, Any], decision: dict[str, Any] | None,
     if decision and decision.get("version") and approval and not promoted:
         client.set_model_version_tag(decision["model_name"], decision["version"], "approval",
                                      promotion.approval_text(approval))
-    client.set_tag(run["parent_run_id"], "outcome", outcome)
-    tracking.end_run(run["parent_run_id"], "FINISHED")
+    client.set_tag(run.parent_run_id, "outcome", outcome)
+    tracking.end_run(run.parent_run_id, "FINISHED")
     return {"outcome": outcome, "version": (decision or {}).get("version")}
 
 
-def retrain_finetune_spec(run: dict[str, Any]) -> dict[str, Any]:
+def retrain_finetune_spec(run: Run | dict[str, Any]) -> dict[str, Any]:
     """Fine-tune the pinned champion on the run's curated data (the lifecycle's finetune job)."""
-    return lifecycle.finetune_spec(run, run["data"], champion_as_base(run))
+    run = Run.of(run)
+    return lifecycle.finetune_spec(run, run.data, champion_as_base(run))
 
 
-def retrain_evaluate_spec(run: dict[str, Any], challenger: dict[str, Any]) -> dict[str, Any]:
+def retrain_evaluate_spec(run: Run | dict[str, Any], challenger: dict[str, Any]) -> dict[str, Any]:
     """Challenger and champion, scored by one evaluation job on the same data."""
-    return lifecycle.evaluate_models_spec(run, run["data"], {"challenger": challenger})
+    run = Run.of(run)
+    return lifecycle.evaluate_models_spec(run, run.data, {"challenger": challenger})

@@ -24,6 +24,7 @@ from typing import Any
 
 from llmops import provenance, step_cache, tracking
 from llmops.params import KNOBS
+from llmops.run import Run
 from llmops.run_summary import find_parent as by_dag_run
 from tasks.configs import flatten
 
@@ -193,7 +194,7 @@ def tag_parent(parent_run_id: str, earlier: dict[str, Any] | None, conf: dict[st
             c.set_tag(parent_run_id, key, value)
 
 
-def taken(run: dict[str, Any], stage: str) -> bool:
+def taken(run: Run | dict[str, Any], stage: str) -> bool:
     """Does this run take `stage` from an earlier run (the sweep: its trials are skipped)?"""
-    earlier = run.get("from_run") or {}
+    earlier = Run.of(run).from_run or {}
     return bool(earlier) and stage in ORDER[:ORDER.index(earlier["start_at"])]

@@ -42,6 +42,7 @@ from typing import Any
 
 from llmops import provenance, settings
 from llmops.aws import s3
+from llmops.run import Run
 from tasks.common.io import write_json as write_local  # stdlib only
 
 log = logging.getLogger(__name__)
@@ -389,20 +390,21 @@ def lookup(index: Index, stage: str, key: str, hook: Any = None) -> tuple[dict |
     return record, ""
 
 
-def for_spec(run: dict[str, Any], stage: str, inputs: dict[str, tuple[str, str]] | None = None
+def for_spec(run: Run | dict[str, Any], stage: str, inputs: dict[str, tuple[str, str]] | None = None
              ) -> dict[str, Any]:
     """A JobSpec's `cache` field for a lifecycle stage: where the index is, the content hash of
     each input (name -> (path, hash)), whether to look up (the run's `cache` Param), and the
     earlier run's record when the stage is taken from one (`from_run`). {} when the run has no
     storage root to keep an index under, or an input's hash is unknown (nothing to key on)."""
-    storage_root = run.get("storage_root")
+    run = Run.of(run)
+    storage_root = run.storage_root
     if not storage_root:
         return {}
-    taken = ((run.get("from_run") or {}).get("stages") or {}).get(stage)
+    taken = ((run.from_run or {}).get("stages") or {}).get(stage)
     if taken:
         return {"index": index_root(storage_root), "taken": taken}
     inputs = inputs or {}
     if any(not h for _, h in inputs.values()):
         return {}
-    return {"index": index_root(storage_root), "lookup": bool(run.get("cache", True)),
+    return {"index": index_root(storage_root), "lookup": bool(run.cache),
             "inputs": {n: {"uri": p or "", "hash": h} for n, (p, h) in inputs.items()}}

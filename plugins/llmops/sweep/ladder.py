@@ -22,6 +22,7 @@ from typing import Any
 from llmops import lifecycle, paths, teams, tracking
 from llmops import params as knobs
 from llmops.jobs.spec import JobSpec
+from llmops.run import Run
 from llmops.sweep import budget
 from tasks import configs
 from tasks.scaling.ladder import rungs
@@ -87,39 +88,42 @@ def _parent_run(dag_id: str, run_id: str, config: dict[str, Any]) -> str:
     return run.info.run_id
 
 
-def _spec(run: dict[str, Any], entrypoint: str, config: dict[str, Any], *, stage: str,
+def _spec(run: Run, entrypoint: str, config: dict[str, Any], *, stage: str,
           data_hash: str, tags: dict[str, str]) -> dict[str, Any]:
     return JobSpec(stage=stage, entrypoint=entrypoint, config=config,
-                   backend=run["backends"]["ladder"], output_uri=config.get("output_dir", ""),
-                   mlflow_experiment=run["experiment"], mlflow_parent_run_id=run["parent_run_id"],
+                   backend=run.backends["ladder"], output_uri=config.get("output_dir", ""),
+                   mlflow_experiment=run.experiment, mlflow_parent_run_id=run.parent_run_id,
                    tags={"data_hash": data_hash, **tags},
                    # the remote backends submit with the (default) team's role, share, namespace, queue
-                   settings_overrides={} if run["backends"]["ladder"] == "local"
-                   else teams.settings_overrides(run.get("team") or "")).to_dict()
+                   settings_overrides={} if run.backends["ladder"] == "local"
+                   else teams.settings_overrides(run.team or "")).to_dict()
 
 
-def plan_rungs(run: dict[str, Any], data: dict[str, Any]) -> list[dict[str, Any]]:
+def plan_rungs(run: Run | dict[str, Any], data: dict[str, Any]) -> list[dict[str, Any]]:
     """One op_kwargs per rung, for `JobOperator.partial(...).expand(op_kwargs=...)`."""
-    cfg = configs.from_dict(configs.LifecycleConfig, run["config"])
+    # each rung gets the run as it came (the ladder's XCom keeps its own shape; a Run as its dict)
+    as_xcom = run.to_dict() if isinstance(run, Run) else run
+    cfg = configs.from_dict(configs.LifecycleConfig, Run.of(run).config)
     plan = rungs(cfg.ladder, cfg.pretrain.model, _tokens_per_step(cfg))
     log.info("%d rungs: %s", len(plan), "; ".join(
         f"width {r.width} x {r.tokens_per_param:g} tok/param = {r.steps} steps" for r in plan))
-    return [{"run": run, "data": data,
+    return [{"run": as_xcom, "data": data,
              "rung": {"index": r.index, "width": r.width, "tokens_per_param": r.tokens_per_param,
                       "n_params": r.n_params, "steps": r.steps, "tokens": r.tokens}}
             for r in plan]
 
 
-def rung_spec(run: dict[str, Any], data: dict[str, Any], rung: dict[str, Any]) -> dict[str, Any]:
+def rung_spec(run: Run | dict[str, Any], data: dict[str, Any], rung: dict[str, Any]) -> dict[str, Any]:
     """One rung: the pretraining model at the rung's width, trained `steps` steps to the end of
     its own schedule (approach 3 fits final losses), evaluated once at the end."""
+    run = Run.of(run)
     steps = rung["steps"]
-    config = copy.deepcopy(run["config"]["pretrain"])
+    config = copy.deepcopy(run.config["pretrain"])
     config["model"]["n_embd"] = rung["width"]
     config.update(data_dir=data["outputs"]["data_dir"], max_steps=steps, eval_interval=steps,
                   checkpoint_interval=max(1, steps // 4),  # a retried rung resumes
                   log_interval=max(1, min(config["log_interval"], steps // 10 or 1)),
-                  output_dir=os.path.join(run["root"], "ladder",
+                  output_dir=os.path.join(run.root, "ladder",
                                           f"rung-{rung['index']}-w{rung['width']}-"
                                           f"t{rung['tokens_per_param']:g}"))
     config["optim"]["warmup_steps"] = min(config["optim"]["warmup_steps"], steps // 5)
@@ -128,26 +132,28 @@ def rung_spec(run: dict[str, Any], data: dict[str, Any], rung: dict[str, Any]) -
                        "tokens_per_param": f"{rung['tokens_per_param']:g}"})
 
 
-def fit_spec(run: dict[str, Any], data: dict[str, Any], results: Any) -> dict[str, Any]:
+def fit_spec(run: Run | dict[str, Any], data: dict[str, Any], results: Any) -> dict[str, Any]:
     """The fit job over every rung that finished (a failed rung has no result)."""
-    cfg = configs.from_dict(configs.LifecycleConfig, run["config"])
+    run = Run.of(run)
+    cfg = configs.from_dict(configs.LifecycleConfig, run.config)
     points = [{"n_params": r["metrics"]["non_embedding_params"], "tokens": r["metrics"]["tokens"],
                "loss": r["metrics"]["val_loss"], "mlflow_run_id": r.get("mlflow_run_id", ""),
                "job_name": r.get("job_name", "")}
               for r in list(results or []) if r and r.get("state", "complete") == "complete"]
-    config = {"points": points, "ladder": run["config"]["ladder"],
-              "model": run["config"]["pretrain"]["model"],
+    config = {"points": points, "ladder": run.config["ladder"],
+              "model": run.config["pretrain"]["model"],
               "tokens_per_step": _tokens_per_step(cfg),
-              "output_dir": os.path.join(run["root"], "ladder", "fit")}
+              "output_dir": os.path.join(run.root, "ladder", "fit")}
     return _spec(run, "tasks.ladder", config, stage="ladder_fit", data_hash=data["data_hash"],
                  tags={"rungs": str(len(points))})
 
 
-def publish(run: dict[str, Any], fit: dict[str, Any]) -> dict[str, Any]:
+def publish(run: Run | dict[str, Any], fit: dict[str, Any]) -> dict[str, Any]:
     """Put the fit on the ladder's parent run and return the recommendation (the Asset event)."""
+    run = Run.of(run)
     report = fit["fit"]
     client = tracking.client()
-    parent = run["parent_run_id"]
+    parent = run.parent_run_id
     for key, value in fit["metrics"].items():
         client.log_metric(parent, key, float(value))
     client.set_tag(parent, "fit_run_id", fit.get("mlflow_run_id", ""))
@@ -158,7 +164,7 @@ def publish(run: dict[str, Any], fit: dict[str, Any]) -> dict[str, Any]:
         "held_out_relative_error": report["held_out_relative_error"],
         "warnings": report.get("warnings", []), "rungs_fitted": len(report["train_points"]),
         "mlflow_run_id": fit.get("mlflow_run_id", ""),
-        "parent_run_id": parent, "dag_id": run["dag_id"], "run_id": run["run_id"]}
+        "parent_run_id": parent, "dag_id": run.dag_id, "run_id": run.run_id}
     tracking.log_json(parent, recommendation, "recommendation.json")
     if fit.get("mlflow_run_id"):
         with tempfile.TemporaryDirectory() as tmp:  # the plot on the parent too: one place to look

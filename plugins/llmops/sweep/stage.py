@@ -20,6 +20,7 @@ import tempfile
 from typing import Any
 
 from llmops import reuse, tracking
+from llmops.run import Run
 from llmops.sweep import study as studies
 from tasks import configs
 from tasks.scaling.ladder import recommend
@@ -27,17 +28,19 @@ from tasks.scaling.ladder import recommend
 log = logging.getLogger(__name__)
 
 
-def study_for(run: dict[str, Any]) -> dict[str, Any]:
+def study_for(run: Run | dict[str, Any]) -> dict[str, Any]:
     """The run's study reference: the same on every retry and rerun of the DAG run."""
-    return studies.study_ref(dag_id=run["dag_id"], run_id=run["run_id"], sweep=run["config"]["sweep"])
+    run = Run.of(run)
+    return studies.study_ref(dag_id=run.dag_id, run_id=run.run_id, sweep=run.config["sweep"])
 
 
-def plan_trials(run: dict[str, Any], data: dict[str, Any]) -> list[dict[str, Any]]:
+def plan_trials(run: Run | dict[str, Any], data: dict[str, Any]) -> list[dict[str, Any]]:
     """Create (or reopen) the study; one op_kwargs per slot for the mapped TrialOperator. None
     when the run takes the sweep from an earlier run (from_run): the trial task is skipped."""
+    run = Run.of(run)
     if reuse.taken(run, "sweep"):
         log.info("from_run: the sweep is run %s's (its best trial goes to pretraining); no trial "
-                 "runs here.", run["from_run"]["run_id"])
+                 "runs here.", run.from_run["run_id"])
         return []
     ref = study_for(run)
     study = studies.open_study(ref, create=True)
@@ -48,22 +51,26 @@ def plan_trials(run: dict[str, Any], data: dict[str, Any]) -> list[dict[str, Any
     client = tracking.client()
     for key, value in {"sweep.study": ref["name"], "sweep.storage": studies.redact(ref["storage"]),
                        "sweep.sampler": ref["sampler"], "sweep.pruner": ref["pruner"]}.items():
-        client.set_tag(run["parent_run_id"], key, value)
-    return [{"run": run, "data": data, "study": ref, "slot": slot} for slot in range(ref["slots"])]
+        client.set_tag(run.parent_run_id, key, value)
+    # op_kwargs are XCom: the run goes on as its dict
+    return [{"run": run.to_dict(), "data": data, "study": ref, "slot": slot}
+            for slot in range(ref["slots"])]
 
 
-def pick_best(run: dict[str, Any], recommendation: dict[str, Any] | None = None) -> dict[str, Any]:
+def pick_best(run: Run | dict[str, Any], recommendation: dict[str, Any] | None = None
+              ) -> dict[str, Any]:
     """The best complete trial of the run's study, after every slot's task is done (failed and
     pruned trials are reported, never chosen). With `size_from_ladder`, also the pretraining size
     from the scaling ladder's `recommendation`."""
+    run = Run.of(run)
     if reuse.taken(run, "sweep"):
-        best = run["from_run"]["sweep_best"]
-        log.info("from_run: the best trial of run %s: trial %s, val_loss %.4f, %s", run["from_run"]["run_id"],
+        best = run.from_run["sweep_best"]
+        log.info("from_run: the best trial of run %s: trial %s, val_loss %.4f, %s", run.from_run["run_id"],
                  best.get("trial"), best.get("val_loss", float("nan")), best.get("params"))
-        tracking.client().set_tag(run["parent_run_id"], "sweep.best_run_id", best.get("mlflow_run_id", ""))
+        tracking.client().set_tag(run.parent_run_id, "sweep.best_run_id", best.get("mlflow_run_id", ""))
         return best
-    sweep = configs.from_dict(configs.SweepConfig, run["config"]["sweep"])
-    size = _size_from(recommendation, run) if sweep.size_from_ladder else None
+    sweep = configs.from_dict(configs.SweepConfig, run.config["sweep"])
+    size = _size_from(recommendation, run.config) if sweep.size_from_ladder else None
     ref = study_for(run)
     study = studies.open_study(ref)
     orphans = studies.fail_orphans(study)
@@ -109,23 +116,25 @@ def apply_best(config: dict[str, Any], best: dict[str, Any]) -> None:
         config["max_steps"] = size["max_steps"]
 
 
-def _size_from(recommendation: dict[str, Any] | None, run: dict[str, Any]) -> dict[str, Any]:
+def _size_from(recommendation: dict[str, Any] | None, config: dict[str, Any]) -> dict[str, Any]:
+    """The pretraining size the ladder recommends for the run's `config` (its pretraining's
+    model and tokens per step)."""
     if not recommendation or "compute_optimal" not in recommendation:
         raise ValueError("Param 'pretrain_size_from_ladder' is set but no scaling_ladder run has "
                          "published a recommendation yet: run the scaling_ladder DAG first, or "
                          "leave the Param off.")
-    pretrain = configs.from_dict(configs.TrainConfig, run["config"]["pretrain"])
-    per_step = pretrain.batch_size * run["config"]["data"]["seq_len"]
+    pretrain = configs.from_dict(configs.TrainConfig, config["pretrain"])
+    per_step = pretrain.batch_size * config["data"]["seq_len"]
     best = recommendation["compute_optimal"]
     size = recommend(best["n_params"], best["tokens"], pretrain.model, per_step)
     return {**size, "from_ladder_run": recommendation.get("mlflow_run_id", ""),
             "target_flops": recommendation.get("target_flops")}
 
 
-def _log_outcome(run: dict[str, Any], ref: dict[str, Any], best: dict[str, Any],
+def _log_outcome(run: Run, ref: dict[str, Any], best: dict[str, Any],
                  trials: list[dict[str, Any]], saved: int, total_steps: int) -> None:
     client = tracking.client()
-    parent = run["parent_run_id"]
+    parent = run.parent_run_id
     metrics = {"sweep.best_val_loss": best["val_loss"],
                "sweep.trials_complete": best["counts"]["complete"],
                "sweep.trials_pruned": best["counts"]["pruned"],

@@ -33,6 +33,7 @@ from llmops.jobs.backends import remote
 from llmops.jobs.backends.sagemaker import training_request
 from llmops.jobs.backends.settings import SageMakerSettings, load
 from llmops.jobs.spec import JobSpec
+from llmops.run import Run
 from llmops.sweep.stage import study_for
 from tasks import configs
 
@@ -136,10 +137,11 @@ def validate(request: dict[str, Any]) -> None:
     validate_request("sagemaker", OPERATION, request)
 
 
-def render(run: dict[str, Any], data: dict[str, Any], *, settings: dict[str, Any] | None = None,
+def render(run: Run | dict[str, Any], data: dict[str, Any], *, settings: dict[str, Any] | None = None,
            region: str = "", max_parallel: int = 2) -> dict[str, Any]:
     """The validated tuning request for the run's sweep: one trial's spec rendered by the
     SageMaker backend, turned into the tuning job's training job definition."""
+    run = Run.of(run)
     ref = study_for(run)
     middle = {path: (spec["choices"][0] if "choices" in spec else spec["low"])
               for path, spec in ref["space"].items()}  # replaced by SageMaker's choice per job
