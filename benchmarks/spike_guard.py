@@ -1,6 +1,7 @@
-"""Spike guard: false alarms on healthy runs and detection of injected spikes (issue 12).
+"""Spike guard: false alarms on healthy runs and detection of injected spikes (issues 12, 23).
 
-    python benchmarks/spike_guard.py [--seeds 8] [--steps 400] [--work /tmp/spike_guard]
+    python benchmarks/spike_guard.py [--seeds 8] [--held-out-seeds 8] [--steps 400]
+        [--work /tmp/spike_guard_bench] [--out benchmarks/results/spike_guard.json]
 
 Clean runs: 2 models (the tiny recipe's, and a wider, deeper one) x seeds x dropout 0 / 0.1 x lr
 1x / 2x the recipe's, trained in this process through tasks.train.loop.train (no MLflow, no
@@ -14,13 +15,32 @@ its per-step (loss, pre-clip grad norm); the recorded sequences are then replaye
 each at the aggressive settings and at the defaults (window 100, sigma 6). A replay counts the
 steps a detector would reject (a rejected step stays out of its window, as in the loop).
 
+Calibration and held-out seeds (issue 23). The guard's settings (min_ratio 3 above the 2.2x
+healthy spikes) were chosen on the clean runs of seeds 0..N-1 (--seeds, 8: 64 runs). Seeds
+N..N+H-1 (--held-out-seeds, 8: another 64 runs) are trained and replayed the same way but were
+never looked at when choosing; every false-alarm, detection and excursion figure is reported
+separately for the two sets (keys ending in _calibration and _held_out). The calibration keys
+are what the keys without a suffix measured before (seeds 0..7).
+
 Detection: the same replays with step N's loss and pre-clip grad norm multiplied by F (a loss
 x F has gradients x F), F in 2, 5, 20, 100, N in 100, 200, 300: caught means the detector fires
-at step N. Then real loop runs with `spike@N*F` injected (tasks/train/faults.py) and the new
-guard: caught, rollbacks and skipped batches (only the spike's batch should be skipped); and 3
-or 4 spikes on consecutive steps (the weights, not a batch: lr halved twice, then a failure).
+at step N. One replay per run and detector serves every (N, F): the detectors' check() does not
+change their state, so step N's spiked value is checked against the window of the clean steps
+before it, and the clean step then goes on as recorded (what a replay cut at N would give). At
+the aggressive and at the default settings, on both sets. Steps count from 1 (the loop checks
+optimizer step `done`), and a detector checks nothing until its window holds `window` accepted
+steps (and, for the new guard, until the lr warm-up is over): SpikeGuard.check() and the old
+detector return None then, the step is accepted and enters the window. At window 100 a spike at
+step 100 comes with 99 steps in the window, so no detector catches it: it is a miss, counted in
+the rates (the table by step shows it apart); in the loop the guard would train on it.
 
-Writes benchmarks/results/spike_guard.json. Runs on one torch thread.
+Then real loop runs with `spike@N*F` injected (tasks/train/faults.py) and the new guard at the
+aggressive settings, calibration seeds 0 and 1: caught, rollbacks and skipped batches (only the
+spike's batch should be skipped); and 3 or 4 spikes on consecutive steps (the weights, not a
+batch: lr halved twice, then a failure).
+
+Writes --out (benchmarks/results/spike_guard.json) with the machine (commit and load at start
+and end, torch version) and the wall time. Runs on one torch thread.
 """
 
 from __future__ import annotations
@@ -183,74 +203,118 @@ def replay(det: Any, trace: list[tuple[int, float, float]], spike: tuple[int, fl
     return fired
 
 
+def replay_with_spikes(det: Any, trace: list[tuple[int, float, float]], spike_steps: tuple[int, ...],
+                       sizes: tuple[float, ...]) -> tuple[list[int], dict[tuple[int, float], bool]]:
+    """The steps `det` rejects on the clean sequence, and for every (N, F) whether step N x F
+    would be rejected: the same as replay(det, trace, (N, F), until=N) for each, in one pass
+    (check() does not change the detector)."""
+    fired, caught = [], {}
+    for step, loss, norm in trace:
+        if step in spike_steps:
+            for size in sizes:
+                caught[(step, size)] = bool(det.check(step, loss * size, norm * size))
+        if det.check(step, loss, norm):
+            fired.append(step)
+            continue
+        det.add(step, loss, norm)
+    return fired, caught
+
+
+def false_alarm_row(runs: list[dict[str, Any]], fired: list[list[int]]) -> dict[str, Any]:
+    return {"runs": len(runs), "runs_with_alarms": sum(bool(f) for f in fired),
+            "alarms": sum(map(len, fired)), "steps": sum(len(r["trace"]) for r in runs),
+            "run_rate": sum(bool(f) for f in fired) / len(runs) if runs else math.nan,
+            "first_alarm_steps": sorted(f[0] for f in fired if f)}
+
+
+SETS = ("calibration", "held_out")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--seeds", type=int, default=8)
+    parser.add_argument("--seeds", type=int, default=8,
+                        help="calibration seeds 0..N-1: the runs the guard's settings were chosen on")
+    parser.add_argument("--held-out-seeds", type=int, default=8,
+                        help="held-out seeds N..N+H-1: runs never looked at when choosing them")
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--work", type=Path, default=Path("/tmp/spike_guard_bench"))
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "spike_guard.json")
+    parser.add_argument("--spike-steps", default=",".join(map(str, SPIKE_STEPS)),
+                        help="the steps N spiked (a short smoke run needs smaller ones)")
+    parser.add_argument("--check-replay", action="store_true",
+                        help="also check the one-pass detection replay against one replay per spike")
     args = parser.parse_args()
+    spike_steps = tuple(int(n) for n in args.spike_steps.split(","))
+    if max(spike_steps) > args.steps:
+        parser.error(f"--spike-steps {args.spike_steps} past --steps {args.steps}")
     torch.set_num_threads(1)
     import logging
 
     logging.disable(logging.WARNING)  # the loop logs every checkpoint
     t_start = time.time()
     data_dir = prepared_data(args.work)
+    seeds = {"calibration": list(range(args.seeds)),
+             "held_out": list(range(args.seeds, args.seeds + args.held_out_seeds))}
 
-    clean = []
-    for model_name, model in models().items():
-        for seed in range(args.seeds):
-            for dropout in (0.0, 0.1):
-                for lr_factor in (1.0, 2.0):
-                    run = loop_run(data_dir, args.work / "run", model=model, seed=seed,
-                                   dropout=dropout, lr_factor=lr_factor, steps=args.steps)
-                    run.update(model=model_name, seed=seed, dropout=dropout, lr_factor=lr_factor)
-                    clean.append(run)
-                    print(f"clean {model_name} seed {seed} dropout {dropout} lr x{lr_factor:g}: "
-                          f"{run['rollbacks']} rollbacks, {run['skipped']} skipped "
-                          f"({run['seconds']:.1f}s)", flush=True)
+    clean: dict[str, list[dict[str, Any]]] = {name: [] for name in SETS}
+    for set_name in SETS:
+        for model_name, model in models().items():
+            for seed in seeds[set_name]:
+                for dropout in (0.0, 0.1):
+                    for lr_factor in (1.0, 2.0):
+                        run = loop_run(data_dir, args.work / "run", model=model, seed=seed,
+                                       dropout=dropout, lr_factor=lr_factor, steps=args.steps)
+                        run.update(set=set_name, model=model_name, seed=seed, dropout=dropout,
+                                   lr_factor=lr_factor)
+                        clean[set_name].append(run)
+                        print(f"clean ({set_name}) {model_name} seed {seed} dropout {dropout} "
+                              f"lr x{lr_factor:g}: {run['rollbacks']} rollbacks, {run['skipped']} "
+                              f"skipped ({run['seconds']:.1f}s)", flush=True)
 
-    # false alarms: every clean sequence through every detector
-    false_alarms: dict[str, Any] = {}
-    for det_name in DETECTORS:
-        for set_name, settings in (("aggressive", AGGRESSIVE), ("default", DEFAULT)):
-            fired = [replay(detector(det_name, settings, r), r["trace"]) for r in clean]
-            false_alarms[f"{det_name}/{set_name}"] = {
-                "runs": len(clean), "runs_with_alarms": sum(bool(f) for f in fired),
-                "alarms": sum(map(len, fired)), "steps": sum(len(r["trace"]) for r in clean),
-                "run_rate": sum(bool(f) for f in fired) / len(clean),
-                "first_alarm_steps": sorted(f[0] for f in fired if f)}
-
-    # detection by replay: step N x F on every clean sequence
-    detection: dict[str, Any] = {}
-    for det_name in DETECTORS:
-        for size in SIZES:
-            caught = total = 0
-            for r in clean:
-                for n in SPIKE_STEPS:
-                    fired = replay(detector(det_name, AGGRESSIVE, r), r["trace"], (n, size), until=n)
-                    total += 1
-                    caught += n in fired
-            detection[f"{det_name}/x{size:g}"] = {"spikes": total, "caught": caught,
-                                                 "rate": caught / total}
+    # every clean sequence through every detector at both settings, with the spikes checked on
+    # the way: false alarms and detection by replay
+    false_alarms: dict[str, dict[str, Any]] = {name: {} for name in SETS}
+    detection: dict[tuple[str, str], dict[str, Any]] = {}
+    for set_name in SETS:
+        runs = clean[set_name]
+        for settings_name, settings in (("aggressive", AGGRESSIVE), ("default", DEFAULT)):
+            table = detection[(settings_name, set_name)] = {}
+            for det_name in DETECTORS:
+                results = [replay_with_spikes(detector(det_name, settings, r), r["trace"],
+                                              spike_steps, SIZES) for r in runs]
+                false_alarms[set_name][f"{det_name}/{settings_name}"] = false_alarm_row(
+                    runs, [fired for fired, _ in results])
+                for size in SIZES:
+                    by_step = {f"step {n}": sum(c[(n, size)] for _, c in results) for n in spike_steps}
+                    caught = sum(by_step.values())
+                    total = len(runs) * len(spike_steps)
+                    table[f"{det_name}/x{size:g}"] = {
+                        "spikes": total, "caught": caught, "rate": caught / total if total else math.nan,
+                        "caught_by_step": by_step, "spikes_per_step": len(runs)}
+                if args.check_replay:  # the one pass agrees with a replay cut at each spike
+                    for r, (_, caught) in zip(runs, results):
+                        for (n, size), hit in caught.items():
+                            fired = replay(detector(det_name, settings, r), r["trace"], (n, size), until=n)
+                            assert hit == (n in fired), (det_name, settings_name, n, size)
 
     # how far above the window's median healthy steps go (after the lr warm-up): what a spike
     # of size F has to stand out of
-    excursions: dict[str, dict[str, float]] = {}
-    for r in clean:
-        key = f"{r['model']}/lr x{r['lr_factor']:g}"
-        row = excursions.setdefault(key, {"loss_max_ratio": 0.0, "grad_norm_max_ratio": 0.0})
-        for index, name in ((1, "loss_max_ratio"), (2, "grad_norm_max_ratio")):
-            values = [t[index] for t in r["trace"]]
-            w = AGGRESSIVE["window"]
-            ratios = [values[i] / statistics.median(values[i - w:i]) for i in range(w, len(values))
-                      if r["trace"][i][0] > r["warmup_steps"]]
-            row[name] = max(row[name], max(ratios))
+    excursions: dict[str, dict[str, dict[str, float]]] = {name: {} for name in SETS}
+    for set_name in SETS:
+        for r in clean[set_name]:
+            key = f"{r['model']}/lr x{r['lr_factor']:g}"
+            row = excursions[set_name].setdefault(key, {"loss_max_ratio": 0.0, "grad_norm_max_ratio": 0.0})
+            for index, name in ((1, "loss_max_ratio"), (2, "grad_norm_max_ratio")):
+                values = [t[index] for t in r["trace"]]
+                w = AGGRESSIVE["window"]
+                ratios = [values[i] / statistics.median(values[i - w:i]) for i in range(w, len(values))
+                          if r["trace"][i][0] > r["warmup_steps"]]
+                row[name] = max([row[name], *ratios])
 
     # real loop runs with injected spikes: the tiny recipe, dropout 0.1
     injected = []
     for size in SIZES:
-        for n in SPIKE_STEPS:
+        for n in spike_steps:
             for seed in range(2):
                 run = loop_run(data_dir, args.work / "run", model=models()["tiny"], seed=seed,
                                dropout=0.1, lr_factor=1.0, steps=args.steps,
@@ -273,9 +337,10 @@ def main() -> None:
         print(f"{spec}: {run['rollbacks']} rollbacks, {run['skipped']} skipped, "
               f"{'failed: ' + run['failure'] if run['failure'] else 'finished'}", flush=True)
 
-    loop_clean = {"runs": len(clean), "rollbacks": sum(r["rollbacks"] for r in clean),
-                  "skipped_batches": sum(r["skipped"] for r in clean),
-                  "runs_with_rollbacks": sum(r["rollbacks"] > 0 for r in clean)}
+    loop_clean = {name: {"runs": len(clean[name]), "rollbacks": sum(r["rollbacks"] for r in clean[name]),
+                         "skipped_batches": sum(r["skipped"] for r in clean[name]),
+                         "runs_with_rollbacks": sum(r["rollbacks"] > 0 for r in clean[name])}
+                  for name in SETS}
     by_size = {}
     for size in SIZES:
         rows = [r for r in injected if r["size"] == size]
@@ -284,43 +349,72 @@ def main() -> None:
             "only_its_batch_skipped": sum(r["caught"] and r["rollbacks"] == 1 and r["skipped"] == 1
                                           for r in rows),
             "other_rollbacks": sum(r["rollbacks"] - r["caught"] for r in rows)}
+    # the headline: runs with false alarms, calibration vs held-out, per detector and settings
+    summary = {key: {name: f"{false_alarms[name][key]['runs_with_alarms']} of "
+                           f"{false_alarms[name][key]['runs']} runs, {false_alarms[name][key]['alarms']} alarms"
+                     for name in SETS}
+               for key in false_alarms["calibration"]}
 
-    print(f"\nfalse alarms on {len(clean)} clean runs x {args.steps} steps (replayed)")
-    print(f"{'detector/settings':24} {'runs with alarms':>17} {'alarms':>7}")
-    for key, v in false_alarms.items():
-        print(f"{key:24} {v['runs_with_alarms']:>10} / {v['runs']:<4} {v['alarms']:>7}")
-    print(f"new guard in the loop (aggressive): {loop_clean['rollbacks']} rollbacks, "
-          f"{loop_clean['skipped_batches']} skipped batches over {loop_clean['runs']} runs")
-    print("\ndetection rate (replayed, aggressive settings)")
-    for key, v in detection.items():
-        print(f"{key:12} {v['caught']:>4} / {v['spikes']:<4} {v['rate']:.1%}")
+    print(f"\nfalse alarms on clean runs x {args.steps} steps (replayed): calibration seeds "
+          f"{seeds['calibration']}, held-out seeds {seeds['held_out']}")
+    print(f"{'detector/settings':24} {'calibration runs / alarms':>26} {'held-out runs / alarms':>24}")
+    for key in false_alarms["calibration"]:
+        c, h = false_alarms["calibration"][key], false_alarms["held_out"][key]
+        print(f"{key:24} {c['runs_with_alarms']:>8} / {c['runs']:<4} {c['alarms']:>8} "
+              f"{h['runs_with_alarms']:>8} / {h['runs']:<4} {h['alarms']:>8}")
+    for name in SETS:
+        v = loop_clean[name]
+        print(f"new guard in the loop (aggressive), {name}: {v['rollbacks']} rollbacks, "
+              f"{v['skipped_batches']} skipped batches over {v['runs']} runs")
+    for (settings_name, set_name), table in detection.items():
+        print(f"\ndetection rate (replayed, {settings_name} settings, {set_name} runs)")
+        for key, v in table.items():
+            steps = ", ".join(f"{k} {c}/{v['spikes_per_step']}" for k, c in v["caught_by_step"].items())
+            print(f"{key:14} {v['caught']:>4} / {v['spikes']:<4} {v['rate']:.1%}  ({steps})")
     print("\ninjected spikes in the loop (new guard, aggressive)")
     for key, v in by_size.items():
         print(f"{key:6} caught {v['caught']}/{v['runs']}, only its batch skipped "
               f"{v['only_its_batch_skipped']}/{v['runs']}, other rollbacks {v['other_rollbacks']}")
     print(f"\nclean runs, the largest step / median of the {AGGRESSIVE['window']} steps before it")
-    for key, row in excursions.items():
-        print(f"{key:18} loss {row['loss_max_ratio']:.3f}x  pre-clip grad norm "
-              f"{row['grad_norm_max_ratio']:.1f}x")
+    for set_name in SETS:
+        for key, row in excursions[set_name].items():
+            print(f"{set_name:12} {key:18} loss {row['loss_max_ratio']:.3f}x  pre-clip grad norm "
+                  f"{row['grad_norm_max_ratio']:.1f}x")
 
     result = {
-        "machine": {**machine(), "torch_threads": torch.get_num_threads()},  # commit, load
+        "machine": {**machine(), "torch_threads": torch.get_num_threads()},  # commit, load at both ends
         "torch": torch.__version__,
-        "settings": {"steps": args.steps, "seeds": args.seeds, "models": {k: to_dict(v) for k, v in models().items()},
+        "settings": {"steps": args.steps, "seeds": args.seeds, "held_out_seeds": args.held_out_seeds,
+                     "calibration_seed_list": seeds["calibration"],
+                     "held_out_seed_list": seeds["held_out"],
+                     "sets": "calibration: the seeds the guard's settings (min_ratio 3) were chosen "
+                             "on; held_out: seeds never looked at when choosing them",
+                     "models": {k: to_dict(v) for k, v in models().items()},
                      "dropout": [0.0, 0.1], "lr_factors": [1.0, 2.0], "recipe_lr": tiny().pretrain.optim.lr,
                      "aggressive": AGGRESSIVE, "default": DEFAULT, "spike_sizes": SIZES,
-                     "spike_steps": SPIKE_STEPS},
-        "false_alarms_replayed": false_alarms,
-        "false_alarms_loop_new_aggressive": loop_clean,
-        "detection_replayed_aggressive": detection,
+                     "spike_steps": spike_steps,
+                     "spike_before_full_window": "not checked: the detectors check nothing until "
+                     "`window` accepted steps are in their window (steps count from 1), so at "
+                     "window 100 a spike at step 100 is accepted, enters the window and counts "
+                     "as missed"},
+        "false_alarms_summary": summary,
+        "false_alarms_replayed_calibration": false_alarms["calibration"],
+        "false_alarms_replayed_held_out": false_alarms["held_out"],
+        "false_alarms_loop_new_aggressive_calibration": loop_clean["calibration"],
+        "false_alarms_loop_new_aggressive_held_out": loop_clean["held_out"],
+        **{f"detection_replayed_{settings_name}_{set_name}": table
+           for (settings_name, set_name), table in detection.items()},
         "injected_loop_new_aggressive": {"by_size": by_size, "runs": injected},
         "consecutive_spikes_loop_new_aggressive": incidents,
-        "clean_max_over_window_median": excursions,
-        "clean_runs": [{k: v for k, v in r.items() if k != "trace"} for r in clean],
+        "clean_max_over_window_median_calibration": excursions["calibration"],
+        "clean_max_over_window_median_held_out": excursions["held_out"],
+        "clean_runs": [{k: v for k, v in r.items() if k != "trace"} for name in SETS for r in clean[name]],
         "wall_s": time.time() - t_start,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    tmp = args.out.with_name(f".{args.out.name}.tmp")
+    tmp.write_text(json.dumps(result, indent=1) + "\n")
+    tmp.replace(args.out)
     print(f"\n{time.time() - t_start:.0f}s; wrote {args.out}")
 
 
