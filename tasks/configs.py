@@ -778,6 +778,14 @@ class LifecycleConfig:
     evaluate: EvalConfig
     gate: GateConfig = field(default_factory=GateConfig)
     ladder: LadderConfig = field(default_factory=LadderConfig)
+    # Not in `pretrain` or `sweep`: a run that takes an earlier run's sweep (start_at pretrain,
+    # a fork) must be free to set it, and those sections are compared with that run's.
+    pretrain_lr: float = bounded(0.0, minimum=0.0, maximum=1.0,
+                                 help="Pretraining's learning rate instead of the sweep's best (a "
+                                      "fork's new rate, say); 0 = the sweep's best.")
+
+    def __post_init__(self) -> None:
+        _check_bounds(self)
 
 
 # --------------------------------------------------------------------------------------------

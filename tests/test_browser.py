@@ -250,19 +250,7 @@ def test_trigger_from_the_form_and_read_the_run_page(airflow, cli_run, browser, 
     page.set_default_timeout(30_000)
     try:
         log_in(page, airflow)
-        page.goto(f"{airflow.base}/dags/{DAG_ID}")
-        page.get_by_role("button", name=re.compile("^Trigger")).first.click()
-        dialog = page.get_by_role("dialog")
-        dialog.wait_for()
-        shots(page, "01-trigger-form")
-        fill_trigger_form(page, dialog, CONF)
-        shots(page, "02-trigger-form-filled")
-        trigger = dialog.get_by_role("button", name=re.compile("^Trigger"))
-        assert trigger.is_enabled(), "the Trigger button is greyed out: a Param the form requires is empty"
-        trigger.click()
-        run = airflow.wait_for("the triggered run", lambda: next((r for r in airflow.request(
-            "GET", f"/api/v2/dags/{DAG_ID}/dagRuns?order_by=-run_after&limit=2")["dag_runs"]
-            if r["dag_run_id"] != cli_run["run_id"]), None), 60)
+        run = trigger_from_the_form(page, airflow, CONF, shots, "01-trigger-form", "02-trigger-form-filled")
         run_id = run["dag_run_id"]
         assert run["conf"].get("recipe") == "tiny" and run["conf"].get("sweep_trials") == 1, run["conf"]
         timings["triggered_s"] = time.time() - started
@@ -323,6 +311,96 @@ def test_trigger_from_the_form_and_read_the_run_page(airflow, cli_run, browser, 
     assert refused.value.code in (401, 403)
 
 
+FORK_STEP = 10        # the tiny pretraining (20 steps, a checkpoint every 10) keeps 10 and 20
+FORK_LR = 0.0042      # outside the tiny sweep's grid of best learning rates: the fork's own
+
+
+def test_fork_from_the_form_and_watch_both_curves(airflow, cli_run, browser, shots):
+    """Tried as a researcher would (issue 24): fork the CLI run's pretraining at its kept step 10
+    with a new learning rate, from the Trigger form, and read the fork's run page: one chart,
+    the parent's curve (dashed) to step 10 and the fork's continuing from the very point where
+    the parent's ends, a line at the fork step; the lineage against MLflow."""
+    assert cli_run["state"] == "success", _task_states(airflow, cli_run["run_id"])
+    first = cli_run["run_id"]
+    conf = {**CONF, "from_run": first, "start_at": "pretrain", "fork_step": FORK_STEP,
+            "pretrain_lr": FORK_LR}
+    context = browser.new_context(viewport={"width": 1400, "height": 900})
+    page = context.new_page()
+    page.set_default_timeout(30_000)
+    try:
+        log_in(page, airflow)
+        run = trigger_from_the_form(page, airflow, conf, shots, None, "07-fork-form-filled")
+        fork_id = run["dag_run_id"]
+        assert {k: run["conf"].get(k) for k in conf} == conf, run["conf"]
+        assert airflow.wait_for_run(fork_id) == "success", _task_states(airflow, fork_id)
+
+        page.goto(f"{airflow.base}/llmops/runs/{DAG_ID}/{fork_id}")
+        chart = page.locator("div.fork")
+        chart.wait_for()
+        chart.scroll_into_view_if_needed()
+        shots(page, "08-fork-run-page")
+        drawn = chart.evaluate("""div => ({
+            step: div.dataset.value, parent: div.dataset.parentRunId,
+            title: div.querySelector('svg').getAttribute('aria-label'),
+            marks: [...div.querySelectorAll('[data-mark-step]')].map(m => m.dataset.markStep),
+            series: Object.fromEntries([...div.querySelectorAll('g[data-series]')].map(g => [
+                g.dataset.series, {first: g.dataset.firstStep, last: g.dataset.lastStep,
+                    dashed: !!g.querySelector('polyline[stroke-dasharray]'),
+                    points: [...g.querySelectorAll('circle')].map(
+                        c => [c.getAttribute('cx'), c.getAttribute('cy')])}]))})""")
+    finally:
+        context.close()
+
+    client, _, parent_tasks = mlflow_run(first)
+    _, fork_parent, fork_tasks = mlflow_run(fork_id)
+    parent_pretrain, pretrain = parent_tasks[("pretrain", -1)], fork_tasks[("pretrain", -1)]
+    # the fork trained from the parent's step with its own learning rate, and says so
+    assert "cached_from" not in pretrain.data.tags, "the fork ran no pretraining job"
+    assert float(pretrain.data.params["optim.lr"]) == FORK_LR != float(parent_pretrain.data.params["optim.lr"])
+    assert pretrain.data.tags["fork.step"] == str(FORK_STEP)
+    assert pretrain.data.tags["fork.parent_run_id"] == parent_pretrain.info.run_id
+    assert fork_parent.data.tags["from_run"] == first and fork_parent.data.tags["fork_step"] == str(FORK_STEP)
+    # the page: that lineage, one chart, the parent's curve to the step and the fork's from it
+    assert (drawn["step"], drawn["parent"]) == (str(FORK_STEP), parent_pretrain.info.run_id), drawn
+    assert drawn["title"] == f"pretrain: loss, forked from {first} at step {FORK_STEP}", drawn["title"]
+    assert drawn["marks"] == [f"{FORK_STEP}.0"], drawn["marks"]
+    parent_train = drawn["series"][f"parent {first} to step {FORK_STEP} · train"]
+    fork_train = drawn["series"]["this run · train"]
+    assert parent_train["dashed"] and not fork_train["dashed"]
+    assert parent_train["last"] == fork_train["first"] == f"{FORK_STEP}.0", drawn["series"]
+    assert parent_train["points"][-1] == fork_train["points"][0], "the fork's curve does not start where its parent's ends"
+    # as many points as MLflow holds: the parent's to the fork step, the fork's after it (+ the one taken over)
+    from llmops import run_summary
+
+    key = run_summary.metric_key(pretrain.data.metrics, "train_loss")
+    parent_points = [m for m in client.get_metric_history(parent_pretrain.info.run_id, key) if m.step <= FORK_STEP]
+    fork_points = client.get_metric_history(pretrain.info.run_id, key)
+    assert len(parent_train["points"]) == len(parent_points)
+    assert len(fork_train["points"]) == len(fork_points) + 1
+    assert float(fork_train["last"]) == max(m.step for m in fork_points) == 20
+
+
+def trigger_from_the_form(page, airflow: MakeUp, conf: dict, shots, empty_shot: str | None,
+                          filled_shot: str) -> dict:
+    """Open llm_lifecycle's Trigger form, fill in `conf`, press Trigger: the new DAG run."""
+    known = {r["dag_run_id"] for r in airflow.request(
+        "GET", f"/api/v2/dags/{DAG_ID}/dagRuns?limit=50")["dag_runs"]}
+    page.goto(f"{airflow.base}/dags/{DAG_ID}")
+    page.get_by_role("button", name=re.compile("^Trigger")).first.click()
+    dialog = page.get_by_role("dialog")
+    dialog.wait_for()
+    if empty_shot:
+        shots(page, empty_shot)
+    fill_trigger_form(page, dialog, conf)
+    shots(page, filled_shot)
+    trigger = dialog.get_by_role("button", name=re.compile("^Trigger"))
+    assert trigger.is_enabled(), "the Trigger button is greyed out: a Param the form requires is empty"
+    trigger.click()
+    return airflow.wait_for("the triggered run", lambda: next((r for r in airflow.request(
+        "GET", f"/api/v2/dags/{DAG_ID}/dagRuns?order_by=-run_after&limit=5")["dag_runs"]
+        if r["dag_run_id"] not in known), None), 60)
+
+
 def fill_trigger_form(page, dialog, values: dict) -> None:
     """Set Params in the Trigger form one field at a time, as a user would: open the field's
     section, then type into it (an enum is a combobox: type and pick the option)."""
@@ -331,10 +409,9 @@ def fill_trigger_form(page, dialog, values: dict) -> None:
         if inc.count():  # a number field: its input is the one the +/- buttons control
             field = dialog.locator(f'[id="{inc.get_attribute("aria-controls")}"]')
         else:
-            holder = dialog.locator(f'[name="element_{name}"]')
-            combo = dialog.locator(f'xpath=//input[@name="element_{name}"]/ancestor::*'
-                                   f'[.//input[@role="combobox"]][1]//input[@role="combobox"]')
-            field = combo if combo.count() else holder
+            # an enum's combobox is named after its Param; a text field is the input itself
+            combo = dialog.get_by_role("combobox", name=name, exact=True)
+            field = combo if combo.count() else dialog.locator(f'[name="element_{name}"]')
         section = field.locator('xpath=ancestor::*[@data-part="item-content"][1]')
         if section.count():
             trigger = dialog.locator(f'[aria-controls="{section.get_attribute("id")}"]')

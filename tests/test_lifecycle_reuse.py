@@ -276,8 +276,9 @@ def test_a_fork_is_checked_before_any_job_and_refused_naming_the_param(first):
             _start(params, f"fork_refused__{i}")
     assert all(find_parent(tracking.client(), "llm_lifecycle", f"fork_refused__{i}") is None
                for i in range(len(cases)))
-    # a knob of the declared set may change: the fork goes on to step 30 from the kept step 10
-    run = _start({**ours, "pretrain_steps": 30}, "fork_checked__1")
+    # knobs of the declared set may change: the fork goes on to step 30 from the kept step 10,
+    # at a learning rate of its own instead of the sweep's best
+    run = _start({**ours, "pretrain_steps": 30, "pretrain_lr": 0.0042}, "fork_checked__1")
     record = reuse.stage_record(first["parent"], "pretrain")
     fork = run["from_run"]["fork"]
     assert (fork["step"], fork["parent_run_id"]) == (10, record["mlflow_run_id"])
@@ -286,6 +287,7 @@ def test_a_fork_is_checked_before_any_job_and_refused_naming_the_param(first):
     spec = lifecycle.pretrain_spec(run, data, run["from_run"]["sweep_best"])
     assert (spec["config"]["fork_from"], spec["config"]["fork_step"], spec["config"]["max_steps"]) \
         == (fork["checkpoints"], 10, 30)
+    assert run["from_run"]["sweep_best"]["lr"] != 0.0042 and spec["config"]["optim"]["lr"] == 0.0042
     assert spec["tags"]["fork.step"] == "10"
 
 

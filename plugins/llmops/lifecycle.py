@@ -86,7 +86,9 @@ def _name_the_field(message: str, cls_name: str, path: str) -> str:
     (distill.student.n_embd): distill.student.n_embd (31) must be ...". """
     prefix = f"{path}." if path else ""
     message = re.sub(rf"\b{cls_name}\.", prefix, message)
-    fields = re.findall(rf"{re.escape(prefix)}([A-Za-z_][\w.]*)", message) if prefix else []
+    # a nested config's fields follow its path; a top-level one's message starts with its name
+    fields = re.findall(rf"{re.escape(prefix)}([A-Za-z_][\w.]*)", message) if prefix else \
+        re.findall(r"^([A-Za-z_]\w*)\b", message)
     by_path = {p: n for n, p in lifecycle_params.KNOBS.items()}
     paths = [f"{prefix}{f}".rstrip(".") for f in fields]
     names = [by_path[p] for p in paths if p in by_path]
@@ -367,9 +369,12 @@ def trial_spec(run: Run | dict[str, Any], data: dict[str, Any], study: dict[str,
 
 
 def pretrain_config(config: dict[str, Any], best: dict[str, Any]) -> dict[str, Any]:
-    """The lifecycle config's pretraining with the best trial's hyperparameters (and ladder size)."""
+    """The lifecycle config's pretraining with the best trial's hyperparameters (and ladder size);
+    a pretrain_lr the run sets wins over the sweep's."""
     pretrain = copy.deepcopy(config["pretrain"])
     sweep_stage.apply_best(pretrain, best)
+    if config.get("pretrain_lr"):
+        pretrain["optim"]["lr"] = config["pretrain_lr"]
     return pretrain
 
 

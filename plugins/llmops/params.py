@@ -39,6 +39,7 @@ KNOBS: dict[str, str] = {
     "n_kv_head": "pretrain.model.n_kv_head",
     "batch_size": "pretrain.batch_size",
     "pretrain_steps": "pretrain.max_steps",
+    "pretrain_lr": "pretrain_lr",
     "sweep_trials": "sweep.trials",
     "lr_min": "sweep.lr_min",
     "lr_max": "sweep.lr_max",
@@ -92,7 +93,8 @@ DATA, MODEL, SWEEP, PRETRAINING, POST_TRAINING, GATE, WHERE, LADDER = (
 # Config path prefix -> heading; the longest matching prefix wins.
 SECTIONS: dict[str, str] = {
     "data.": DATA, "pretrain.model.": MODEL, "pretrain.": PRETRAINING, "sweep.": SWEEP,
-    "sweep.size_from_ladder": PRETRAINING, "finetune.": POST_TRAINING, "distill.": POST_TRAINING,
+    "sweep.size_from_ladder": PRETRAINING, "pretrain_lr": PRETRAINING,
+    "finetune.": POST_TRAINING, "distill.": POST_TRAINING,
     "evaluate.": GATE, "gate.": GATE, "ladder.": LADDER,
 }
 
