@@ -127,3 +127,24 @@ def test_loop_refuses_a_model_sharded_outside_it(tmp_path):
                   device=torch.device("cpu"), resolved_config={}, tracking=False)
     finally:
         dist.destroy_process_group()
+
+
+def test_make_test_timings_reads_each_pytest_run_in_order():
+    """The README's test-time figures come from benchmarks/results/make_test.json, which
+    benchmarks/make_test_timings.py writes from `make test`'s own output: each pytest run's
+    summary line, a run with failures or skips counted as such."""
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.make_test_timings import summaries
+
+    output = "\n".join([
+        "tests/test_x.py::test_a PASSED",
+        "============ 1107 passed, 1 skipped, 3 warnings in 1455.12s (0:24:15) ============",
+        "make[1]: Entering directory",
+        "================ 4 passed, 1 failed in 700.50s (0:11:40) ================",
+        "===== short test summary info =====",
+        "1 passed in 1304.00s (0:21:44)",
+    ])
+    assert summaries(output) == [
+        {"seconds": 1455.12, "passed": 1107, "skipped": 1, "warning": 3},
+        {"seconds": 700.5, "passed": 4, "failed": 1},
+        {"seconds": 1304.0, "passed": 1}]

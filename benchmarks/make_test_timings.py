@@ -1,0 +1,90 @@
+"""How long `make test` takes, part by part: the figures the README's quick start quotes.
+
+    python benchmarks/make_test_timings.py [--out benchmarks/results/make_test.json]
+
+Runs `make test` in this checkout (run it on a clean clone, as CI does: `.ci/run` is exactly
+`make test`), its output streamed to the terminal and kept; then reads each pytest run's summary
+line (the suite on two xdist workers, `make test-slow`, `make test-matrix`, in that order) and
+writes their counts and seconds, the whole command's wall time, and the machine, commit and load
+at the start and the end. Writes the file only when `make test` passed: a failed run's times say
+nothing about how long the suite takes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+PARTS = ("suite", "test_slow", "test_matrix")   # the pytest runs `make test` makes, in order
+# "==== 1107 passed, 1 skipped in 1455.12s (0:24:15) ====" (pytest's last line; bare with -q)
+SUMMARY = re.compile(r"^(=+ )?(?P<counts>\d+ [^=]*?) in (?P<seconds>[\d.]+)s\b[^=]*( =+)?$")
+COUNT = re.compile(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed|deselected|warnings?)")
+
+
+def summaries(output: str) -> list[dict[str, Any]]:
+    """Each pytest run's summary: {"seconds": s, "passed": n, ...}, in the order they ran."""
+    found = []
+    for line in output.splitlines():
+        m = SUMMARY.match(line.strip())
+        if m and COUNT.search(m["counts"]):
+            found.append({"seconds": float(m["seconds"]),
+                          **{kind.rstrip("s") if kind.startswith(("error", "warning")) else kind: int(n)
+                             for n, kind in COUNT.findall(m["counts"])}})
+    return found
+
+
+def git_commit() -> str:
+    proc = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    dirty = subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True)
+    return proc.stdout.strip() + ("+changes" if dirty.stdout.strip() else "")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "make_test.json")
+    args = ap.parse_args(argv)
+    start = {"started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+             "load_avg_1_5_15_at_start": [round(x, 2) for x in os.getloadavg()],
+             "git_commit": git_commit()}
+    t0 = time.time()
+    lines: list[str] = []
+    with subprocess.Popen(["make", "--no-print-directory", "test"], cwd=ROOT, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, bufsize=1) as proc:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            sys.stdout.write(line)
+            lines.append(line)
+    wall = time.time() - t0
+    if proc.returncode != 0:
+        print(f"make test failed (exit {proc.returncode}): nothing written", file=sys.stderr)
+        return proc.returncode
+    runs = summaries("".join(lines))
+    if len(runs) != len(PARTS):
+        print(f"expected {len(PARTS)} pytest summaries, found {len(runs)}: nothing written",
+              file=sys.stderr)
+        return 1
+    result = {"make_test_wall_s": round(wall, 1), "parts": dict(zip(PARTS, runs)),
+              "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
+                          "python": platform.python_version(), **start,
+                          "load_avg_1_5_15_at_end": [round(x, 2) for x in os.getloadavg()],
+                          "finished_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = args.out.with_name(f".{args.out.name}.tmp")
+    tmp.write_text(json.dumps(result, indent=2) + "\n")
+    os.replace(tmp, args.out)
+    print(json.dumps(result["parts"]))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
