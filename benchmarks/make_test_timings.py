@@ -44,7 +44,8 @@ def summaries(output: str) -> list[dict[str, Any]]:
 
 def git_commit() -> str:
     proc = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True)
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                           capture_output=True, text=True)
     return proc.stdout.strip() + ("+changes" if dirty.stdout.strip() else "")
 
 
