@@ -113,7 +113,12 @@ def _drawn(n: int, global_batch: int, seed: int, batches: list[list[int]]) -> np
 def consumed_rows(checkpoint_dir: str | Path, data_dir: str | Path) -> np.ndarray:
     """Sorted unique global row indices of the train split that the checkpoint trained on (for
     a fine-tuning checkpoint: the pretraining rows it replayed)."""
-    seen = record(checkpoint_dir, data_dir)
+    return rows_of(record(checkpoint_dir, data_dir), data_dir)
+
+
+def rows_of(seen: dict[str, Any], data_dir: str | Path) -> np.ndarray:
+    """consumed_rows from a record already read (record() verifies every file of the
+    checkpoint, its weights included: read it once per answer)."""
     drawn = seen if seen.get("kind") != "sft" else {**(seen.get("replay") or {}), "batches": seen["batches"]}
     if "rows" not in drawn:   # fine-tuning without replay: no pretraining row
         return np.zeros(0, dtype=np.int64)
@@ -133,7 +138,12 @@ def example_ids(sft_files: list[str | Path]) -> list[str]:
 def consumed_examples(checkpoint_dir: str | Path, sft_files: list[str | Path]) -> list[str]:
     """The ids of the SFT examples a fine-tuning (or distillation) checkpoint trained on, in file
     order. The files must be the ones it read, in the same order (checked by the ids' hash)."""
-    seen = record(checkpoint_dir)
+    return examples_of(record(checkpoint_dir), sft_files, checkpoint_dir)
+
+
+def examples_of(seen: dict[str, Any], sft_files: list[str | Path], checkpoint_dir: str | Path
+                ) -> list[str]:
+    """consumed_examples from a record already read."""
     if seen.get("kind") != "sft":
         raise ValueError(f"{checkpoint_dir} is a pretraining checkpoint: it trained on rows, not "
                          "SFT examples (ask for its rows or documents).")
@@ -175,12 +185,13 @@ def consumed(checkpoint_dir: str | Path, data_dir: str | Path,
     for a fine-tuning checkpoint also the SFT examples (from `sft_files`, else the data dir's
     sft/train.jsonl)."""
     seen = record(checkpoint_dir, data_dir)
-    rows = consumed_rows(checkpoint_dir, data_dir)
+    rows = rows_of(seen, data_dir)
     out = {"checkpoint": str(checkpoint_dir), **_derivation(seen), "batches": seen["batches"],
            "samples": sum(b - a for a, b in seen["batches"]) * int(seen["global_batch"]),
            "unique_rows": int(len(rows)), "rows": _by_shard(data_dir, rows)}
     if seen.get("kind") == "sft":
-        out["examples"] = consumed_examples(checkpoint_dir, sft_files or [DataDir(data_dir).sft_path("train")])
+        out["examples"] = examples_of(seen, sft_files or [DataDir(data_dir).sft_path("train")],
+                                      checkpoint_dir)
     return out
 
 
@@ -190,12 +201,16 @@ def _derivation(seen: dict[str, Any]) -> dict[str, Any]:
 
 
 def diff(a: str | Path, b: str | Path, data_dir: str | Path) -> dict[str, Any]:
-    """Rows only `a` trained on and rows only `b` trained on (e.g. a fork and its parent)."""
-    ra, rb = consumed_rows(a, data_dir), consumed_rows(b, data_dir)
+    """Rows only `a` trained on and rows only `b` trained on (e.g. a fork and its parent); with
+    `derived_from` ({"a": ..., "b": ...}) where either record was derived."""
+    seen = {"a": record(a, data_dir), "b": record(b, data_dir)}
+    ra, rb = rows_of(seen["a"], data_dir), rows_of(seen["b"], data_dir)
     only_a, only_b = np.setdiff1d(ra, rb), np.setdiff1d(rb, ra)
+    derived = {k: r["derived_from"] for k, r in seen.items() if "derived_from" in r}
     return {"only_a": _by_shard(data_dir, only_a), "only_b": _by_shard(data_dir, only_b),
             "only_a_rows": int(len(only_a)), "only_b_rows": int(len(only_b)),
-            "common_rows": int(len(np.intersect1d(ra, rb)))}
+            "common_rows": int(len(np.intersect1d(ra, rb))),
+            **({"derived_from": derived} if derived else {})}
 
 
 def document_rows(data_dir: str | Path, doc_id: str) -> list[tuple[int, int]]:
@@ -274,8 +289,11 @@ def _check_tokens(rows: TokenRows, tokenizer, data: DataDir, doc_id: str, start:
 
 def saw(checkpoint_dir: str | Path, data_dir: str | Path, doc_id: str) -> bool:
     """Did the checkpoint train on any row holding (part of) the document?"""
-    rows = consumed_rows(checkpoint_dir, data_dir)
-    return any(np.any((rows >= a) & (rows < b)) for a, b in document_rows(data_dir, doc_id))
+    return _holds(consumed_rows(checkpoint_dir, data_dir), document_rows(data_dir, doc_id))
+
+
+def _holds(rows: np.ndarray, spans: list[tuple[int, int]]) -> bool:
+    return any(np.any((rows >= a) & (rows < b)) for a, b in spans)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -298,15 +316,11 @@ def main(argv: list[str] | None = None) -> int:
                   "saw": args.example in consumed_examples(args.checkpoint, sft_files)}
     elif args.doc is not None:
         spans = document_rows(args.data_dir, args.doc)
-        result = {"doc": args.doc, "saw": saw(args.checkpoint, args.data_dir, args.doc),
-                  "rows": [list(s) for s in spans],
-                  **_derivation(record(args.checkpoint, args.data_dir))}
+        seen = record(args.checkpoint, args.data_dir)
+        result = {"doc": args.doc, "saw": _holds(rows_of(seen, args.data_dir), spans),
+                  "rows": [list(s) for s in spans], **_derivation(seen)}
     elif args.diff is not None:
         result = diff(args.checkpoint, args.diff, args.data_dir)
-        derived = {k: _derivation(record(c, args.data_dir)) for k, c in
-                   (("a", args.checkpoint), ("b", args.diff))}
-        if any(derived.values()):
-            result["derived_from"] = {k: v["derived_from"] for k, v in derived.items() if v}
     else:
         result = consumed(args.checkpoint, args.data_dir, sft_files)
     print(json.dumps(result, indent=2))
