@@ -101,13 +101,13 @@ def _spec(run: Run, entrypoint: str, config: dict[str, Any], *, stage: str,
 
 def plan_rungs(run: Run | dict[str, Any], data: dict[str, Any]) -> list[dict[str, Any]]:
     """One op_kwargs per rung, for `JobOperator.partial(...).expand(op_kwargs=...)`."""
-    # each rung gets the run as it came (the ladder's XCom keeps its own shape; a Run as its dict)
-    as_xcom = run.to_dict() if isinstance(run, Run) else run
-    cfg = configs.from_dict(configs.LifecycleConfig, Run.of(run).config)
+    run = Run.of(run)
+    cfg = configs.from_dict(configs.LifecycleConfig, run.config)
     plan = rungs(cfg.ladder, cfg.pretrain.model, _tokens_per_step(cfg))
     log.info("%d rungs: %s", len(plan), "; ".join(
         f"width {r.width} x {r.tokens_per_param:g} tok/param = {r.steps} steps" for r in plan))
-    return [{"run": as_xcom, "data": data,
+    # op_kwargs are XCom: the run goes on as its dict
+    return [{"run": run.to_dict(), "data": data,
              "rung": {"index": r.index, "width": r.width, "tokens_per_param": r.tokens_per_param,
                       "n_params": r.n_params, "steps": r.steps, "tokens": r.tokens}}
             for r in plan]
