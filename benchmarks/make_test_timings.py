@@ -24,6 +24,13 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.pretrain_common import CODE, git_commit  # noqa: E402
+
+# what `make test` runs beside the benchmarked code (a clone's untracked .venv link is not it)
+TESTED = (*CODE, "dags", "tests", "scripts", "Makefile", "requirements.txt",
+          "requirements-dev.txt")
 PARTS = ("suite", "test_slow", "test_matrix")   # the pytest runs `make test` makes, in order
 # "==== 1107 passed, 1 skipped in 1455.12s (0:24:15) ====" (pytest's last line; bare with -q)
 SUMMARY = re.compile(r"^(=+ )?(?P<counts>\d+ [^=]*?) in (?P<seconds>[\d.]+)s\b[^=]*( =+)?$")
@@ -42,20 +49,13 @@ def summaries(output: str) -> list[dict[str, Any]]:
     return found
 
 
-def git_commit() -> str:
-    proc = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                           capture_output=True, text=True)
-    return proc.stdout.strip() + ("+changes" if dirty.stdout.strip() else "")
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "make_test.json")
     args = ap.parse_args(argv)
     start = {"started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
              "load_avg_1_5_15_at_start": [round(x, 2) for x in os.getloadavg()],
-             "git_commit": git_commit()}
+             "git_commit": git_commit(TESTED)}
     t0 = time.time()
     lines: list[str] = []
     with subprocess.Popen(["make", "--no-print-directory", "test"], cwd=ROOT, stdout=subprocess.PIPE,

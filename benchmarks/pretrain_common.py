@@ -87,15 +87,19 @@ def run_job(cfg: TrainConfig, name: str, *, faults: str = "", retries: int = 0,
 RESULTS = ROOT / "benchmarks" / "results"
 
 
-def git_commit() -> str:
-    """The checkout's commit, with '+changes' when the code measured differs from it."""
+CODE = ("tasks", "plugins", "benchmarks", "docker")   # what a benchmark measures
+
+
+def git_commit(code: tuple[str, ...] = CODE) -> str:
+    """The checkout's commit, with '+changes' when the code measured (`code`, paths from the
+    repository root) differs from it."""
     import subprocess
 
     def git(*argv: str) -> str:
         return subprocess.run(["git", *argv], cwd=ROOT, capture_output=True, text=True).stdout.strip()
 
     commit = git("rev-parse", "HEAD") or "unknown"
-    changed = git("status", "--porcelain", "--", "tasks", "plugins", "benchmarks", "docker")
+    changed = git("status", "--porcelain", "--", *code)
     # a results file being rewritten is not a change to what is measured
     changed = [line for line in changed.splitlines() if "benchmarks/results/" not in line]
     return commit + ("+changes" if changed else "")
