@@ -194,7 +194,9 @@ class FakeCluster:
             if "tail_lines" in kw:
                 records = records[-kw["tail_lines"]:]
             text = "\n".join(records if kw.get("timestamps") else [r.split(" ", 1)[1] for r in records])
-            return text + "\n" if text else ""
+            text = text + "\n" if text else ""
+            # _preload_content=False: the HTTP response, its body undecoded
+            return SimpleNamespace(data=text.encode()) if kw.get("_preload_content") is False else text
         raise AssertionError(method)
 
     def set_condition(self, name: str, kind: str, **status):
@@ -283,6 +285,7 @@ def test_logs_are_read_by_label_and_since_the_last_line(cluster, monkeypatch):
     assert lines == ["step 0", "step 1", "step 2", "step 3", "step 4", "same instant"]
     reads = [kw for method, kw in cluster.calls if method == "read_namespaced_pod_log"]
     assert reads[-1]["tail_lines"] == hyperpod.FIRST_LOG_LINES and reads[-1]["timestamps"] is True
+    assert reads[-1]["_preload_content"] is False   # client 36 garbles a decoded log (hyperpod.pod_log)
     lists = [kw for method, kw in cluster.calls if method == "list_namespaced_pod"]
     assert lists[-1]["label_selector"] == f"llmops/job={handle['k8s_name']}"
     # Lines keep coming, two in the same (trimmed) instant as the last one shown.

@@ -148,10 +148,9 @@ def test_a_job_runs_to_success_and_its_pods_log_is_served_as_text(server, eks):
     assert all(re.match(r"\d{4}-\d\d-\d\dT[\d:.]+Z ", line) for line in lines), served
 
 
-@pytest.mark.xfail(strict=True, reason="kubernetes client 36's read_namespaced_pod_log returns the repr "
-                   "of the body's bytes (\"b'2026-...\"), kubernetes-client/python#2596: the "
-                   "backend's read_logs gets one mangled line")
 def test_read_logs_gets_the_jobs_lines_over_http(server, eks):
+    """Whole lines, each once: kubernetes client 36 hands a pod log back as the repr of its
+    bytes (kubernetes-client/python#2596), so the backend reads it undecoded."""
     hp = backend()
     handle = hp.submit(sample("http-logs", seconds=2))
     logs: list[str] = []

@@ -636,8 +636,7 @@ class HyperPodBackend(Backend):
         else:
             query = {"tail_lines": FIRST_LOG_LINES}
         try:
-            text = kube.call("core", "read_namespaced_pod_log", name=pod, namespace=handle["namespace"],
-                             timestamps=True, **query)
+            text = pod_log(kube, pod, handle["namespace"], timestamps=True, **query)
         except Exception:  # the container has not started yet
             return [], remote.log_cursor(state)
         lines, seen_at_last = [], 0
@@ -664,11 +663,19 @@ class HyperPodBackend(Backend):
         if pod is None:
             return []
         try:
-            text = kube.call("core", "read_namespaced_pod_log", name=pod, namespace=handle["namespace"],
-                             tail_lines=lines)
+            text = pod_log(kube, pod, handle["namespace"], tail_lines=lines)
         except Exception:
             return []
         return text.splitlines()[-lines:]
+
+
+def pod_log(kube: KubeClient, pod: str, namespace: str, **query: Any) -> str:
+    """A pod's log as text. Read undecoded (`_preload_content=False`) and decoded here: the
+    kubernetes client 36 turns a text/plain body into `str(bytes)`, "b'...\\n...'" on one line
+    (kubernetes-client/python#2596), which would garble every line and the log cursor's timestamps."""
+    answer = kube.call("core", "read_namespaced_pod_log", name=pod, namespace=namespace,
+                       _preload_content=False, **query)
+    return answer.data.decode("utf-8", "replace")
 
 
 def _prefix(handle: dict[str, Any]) -> str:
