@@ -7,7 +7,8 @@ shapes. Everything below is simulated, standing in for EKS, the HyperPod and Kub
 operators and HyperPod's elastic agent:
 
 - Objects: get / create (409 if it exists) / delete of the job resources, 404 for a missing one;
-  pods listed by label; a pod's log read with `timestamps`, `tail_lines` or `since_seconds`.
+  pods listed by label; a pod's log read with `timestamps`, `tail_lines` or `since_seconds`
+  (with `_preload_content=False`, as the client does, an answer whose `data` is its bytes).
 - Pods: one per replica (a node), `<job>-master-0` / `<job>-worker-<i>` for a PyTorchJob,
   `<job>-pod-<i>` for a HyperPodPyTorchJob, running the container's command and args with its
   env, and what the operator adds: for a PyTorchJob the Kubeflow variables (PET_NNODES,
@@ -53,11 +54,15 @@ operators and HyperPod's elastic agent:
   False, reason Unschedulable, message "0/<n> nodes are available: <n> Insufficient <resource>.
   preemption: ..."; no process runs, their logs answer 400 (waiting to start), the job keeps
   only its Created condition and no startTime. Then the pods start as at create.
-- Lost responses (`lose_responses(method, count)`): the next `count` calls of `method` (e.g.
-  `create_namespaced_custom_object`) take effect, then raise what the kubernetes client raises
+- Lost responses (`lose_responses(method, count, run_id)`): the next `count` calls of `method`
+  (e.g. `create_namespaced_custom_object`; with `run_id`, only calls about that DAG run's jobs,
+  by their `llmops/run-id` annotation) take effect, then raise what the kubernetes client raises
   when the connection drops before the answer (urllib3's ProtocolError "Connection aborted.",
   ConnectionResetError): urllib3 does not resend a POST that was sent, so the caller decides.
   Each loss is in `report()["injections"]`.
+- An outage (`outage(methods, seconds, run_id)`): for `seconds` from the first call it hits,
+  calls of `methods` about the run's jobs answer 503 Service Unavailable (an API server or its
+  load balancer having a bad quarter of an hour), each in `report()["injections"]`.
 - The simulator's record (`report()`): every job it was asked to create, deleted ones too, with
   when it was created, started (startTime), ended (completionTime), its state and message, and
   when each pod of its newest generation exited; `generations(name)`: the log lines of each
@@ -87,6 +92,7 @@ AUTO_RESUME = "sagemaker.amazonaws.com/enable-job-auto-resume"
 MAX_RETRY = "sagemaker.amazonaws.com/job-max-retry-count"
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 JOB_UID_LABEL = "kueue.x-k8s.io/job-uid"
+RUN_ID = "llmops/run-id"   # the backend's annotation: the DAG run a job belongs to
 KUEUE = ("kueue.x-k8s.io", "v1beta1", "workloads")
 
 
@@ -138,6 +144,8 @@ class Job:
         self.generation = 0
         self.heal_env: tuple[str, ...] = ()      # variables a replaced node's pods run without
         self.deleted = threading.Event()
+        self.deleted_at: float | None = None
+        self.pods_gone_at: float | None = None   # a deleted job's pods all killed
         self.lost = threading.Event()
         self.created_at = time.time()
         self.admit_at = self.created_at      # Kueue admits it then (a capacity hold: later)
@@ -196,7 +204,8 @@ class FakeEks:
         self.jobs: dict[tuple[str, str], Job] = {}
         self.lock = threading.RLock()
         self.calls: list[tuple[str, dict]] = []
-        self.losing: dict[str, int] = {}         # method -> answers still to lose
+        self.losing: dict[str, tuple[int, str]] = {}   # method -> (answers still to lose, run id)
+        self.outages: list[dict[str, Any]] = []        # {methods, seconds, run_id, until}
         self.injections: list[dict[str, Any]] = []   # every answer lost
         self.history: list[Job] = []             # every job created, deleted ones too
         self.capacity_wait_seconds = 0.0         # Kueue holds jobs created from now on this long
@@ -209,12 +218,25 @@ class FakeEks:
 
     # -- the API the backend calls -----------------------------------------------------------
     def call(self, api: str, method: str, **kw: Any) -> Any:
+        about = self._about(method, kw)
+        with self.lock:
+            down = next((o for o in self.outages if method in o["methods"]
+                         and (not o["run_id"] or o["run_id"] == about[1])
+                         and (o["until"] is None or time.time() < o["until"])), None)
+            if down is not None:
+                down["until"] = down["until"] or time.time() + down["seconds"]
+                self.injections.append({"kind": "503", "operation": method, "at": time.time(),
+                                        "about": about[0], "run_id": about[1]})
+        if down is not None:
+            raise ApiError(503)
         answer = self._answer(api, method, **kw)   # the call takes effect either way
         with self.lock:
-            lose = self.losing.get(method, 0) > 0
+            count, run_id = self.losing.get(method, (0, ""))
+            lose = count > 0 and (not run_id or run_id == about[1])
             if lose:
-                self.losing[method] -= 1
-                self.injections.append({"kind": "lost", "operation": method, "at": time.time()})
+                self.losing[method] = (count - 1, run_id)
+                self.injections.append({"kind": "lost", "operation": method, "at": time.time(),
+                                        "about": about[0], "run_id": about[1]})
         if lose:
             import urllib3.exceptions
 
@@ -222,6 +244,22 @@ class FakeEks:
             raise urllib3.exceptions.ProtocolError(
                 "Connection aborted.", ConnectionResetError(104, "Connection reset by peer"))
         return answer
+
+    def _about(self, method: str, kw: dict[str, Any]) -> tuple[str, str]:
+        """(job name, its DAG run id) the call is about, ("", "") when none."""
+        with self.lock:
+            if method == "create_namespaced_custom_object":
+                meta = (kw.get("body") or {}).get("metadata") or {}
+                return meta.get("name", ""), (meta.get("annotations") or {}).get(RUN_ID, "")
+            if method == "list_namespaced_pod":
+                name = (kw.get("label_selector") or "").partition("=")[2]
+            elif method == "read_namespaced_pod_log":
+                name = next((j.name for j in self.history for p in j.finished_pods + j.pods
+                             if p.name == kw.get("name")), "")
+            else:
+                name = kw.get("name") or ""
+            job = next((j for j in reversed(self.history) if j.name == name), None)
+        return (name, job.body["metadata"].get("annotations", {}).get(RUN_ID, "")) if job else (name, "")
 
     def _answer(self, api: str, method: str, **kw: Any) -> Any:
         self.calls.append((method, kw))
@@ -253,6 +291,7 @@ class FakeEks:
                 if job is None:
                     raise ApiError(404)
                 del self.jobs[key]
+                job.deleted_at = time.time()
                 job.deleted.set()
                 return {}
             if method == "list_namespaced_custom_object":
@@ -283,7 +322,9 @@ class FakeEks:
         if "tail_lines" in kw:
             records = records[-kw["tail_lines"]:]
         text = "\n".join(f"{t} {line}" if kw.get("timestamps") else line for t, line in records)
-        return text + "\n" if text else ""
+        text = text + "\n" if text else ""
+        # _preload_content=False: the client hands back the HTTP response, its body undecoded
+        return SimpleNamespace(data=text.encode()) if kw.get("_preload_content") is False else text
 
     # -- control ------------------------------------------------------------------------------
     def hold_for_capacity(self, seconds: float) -> None:
@@ -298,20 +339,23 @@ class FakeEks:
             self.node_wait_seconds = float(seconds)
 
     def report(self) -> dict[str, Any]:
-        """The simulator's record: every job (created_at, started_at, ended_at, status, reason,
-        node_ended_at) and every answer it lost."""
+        """The simulator's record: every job (created_at, started_at, ended_at, deleted_at,
+        pods_gone_at, status, reason, condition_reason, node_ended_at, run_id) and every
+        answer it lost or refused (injections)."""
         with self.lock:
             jobs = list(self.history)
             injections = list(self.injections)
         records = []
         for job in jobs:
-            state, reason = next(((c["type"], c["message"]) for c in reversed(
-                job.body.get("status", {}).get("conditions", [])) if c["status"] == "True"), ("", ""))
+            state, reason, condition_reason = next(((c["type"], c["message"], c.get("reason", "")) for c in reversed(
+                job.body.get("status", {}).get("conditions", [])) if c["status"] == "True"), ("", "", ""))
             records.append({"name": job.name, "job_id": job.body["metadata"]["uid"],
                             "service": "hyperpod", "kind": job.kind,
                             "spec_name": job.body["metadata"].get("annotations", {}).get("llmops/job-name", ""),
+                            "run_id": job.body["metadata"].get("annotations", {}).get(RUN_ID, ""),
                             "created_at": job.created_at, "started_at": job.started_at,
-                            "ended_at": job.ended_at, "status": state, "reason": reason,
+                            "ended_at": job.ended_at, "deleted_at": job.deleted_at, "pods_gone_at": job.pods_gone_at,
+                            "status": state, "reason": reason, "condition_reason": condition_reason,
                             "restarts": job.restarts, "generations": job.generation,
                             "node_ended_at": self._pod_ends(job)})
         return {"jobs": records, "injections": injections}
@@ -324,10 +368,18 @@ class FakeEks:
         return [sorted((_epoch(t), line) for p in pods if p.generation == g for t, line in list(p.lines))
                 for g in range(1, job.generation + 1)]
 
-    def lose_responses(self, method: str, count: int = 1) -> None:
-        """The next `count` calls of `method` take effect and lose their answer."""
+    def lose_responses(self, method: str, count: int = 1, run_id: str = "") -> None:
+        """The next `count` calls of `method` (about `run_id`'s jobs, where given) take effect
+        and lose their answer."""
         with self.lock:
-            self.losing[method] = count
+            self.losing[method] = (count, run_id)
+
+    def outage(self, methods: list[str], seconds: float, run_id: str = "") -> None:
+        """Calls of `methods` (about `run_id`'s jobs, where given) answer 503 for `seconds`
+        from the first call the outage hits."""
+        with self.lock:
+            self.outages.append({"methods": set(methods), "seconds": float(seconds),
+                                 "run_id": run_id, "until": None})
 
     def job(self, name: str) -> Job:
         return self._job(name)
@@ -566,6 +618,7 @@ class FakeEks:
             job.finished_pods += pods
         for pod in pods:
             pod.kill()
+        job.pods_gone_at = time.time()
 
     def _end(self, job: Job, state: str, message: str, reason: str = "") -> None:
         with self.lock:
