@@ -510,6 +510,9 @@ def test_a_job_kueue_holds_waits_in_kueues_words(eks, kind):
                               f"{'master' if kind == 'PyTorchJob' else 'pod'}: insufficient unused "
                               "quota for nvidia.com/gpu in flavor default-flavor, 32 more needed")
     assert "started_at" not in status.details
+    # queue time (max_queue_seconds) counts from the API server's creation, not from staging
+    created = eks.job(handle["k8s_name"]).created_at
+    assert abs(status.details["submitted_at"] - created) < 0.01, (status.details, created)
 
 
 def test_a_create_whose_answer_was_lost_is_resent_and_its_job_recognised(eks):

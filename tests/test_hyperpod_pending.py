@@ -41,7 +41,8 @@ def test_the_wait_is_said_with_the_time_waited_and_again_while_it_lasts(eks):
     eks.hold_nodes(600)
     backend = HyperPodBackend(settings=hp_settings(kind="PyTorchJob", gpus_per_node=8, queue_name=""))
     handle = backend.submit(spec(name=job_name("said", prefix="hp-said"), instance_count=2))
-    now = [1_000_000.0]
+    now = [eks.job(handle["k8s_name"]).created_at]   # the watch's clock from the job's creation,
+    # which status() reports as its submission (queue time counts from the API server's record)
     watch = JobWatch(backend, handle, poll_interval=60, max_run_seconds=3600,
                      clock=lambda: now[0], submitted_at=now[0])
     said = []

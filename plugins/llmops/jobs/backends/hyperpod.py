@@ -559,6 +559,11 @@ class HyperPodBackend(Backend):
                 return JobStatus(JobState.FAILED, f"{what} no longer exists")
         state, message = job_state(resource)
         details: dict[str, Any] = {"state": state}
+        # Queue time counts from when the API server had the job (max_queue_seconds), not from
+        # when the operator began submitting: staging the inputs to S3 is no wait for nodes.
+        created = _epoch((resource.get("metadata") or {}).get("creationTimestamp"))
+        if created is not None:
+            details["submitted_at"] = created
         begun = started_at(resource)
         if begun is not None:
             details["started_at"] = begun
