@@ -289,6 +289,7 @@ def test_a_finetuning_checkpoint_names_the_examples_and_replayed_rows_it_trained
     assert len(drawn) < len(sft.train), "some examples unseen, or the test proves nothing"
     replayed = {int(r) for s in range(step) for r in reader.replay_indices(s)}
     assert set(seen.consumed_rows(path, tiny_data_dir).tolist()) == replayed and replayed
+    assert record["replay"]["data_hash"] == data.content_hash   # which data the replayed rows are of
     other = tmp_path / "other.jsonl"
     other.write_text(Path(train_file).read_text().split("\n", 1)[1])   # one example fewer
     with pytest.raises(ValueError, match="not the .* the checkpoint trained on"):

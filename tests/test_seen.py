@@ -130,16 +130,17 @@ def test_skipped_batches_are_not_counted_as_seen(tiny_data_dir):
 
 
 def _older(checkpoint: Path, root: Path, *, trainer_lacks: tuple[str, ...] = (),
-           config_lacks: tuple[str, ...] = (), trainer_has: dict | None = None) -> Path:
+           config_lacks: tuple[str, ...] = (), trainer_has: dict | None = None,
+           config_has: dict | None = None) -> Path:
     """The checkpoint as an older trainer wrote it: no data_seen, nor the other trainer and
-    config keys named; re-saved by save_checkpoint, so its manifest hashes the parts as written
-    and it verifies like any checkpoint."""
+    config keys named (with the config keys `config_has` gives); re-saved by save_checkpoint, so
+    its manifest hashes the parts as written and it verifies like any checkpoint."""
     state = ckpt.load_checkpoint(checkpoint)
     step, config = state.pop("step"), state.pop("config")
     gone = {"data_seen", *trainer_lacks}
     state["trainer"] = {**{k: v for k, v in state["trainer"].items() if k not in gone},
                         **(trainer_has or {})}
-    config = {k: v for k, v in config.items() if k not in config_lacks}
+    config = {**{k: v for k, v in config.items() if k not in config_lacks}, **(config_has or {})}
     out = ckpt.save_checkpoint(root, step, state, config, keep=10)
     assert ckpt.verify_checkpoint(out) is None and "data_seen" not in ckpt.read_part(out, "trainer")
     return out
@@ -221,3 +222,48 @@ def test_an_older_checkpoint_needs_the_data_dir_to_derive_its_record(run, tmp_pa
     old = _older(run["checkpoints"] / "step_000002", tmp_path)
     with pytest.raises(ValueError, match="pass the data dir it trained on"):
         seen.record(old)
+
+
+def _other_prep_output(data_dir: Path, root: Path) -> Path:
+    """A data dir with as many rows as `data_dir` but another prep output's content hash (what a
+    second data prep of other text with the same row count writes): its manifest says so."""
+    import shutil
+
+    other = root / "other_data"
+    shutil.copytree(data_dir, other)
+    manifest = json.loads((other / "manifest.json").read_text())
+    manifest["content_hash"] = "f" * 64
+    (other / "manifest.json").write_text(json.dumps(manifest))
+    return other
+
+
+def test_a_data_dir_with_as_many_rows_but_other_content_is_refused(run, tiny_data_dir, tmp_path):
+    """The record names its data by content hash: the row count alone would let another prep
+    output of the same size answer, wrongly."""
+    checkpoint = run["checkpoints"] / "step_000002"
+    other = _other_prep_output(tiny_data_dir, tmp_path)
+    assert DataDir(other).split("train").rows == DataDir(tiny_data_dir).split("train").rows
+    assert seen.record(checkpoint)["data_hash"] == DataDir(tiny_data_dir).content_hash
+    with pytest.raises(ValueError, match="is not the data the checkpoint trained on"):
+        seen.consumed(checkpoint, other)
+    proc = _cli(checkpoint, other)
+    assert proc.returncode != 0 and "is not the data the checkpoint trained on" in proc.stderr
+
+
+def test_an_older_checkpoint_s_data_is_its_config_s_data_dir(run, tiny_data_dir, tmp_path):
+    """Derived, the record takes the content hash of the data dir its config names (readable
+    here): the same data elsewhere answers alike, other data of as many rows is refused; where
+    that dir is not readable only the row count is checked, and the record says no hash."""
+    import shutil
+
+    old = _older(run["checkpoints"] / "step_000002", tmp_path / "old")
+    copy = tmp_path / "same_data"
+    shutil.copytree(tiny_data_dir, copy)
+    assert seen.record(old, copy)["data_hash"] == DataDir(tiny_data_dir).content_hash
+    assert np.array_equal(seen.consumed_rows(old, copy), seen.consumed_rows(old, tiny_data_dir))
+    with pytest.raises(ValueError, match="is not the data the checkpoint trained on"):
+        seen.consumed_rows(old, _other_prep_output(tiny_data_dir, tmp_path))
+    gone = _older(run["checkpoints"] / "step_000002", tmp_path / "gone",
+                  config_has={"data_dir": str(tmp_path / "no_longer_here")})
+    record = seen.record(gone, tiny_data_dir)
+    assert "data_hash" not in record and record["derived_from"] == "data_cursor"

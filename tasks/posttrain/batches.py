@@ -116,7 +116,8 @@ class SFTSteps:
         (tasks/train/seen.py): the SFT sampler (seed, units per step, the trained step ranges),
         the examples behind each unit when packed (which examples share a row depends on the
         tokenizer, so it is recorded, not recomputed), the ids' count and hash (the data file
-        must be the same one), and the replayed pretraining rows' sampler."""
+        must be the same one), and the replayed pretraining rows' sampler (with their data's
+        content hash)."""
         ids = "\n".join(ex.id for ex in self.examples)
         out: dict[str, Any] = {
             "kind": "sft", "sampler": "epoch_permutation", "seed": self.sampler.seed,
@@ -126,7 +127,7 @@ class SFTSteps:
             "batches": trained_ranges(cursor, skipped)}
         if self.replay_sampler is not None:
             out["replay"] = {"seed": self.replay_sampler.seed, "global_batch": self.n_replay,
-                             "rows": self.replay_rows.rows}
+                             "rows": self.replay_rows.rows, "data_hash": self.replay_rows.content_hash}
         return out
 
     def replay_indices(self, step: int) -> np.ndarray:

@@ -92,6 +92,7 @@ class TokenRows:
 
     def __init__(self, root: Path, manifest: dict[str, Any], split: str) -> None:
         self.row_len = int(manifest["row_len"])
+        self.content_hash: str = str(manifest.get("content_hash", ""))   # the data prep output's
         dtype = np.dtype(manifest["dtype"]).newbyteorder("<")  # shards are little-endian
         self.shards: list[np.memmap] = []
         for shard in manifest["splits"][split]["shards"]:
@@ -175,11 +176,12 @@ class PretrainBatches:
 
     def seen(self, cursor: int, skipped: set[int] | frozenset[int] = frozenset()) -> dict[str, Any]:
         """What the global batches before `cursor` (less the skipped ones) consumed, exactly and
-        in a few numbers: the sampler's seed, the global batch in rows, the split's row count and
-        the trained batch ranges. tasks/train/seen.py turns it into shard rows on demand."""
+        in a few numbers: the sampler's seed, the global batch in rows, the split's row count,
+        the data's content hash (which data: another prep output may have as many rows) and the
+        trained batch ranges. tasks/train/seen.py turns it into shard rows on demand."""
         return {"sampler": "epoch_permutation", "seed": self.sampler.seed,
                 "global_batch": self.global_batch, "rows": self.rows.rows,
-                "batches": trained_ranges(cursor, skipped)}
+                "data_hash": self.rows.content_hash, "batches": trained_ranges(cursor, skipped)}
 
 
 def trained_ranges(cursor: int, skipped: set[int] | frozenset[int] = frozenset()) -> list[list[int]]:

@@ -2,8 +2,9 @@
 
 Every pretraining checkpoint's trainer state (trainer.pt, listed with its sha256 in the
 checkpoint's manifest) holds `data_seen`: the sampler's seed, the global batch in rows, the
-split's row count and the trained global batch ranges (the data cursor less any skipped
-batches). Batch order is a pure function of (seed, batch index) (tasks/train/data.py), so that
+split's row count, the data's content hash and the trained global batch ranges (the data cursor
+less any skipped batches). An answer asked against another data dir than the one it trained on
+is refused (by the content hash; by the row count for records without one). Batch order is a pure function of (seed, batch index) (tasks/train/data.py), so that
 record is exact; the rows are computed from it on demand here.
 
 A document's rows are found by replaying data prep's packing (tasks/data/prep.py): per input
@@ -21,8 +22,10 @@ units per step, the trained steps, the examples behind each packed row, the ids'
 hash) and, with replay, the sampler of the pretraining rows it replayed.
 
 A pretraining checkpoint saved before the trainer recorded `data_seen` gets the same record
-derived from its data cursor (`derived_from: data_cursor`, see `_derived`); a fine-tuning one
-of then is refused, as its packed steps cannot be recovered from a cursor.
+derived from its data cursor (`derived_from: data_cursor`, see `_derived`), with the content
+hash of the data dir its config names where that is readable here (else only the row count
+tells a wrong data dir); a fine-tuning one of then is refused, as its packed steps cannot be
+recovered from a cursor.
 """
 
 from __future__ import annotations
@@ -61,9 +64,10 @@ def _derived(path: Path, trainer: dict[str, Any], data_dir: str | Path | None) -
     66bca62 (before, batches were never skipped and training ran on one process); global_batch
     since f4a6254. The seed and per-process batch size are its config.json's (the TrainConfig
     it ran with: tasks/pretrain.py builds the batch reader from cfg.seed and cfg.batch_size),
-    the row count is the data dir's train split. A world size never changed mid-run without a
-    recorded global batch (the loop refused such a resume), so one global batch covers the
-    whole cursor."""
+    the row count is the data dir's train split. Which data it trained on is its config's
+    data_dir: where that is readable here, its content hash is the record's, and a `data_dir`
+    with other content is refused. A world size never changed mid-run without a recorded global
+    batch (the loop refused such a resume), so one global batch covers the whole cursor."""
     config = read_json(path / "config.json") if (path / "config.json").is_file() else {}
     if "base_model" in config or "teacher_model" in config:   # FinetuneConfig, DistillConfig
         raise ValueError(f"{path} is a fine-tuning checkpoint saved before the trainer recorded "
@@ -92,7 +96,21 @@ def _derived(path: Path, trainer: dict[str, Any], data_dir: str | Path | None) -
     reader = PretrainBatches(data.split("train"), batch, int(config["seed"]), world_size=world,
                              accumulation=configured // (batch * world))
     seen = reader.seen(int(trainer["data_cursor"]), set(trainer.get("skipped_batches", [])))
+    trained_on = Path(str(config.get("data_dir") or ""))
+    if str(trained_on) not in ("", ".") and (trained_on / "manifest.json").is_file():
+        seen["data_hash"] = DataDir(trained_on).content_hash   # rows_of checks data_dir's against it
+    else:   # the record names no data it can vouch for: the row count is all that is checked
+        seen.pop("data_hash")
     return {**seen, "derived_from": "data_cursor"}
+
+
+def _same_data(drawn: dict[str, Any], data: DataDir) -> None:
+    """Refuse a data dir other than the one the record says its rows are of."""
+    if drawn.get("data_hash") and drawn["data_hash"] != data.content_hash:
+        raise ValueError(f"{data.path} is not the data the checkpoint trained on: its content hash "
+                         f"is {data.content_hash[:12]}, the checkpoint's data {drawn['data_hash'][:12]} "
+                         "(another data prep output, though it may have as many rows). Pass the "
+                         "data dir it trained on (its config.json's data_dir).")
 
 
 def _drawn(n: int, global_batch: int, seed: int, batches: list[list[int]]) -> np.ndarray:
@@ -122,7 +140,9 @@ def rows_of(seen: dict[str, Any], data_dir: str | Path) -> np.ndarray:
     drawn = seen if seen.get("kind") != "sft" else {**(seen.get("replay") or {}), "batches": seen["batches"]}
     if "rows" not in drawn:   # fine-tuning without replay: no pretraining row
         return np.zeros(0, dtype=np.int64)
-    rows = DataDir(data_dir).split("train").rows
+    data = DataDir(data_dir)
+    _same_data(drawn, data)
+    rows = data.split("train").rows
     if rows != int(drawn["rows"]):
         raise ValueError(f"{data_dir} has {rows} train rows; the checkpoint trained on data with "
                          f"{drawn['rows']}: not the same data.")
