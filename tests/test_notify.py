@@ -1,5 +1,6 @@
 """Alerts (llmops.notify, llmops.jobs.alerts) against a local SNS: moto's, read back through an SQS
-queue subscribed to the topic, so each test reads the subject and text a person would get."""
+queue subscribed to the topic, so each test reads the subject and text a person would get; and the
+same through a local SMTP server (e-mail) and a local HTTP server standing in for Slack's webhook."""
 
 from __future__ import annotations
 
@@ -277,7 +278,8 @@ alerting()
 '''
 
 
-def test_airflow_calls_it_once_on_the_final_failure_not_on_the_retry(topic, airflow_db, tmp_path):
+def test_airflow_calls_it_once_on_the_final_failure_not_on_the_retry(topic, slack_webhook, airflow_db,
+                                                                     tmp_path):
     from tests.isolated_env import airflow_cli
 
     (tmp_path / "dags").mkdir()
@@ -291,6 +293,9 @@ def test_airflow_calls_it_once_on_the_final_failure_not_on_the_retry(topic, airf
     assert lines[1] == "Reason: pretrain job pretrain-7f3a failed: the job exited with code 5."
     assert lines[2].startswith("Task log: http") and "/dags/alerting/runs/" in lines[2]
     assert lines[-1] == "Try 2: the task will not be retried."
+    [posted] = slack_webhook.posts   # Slack too, from the task's own process, once
+    assert posted["text"] == f"*{subject}*\n{message}"
+    assert "s3cretWebhookToken" not in done.stdout + done.stderr   # the webhook's URL is no log line
 
 
 def test_a_loss_that_stops_improving_for_n_evaluations_alerts_once(tmp_path, monkeypatch):
@@ -413,3 +418,116 @@ def test_a_malformed_address_or_a_dead_mail_server_is_a_warning_never_a_failure(
     assert any("Could not send the alert" in r.getMessage() and "ml-oncall@example.com" in r.getMessage()
                for r in caplog.records)
     assert mailbox.messages == []
+
+
+class SlackWebhookSink:
+    """A local HTTP server (stdlib http.server) that simulates Slack's Incoming Webhook endpoint
+    (https://hooks.slack.com/services/T.../B.../...): it keeps each JSON body POSTed to the
+    webhook's path and answers as Slack does, 200 "ok", or `status` when a test sets another."""
+
+    PATH = "/services/T0LLMOPS/B0ALERTS/s3cretWebhookToken"
+
+    def __init__(self):
+        import http.server
+        import threading
+
+        self.posts: list[dict[str, Any]] = []
+        self.status = 200
+        sink = self
+
+        class Hook(http.server.BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                ok = self.path == sink.PATH and sink.status == 200
+                if ok:
+                    sink.posts.append(json.loads(body))
+                reply = b"ok" if ok else (b"no_service" if self.path != sink.PATH else b"internal_error")
+                self.send_response(sink.status if self.path == sink.PATH else 404)
+                self.send_header("Content-Length", str(len(reply)))
+                self.end_headers()
+                self.wfile.write(reply)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Hook)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}{self.PATH}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def slack_webhook(monkeypatch):
+    """The connection as the docs say to make it: conn type slackwebhook, the webhook's whole URL
+    in its password (here the local sink's), given as AIRFLOW_CONN_<ID> like a secrets backend."""
+    sink = SlackWebhookSink()
+    monkeypatch.setenv("AIRFLOW_CONN_LLMOPS_ALERTS_SLACK", json.dumps(
+        {"conn_type": "slackwebhook", "password": sink.url, "extra": {"timeout": 10}}))
+    monkeypatch.setenv("AIRFLOW__LLMOPS__NOTIFY_SLACK_CONN_ID", "llmops_alerts_slack")
+    yield sink
+    sink.close()
+
+
+def test_an_alert_is_posted_to_slack_where_a_connection_is_configured(slack_webhook, monkeypatch):
+    """Through the slack provider's notifier to the (local) webhook: the subject in bold, the
+    text a person reads, a masked secret masked, and nothing in a reason read as a mention."""
+    from airflow.sdk.log import mask_secret
+
+    monkeypatch.delenv("AIRFLOW__LLMOPS__NOTIFY_SNS_TOPIC_ARN", raising=False)
+    monkeypatch.delenv("AIRFLOW__LLMOPS__NOTIFY_EMAIL_TO", raising=False)
+    assert notify.configured()
+    mask_secret("xoxb-sl4ck-secret-value")
+    error = RuntimeError("pretrain job failed: token xoxb-sl4ck-secret-value refused <!channel> & co")
+    assert notify.stage_failed({"ti": FailingTI(), "exception": error}) is True
+    [posted] = slack_webhook.posts
+    lines = posted["text"].splitlines()
+    assert lines[0] == "*[llmops] llm_lifecycle: pretrain failed*"
+    assert lines[1] == "Stage pretrain failed in DAG llm_lifecycle, run manual__2026-12-04."
+    assert lines[2] == "Reason: pretrain job failed: token *** refused &lt;!channel&gt; &amp; co"
+    assert "Run page: " + notify.run_url("llm_lifecycle", "manual__2026-12-04") in lines
+    assert posted["unfurl_links"] is False
+
+
+def test_slack_failing_never_keeps_the_alert_from_sns_and_e_mail(topic, mailbox, slack_webhook,
+                                                                 monkeypatch, caplog):
+    monkeypatch.setenv("AIRFLOW__LLMOPS__NOTIFY_SNS_TOPIC_ARN", topic.arn)   # mailbox unsets it
+    monkeypatch.setenv("AIRFLOW__LLMOPS__NOTIFY_EMAIL_TO", "ml-oncall@example.com")
+    slack_webhook.status = 500
+    with caplog.at_level(logging.INFO):
+        assert notify.send("[llmops] pretrain-7f3a: stalled", "Job pretrain-7f3a stalled.") is True
+    assert topic() == [("[llmops] pretrain-7f3a: stalled", "Job pretrain-7f3a stalled.")]
+    [(_, mail)] = mailbox.messages
+    assert mail["Subject"] == "[llmops] pretrain-7f3a: stalled"
+    assert slack_webhook.posts == []
+    [warning] = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert "Could not send the alert" in warning and "llmops_alerts_slack" in warning
+    assert "Status Code: 500" in warning
+    # Slack not answering at all, the only channel: a warning, False, never an exception
+    monkeypatch.delenv("AIRFLOW__LLMOPS__NOTIFY_SNS_TOPIC_ARN")
+    monkeypatch.delenv("AIRFLOW__LLMOPS__NOTIFY_EMAIL_TO")
+    slack_webhook.close()
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        assert notify.send("subject", "text") is False
+    assert any("Could not send the alert" in r.getMessage() and "llmops_alerts_slack" in r.getMessage()
+               for r in caplog.records)
+    # the webhook's token (the secret in its URL) is in no line we logged
+    assert not [r for r in caplog.records if "s3cretWebhookToken" in r.getMessage()]
+
+
+@pytest.mark.parametrize("conn_id", ["llmops alerts", "slack;drop", "x" * 251,
+                                     "https://hooks.slack.com/services/T0/B0/s3cretWebhookToken"])
+def test_a_malformed_slack_conn_id_is_refused_naming_the_setting(conn_id, monkeypatch, caplog):
+    monkeypatch.delenv("AIRFLOW__LLMOPS__NOTIFY_SNS_TOPIC_ARN", raising=False)
+    monkeypatch.setenv("AIRFLOW__LLMOPS__NOTIFY_SLACK_CONN_ID", conn_id)
+    assert notify.configured()
+    with pytest.raises(notify.NotifySettingsError, match=r"\[llmops\] notify_slack_conn_id"):
+        notify.slack_conn_id()
+    with caplog.at_level(logging.WARNING):
+        assert notify.send("subject", "text") is False
+    [warning] = [r.getMessage() for r in caplog.records]
+    assert "notify_slack_conn_id" in warning and "s3cretWebhookToken" not in warning

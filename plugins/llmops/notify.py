@@ -1,4 +1,4 @@
-"""Alerts: a message to the deployment's SNS topic and/or e-mail when something needs a person.
+"""Alerts: a message to the deployment's SNS topic, e-mail and/or Slack when something needs a person.
 
 Where to send is a deployment setting, in the `[llmops]` section of Airflow's config (or its
 environment form `AIRFLOW__LLMOPS__<KEY>`, an MWAA configuration option `llmops.<key>`):
@@ -12,6 +12,9 @@ environment form `AIRFLOW__LLMOPS__<KEY>`, an MWAA configuration option `llmops.
   notify_smtp_conn_id    the SMTP connection it sends with (default smtp_default: host, port,
                          login, and the sender in its extra `from_email`; Amazon SES's SMTP
                          endpoint works as any other).
+  notify_slack_conn_id   the Slack Incoming Webhook connection (conn type `slackwebhook`; the
+                         webhook URL, a secret, lives only there) to post the same alert to (the
+                         slack provider's SlackWebhookNotifier). Unset or blank: nothing to Slack.
   notify_queue_seconds   a job still queued for capacity this long after its submission is
                          alerted on once (default 3600; 0 turns that alert off).
   notify_plateau_evals   a job whose validation loss made no new best for this many evaluations
@@ -43,6 +46,9 @@ DEFAULT_PLATEAU_EVALS = 5
 EMAIL_SETTING = "notify_email_to"
 SMTP_CONN_SETTING = "notify_smtp_conn_id"
 DEFAULT_SMTP_CONN_ID = "smtp_default"
+SLACK_SETTING = "notify_slack_conn_id"
+# Airflow's own rule for a connection id (airflow.models.connection.RE_SANITIZE_CONN_ID, 250 at most)
+CONN_ID = re.compile(r"^[\w#!()\-.:/\\]{1,250}$")
 ADDRESS = re.compile(r"^[^@\s,;<>]+@[^@\s,;<>]+\.[^@\s,;<>]+$")
 SUBJECT_MAX = 100   # SNS refuses a longer Subject
 # arn:<partition>:sns:<region>:<account>:<topic name> (a FIFO topic's name ends in .fifo)
@@ -111,18 +117,31 @@ def email_to() -> list[str]:
     return addresses
 
 
+def slack_conn_id() -> str:
+    """notify_slack_conn_id, "" when unset; NotifySettingsError when it is no Airflow connection id
+    (a webhook URL pasted there is refused without being repeated: it is a secret)."""
+    conn_id = _setting(SLACK_SETTING)
+    if "://" in conn_id:
+        raise NotifySettingsError(f"[{SECTION}] {SLACK_SETTING} must name an Airflow connection, not "
+                                  "hold a URL: put the webhook URL in that connection's password.")
+    if conn_id and not CONN_ID.match(conn_id):
+        raise NotifySettingsError(f"[{SECTION}] {SLACK_SETTING} is not an Airflow connection id: "
+                                  f"{conn_id!r} (letters, digits and _-.:/\\#!() only).")
+    return conn_id
+
+
 def configured() -> bool:
     """Whether alerts go anywhere (a malformed setting counts: sending then says what is wrong)."""
-    return bool(_setting(TOPIC_SETTING) or _setting(EMAIL_SETTING))
+    return any(_setting(key) for key in (TOPIC_SETTING, EMAIL_SETTING, SLACK_SETTING))
 
 
 def send(subject: str, message: str, context: Any = None) -> bool:
     """Send one alert to every configured channel; True when one took it. Never raises: nothing
-    configured sends nothing, and a failure (a malformed setting, AWS or the mail server
-    refusing) is logged as a warning."""
+    configured sends nothing, and a failure (a malformed setting, AWS, the mail server or Slack
+    refusing) is logged as a warning; one channel failing never keeps the alert from the others."""
     subject, message = _subject(_redact(subject)), _redact(message)
     sent = False
-    for targets, deliver in ((topic_arn, _publish), (email_to, _email)):
+    for targets, deliver in ((topic_arn, _publish), (email_to, _email), (slack_conn_id, _slack)):
         try:
             where = targets()
         except NotifySettingsError as exc:
@@ -161,6 +180,16 @@ def _email(to: list[str], subject: str, message: str, context: Any) -> str:
     SmtpNotifier(to=to, subject=subject, smtp_conn_id=conn_id, mime_subtype="alternative",
                  html_content=f"<pre>{html.escape(message)}</pre>").notify(context)
     return f"{', '.join(to)} (connection {conn_id})"
+
+
+def _slack(conn_id: str, subject: str, message: str, context: Any) -> str:
+    from airflow.providers.slack.notifications.slack_webhook import SlackWebhookNotifier
+
+    # mrkdwn: the subject in bold; &, < and > escaped, so a reason cannot @-mention or link
+    escape = lambda text: text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")  # noqa: E731
+    SlackWebhookNotifier(slack_webhook_conn_id=conn_id, text=f"*{escape(subject)}*\n{escape(message)}",
+                         unfurl_links=False, unfurl_media=False).notify(context)
+    return f"Slack (connection {conn_id})"
 
 
 def stage_failed(context: Any, sender: Callable[[str, str, Any], bool] | None = None) -> bool:
