@@ -225,6 +225,11 @@ def test_kubernetes_and_requests_errors_are_classified_by_status():
 
     assert is_transient(ApiException(status=429)) and is_transient(ApiException(status=0))
     assert is_transient(ApiException(status=503)) and not is_transient(ApiException(status=403))
+    # client 36 raises a subclass per status: a 5xx is ServiceException, and is as transient
+    from kubernetes.client.exceptions import ForbiddenException, NotFoundException, ServiceException
+
+    assert is_transient(ServiceException(status=503)) and is_transient(ServiceException(status=500))
+    assert not is_transient(NotFoundException(status=404)) and not is_transient(ForbiddenException(status=403))
     assert is_transient(requests.exceptions.ConnectionError("refused"))
     response = requests.Response()
     response.status_code = 404
