@@ -213,6 +213,12 @@ class AirflowDeployment(StartStop):
             "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_SEC": "5",
             "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT_DETECTION_INTERVAL": "5",
             "AIRFLOW__SCHEDULER__SCHEDULER_HEALTH_CHECK_THRESHOLD": "30",
+            # A restarted scheduler fails a dead worker's task (heartbeat timeout) only once it has
+            # adopted the task from the scheduler job before it, which it checks every
+            # orphaned_tasks_check_interval (300 s by default): with LocalExecutor a scheduler's
+            # SIGTERM kills its workers (on MWAA's Celery workers it does not), and the in-worker
+            # task's retry came 5 minutes later, near its row's timeout.
+            "AIRFLOW__SCHEDULER__ORPHANED_TASKS_CHECK_INTERVAL": "30",
             "AIRFLOW__TRIGGERER__JOB_HEARTBEAT_SEC": "2",
             "AIRFLOW__TRIGGERER__TRIGGERER_HEALTH_CHECK_THRESHOLD": "15",
             "AIRFLOW__LOGGING__LOGGING_LEVEL": "INFO",

@@ -445,6 +445,10 @@ class Simulator:
         self.first_attempts: set[str] = set()    # names whose first attempt was seen
         self.sinks: list[LogSink] = []
         self.jobs_url = ""   # the proxy port the containers use (FakeAws.jobs_url)
+        # Jobs another simulator runs whose containers' S3 traffic comes through the jobs port
+        # (tests/chaos/fake_eks.py's pods): (name, its `tag=value`s), so a rule narrowed to a
+        # run's jobs reaches their checkpoint uploads too.
+        self.foreign_jobs: Callable[[], list[tuple[str, set[str]]]] = list
         self.closing = threading.Event()
         threading.Thread(target=self._flush_logs, daemon=True, name="fake-aws-logs").start()
 
@@ -516,9 +520,9 @@ class Simulator:
         attempts, where its checkpoints live) its path is under."""
         if call.service == "s3":
             with self.lock:
-                return {item for job in self.jobs.values()
-                        if f"/{re.sub(r'-r[0-9]+$', '', job.name)}/" in path
-                        for item in (job.name, *_tag_pairs(job.request))}
+                known = [(job.name, _tag_pairs(job.request)) for job in self.jobs.values()]
+            return {item for name, tags in known + self.foreign_jobs()
+                    if f"/{re.sub(r'-r[0-9]+$', '', name)}/" in path for item in (name, *tags)}
         try:
             request = json.loads(body or b"{}")
         except ValueError:

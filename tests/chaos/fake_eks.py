@@ -360,6 +360,13 @@ class FakeEks:
                             "node_ended_at": self._pod_ends(job)})
         return {"jobs": records, "injections": injections}
 
+    def job_tags(self) -> list[tuple[str, set[str]]]:
+        """(name, {"run_id=<its DAG run>"}) of every job ever created: whose a pod's S3 call is
+        (tests/chaos/fake_aws.py's Simulator.foreign_jobs)."""
+        with self.lock:
+            return [(j.name, {f"run_id={j.body['metadata'].get('annotations', {}).get(RUN_ID, '')}"})
+                    for j in self.history]
+
     def generations(self, name: str) -> list[list[tuple[float, str]]]:
         """(epoch seconds, line) of every pod of each generation of the job, in time order."""
         job = self._job(name)

@@ -29,7 +29,7 @@ from tests.chaos.fake_eks import ApiError, FakeEks
 CUSTOM = re.compile(r"/apis/(?P<group>[^/]+)/(?P<version>[^/]+)/namespaces/(?P<namespace>[^/]+)"
                     r"/(?P<plural>[^/]+)(?:/(?P<name>[^/]+))?")
 PODS = re.compile(r"/api/v1/namespaces/(?P<namespace>[^/]+)/pods(?:/(?P<name>[^/]+)/log)?")
-REASONS = {400: "BadRequest", 404: "NotFound", 409: "AlreadyExists"}
+REASONS = {400: "BadRequest", 404: "NotFound", 409: "AlreadyExists", 503: "ServiceUnavailable"}
 TRUE = ("1", "t", "T", "true", "TRUE", "True")   # Go's strconv.ParseBool: the client sends "True"
 # query parameter -> FakeEks keyword, and how to read it (only those the request carries)
 LOG_QUERY = {"timestamps": ("timestamps", lambda v: v in TRUE),

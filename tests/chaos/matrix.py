@@ -10,7 +10,11 @@ SETUP     one fake AWS (tests/chaos/fake_aws.py: moto behind a fault-injecting p
           PostgreSQL metadata DB as MWAA's (tests/chaos/postgres.py: a cluster of its own in a
           temp dir; `--database sqlite` for standalone's), whose `llmops_aws` connection points
           at the proxy. Bucket, Batch compute environment and queue are created through the
-          proxy with no faults set.
+          proxy with no faults set. HyperPod: a simulated EKS cluster (tests/chaos/fake_eks.py:
+          the HyperPod training operator, Kueue, the scheduler, one process per pod on a disk of
+          its own) behind a real Kubernetes REST front (tests/chaos/fake_eks_http.py), which the
+          deployment reaches through a Kubernetes connection (`llmops_chaos_kube`); its pods
+          reach S3 through the proxy's jobs port.
 BODY      one row per fault. "global" rows run alone, one after another: 5xx and connection
           resets (they hit every client's calls, S3 and creates included, which no job tag
           narrows) and the component kills/restarts (they hit every run). Then the "scoped" rows
@@ -23,6 +27,14 @@ BODY      one row per fault. "global" rows run alone, one after another: 5xx and
           The small rows run tests/dags/chaos_dags.py: `pretrain` on SageMaker and `finetune` on
           Batch, each a `tests.chaos.numbered_job` of `--seconds` seconds, in `chaos_remote`
           (deferred: the triggerer waits) and/or `chaos_remote_worker` (the worker waits).
+          The rows a HyperPod job meets too also run `chaos_hyperpod` (`train`, deferred, a
+          HyperPodPyTorchJob): the component restarts, the worker killed right after submit,
+          the lost create answer (the connection
+          dropped after the API server made the job), a node's host lost (HyperPod's auto-resume
+          restarts the pods on replaced nodes with empty disks), MaxRuntime three times
+          (runPolicy.activeDeadlineSeconds), the capacity wait (pods Unschedulable), the
+          10-minute outage (the Kubernetes API's reads answer 503), SlowDown on its pods'
+          checkpoint uploads and the mark-failed control.
           The lifecycle row runs dags/llm_lifecycle.py (recipe tiny, one sweep trial) with
           pretraining on SageMaker and fine-tuning on Batch under the throttle storm.
 LANDING   a row claims the halves its fault must hit (each task; for a component row each run's
@@ -35,10 +47,12 @@ LANDING   a row claims the halves its fault must hit (each task; for a component
           triggerer: and the task deferred); a task cleared while its job ran, or after it
           succeeded; both same-conf runs submitting; a task marked failed while deferred with
           its trigger polling; for fault rules, at least one injection of the row's own rules
-          into that task's service (SageMaker: pretrain, Batch: finetune). Waits for a moment
-          are bounded (600 s) and their length is recorded.
-MEASURE   after every row has ended and a settle time, from the simulator's report (every job
-          it ran, with creation/start/end times, status, stop requests) and Airflow's REST API
+          into that task's service (SageMaker: pretrain, Batch: finetune; HyperPod: train, the
+          cluster's own injections about its run's jobs). Waits for a moment are bounded (600 s)
+          and their length is recorded.
+MEASURE   after every row has ended and a settle time, from the simulators' reports (every job
+          they ran, with creation/start/end times, status, stop requests; a HyperPod job's delete
+          is its stop request, `hyperpod_job`) and Airflow's REST API
           (task instance states and end times, XComs) and task log files (every try, the worker's
           and every triggerer's part). Per row:
   runs                  DAG runs the row triggered.
@@ -129,7 +143,13 @@ from tests.aws_fixtures import CONN_ID, DUMMY_CREDENTIALS, IMAGE, REGION, free_p
 BUCKET = "llmops-chaos"
 QUEUE = "llmops-chaos"
 SMALL_DAG, WORKER_DAG, LIFECYCLE_DAG = "chaos_remote", "chaos_remote_worker", "llm_lifecycle"
+HYPERPOD_DAG = "chaos_hyperpod"
 REMOTE_TASKS = ("pretrain", "finetune")
+HYPERPOD_TASKS = ("train",)
+KUBE_CONN_ID = "llmops_chaos_kube"   # the deployment's Kubernetes connection (to fake_eks_http)
+# The Kubernetes API calls a status poll and a log read make (an outage's targets).
+KUBE_READS = ["get_namespaced_custom_object", "list_namespaced_custom_object", "list_namespaced_pod",
+              "read_namespaced_pod_log"]
 ENTRYPOINT = "tests.chaos.numbered_job"
 MAX_RUN_SECONDS = 900            # the chaos DAG's jobs (tests/dags/chaos_dags.py)
 SETTLE = 15.0                    # s after the last row before measuring
@@ -139,7 +159,7 @@ COLUMNS = ("duplicate_jobs", "live_jobs_max", "orphaned_jobs", "wrongly_stopped_
 DESCRIBE_AND_LOGS = ["DescribeTrainingJob", "DescribeJobs", "ListJobs", "ListTrainingJobs",
                      "GetLogEvents", "DescribeLogStreams", "FilterLogEvents"]
 RUNNING = {"InProgress", "Stopping", "SUBMITTED", "PENDING", "RUNNABLE", "STARTING", "RUNNING"}
-SUCCEEDED = {"Completed", "SUCCEEDED"}
+SUCCEEDED = {"Completed", "SUCCEEDED", "Succeeded"}
 LINE = re.compile(r"chaos-line (\d+) run=([0-9a-f]{8})")
 QUOTED_TAIL = re.compile(r"attempt \d+ \| ")   # an ended attempt's last lines, quoted (JobOperator._quote_tail)
 # The chaos jobs checkpoint their line every 5 lines (tests/chaos/numbered_job.py's
@@ -166,7 +186,16 @@ def epoch(value: Any) -> float | None:
 class Run:
     dag_id: str
     run_id: str
-    bases: dict[str, set[str]] = field(default_factory=lambda: {t: set() for t in REMOTE_TASKS})
+    bases: dict[str, set[str]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for task_id in self.tasks:
+            self.bases.setdefault(task_id, set())
+
+    @property
+    def tasks(self) -> tuple[str, ...]:
+        """The run's remote tasks: the HyperPod DAG's one, or the others' two."""
+        return HYPERPOD_TASKS if self.dag_id == HYPERPOD_DAG else REMOTE_TASKS
 
     def label(self, task_id: str) -> str:
         """What the numbered job prints as its first line (tests/dags/chaos_dags.py)."""
@@ -221,6 +250,8 @@ class Matrix:
         self.seconds = seconds
         self.pending_seconds = pending_seconds
         self.aws: Any = None
+        self.eks: Any = None    # tests.chaos.fake_eks.FakeEks: the HyperPod half's cluster
+        self.kube: Any = None   # its HTTP front
         self.chaos: Any = None
         self.dep: AirflowDeployment | None = None
         self.lock = threading.Lock()
@@ -236,6 +267,16 @@ class Matrix:
         self.aws = FakeAws(port, self.workdir / "aws")
         self.aws.start()
         self.endpoint = f"http://127.0.0.1:{port}"
+        # HyperPod: the simulated EKS cluster behind a real Kubernetes REST front; its pods reach
+        # S3 through the jobs' port of the proxy, as the SageMaker and Batch containers do.
+        from tests.chaos.fake_aws import CREDENTIALS
+        from tests.chaos.fake_eks import FakeEks
+        from tests.chaos.fake_eks_http import KubeApiServer
+
+        self.eks = FakeEks(self.workdir / "eks", {**CREDENTIALS, "AWS_ENDPOINT_URL": self.aws.jobs_url,
+                                                  "AWS_ENDPOINT_URL_S3": self.aws.jobs_url})
+        self.kube = KubeApiServer(self.eks).start()
+        self.aws.sim.foreign_jobs = self.eks.job_tags   # rules narrowed to a run reach its pods' S3 calls
         self.chaos = ChaosClient(self.endpoint)
         self.chaos.clear()
         self.chaos.config(pending_seconds=self.pending_seconds)
@@ -256,8 +297,12 @@ class Matrix:
             "sagemaker": sagemaker_settings(BUCKET, staging_uri=f"s3://{BUCKET}/staging"),
             "batch": {"aws_conn_id": CONN_ID, "job_queue": QUEUE, "staging_uri": f"s3://{BUCKET}/staging",
                       "image": IMAGE, "instance_type": "p4d.24xlarge", "vcpus": 8, "memory_mib": 30000},
+            "hyperpod": {"kubernetes_conn_id": KUBE_CONN_ID, "aws_conn_id": CONN_ID, "image": IMAGE,
+                         "staging_uri": f"s3://{BUCKET}/staging", "kind": "HyperPodPyTorchJob",
+                         "max_retry_count": 2},
         }
         env = {f"AIRFLOW_CONN_{CONN_ID.upper()}": json.dumps(connection),
+               f"AIRFLOW_CONN_{KUBE_CONN_ID.upper()}": json.dumps(self.kube.connection()),
                "AIRFLOW_VAR_LLMOPS_BACKENDS": json.dumps(backends),
                "AIRFLOW__OPERATORS__DEFAULT_DEFERRABLE": "true",
                "LLMOPS_HOME": str(self.workdir / "llmops"),
@@ -274,7 +319,7 @@ class Matrix:
         subprocess.run([sys.executable, "-m", "llmops.sweep.pool"], env=self.dep.env, check=True,
                        capture_output=True, timeout=120)
         self.dep.start()
-        for dag_id in (SMALL_DAG, WORKER_DAG, LIFECYCLE_DAG):
+        for dag_id in (SMALL_DAG, WORKER_DAG, HYPERPOD_DAG, LIFECYCLE_DAG):
             self.dep.wait_dag(dag_id, timeout=180)
         threading.Thread(target=self._watch, daemon=True, name="matrix-watchdog").start()
 
@@ -307,6 +352,10 @@ class Matrix:
             self.dep.stop()
         if self.aws is not None:
             self.aws.stop()
+        if self.kube is not None:
+            self.kube.stop()
+        if self.eks is not None:
+            self.eks.shutdown()
 
     # -- fault rules -------------------------------------------------------------------------
     def add_faults(self, row: Row, rules: list[dict[str, Any]]) -> None:
@@ -357,7 +406,17 @@ class Matrix:
         return run
 
     def report(self) -> dict[str, Any]:
-        return self.chaos.report()
+        """Both simulators' record: the fake AWS's jobs and injections, and the HyperPod jobs in
+        the same shape (hyperpod_job)."""
+        aws, eks = self.chaos.report(), self.eks.report()
+        return {**aws, "jobs": aws["jobs"] + [hyperpod_job(j) for j in eks["jobs"]],
+                "injections": (aws.get("injections") or [])
+                + [{**i, "service": "hyperpod"} for i in eks["injections"]]}
+
+    def hyperpod_lines(self, job: dict[str, Any]) -> list[list[str]]:
+        """A HyperPod job's log lines per generation of its pods (a restart on replaced nodes
+        begins the next), from the simulator (every line, whatever the task log kept)."""
+        return [[line for _, line in generation] for generation in self.eks.generations(job["name"])]
 
     def _label(self, job: dict[str, Any]) -> str | None:
         found = self._identity(job)
@@ -370,6 +429,14 @@ class Matrix:
         with self.lock:
             if key in self.labels:
                 return self.labels[key]
+        if job["service"] == "hyperpod":
+            found = next((m for lines in self.hyperpod_lines(job)[:1] for line in lines
+                          if (m := LABEL.search(line))), None)
+            label = (found.group(1), found.group(2)) if found else None
+            if label or job.get("ended_at"):
+                with self.lock:
+                    self.labels[key] = label
+            return label
         group = _log_group(job)
         label, unread = None, False
         for stream in job.get("streams") or []:
@@ -389,7 +456,11 @@ class Matrix:
 
     def tokens(self, job: dict[str, Any]) -> set[str]:
         """The tokens a job's containers drew (`chaos-label <label> run=<token>`, one per start:
-        a SageMaker spot restart inside the job draws another), from its CloudWatch streams."""
+        a SageMaker spot restart inside the job draws another), from its CloudWatch streams
+        (HyperPod: its pods' logs)."""
+        if job["service"] == "hyperpod":
+            return {m.group(2) for lines in self.hyperpod_lines(job) for line in lines
+                    if (m := LABEL.search(line))}
         group, found = _log_group(job), set()
         for stream in job.get("streams") or []:
             found |= {m.group(2) for e in self._head(group, stream) or [] if (m := LABEL.search(e["message"]))}
@@ -413,7 +484,10 @@ class Matrix:
         run one node: a stream each, in order; a SageMaker spot restart inside the job opens a new
         one), from its CloudWatch streams in moto (every line, whatever the task log kept: Airflow
         opens a try's trigger log part anew for each deferral, so a chain's earlier attempts are
-        not all in it)."""
+        not all in it). A HyperPod job: per generation of its pods, from their logs."""
+        if job["service"] == "hyperpod":
+            return [[int(n) for line in lines for n, _ in LINE.findall(line)]
+                    for lines in self.hyperpod_lines(job)]
         group = _log_group(job)
         runs: list[list[int]] = []
         for stream in job.get("streams") or []:
@@ -438,7 +512,7 @@ class Matrix:
         of theirs (an attempt stopped before it printed anything) or one its log mentions."""
         jobs = (report or self.report())["jobs"]
         label = run.label(task_id)
-        bases = run.bases[task_id]
+        bases = run.bases.setdefault(task_id, set())
         for job in jobs:
             if job["name"].startswith(task_id + "-") and self._label(job) == label:
                 bases.add(base_of(job["name"]))
@@ -491,8 +565,8 @@ class Matrix:
         details: list[str] = []
         for run in row.runs:
             details.append(f"{run.dag_id} run {run.run_id}: {self.dep.run(run.dag_id, run.run_id)['state']}")
-            events_by_task = {t: self.dep.task_log_events(run.dag_id, run.run_id, t) for t in REMOTE_TASKS}
-            for task_id in REMOTE_TASKS:
+            events_by_task = {t: self.dep.task_log_events(run.dag_id, run.run_id, t) for t in run.tasks}
+            for task_id in run.tasks:
                 bases = set(run.bases.get(task_id, set()))
                 # Whatever name the operator used: the names its log mentions (a changed naming
                 # scheme would otherwise hide the jobs).
@@ -656,6 +730,17 @@ def _lost_progress(runs: list[list[int]]) -> tuple[int, int]:
     return worst, max(0, len(runs) - 1)
 
 
+def hyperpod_job(job: dict[str, Any]) -> dict[str, Any]:
+    """A HyperPod job of tests/chaos/fake_eks.py's report in the fake AWS's job shape: a delete
+    is its stop request (the backend's stop), and a deleted job ended when its pods were gone;
+    the training operator's DeadlineExceeded (runPolicy.activeDeadlineSeconds, the compressed
+    MaxRuntime) is a stop at its deadline."""
+    ended = job["ended_at"] or job.get("pods_gone_at")
+    stops = [{"at": job["deleted_at"], "user_agent": "kubernetes (delete)"}] if job.get("deleted_at") else []
+    return {**job, "ended_at": ended, "stop_requests": stops, "streams": [],
+            "stopped_by": "deadline" if job.get("condition_reason") == "DeadlineExceeded" else ""}
+
+
 def _log_group(job: dict[str, Any]) -> str:
     """The CloudWatch log group the service writes the job's streams to."""
     return "/aws/sagemaker/TrainingJobs" if job["service"] == "sagemaker" else "/aws/batch/job"
@@ -692,38 +777,57 @@ def _agent(user_agent: str) -> str:
 # why not (Row.miss) for every half it claims, and returns when its runs have ended.
 
 PARALLELISM = 8   # the deployment's worker slots (see Matrix.start)
-HALVES = {"pretrain": "sagemaker", "finetune": "batch"}   # the chaos DAGs' tasks and their service
+HALVES = {"pretrain": "sagemaker", "finetune": "batch"}   # the chaos DAGs' AWS tasks and their service
 
 
-def _each_task(body: Callable[[str], None]) -> None:
-    """`body(task_id)` for both tasks at once: a fault waited for on one task must not let the
-    other's moment pass (a worker that defers while we wait on the other task's)."""
-    with concurrent.futures.ThreadPoolExecutor(len(REMOTE_TASKS)) as pool:
-        for future in [pool.submit(body, t) for t in REMOTE_TASKS]:
+def _each_task(body: Callable[..., None], runs: list[Run] | None = None) -> None:
+    """`body(task_id)` for both tasks at once, or with `runs`, `body(run, task_id)` for each
+    task of each run: a fault waited for on one task must not let another's moment pass (a
+    worker that defers while we wait on the other task's)."""
+    calls = [(t,) for t in REMOTE_TASKS] if runs is None else [(r, t) for r in runs for t in r.tasks]
+    with concurrent.futures.ThreadPoolExecutor(len(calls)) as pool:
+        for future in [pool.submit(body, *call) for call in calls]:
             future.result()
 
 
 def row_faults(rules: list[dict[str, Any]], both: bool = True, own_jobs: bool = False,
-               halves: dict[str, str] | None = None, wait: float = 300.0) -> Callable[[Matrix, Row], None]:
+               halves: dict[str, str] | None = None, wait: float = 300.0,
+               hyperpod: bool | Callable[[Matrix, str], None] = False) -> Callable[[Matrix, Row], None]:
     """Fault rules while a deferred run (and, with `both`, an in-worker one) runs. `own_jobs`:
     the rules are narrowed to the calls about this row's jobs (by their run_id tag), so the row
     can run beside others; otherwise they hit every call and the row runs alone. `halves`: the
     service each task's half must see the rules hit (HALVES by default); `wait`: how long the
-    runs may take beyond twice the job's length."""
+    runs may take beyond twice the job's length. `hyperpod`: a run of the HyperPod DAG too (the
+    rules narrowed to its jobs as well: its pods' S3 calls); as `hyperpod(m, run_id)`, with the
+    fault this arms in the simulated cluster for that run's jobs, its half landing where the
+    cluster injected it."""
     def body(m: Matrix, row: Row) -> None:
         dags = [SMALL_DAG] + ([WORKER_DAG] if both else [])
         run_ids = [m.new_run_id() for _ in dags]
-        applied = [{**r, "jobs": [f"run_id={i}" for i in run_ids]} if own_jobs else r for r in rules]
+        hyperpod_run_id = m.new_run_id() if hyperpod else ""
+        narrowed = [f"run_id={i}" for i in run_ids + ([hyperpod_run_id] if hyperpod else [])]
+        applied = [{**r, "jobs": narrowed} if own_jobs else r for r in rules]
         row.rule_halves = dict(halves or HALVES)
         row.claim(*row.rule_halves)
+        if callable(hyperpod):
+            row.claim(*HYPERPOD_TASKS)
+            hyperpod(m, hyperpod_run_id)
         m.add_faults(row, applied)
         try:
             for dag_id, run_id in zip(dags, run_ids):
                 m.trigger(row, dag_id, m.conf(), run_id)
+            if hyperpod:
+                m.trigger(row, HYPERPOD_DAG, m.conf(), hyperpod_run_id)
             m.wait_runs(row, timeout=wait + 2 * m.seconds)
         finally:
             m.remove_faults(row)
         row.notes.append(f"faults: {json.dumps(applied)}")
+        if callable(hyperpod):
+            hits = [i for i in m.eks.report()["injections"] if i.get("run_id") == hyperpod_run_id]
+            if hits:
+                row.land(HYPERPOD_TASKS[0], f"{len(hits)} {'/'.join(sorted({i['kind'] for i in hits}))} "
+                         f"injections into its Kubernetes API calls {_count(i['operation'] for i in hits)}",
+                         at=hits[0]["at"])
     return body
 
 
@@ -759,19 +863,20 @@ def row_component(component: str, how: str) -> Callable[[Matrix, Row], None]:
     running (and, for the triggerer, whose task was deferred) at that moment."""
     def body(m: Matrix, row: Row) -> None:
         assert m.dep is not None
-        runs = [m.trigger(row, SMALL_DAG, m.conf())]
+        runs = [m.trigger(row, SMALL_DAG, m.conf()), m.trigger(row, HYPERPOD_DAG, m.conf())]
         if component != "triggerer":
             runs.append(m.trigger(row, WORKER_DAG, m.conf()))
-        row.claim(*[f"{r.dag_id}/{t}" for r in runs for t in REMOTE_TASKS])
+        row.claim(*[f"{r.dag_id}/{t}" for r in runs for t in r.tasks])
         started = time.monotonic()
         for run in runs:
-            for task_id in REMOTE_TASKS:
+            for task_id in run.tasks:
                 m.wait_running(run, task_id, after=5)
         deferred = set()
         if component == "triggerer":
-            for task_id in REMOTE_TASKS:
-                if m.wait_ti(runs[0], task_id, {"deferred"}, timeout=60)["state"] == "deferred":
-                    deferred.add(task_id)
+            for run in runs:
+                for task_id in run.tasks:
+                    if m.wait_ti(run, task_id, {"deferred"}, timeout=60)["state"] == "deferred":
+                        deferred.add(f"{run.dag_id}/{task_id}")
         waited = time.monotonic() - started
         hit_at = time.time()
         if how == "kill":
@@ -783,13 +888,13 @@ def row_component(component: str, how: str) -> Callable[[Matrix, Row], None]:
         row.notes.append(f"{component} {how} + start took {time.time() - hit_at:.0f}s")
         report = m.report()
         for run in runs:
-            for task_id in REMOTE_TASKS:
+            for task_id in run.tasks:
                 half = f"{run.dag_id}/{task_id}"
                 live = [j for j in m.jobs_of(run, task_id, report) if j.get("started_at")
                         and j["started_at"] <= hit_at and (not j.get("ended_at") or j["ended_at"] > hit_at)]
                 if not live:
                     row.miss(half, f"no job of it was running when the {component} was hit")
-                elif component == "triggerer" and task_id not in deferred:
+                elif component == "triggerer" and half not in deferred:
                     row.miss(half, "its task was not deferred when the triggerer was killed")
                 else:
                     row.land(half, f"{component} {how} while {live[0]['name']} ran", waited, at=hit_at)
@@ -828,11 +933,14 @@ def _kill_worker(m: Matrix, row: Row, run: Run, task_id: str, sig: int, when: st
                      f"({when}); task then {m.ti(run, task_id)['state']}")
 
 
-def row_worker(sig: int, when: str, dag_id: str) -> Callable[[Matrix, Row], None]:
+def row_worker(sig: int, when: str, dag_id: str, hyperpod: bool = False) -> Callable[[Matrix, Row], None]:
+    """`hyperpod`: a run of the HyperPod DAG too (deferred), its worker signalled the same way."""
     def body(m: Matrix, row: Row) -> None:
-        run = m.trigger(row, dag_id, m.conf())
-        row.claim(*REMOTE_TASKS)
-        _each_task(lambda t: _kill_worker(m, row, run, t, sig, when))
+        runs = [m.trigger(row, dag_id, m.conf())]
+        if hyperpod:
+            runs.append(m.trigger(row, HYPERPOD_DAG, m.conf()))
+        row.claim(*[t for r in runs for t in r.tasks])
+        _each_task(lambda run, t: _kill_worker(m, row, run, t, sig, when), runs)
         m.wait_runs(row, timeout=300 + 2 * m.seconds)
     return body
 
@@ -897,37 +1005,46 @@ SERVICE_ACTIONS = {"fail": "fail", "stop": "stop", "host": "lose_host",
                    "reclaim": "reclaim"}   # action -> ChaosClient method
 
 
-def row_service(action: str, after: float = 5.0, conf: dict[str, Any] | None = None
-                ) -> Callable[[Matrix, Row], None]:
+def row_service(action: str, after: float = 5.0, conf: dict[str, Any] | None = None,
+                hyperpod: bool = False) -> Callable[[Matrix, Row], None]:
     """The first attempt of each task's job, `after` s into its run, fails (its container
     crashes), is stopped from the console, loses its node's host (and the node's disk with
     it), or has its spot capacity reclaimed, on the service side. A crash or a stop fails the
     try, and the task's retry must start `-r2`; a lost host is the service's fault, and the
     operator's next attempt goes on at once; a reclaimed SageMaker managed spot job restarts
     inside itself (Batch: its host is lost). Either way the new container resumes from the
-    newest checkpoint on S3 (lost_progress_steps). `conf`: the run's extra Params."""
+    newest checkpoint on S3 (lost_progress_steps). `conf`: the run's extra Params. `hyperpod`
+    (host only): a run of the HyperPod DAG too, whose node's host is lost: HyperPod's
+    auto-resume restarts the job's pods on replaced nodes with empty disks, in the same job."""
     def body(m: Matrix, row: Row) -> None:
         assert m.dep is not None
-        run = m.trigger(row, SMALL_DAG, {**m.conf(), **(conf or {})})
-        row.claim(*REMOTE_TASKS)
+        runs = [m.trigger(row, SMALL_DAG, {**m.conf(), **(conf or {})})]
+        if hyperpod:
+            runs.append(m.trigger(row, HYPERPOD_DAG, m.conf()))
+        row.claim(*[t for r in runs for t in r.tasks])
 
-        def hit(task_id: str) -> None:
+        def hit(run: Run, task_id: str) -> None:
             started = time.monotonic()
             job = m.wait_running(run, task_id, after=after)
             waited = time.monotonic() - started
             if job is None:
                 row.miss(task_id, f"no running job to {action} in {waited:.0f}s")
                 return
-            target = job["job_id"] if job["service"] == "batch" else job["name"]
-            if action == "stop":
-                row.service_stopped.add(job["name"])
-            getattr(m.chaos, SERVICE_ACTIONS[action])(target)
+            if job["service"] == "hyperpod":
+                assert action == "host", action
+                m.eks.lose_host(job["name"], 0)
+            else:
+                target = job["job_id"] if job["service"] == "batch" else job["name"]
+                if action == "stop":
+                    row.service_stopped.add(job["name"])
+                getattr(m.chaos, SERVICE_ACTIONS[action])(target)
             row.land(task_id, f"{action} {job['name']} on the service side", waited)
 
-        _each_task(hit)
+        _each_task(hit, runs)
         m.wait_runs(row, timeout=300 + 2 * m.seconds)
         report = m.report()
-        for task_id in REMOTE_TASKS:
+        run = runs[0]
+        for task_id in run.tasks:
             first = [j for j in m.jobs_of(run, task_id, report) if not BASE.search(j["name"])]
             reason = first[0].get("reason", "") if first else ""
             text = "\n".join(e["event"] for e in m.dep.task_log_events(run.dag_id, run.run_id, task_id))
@@ -939,9 +1056,11 @@ def row_service(action: str, after: float = 5.0, conf: dict[str, Any] | None = N
 
 # The stage's max_queue_seconds against a capacity wait six times as long: every job of the row
 # waits held for capacity, and past the bound Airflow stops it and fails the task with the
-# service's own reason (the simulator's capacity wait holds every job made meanwhile: the row
-# runs alone).
+# service's own reason (the simulators' capacity waits hold every job made meanwhile: the row
+# runs alone). HyperPod: no node fits the job's pods (the scheduler's Unschedulable, "Insufficient
+# <resource>"), the bound our own check.
 QUEUE_LIMIT_S = 20
+CAPACITY_WORDS = {"pretrain": "capacity", "finetune": "capacity", "train": "insufficient"}
 
 
 def row_queue_limit(m: Matrix, row: Row) -> None:
@@ -949,15 +1068,18 @@ def row_queue_limit(m: Matrix, row: Row) -> None:
     row.queue_limit_s = QUEUE_LIMIT_S
     bound = {"max_queue_seconds": QUEUE_LIMIT_S}
     m.chaos.config(capacity_wait_seconds=QUEUE_LIMIT_S * 6)
+    m.eks.hold_nodes(QUEUE_LIMIT_S * 6)
     try:
-        run = m.trigger(row, SMALL_DAG, {**m.conf(), "settings_overrides": {
-            "SageMakerSettings": bound, "BatchSettings": bound}})
-        row.claim(*REMOTE_TASKS)
+        runs = [m.trigger(row, dag_id, {**m.conf(), "settings_overrides": {
+            "SageMakerSettings": bound, "BatchSettings": bound, "HyperPodSettings": bound}})
+            for dag_id in (SMALL_DAG, HYPERPOD_DAG)]
+        row.claim(*REMOTE_TASKS, *HYPERPOD_TASKS)
         m.wait_runs(row, timeout=300 + QUEUE_LIMIT_S * 6)
     finally:
         m.chaos.config(capacity_wait_seconds=0.0)
+        m.eks.hold_nodes(0)
     report = m.report()
-    for task_id in REMOTE_TASKS:
+    for run, task_id in [(r, t) for r in runs for t in r.tasks]:
         # none of its jobs ever ran, so none printed its label: they are the ones its log names
         run.bases[task_id] |= {base_of(n) for n in m.named_in_log(run, task_id)}
         jobs = m.jobs_of(run, task_id, report)
@@ -972,7 +1094,8 @@ def row_queue_limit(m: Matrix, row: Row) -> None:
             row.land(task_id, f"{len(jobs)} job(s) held for capacity, none started; task {ti['state']}")
             if ti["state"] != "failed":
                 row.notes.append(f"ERROR: {task_id} ended {ti['state']}, not failed, past max_queue_seconds")
-            if not re.search(r"max_queue_seconds \(%ds\)" % QUEUE_LIMIT_S, text) or "capacity" not in text.lower():
+            if (not re.search(r"max_queue_seconds \(%ds\)" % QUEUE_LIMIT_S, text)
+                    or CAPACITY_WORDS[task_id] not in text.lower()):
                 row.notes.append(f"ERROR: {task_id}'s log does not say the job passed max_queue_seconds "
                                  "waiting for capacity, in the service's words")
 
@@ -985,14 +1108,15 @@ MAX_RUNTIME_S, MAX_RUNTIME_LINES = 60, 170
 
 def row_max_runtime(m: Matrix, row: Row) -> None:
     """The stage outlives its MaxRuntime three times: the service stops each attempt at its
-    deadline (SageMaker MaxRuntimeExceeded, Batch's attempt duration) and the operator's next
-    attempt goes on from the newest checkpoint, in the same try."""
-    run = m.trigger(row, SMALL_DAG, {**m.conf(seconds=MAX_RUNTIME_LINES),
-                                     "max_run_seconds": MAX_RUNTIME_S})
-    row.claim(*REMOTE_TASKS)
+    deadline (SageMaker MaxRuntimeExceeded, Batch's attempt duration, HyperPod's
+    activeDeadlineSeconds) and the operator's next attempt goes on from the newest checkpoint,
+    in the same try."""
+    runs = [m.trigger(row, dag_id, {**m.conf(seconds=MAX_RUNTIME_LINES), "max_run_seconds": MAX_RUNTIME_S})
+            for dag_id in (SMALL_DAG, HYPERPOD_DAG)]
+    row.claim(*REMOTE_TASKS, *HYPERPOD_TASKS)
     m.wait_runs(row, timeout=1200)
     report = m.report()
-    for task_id in REMOTE_TASKS:
+    for run, task_id in [(r, t) for r in runs for t in r.tasks]:
         stops = [j for j in m.jobs_of(run, task_id, report) if j.get("stopped_by") == "deadline"]
         if len(stops) >= 3:
             row.land(task_id, f"{len(stops)} MaxRuntime stops: {', '.join(j['name'] for j in stops)}",
@@ -1004,12 +1128,13 @@ def row_max_runtime(m: Matrix, row: Row) -> None:
 def row_mark_failed(m: Matrix, row: Row) -> None:
     """Control row: the user marks the deferred tasks failed (once their trigger runs: what a
     user does to a multi-day job); their jobs must be stopped (the stops are expected) and none
-    must be left running (orphaned_jobs: within ORPHAN_AFTER s)."""
+    must be left running (orphaned_jobs: within ORPHAN_AFTER s). HyperPod: the trigger's clean-up
+    deletes the job."""
     assert m.dep is not None
-    run = m.trigger(row, SMALL_DAG, m.conf(seconds=max(m.seconds, 90)))
-    row.claim(*REMOTE_TASKS)
+    runs = [m.trigger(row, dag_id, m.conf(seconds=max(m.seconds, 90))) for dag_id in (SMALL_DAG, HYPERPOD_DAG)]
+    row.claim(*REMOTE_TASKS, *HYPERPOD_TASKS)
 
-    def mark(task_id: str) -> None:
+    def mark(run: Run, task_id: str) -> None:
         assert m.dep is not None
         started = time.monotonic()
         m.wait_running(run, task_id, after=5)
@@ -1033,7 +1158,7 @@ def row_mark_failed(m: Matrix, row: Row) -> None:
             row.miss(task_id, f"marked failed while {state}, "
                               f"{'its trigger polling' if polled else 'NO trigger poll seen in 120 s'}")
 
-    _each_task(mark)
+    _each_task(mark, runs)
     m.wait_runs(row, timeout=300 + 2 * m.seconds)
 
 
@@ -1048,9 +1173,15 @@ THROTTLE = [{"operations": ["DescribeTrainingJob"], "kind": "throttle", "count":
             {"operations": DESCRIBE_AND_LOGS, "kind": "throttle", "rate": 0.5, "per_job_seconds": 900}]
 # The answers to the row's own creates lost after the service acted on them (a read timeout on
 # AWS): botocore sends the same request again, and the job it made first must be the only one.
-# Twice per service: both runs' first creates, or one create and its resend.
+# Twice per service: both runs' first creates, or one create and its resend. HyperPod: the
+# connection drops after the API server made the job; urllib3 does not resend a POST, the
+# backend does, gets a 409 Conflict, and must know the job as its own (by its token).
 LOST_CREATES = [{"operations": ["CreateTrainingJob"], "kind": "lost", "count": 2},
                 {"operations": ["SubmitJob"], "kind": "lost", "count": 2}]
+
+
+def lose_hyperpod_creates(m: Matrix, run_id: str) -> None:
+    m.eks.lose_responses("create_namespaced_custom_object", 1, run_id=run_id)
 SERVICES = ["sagemaker", "batch", "logs", "s3"]
 # 150 s from the row's start: long enough to cover both halves' submits and first polls even on
 # a loaded machine (with 60 s, at load 27 the SageMaker half made its first call after the window)
@@ -1062,10 +1193,17 @@ RESETS = [{"operations": ["*"], "services": SERVICES, "kind": "reset", "rate": 0
 # come back, the task must pick up the job's end, its result and its whole log.
 OUTAGE_S = 600
 OUTAGE = [{"operations": DESCRIBE_AND_LOGS, "kind": "503", "per_job_seconds": OUTAGE_S}]
+
+
+def hyperpod_outage(m: Matrix, run_id: str) -> None:
+    """The Kubernetes API's status and log reads about the run's job answer 503 for OUTAGE_S
+    from the first one (the job's create and the reads before it are not hit)."""
+    m.eks.outage(KUBE_READS, OUTAGE_S, run_id=run_id)
 # S3's 503 SlowDown to the jobs' own writes (their checkpoints, their result) for 60 s: the jobs
-# retry with backoff (tasks/train/s3.py) and neither fail nor lose a checkpoint. The Batch half
-# only: a SageMaker job writes its checkpoints to local disk and the service syncs them (its own
-# traffic, which S3 may slow down without the job knowing), so no upload of the job is slowed.
+# retry with backoff (tasks/train/s3.py) and neither fail nor lose a checkpoint. The Batch and
+# HyperPod halves: a SageMaker job writes its checkpoints to local disk and the service syncs
+# them (its own traffic, which S3 may slow down without the job knowing), so no upload of the
+# job is slowed.
 SLOWDOWN = [{"operations": ["PutObject", "UploadPart", "CreateMultipartUpload", "CompleteMultipartUpload"],
              "services": ["s3"], "kind": "throttle", "origin": "jobs", "per_job_seconds": 60}]
 SPOT = {"settings_overrides": {"SageMakerSettings": {"spot": True}}}
@@ -1076,30 +1214,32 @@ SPOT = {"settings_overrides": {"SageMakerSettings": {"spot": True}}}
 ROWS: list[tuple[str, Callable[[Matrix, Row], None], str]] = [
     ("throttle storm 50% describe+logs", row_faults(THROTTLE, own_jobs=True), "scoped"),
     ("throttle storm, full lifecycle (pretrain SageMaker, finetune Batch)", row_lifecycle_throttle, "scoped"),
-    ("answers to CreateTrainingJob / SubmitJob lost after the job was made",
-     row_faults(LOST_CREATES, own_jobs=True), "scoped"),
+    ("answers to CreateTrainingJob / SubmitJob / the HyperPod create lost after the job was made",
+     row_faults(LOST_CREATES, own_jobs=True, hyperpod=lose_hyperpod_creates), "scoped"),
     ("5xx burst 30% for 150s", row_faults(FIVE_XX), "global"),
     ("connection resets 20% for 150s", row_faults(RESETS), "global"),
     ("triggerer SIGKILLed mid-deferral, restarted", row_component("triggerer", "kill"), "global"),
     ("scheduler restarted (SIGTERM) mid-job", row_component("scheduler", "restart"), "global"),
     ("API server restarted (SIGTERM) mid-job", row_component("api-server", "restart"), "global"),
     ("worker SIGKILLed mid-job (in-worker wait)", row_worker(signal.SIGKILL, "mid_job", WORKER_DAG), "scoped"),
-    ("worker SIGKILLed right after submit (deferred)", row_worker(signal.SIGKILL, "after_submit", SMALL_DAG), "scoped"),
+    ("worker SIGKILLed right after submit (deferred)",
+     row_worker(signal.SIGKILL, "after_submit", SMALL_DAG, hyperpod=True), "scoped"),
     ("worker SIGTERMed mid-job (in-worker wait)", row_worker(signal.SIGTERM, "mid_job", WORKER_DAG), "scoped"),
     ("task cleared after success", row_clear_after_success, "scoped"),
     ("task cleared mid-run", row_clear_mid_run, "scoped"),
     ("same conf triggered twice", row_same_conf_twice, "scoped"),
     ("job fails on the service side", row_service("fail"), "scoped"),
     ("job stopped on the service side", row_service("stop"), "scoped"),
-    ("node's host lost mid-job (next attempt on a fresh disk, from S3)", row_service("host", after=20), "scoped"),
+    ("node's host lost mid-job (next attempt on a fresh disk, from S3; HyperPod: pods on replaced nodes)",
+     row_service("host", after=20, hyperpod=True), "scoped"),
     ("stage outlives MaxRuntime three times (60 s attempts)", row_max_runtime, "scoped"),
     ("capacity wait past max_queue_seconds (20 s)", row_queue_limit, "global"),
     ("spot capacity reclaimed mid-job (SageMaker managed spot; Batch: its host)",
      row_service("reclaim", after=12, conf=SPOT), "scoped"),
-    ("describe and log reads down for 10 minutes (503)",
-     row_faults(OUTAGE, own_jobs=True, wait=OUTAGE_S + 300), "scoped"),
-    ("SlowDown on the jobs' own checkpoint uploads for 60 s (Batch)",
-     row_faults(SLOWDOWN, own_jobs=True, halves={"finetune": "s3"}), "scoped"),
+    ("describe and log reads down for 10 minutes (503; HyperPod: the Kubernetes API's)",
+     row_faults(OUTAGE, own_jobs=True, wait=OUTAGE_S + 300, hyperpod=hyperpod_outage), "scoped"),
+    ("SlowDown on the jobs' own checkpoint uploads for 60 s (Batch, HyperPod)",
+     row_faults(SLOWDOWN, own_jobs=True, halves={"finetune": "s3", "train": "s3"}, hyperpod=True), "scoped"),
     ("task marked failed by the user (control)", row_mark_failed, "scoped"),
 ]
 

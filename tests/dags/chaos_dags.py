@@ -5,6 +5,8 @@ lands while the job runs.
 
 - `chaos_remote`: both deferred (the triggerer waits, as on MWAA with deferrable operators);
 - `chaos_remote_worker`: both waited for in the worker (the task holds a worker slot throughout).
+- `chaos_hyperpod`: one deferred JobOperator, `train`, on HyperPod (a HyperPodPyTorchJob through
+  the Kubernetes API of tests/chaos/fake_eks.py, served over HTTP by tests/chaos/fake_eks_http.py).
 
 Params: `seconds` (job length), `exit_code` (non-zero: the job fails with it),
 `max_run_seconds` (each attempt's MaxRuntime; the operator's next attempt goes on past it),
@@ -36,12 +38,15 @@ CONFIG = {"seconds": "{{ params.seconds }}", "exit_code": "{{ params.exit_code }
 ENTRYPOINT = "tests.chaos.numbered_job"
 TASKS = [("pretrain", "sagemaker", "ml.g5.2xlarge"), ("finetune", "batch", "p4d.24xlarge")]
 
-for dag_id, deferrable in [("chaos_remote", True), ("chaos_remote_worker", False)]:
+HYPERPOD_TASKS = [("train", "hyperpod", "ml.g5.2xlarge")]
+
+for dag_id, deferrable, tasks in [("chaos_remote", True, TASKS), ("chaos_remote_worker", False, TASKS),
+                                  ("chaos_hyperpod", True, HYPERPOD_TASKS)]:
     with DAG(dag_id, schedule=None, start_date=pendulum.datetime(2026, 1, 1, tz="UTC"),
              catchup=False, params=PARAMS, render_template_as_native_obj=True,
              max_active_runs=16, tags=["chaos", "test"],
              default_args={"retries": 2, "retry_delay": timedelta(seconds=5)}) as dag:
-        for task_id, backend, instance_type in TASKS:
+        for task_id, backend, instance_type in tasks:
             JobOperator(task_id=task_id, deferrable=deferrable, poll_interval=2.0,
                         spec={"stage": "sample", "entrypoint": ENTRYPOINT, "config": CONFIG,
                               "backend": backend, "instance_type": instance_type,
