@@ -29,9 +29,9 @@ BODY      one row per fault. "global" rows run alone, one after another: 5xx and
           (deferred: the triggerer waits) and/or `chaos_remote_worker` (the worker waits).
           The rows a HyperPod job meets too also run `chaos_hyperpod` (`train`, deferred, a
           HyperPodPyTorchJob): the component restarts, the worker killed right after submit,
-          the lost create answer (the connection
-          dropped after the API server made the job), a node's host lost (HyperPod's auto-resume
-          restarts the pods on replaced nodes with empty disks), MaxRuntime three times
+          the lost create answer (the connection dropped after the API server made the job), a
+          node's host lost (HyperPod's auto-resume restarts the pods on replaced nodes with empty
+          disks), MaxRuntime three times
           (runPolicy.activeDeadlineSeconds), the capacity wait (pods Unschedulable), the
           10-minute outage (the Kubernetes API's reads answer 503), SlowDown on its pods'
           checkpoint uploads and the mark-failed control.
