@@ -87,6 +87,15 @@ class DataDir:
         return self.path / self.manifest["sft"][name]
 
 
+def content_hash(data_dir: str | Path | None) -> str | None:
+    """The content hash of the data prep output at `data_dir`, from its manifest; None where
+    there is none to read here (no path given, or no finished output there)."""
+    if not data_dir:
+        return None
+    manifest = Path(data_dir) / "manifest.json"
+    return read_json(manifest).get("content_hash") if manifest.is_file() else None
+
+
 class TokenRows:
     """All rows of one split across its shards, memory-mapped (nothing is read until used)."""
 

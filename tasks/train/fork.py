@@ -23,6 +23,7 @@ from typing import Any
 from tasks.common.io import publish_dir, read_json
 from tasks.configs import TrainConfig, fork_refusals, to_dict
 from tasks.train import checkpoint as ckpt
+from tasks.train.data import content_hash
 
 log = logging.getLogger(__name__)
 
@@ -57,17 +58,12 @@ def parent_checkpoint(cfg: TrainConfig) -> Path:
         raise ForkError(f"a fork may change only its learning rate and schedule, max_steps and "
                         f"the guard's settings; these differ from the parent's: "
                         f"{'; '.join(refused)}. Set them as the parent had them.")
-    if _data_hash(was.get("data_dir", "")) != _data_hash(cfg.data_dir):
+    if content_hash(was.get("data_dir")) != content_hash(cfg.data_dir):
         raise ForkError(f"data_dir: {cfg.data_dir} is not the data the parent trained on "
                         f"({was.get('data_dir')}; their manifests' content hashes differ), so its "
                         "tokenizer, sequence length and data cursor would not continue the "
                         "parent's. Fork on the parent's data.")
     return path
-
-
-def _data_hash(data_dir: str) -> str | None:
-    manifest = Path(data_dir) / "manifest.json"
-    return read_json(manifest).get("content_hash") if manifest.is_file() else None
 
 
 def seed(cfg: TrainConfig) -> dict[str, Any] | None:

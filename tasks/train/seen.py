@@ -3,9 +3,10 @@
 Every pretraining checkpoint's trainer state (trainer.pt, listed with its sha256 in the
 checkpoint's manifest) holds `data_seen`: the sampler's seed, the global batch in rows, the
 split's row count, the data's content hash and the trained global batch ranges (the data cursor
-less any skipped batches). An answer asked against another data dir than the one it trained on
-is refused (by the content hash; by the row count for records without one). Batch order is a pure function of (seed, batch index) (tasks/train/data.py), so that
-record is exact; the rows are computed from it on demand here.
+less any skipped batches). Batch order is a pure function of (seed, batch index)
+(tasks/train/data.py), so that record is exact; the rows are computed from it on demand here. An
+answer asked against another data dir than the one it trained on is refused (by the content
+hash; by the row count for records without one).
 
 A document's rows are found by replaying data prep's packing (tasks/data/prep.py): per input
 shard, its training documents in split-score order, each tokenized and followed by EOS, the
@@ -40,7 +41,8 @@ import numpy as np
 
 from tasks.common.io import read_json
 from tasks.train import checkpoint as ckpt
-from tasks.train.data import DataDir, EpochSampler, PretrainBatches, TokenRows, read_jsonl
+from tasks.train.data import (DataDir, EpochSampler, PretrainBatches, TokenRows, content_hash,
+                              read_jsonl)
 
 
 def record(checkpoint_dir: str | Path, data_dir: str | Path | None = None) -> dict[str, Any]:
@@ -96,11 +98,11 @@ def _derived(path: Path, trainer: dict[str, Any], data_dir: str | Path | None) -
     reader = PretrainBatches(data.split("train"), batch, int(config["seed"]), world_size=world,
                              accumulation=configured // (batch * world))
     seen = reader.seen(int(trainer["data_cursor"]), set(trainer.get("skipped_batches", [])))
-    trained_on = Path(str(config.get("data_dir") or ""))
-    if str(trained_on) not in ("", ".") and (trained_on / "manifest.json").is_file():
-        seen["data_hash"] = DataDir(trained_on).content_hash   # rows_of checks data_dir's against it
-    else:   # the record names no data it can vouch for: the row count is all that is checked
-        seen.pop("data_hash")
+    # the data it trained on, where readable here (rows_of checks data_dir's hash against it);
+    # else the record vouches for no data and only the row count is checked
+    seen["data_hash"] = content_hash(config.get("data_dir"))
+    if seen["data_hash"] is None:
+        del seen["data_hash"]
     return {**seen, "derived_from": "data_cursor"}
 
 
