@@ -163,6 +163,11 @@ class Job:
     def kind(self) -> str:
         return self.body["kind"]
 
+    @property
+    def run_id(self) -> str:
+        """The DAG run it belongs to (the backend's annotation), "" when none."""
+        return self.body["metadata"].get("annotations", {}).get(RUN_ID, "")
+
     def condition(self, kind: str, message: str = "", reason: str = "", **status: Any) -> None:
         body_status = self.body.setdefault("status", {})
         conditions = body_status.setdefault("conditions", [])
@@ -258,8 +263,8 @@ class FakeEks:
                              if p.name == kw.get("name")), "")
             else:
                 name = kw.get("name") or ""
-            job = next((j for j in reversed(self.history) if j.name == name), None)
-        return (name, job.body["metadata"].get("annotations", {}).get(RUN_ID, "")) if job else (name, "")
+            job = self._newest(name)
+        return name, job.run_id if job else ""
 
     def _answer(self, api: str, method: str, **kw: Any) -> Any:
         self.calls.append((method, kw))
@@ -347,14 +352,16 @@ class FakeEks:
             injections = list(self.injections)
         records = []
         for job in jobs:
-            state, reason, condition_reason = next(((c["type"], c["message"], c.get("reason", "")) for c in reversed(
-                job.body.get("status", {}).get("conditions", [])) if c["status"] == "True"), ("", "", ""))
+            state, reason, condition_reason = next(
+                ((c["type"], c["message"], c.get("reason", "")) for c in reversed(
+                    job.body.get("status", {}).get("conditions", [])) if c["status"] == "True"), ("", "", ""))
             records.append({"name": job.name, "job_id": job.body["metadata"]["uid"],
                             "service": "hyperpod", "kind": job.kind,
                             "spec_name": job.body["metadata"].get("annotations", {}).get("llmops/job-name", ""),
-                            "run_id": job.body["metadata"].get("annotations", {}).get(RUN_ID, ""),
+                            "run_id": job.run_id,
                             "created_at": job.created_at, "started_at": job.started_at,
-                            "ended_at": job.ended_at, "deleted_at": job.deleted_at, "pods_gone_at": job.pods_gone_at,
+                            "ended_at": job.ended_at, "deleted_at": job.deleted_at,
+                            "pods_gone_at": job.pods_gone_at,
                             "status": state, "reason": reason, "condition_reason": condition_reason,
                             "restarts": job.restarts, "generations": job.generation,
                             "node_ended_at": self._pod_ends(job)})
@@ -364,8 +371,7 @@ class FakeEks:
         """(name, {"run_id=<its DAG run>"}) of every job ever created: whose a pod's S3 call is
         (tests/chaos/fake_aws.py's Simulator.foreign_jobs)."""
         with self.lock:
-            return [(j.name, {f"run_id={j.body['metadata'].get('annotations', {}).get(RUN_ID, '')}"})
-                    for j in self.history]
+            return [(j.name, {f"run_id={j.run_id}"}) for j in self.history]
 
     def generations(self, name: str) -> list[list[tuple[float, str]]]:
         """(epoch seconds, line) of every pod of each generation of the job, in time order."""
@@ -393,8 +399,14 @@ class FakeEks:
 
     def _job(self, name: str) -> Job:
         """The newest job called `name`, deleted or not."""
+        job = self._newest(name)
+        if job is None:
+            raise KeyError(f"no job called {name!r} was ever created")
+        return job
+
+    def _newest(self, name: str) -> Job | None:
         with self.lock:
-            return next(j for j in reversed(self.history) if j.name == name)
+            return next((j for j in reversed(self.history) if j.name == name), None)
 
     def lose_host(self, name: str, node: int, heal_env: tuple[str, ...] = ()) -> None:
         """Node `node`'s host dies: its pod is killed at once, and the job restarts (or fails) as
