@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.pretrain_common import CODE, git_commit  # noqa: E402
+from tasks.common.io import write_json  # noqa: E402
 
 # what `make test` runs beside the benchmarked code (a clone's untracked .venv link is not it)
 TESTED = (*CODE, "dags", "tests", "scripts", "Makefile", "requirements.txt",
@@ -89,10 +90,7 @@ def main(argv: list[str] | None = None) -> int:
                          "python": platform.python_version(), **start,
                          "load_avg_1_5_15_at_end": [round(x, 2) for x in os.getloadavg()],
                          "finished_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp")
-    tmp.write_text(json.dumps(result, indent=2) + "\n")
-    os.replace(tmp, out)
+    write_json(out, result)   # atomically: a file is there whole or not at all
     print(json.dumps(result.get("parts") or result[f"make_{args.target}_wall_s"]))
     print(f"wrote {out}")
     return 0
