@@ -780,11 +780,16 @@ PARALLELISM = 8   # the deployment's worker slots (see Matrix.start)
 HALVES = {"pretrain": "sagemaker", "finetune": "batch"}   # the chaos DAGs' AWS tasks and their service
 
 
+def halves(runs: list[Run]) -> list[tuple[Run, str]]:
+    """(run, task_id) for each remote task of each run."""
+    return [(r, t) for r in runs for t in r.tasks]
+
+
 def _each_task(body: Callable[..., None], runs: list[Run] | None = None) -> None:
     """`body(task_id)` for both tasks at once, or with `runs`, `body(run, task_id)` for each
     task of each run: a fault waited for on one task must not let another's moment pass (a
     worker that defers while we wait on the other task's)."""
-    calls = [(t,) for t in REMOTE_TASKS] if runs is None else [(r, t) for r in runs for t in r.tasks]
+    calls = [(t,) for t in REMOTE_TASKS] if runs is None else halves(runs)
     with concurrent.futures.ThreadPoolExecutor(len(calls)) as pool:
         for future in [pool.submit(body, *call) for call in calls]:
             future.result()
@@ -866,17 +871,15 @@ def row_component(component: str, how: str) -> Callable[[Matrix, Row], None]:
         runs = [m.trigger(row, SMALL_DAG, m.conf()), m.trigger(row, HYPERPOD_DAG, m.conf())]
         if component != "triggerer":
             runs.append(m.trigger(row, WORKER_DAG, m.conf()))
-        row.claim(*[f"{r.dag_id}/{t}" for r in runs for t in r.tasks])
+        row.claim(*[f"{r.dag_id}/{t}" for r, t in halves(runs)])
         started = time.monotonic()
-        for run in runs:
-            for task_id in run.tasks:
-                m.wait_running(run, task_id, after=5)
+        for run, task_id in halves(runs):
+            m.wait_running(run, task_id, after=5)
         deferred = set()
         if component == "triggerer":
-            for run in runs:
-                for task_id in run.tasks:
-                    if m.wait_ti(run, task_id, {"deferred"}, timeout=60)["state"] == "deferred":
-                        deferred.add(f"{run.dag_id}/{task_id}")
+            for run, task_id in halves(runs):
+                if m.wait_ti(run, task_id, {"deferred"}, timeout=60)["state"] == "deferred":
+                    deferred.add(f"{run.dag_id}/{task_id}")
         waited = time.monotonic() - started
         hit_at = time.time()
         if how == "kill":
@@ -887,17 +890,16 @@ def row_component(component: str, how: str) -> Callable[[Matrix, Row], None]:
             m.dep.restart(component, sig=signal.SIGTERM, grace=20)
         row.notes.append(f"{component} {how} + start took {time.time() - hit_at:.0f}s")
         report = m.report()
-        for run in runs:
-            for task_id in run.tasks:
-                half = f"{run.dag_id}/{task_id}"
-                live = [j for j in m.jobs_of(run, task_id, report) if j.get("started_at")
-                        and j["started_at"] <= hit_at and (not j.get("ended_at") or j["ended_at"] > hit_at)]
-                if not live:
-                    row.miss(half, f"no job of it was running when the {component} was hit")
-                elif component == "triggerer" and half not in deferred:
-                    row.miss(half, "its task was not deferred when the triggerer was killed")
-                else:
-                    row.land(half, f"{component} {how} while {live[0]['name']} ran", waited, at=hit_at)
+        for run, task_id in halves(runs):
+            half = f"{run.dag_id}/{task_id}"
+            live = [j for j in m.jobs_of(run, task_id, report) if j.get("started_at")
+                    and j["started_at"] <= hit_at and (not j.get("ended_at") or j["ended_at"] > hit_at)]
+            if not live:
+                row.miss(half, f"no job of it was running when the {component} was hit")
+            elif component == "triggerer" and half not in deferred:
+                row.miss(half, "its task was not deferred when the triggerer was killed")
+            else:
+                row.land(half, f"{component} {how} while {live[0]['name']} ran", waited, at=hit_at)
         m.wait_runs(row, timeout=300 + 2 * m.seconds)
     return body
 
@@ -939,7 +941,7 @@ def row_worker(sig: int, when: str, dag_id: str, hyperpod: bool = False) -> Call
         runs = [m.trigger(row, dag_id, m.conf())]
         if hyperpod:
             runs.append(m.trigger(row, HYPERPOD_DAG, m.conf()))
-        row.claim(*[t for r in runs for t in r.tasks])
+        row.claim(*[t for _, t in halves(runs)])
         _each_task(lambda run, t: _kill_worker(m, row, run, t, sig, when), runs)
         m.wait_runs(row, timeout=300 + 2 * m.seconds)
     return body
@@ -1021,7 +1023,7 @@ def row_service(action: str, after: float = 5.0, conf: dict[str, Any] | None = N
         runs = [m.trigger(row, SMALL_DAG, {**m.conf(), **(conf or {})})]
         if hyperpod:
             runs.append(m.trigger(row, HYPERPOD_DAG, m.conf()))
-        row.claim(*[t for r in runs for t in r.tasks])
+        row.claim(*[t for _, t in halves(runs)])
 
         def hit(run: Run, task_id: str) -> None:
             started = time.monotonic()
@@ -1079,7 +1081,7 @@ def row_queue_limit(m: Matrix, row: Row) -> None:
         m.chaos.config(capacity_wait_seconds=0.0)
         m.eks.hold_nodes(0)
     report = m.report()
-    for run, task_id in [(r, t) for r in runs for t in r.tasks]:
+    for run, task_id in halves(runs):
         # none of its jobs ever ran, so none printed its label: they are the ones its log names
         run.bases[task_id] |= {base_of(n) for n in m.named_in_log(run, task_id)}
         jobs = m.jobs_of(run, task_id, report)
@@ -1116,7 +1118,7 @@ def row_max_runtime(m: Matrix, row: Row) -> None:
     row.claim(*REMOTE_TASKS, *HYPERPOD_TASKS)
     m.wait_runs(row, timeout=1200)
     report = m.report()
-    for run, task_id in [(r, t) for r in runs for t in r.tasks]:
+    for run, task_id in halves(runs):
         stops = [j for j in m.jobs_of(run, task_id, report) if j.get("stopped_by") == "deadline"]
         if len(stops) >= 3:
             row.land(task_id, f"{len(stops)} MaxRuntime stops: {', '.join(j['name'] for j in stops)}",
