@@ -26,7 +26,9 @@ operators and HyperPod's elastic agent:
   runPolicy.jobMaxRetryCount, a PyTorchJob's auto-resume annotations) all pods start again on
   replaced nodes (Restarting, then Running), as HyperPod's auto-resume does; else Failed.
   cleanPodPolicy All: a finished job's pods are gone from the pod list (their logs are kept
-  here for the tests, `logs()`). Deleting a job kills its pods.
+  here for the tests, `logs()`). Deleting a job kills its pods. The tests' own hand: `crash`
+  (a pod's container dies) and `delete` (a user's `kubectl delete`, which the backend is not
+  told of).
 - runPolicy.activeDeadlineSeconds (the Kubeflow training operator's common job controller;
   the compressed MaxRuntime of tests/test_multiweek.py): once a job has been active that long
   since its status.startTime (pod restarts on replaced nodes do not reset it), every pod is
@@ -54,15 +56,19 @@ operators and HyperPod's elastic agent:
   False, reason Unschedulable, message "0/<n> nodes are available: <n> Insufficient <resource>.
   preemption: ..."; no process runs, their logs answer 400 (waiting to start), the job keeps
   only its Created condition and no startTime. Then the pods start as at create.
-- Lost responses (`lose_responses(method, count, run_id)`): the next `count` calls of `method`
-  (e.g. `create_namespaced_custom_object`; with `run_id`, only calls about that DAG run's jobs,
-  by their `llmops/run-id` annotation) take effect, then raise what the kubernetes client raises
-  when the connection drops before the answer (urllib3's ProtocolError "Connection aborted.",
-  ConnectionResetError): urllib3 does not resend a POST that was sent, so the caller decides.
-  Each loss is in `report()["injections"]`.
-- An outage (`outage(methods, seconds, run_id)`): for `seconds` from the first call it hits,
-  calls of `methods` about the run's jobs answer 503 Service Unavailable (an API server or its
-  load balancer having a bad quarter of an hour), each in `report()["injections"]`.
+- Faults (`inject(kind, methods, count=, rate=, seconds=, run_id=)`): calls of `methods` (with
+  `run_id`, only those about that DAG run's jobs, by their `llmops/run-id` annotation) are hit,
+  each with chance `rate`, at most `count` times, for `seconds` from the first call a rule hits:
+  - "lost": the call takes effect, then the connection drops before the answer (a read timeout,
+    a NAT gateway's reset): what the kubernetes client raises then, urllib3's ProtocolError
+    "Connection aborted." (ConnectionResetError). urllib3 does not resend a POST that was sent,
+    so the caller decides; over HTTP it resends a GET or DELETE by itself.
+  - "reset": the connection drops before the API server reads the call: no effect.
+  - "429": the API server's priority and fairness turns the call away (Too Many Requests,
+    `Retry-After: 1`), "500" / "503": a failing API server or its load balancer. No effect.
+  `lose_responses(method, count, run_id)` and `outage(methods, seconds, run_id)` are the two
+  most used ("lost" answers to the next `count` calls; 503 for `seconds`, an API server having a
+  bad quarter of an hour). Each hit is in `report()["injections"]`.
 - The simulator's record (`report()`): every job it was asked to create, deleted ones too, with
   when it was created, started (startTime), ended (completionTime), its state and message, and
   when each pod of its newest generation exited; `generations(name)`: the log lines of each
@@ -74,6 +80,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -94,6 +101,7 @@ QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 JOB_UID_LABEL = "kueue.x-k8s.io/job-uid"
 RUN_ID = "llmops/run-id"   # the backend's annotation: the DAG run a job belongs to
 KUEUE = ("kueue.x-k8s.io", "v1beta1", "workloads")
+KINDS = ("lost", "reset", "429", "500", "503")   # the faults `inject` arms
 
 
 class ApiError(Exception):
@@ -209,9 +217,9 @@ class FakeEks:
         self.jobs: dict[tuple[str, str], Job] = {}
         self.lock = threading.RLock()
         self.calls: list[tuple[str, dict]] = []
-        self.losing: dict[str, tuple[int, str]] = {}   # method -> (answers still to lose, run id)
-        self.outages: list[dict[str, Any]] = []        # {methods, seconds, run_id, until}
-        self.injections: list[dict[str, Any]] = []   # every answer lost
+        self.rules: list[dict[str, Any]] = []          # armed faults (inject)
+        self.injections: list[dict[str, Any]] = []   # every call a rule hit
+        self.random = random.Random(0)               # which calls a rate hits: the same each run
         self.history: list[Job] = []             # every job created, deleted ones too
         self.capacity_wait_seconds = 0.0         # Kueue holds jobs created from now on this long
         self.node_wait_seconds = 0.0             # ... and the scheduler those without a queue
@@ -224,31 +232,35 @@ class FakeEks:
     # -- the API the backend calls -----------------------------------------------------------
     def call(self, api: str, method: str, **kw: Any) -> Any:
         about = self._about(method, kw)
-        with self.lock:
-            down = next((o for o in self.outages if method in o["methods"]
-                         and (not o["run_id"] or o["run_id"] == about[1])
-                         and (o["until"] is None or time.time() < o["until"])), None)
-            if down is not None:
-                down["until"] = down["until"] or time.time() + down["seconds"]
-                self.injections.append({"kind": "503", "operation": method, "at": time.time(),
-                                        "about": about[0], "run_id": about[1]})
-        if down is not None:
-            raise ApiError(503)
+        before = self._hit(method, about, before=True)
+        if before == "reset":
+            raise _connection_dropped(method)
+        if before:
+            raise ApiError(int(before))
         answer = self._answer(api, method, **kw)   # the call takes effect either way
-        with self.lock:
-            count, run_id = self.losing.get(method, (0, ""))
-            lose = count > 0 and (not run_id or run_id == about[1])
-            if lose:
-                self.losing[method] = (count - 1, run_id)
-                self.injections.append({"kind": "lost", "operation": method, "at": time.time(),
-                                        "about": about[0], "run_id": about[1]})
-        if lose:
-            import urllib3.exceptions
-
-            log.info("losing the answer to %s", method)
-            raise urllib3.exceptions.ProtocolError(
-                "Connection aborted.", ConnectionResetError(104, "Connection reset by peer"))
+        if self._hit(method, about, before=False):
+            raise _connection_dropped(method)
         return answer
+
+    def _hit(self, method: str, about: tuple[str, str], before: bool) -> str:
+        """The kind of the first armed rule that hits this call ("" when none): those that
+        answer instead of the call (`before`), or "lost", which drops the answer after it."""
+        now = time.time()
+        with self.lock:
+            for rule in self.rules:
+                if ((rule["kind"] != "lost") != before or method not in rule["methods"]
+                        or (rule["run_id"] and rule["run_id"] != about[1])
+                        or (rule["count"] is not None and rule["hits"] >= rule["count"])
+                        or (rule["until"] is not None and now >= rule["until"])
+                        or self.random.random() >= rule["rate"]):
+                    continue
+                if rule["seconds"] is not None and rule["until"] is None:
+                    rule["until"] = now + rule["seconds"]
+                rule["hits"] += 1
+                self.injections.append({"kind": rule["kind"], "operation": method, "at": now,
+                                        "about": about[0], "run_id": about[1]})
+                return rule["kind"]
+        return ""
 
     def _about(self, method: str, kw: dict[str, Any]) -> tuple[str, str]:
         """(job name, its DAG run id) the call is about, ("", "") when none."""
@@ -295,9 +307,7 @@ class FakeEks:
             if method == "delete_namespaced_custom_object":
                 if job is None:
                     raise ApiError(404)
-                del self.jobs[key]
-                job.deleted_at = time.time()
-                job.deleted.set()
+                self._delete(key)
                 return {}
             if method == "list_namespaced_custom_object":
                 if (kw["group"], kw["version"], kw["plural"]) != KUEUE:
@@ -381,24 +391,31 @@ class FakeEks:
         return [sorted((_epoch(t), line) for p in pods if p.generation == g for t, line in list(p.lines))
                 for g in range(1, job.generation + 1)]
 
+    def inject(self, kind: str, methods: list[str], count: int | None = None, rate: float = 1.0,
+               seconds: float | None = None, run_id: str = "") -> None:
+        """Arm a fault (see the module docstring): `kind` "lost", "reset", "429", "500" or "503"."""
+        if kind not in KINDS:
+            raise ValueError(f"kind {kind!r}: choose one of {KINDS}")
+        with self.lock:
+            self.rules.append({"kind": kind, "methods": set(methods), "count": count, "rate": rate,
+                               "seconds": seconds, "run_id": run_id, "hits": 0, "until": None})
+
     def lose_responses(self, method: str, count: int = 1, run_id: str = "") -> None:
         """The next `count` calls of `method` (about `run_id`'s jobs, where given) take effect
         and lose their answer."""
-        with self.lock:
-            self.losing[method] = (count, run_id)
+        self.inject("lost", [method], count=count, run_id=run_id)
 
     def outage(self, methods: list[str], seconds: float, run_id: str = "") -> None:
         """Calls of `methods` (about `run_id`'s jobs, where given) answer 503 for `seconds`
         from the first call the outage hits."""
-        with self.lock:
-            self.outages.append({"methods": set(methods), "seconds": float(seconds),
-                                 "run_id": run_id, "until": None})
+        self.inject("503", methods, seconds=seconds, run_id=run_id)
 
     def job(self, name: str) -> Job:
         return self._job(name)
 
     def _job(self, name: str) -> Job:
-        """The newest job called `name`, deleted or not."""
+        """The newest job called `name`, deleted or not, or the job whose uid `name` is (a name
+        may be used again once its job is gone)."""
         job = self._newest(name)
         if job is None:
             raise KeyError(f"no job called {name!r} was ever created")
@@ -406,7 +423,8 @@ class FakeEks:
 
     def _newest(self, name: str) -> Job | None:
         with self.lock:
-            return next((j for j in reversed(self.history) if j.name == name), None)
+            return next((j for j in reversed(self.history)
+                         if name in (j.name, j.body["metadata"]["uid"])), None)
 
     def lose_host(self, name: str, node: int, heal_env: tuple[str, ...] = ()) -> None:
         """Node `node`'s host dies: its pod is killed at once, and the job restarts (or fails) as
@@ -419,6 +437,28 @@ class FakeEks:
         log.info("%s: node %d's host lost (pod %s)", name, node, pod.name)
         pod.kill()
         job.lost.set()
+
+    def crash(self, name: str, node: int) -> None:
+        """Node `node`'s container dies (killed, exit -9): the job restarts its pods or fails, as
+        the operator decides for a failed pod."""
+        job = self.job(name)
+        with self.lock:
+            pod = job.pods[node]
+        log.info("%s: pod %s crashed", name, pod.name)
+        pod.kill()
+
+    def delete(self, name: str) -> None:
+        """Someone deletes the job (`kubectl delete`, not the backend): its pods are killed and
+        it is gone from the API, with no word to the backend."""
+        with self.lock:
+            key = next(k for k, j in self.jobs.items() if j.name == name)
+            self._delete(key)
+        log.info("%s: deleted by a user", name)
+
+    def _delete(self, key: tuple[str, str]) -> None:
+        job = self.jobs.pop(key)
+        job.deleted_at = time.time()
+        job.deleted.set()   # its watcher kills its pods
 
     def preempt(self, name: str, hold_seconds: float) -> None:
         """Kueue preempts the running job for a higher-priority workload (see the module
@@ -648,6 +688,15 @@ class FakeEks:
         for pod in pods:
             pod.kill()
         log.info("%s %s: %s (%s)", job.kind, job.name, state, message)
+
+
+def _connection_dropped(method: str) -> Exception:
+    """What the kubernetes client raises when the connection drops before an answer."""
+    import urllib3.exceptions
+
+    log.info("dropping the connection of %s", method)
+    return urllib3.exceptions.ProtocolError(
+        "Connection aborted.", ConnectionResetError(104, "Connection reset by peer"))
 
 
 def _epoch(stamp: str) -> float:

@@ -6,10 +6,11 @@ reach EKS.
 Only the transport is real: everything behind it (objects, pods, logs, Kueue, faults) is FakeEks.
 Served: the custom objects' get / create / delete / list, the pods listed by label and a pod's
 log, which is all the HyperPod backend calls; an `ApiError` is that HTTP status with a
-Kubernetes `Status` body, an unknown path a 404. A lost response (`FakeEks.lose_responses`) is a
-real dropped connection: the call took effect and the socket is closed before any byte of the
-answer, so the client's urllib3 raises ProtocolError ("Connection aborted.") for a POST and, as
-against a real API server, retries a GET or DELETE by itself.
+Kubernetes `Status` body (a 429 with `Retry-After`), an unknown path a 404. A lost response or a
+reset (`FakeEks.inject`) is a real dropped connection: the socket is closed before any byte of
+the answer (after the call took effect, or before), so the client's urllib3 raises
+ProtocolError ("Connection aborted.") for a POST and, as against a real API server, retries a
+GET or DELETE by itself.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from tests.chaos.fake_eks import ApiError, FakeEks
 CUSTOM = re.compile(r"/apis/(?P<group>[^/]+)/(?P<version>[^/]+)/namespaces/(?P<namespace>[^/]+)"
                     r"/(?P<plural>[^/]+)(?:/(?P<name>[^/]+))?")
 PODS = re.compile(r"/api/v1/namespaces/(?P<namespace>[^/]+)/pods(?:/(?P<name>[^/]+)/log)?")
-REASONS = {400: "BadRequest", 404: "NotFound", 409: "AlreadyExists", 503: "ServiceUnavailable"}
+REASONS = {400: "BadRequest", 404: "NotFound", 409: "AlreadyExists", 429: "TooManyRequests",
+           500: "InternalError", 503: "ServiceUnavailable"}
 TRUE = ("1", "t", "T", "true", "TRUE", "True")   # Go's strconv.ParseBool: the client sends "True"
 # query parameter -> FakeEks keyword, and how to read it (only those the request carries)
 LOG_QUERY = {"timestamps": ("timestamps", lambda v: v in TRUE),
@@ -130,6 +132,8 @@ def _handler(eks: FakeEks) -> type[BaseHTTPRequestHandler]:
             text = isinstance(answer, str)
             data = answer.encode() if text else json.dumps(answer).encode()
             self.send_response(code)
+            if code == 429:   # the API server's priority and fairness says when to come back
+                self.send_header("Retry-After", "1")
             self.send_header("Content-Type", "text/plain" if text else "application/json")
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
