@@ -90,9 +90,9 @@ def child(code: str, handles_file: str, seconds: float, poll: float, seed: int) 
     import airflow.providers.amazon.aws.hooks.batch_client  # noqa: F401
     import airflow.providers.amazon.aws.hooks.logs  # noqa: F401
     import airflow.providers.amazon.aws.hooks.s3  # noqa: F401
-    import llmops.hooks.sagemaker  # noqa: F401
-    import llmops.jobs.backends.batch  # noqa: F401
-    import llmops.jobs.backends.sagemaker  # noqa: F401
+    import llmops.jobs.backends.batch.backend  # noqa: F401
+    import llmops.jobs.backends.sagemaker.backend  # noqa: F401
+    import llmops.jobs.backends.sagemaker.hook  # noqa: F401
 
     warnings: list[str] = []
 

@@ -2,8 +2,8 @@
 
     python scripts/vendor_crd.py CRD.yaml OUT.json --source "where it came from"
 
-The PyTorchJob schema in plugins/llmops/jobs/backends/crds/ was made from the Kubeflow training
-operator's CRD as the SageMaker HyperPod Helm chart installs it
+The PyTorchJob schema in plugins/llmops/jobs/backends/hyperpod/crds/ was made from the Kubeflow
+training operator's CRD as the SageMaker HyperPod Helm chart installs it
 (aws/sagemaker-hyperpod-cli: helm_chart/HyperPodHelmChart/charts/training-operators/crds/
 pytorchjobs.kubeflow.org-CustomResourceDefinition.yaml, Apache-2.0).
 """

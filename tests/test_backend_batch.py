@@ -16,8 +16,9 @@ import pytest
 
 from llmops.aws.validation import validate_request
 from llmops.jobs.backends import JobState, remote
-from llmops.jobs.backends.batch import BatchBackend, job_definition, submit_request
-from llmops.jobs.backends.settings import BatchSettings
+from llmops.jobs.backends.batch.backend import BatchBackend
+from llmops.jobs.backends.batch.requests import job_definition, submit_request
+from llmops.jobs.backends.batch.settings import BatchSettings
 from llmops.jobs.spec import JobSpec, JobSpecError, job_name
 from tests.aws_fixtures import CONN_ID, ENTRY, IMAGE, ROOT, Moto, free_port, stop_process_group, wait_http
 
@@ -224,7 +225,7 @@ class LaggyBatch:
 
 @pytest.fixture()
 def laggy(aws, monkeypatch):
-    from llmops.jobs.backends import batch
+    from llmops.jobs.backends.batch import backend as batch
 
     real = BatchBackend._hook
     client = {}
@@ -269,7 +270,7 @@ def test_a_worker_killed_right_after_submit_job_does_not_lead_to_a_second_job(aw
 
 
 def test_a_worker_killed_between_its_claim_and_submit_job_is_resubmitted_once(aws, laggy, monkeypatch):
-    from llmops.jobs.backends import batch
+    from llmops.jobs.backends.batch import backend as batch
 
     monkeypatch.setattr(batch, "SUBMIT_WINDOW_SECONDS", 0.5)
     backend = BatchBackend(settings=settings())

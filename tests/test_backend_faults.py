@@ -20,17 +20,14 @@ import pytest
 from airflow.providers.amazon.aws.hooks.batch_client import BatchClientHook
 
 from llmops.aws.validation import validate_request
-from llmops.hooks.sagemaker import KINDS, SageMakerJobsHook
 from llmops.jobs.backends import JobState, remote
-from llmops.jobs.backends.batch import BatchBackend
-from llmops.jobs.backends.sagemaker import (
-    SPOT_MAX_WAIT,
-    SageMakerProcessingBackend,
-    SageMakerTrainingBackend,
-    stopping_condition,
-    training_request,
-)
-from llmops.jobs.backends.settings import BackendSettingsError, SageMakerSettings, load
+from llmops.jobs.backends.batch.backend import BatchBackend
+from llmops.jobs.backends.remote_settings import BackendSettingsError
+from llmops.jobs.backends.sagemaker.backend import SageMakerProcessingBackend, SageMakerTrainingBackend
+from llmops.jobs.backends.sagemaker.hook import KINDS, SageMakerJobsHook
+from llmops.jobs.backends.sagemaker.requests import SPOT_MAX_WAIT, stopping_condition, training_request
+from llmops.jobs.backends.sagemaker.settings import SageMakerSettings
+from llmops.jobs.backends.settings import load
 from llmops.jobs.spec import JobSpec, job_name
 from tests.aws_fixtures import CONN_ID, IMAGE, REGION, ROLE, sagemaker_settings
 

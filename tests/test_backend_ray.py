@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from llmops.jobs.backends import JobState
-from llmops.jobs.backends.ray import RayBackend
+from llmops.jobs.backends.ray.backend import RayBackend
 from llmops.jobs.spec import JobSpec, job_name
 from tests.aws_fixtures import ENTRY, ROOT
 

@@ -12,15 +12,14 @@ from botocore.validate import ParamValidator
 
 from llmops.aws.validation import AwsRequestError, service_model, validate_request
 from llmops.jobs.backends import JobState, get_backend, remote
-from llmops.jobs.backends.sagemaker import (
-    SageMakerProcessingBackend,
-    SageMakerTrainingBackend,
+from llmops.jobs.backends.fabric import fabric_env
+from llmops.jobs.backends.sagemaker.backend import SageMakerProcessingBackend, SageMakerTrainingBackend
+from llmops.jobs.backends.sagemaker.requests import (
     distribution_hyperparameters,
-    fabric_env,
     processing_request,
     training_request,
 )
-from llmops.jobs.backends.settings import ProcessingSettings, SageMakerSettings
+from llmops.jobs.backends.sagemaker.settings import ProcessingSettings, SageMakerSettings
 from llmops.jobs.spec import JobSpec, JobSpecError, job_name
 from tests.aws_fixtures import IMAGE, ROLE, run_training_container, sagemaker_settings
 
@@ -303,7 +302,7 @@ def test_backends_are_registered_for_the_stage_params():
 def test_backends_poll_every_30_seconds_by_default():
     """AWS's describe calls are rate-limited per account: SageMaker and Batch are polled every
     30 s (the settings' poll_interval_seconds, carried in the handle), not every 2 s."""
-    from llmops.jobs.backends.batch import BatchBackend
+    from llmops.jobs.backends.batch.backend import BatchBackend
 
     assert SageMakerTrainingBackend.poll_interval == SageMakerProcessingBackend.poll_interval == 30.0
     assert BatchBackend.poll_interval == 30.0
@@ -315,8 +314,8 @@ def test_backends_poll_every_30_seconds_by_default():
 def test_max_queue_seconds_becomes_max_pending_time_within_sagemakers_range():
     """Issue 21.3: SageMaker stops a job pending past MaxPendingTimeInSeconds (1800 s - 28 days,
     botocore's model); outside that range only Airflow's own check bounds the wait."""
-    from llmops.jobs.backends.sagemaker import MAX_PENDING_RANGE, stopping_condition
-    from llmops.jobs.backends.settings import BackendSettingsError
+    from llmops.jobs.backends.remote_settings import BackendSettingsError
+    from llmops.jobs.backends.sagemaker.requests import MAX_PENDING_RANGE, stopping_condition
 
     model = __import__("botocore.session").session.get_session().get_service_model("sagemaker")
     bounds = model.shape_for("StoppingCondition").members["MaxPendingTimeInSeconds"].metadata
@@ -395,7 +394,7 @@ def test_only_not_found_means_the_job_is_absent(monkeypatch, message, absent):
     again, or skip to a new attempt beside a running one."""
     from botocore.exceptions import ClientError
 
-    from llmops.hooks.sagemaker import SageMakerJobsHook
+    from llmops.jobs.backends.sagemaker.hook import SageMakerJobsHook
 
     hook = SageMakerJobsHook(aws_conn_id="llmops_aws")
     monkeypatch.setattr(hook, "get_conn", lambda: _Refusing(message))
@@ -443,7 +442,7 @@ def test_a_created_jobs_token_tells_a_lost_response_from_another_try(aws, monkey
     resent create is refused, and the job is this try's own (its token tag), not a reattach."""
     backend = SageMakerTrainingBackend(settings={"sagemaker": sagemaker_settings("llmops-test")})
     spec = sample(job_name("sm-lost", prefix="sm-lost"))
-    from llmops.hooks.sagemaker import SageMakerJobsHook
+    from llmops.jobs.backends.sagemaker.hook import SageMakerJobsHook
 
     real = SageMakerJobsHook.create_training_job
 

@@ -26,8 +26,8 @@ from botocore.config import Config
 from botocore.exceptions import ClientError, ConnectionClosedError, EndpointConnectionError, ReadTimeoutError
 
 from llmops.jobs.backends import JobState
-from llmops.jobs.backends.batch import STOP_REASON, BatchBackend
-from llmops.jobs.backends.sagemaker import SageMakerTrainingBackend
+from llmops.jobs.backends.batch.backend import STOP_REASON, BatchBackend
+from llmops.jobs.backends.sagemaker.backend import SageMakerTrainingBackend
 from llmops.jobs.spec import JobSpec, job_name
 from llmops.jobs.watch import JobWatch
 from tests.aws_fixtures import IMAGE, REGION, ROOT, free_port, sagemaker_settings, wait_http
@@ -486,7 +486,7 @@ def unseen_jobs(chaos, monkeypatch):
     DescribeJobs, and missing from ListTrainingJobs / ListJobs. Long here (100 s) so that the
     whole test runs inside the window; Batch's submit stops looking for its job after 1 s instead
     of 60 (what is under test is what comes after)."""
-    from llmops.jobs.backends import batch
+    from llmops.jobs.backends.batch import backend as batch
 
     monkeypatch.setattr(batch, "SETTLE_SECONDS", 1.0)
     chaos.config(consistency_seconds=100)
@@ -530,14 +530,15 @@ def test_a_job_not_visible_yet_is_waited_for_not_failed_nor_submitted_again(fake
 def eks_backend(fake, tmp_path, monkeypatch):
     """(the simulated EKS cluster, a HyperPod backend on it) with the fake AWS for S3; the
     backend's settings are the test's (`make(staging prefix, **settings)`)."""
-    from llmops.jobs.backends import hyperpod
+    from llmops.jobs.backends.hyperpod import backend as hyperpod
+    from llmops.jobs.backends.hyperpod import hook as hyperpod_hook
     from tests.chaos.fake_aws import CREDENTIALS
     from tests.chaos.fake_eks import FakeEks
 
     eks = FakeEks(tmp_path / "eks", {**CREDENTIALS, "AWS_ENDPOINT_URL": fake.moto_url,
                                      "AWS_ENDPOINT_URL_S3": fake.moto_url})
-    monkeypatch.setattr(hyperpod, "connect", lambda *key: eks)
-    monkeypatch.setattr(hyperpod, "_CLIENTS", {})
+    monkeypatch.setattr(hyperpod_hook, "connect", lambda *key: eks)
+    monkeypatch.setattr(hyperpod_hook, "_CLIENTS", {})
 
     def make(prefix: str, **settings):
         return eks, hyperpod.HyperPodBackend(settings={"hyperpod": {

@@ -14,7 +14,8 @@ import pytest
 import urllib3.exceptions
 
 from llmops.jobs.backends import JobState
-from llmops.jobs.backends import hyperpod
+from llmops.jobs.backends.hyperpod import backend as hyperpod
+from llmops.jobs.backends.hyperpod import hook as hyperpod_hook
 from llmops.jobs.spec import JobSpec, job_name
 from tests.aws_fixtures import CONN_ID, DUMMY_CREDENTIALS, IMAGE
 from tests.chaos.fake_eks import FakeEks
@@ -42,9 +43,9 @@ def server(eks, monkeypatch) -> Iterator[KubeApiServer]:
     """The server, named by the Airflow connection KUBE_CONN; no cached API client."""
     api = KubeApiServer(eks).start()
     monkeypatch.setenv(f"AIRFLOW_CONN_{KUBE_CONN.upper()}", json.dumps(api.connection()))
-    hyperpod._CLIENTS.clear()
+    hyperpod_hook._CLIENTS.clear()
     yield api
-    hyperpod._CLIENTS.clear()   # its client points at a server that is gone
+    hyperpod_hook._CLIENTS.clear()   # its client points at a server that is gone
     api.stop()
 
 

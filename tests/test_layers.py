@@ -37,10 +37,10 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # where things live, which paths a run may use, which code ran, a run's shape (llmops.run)
     ("llmops.core", ("llmops", "llmops.settings", "llmops.paths", "llmops.provenance",
                      "llmops.run")),
-    # AWS clients and hooks, MLflow, the job ledger, the step cache, alerts (SNS)
-    ("llmops.infra", ("llmops.aws", "llmops.hooks", "llmops.tracking", "llmops.ledger",
-                      "llmops.step_cache", "llmops.notify")),
-    # the backend-neutral spec, watching a job, the backends and their settings
+    # AWS clients, MLflow, the job ledger, the step cache, alerts (SNS)
+    ("llmops.infra", ("llmops.aws", "llmops.tracking", "llmops.ledger", "llmops.step_cache",
+                      "llmops.notify")),
+    # the backend-neutral spec, watching a job, the backends: their hooks, requests and settings
     ("llmops.jobs", ("llmops.jobs",)),
     # what a run may ask for and may use: the Param table, teams, budgets, the sweep's size,
     # model references, the promotion gate

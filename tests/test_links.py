@@ -200,7 +200,7 @@ def test_trials_are_named_by_number_and_learning_rate():
 def test_progress_lines_keep_what_sagemaker_parses_and_add_share_elapsed_eta():
     import re
 
-    from llmops.jobs.backends.sagemaker import METRICS
+    from llmops.jobs.backends.sagemaker.requests import METRICS
     from tasks.train.telemetry import Progress
 
     now = [0.0]

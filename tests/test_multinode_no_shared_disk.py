@@ -109,7 +109,7 @@ def run_two_nodes_lose_one(platform: mn.Platform, spec: JobSpec, server: FakeAws
 
 @pytest.mark.parametrize("backend", ("HyperPodPyTorchJob", "PyTorchJob"))
 def test_two_nodes_no_shared_disk(fake, backend, tmp_path, monkeypatch):
-    from llmops.jobs.backends import hyperpod
+    from llmops.jobs.backends.hyperpod import hook as hyperpod
 
     monkeypatch.setattr(hyperpod, "connect", hyperpod.connect)   # restored after a HyperPod case
     platform = mn.platform(fake, backend, tmp_path)

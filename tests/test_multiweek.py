@@ -181,7 +181,7 @@ def step_lines(events) -> list[int]:
 
 @pytest.mark.parametrize("backend", ["sagemaker", "batch", "hyperpod"])
 def test_compressed_multiweek_pretraining(fake, uninterrupted, backend, tmp_path, monkeypatch):
-    from llmops.jobs.backends import hyperpod
+    from llmops.jobs.backends.hyperpod import hook as hyperpod
 
     monkeypatch.setenv("LLMOPS_HOME", str(tmp_path / "home"))    # this test's own ledger
     monkeypatch.delenv("LLMOPS_STORAGE_ROOT", raising=False)

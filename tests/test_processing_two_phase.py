@@ -14,8 +14,9 @@ from pathlib import Path
 
 from llmops.aws.validation import validate_request
 from llmops.jobs.backends import remote
-from llmops.jobs.backends.sagemaker import finalize_name, processing_request
-from llmops.jobs.backends.settings import ProcessingSettings
+from llmops.jobs.backends.sagemaker.backend import finalize_name
+from llmops.jobs.backends.sagemaker.requests import processing_request
+from llmops.jobs.backends.sagemaker.settings import ProcessingSettings
 from llmops.jobs.spec import JobSpec, job_name
 from tasks.configs import to_dict
 from tests.aws_fixtures import ENTRY, IMAGE, ROLE, ROOT
@@ -100,7 +101,7 @@ def test_one_handle_runs_shards_then_finalize_against_moto(moto_server):
     """moto completes a processing job at creation: the shards job's result, then the finalize
     job's, are written as the hosts would write them."""
     from llmops.jobs.backends import JobState
-    from llmops.jobs.backends.sagemaker import SageMakerProcessingBackend
+    from llmops.jobs.backends.sagemaker.backend import SageMakerProcessingBackend
     from tests.aws_fixtures import sagemaker_settings
 
     moto_server.bucket("llmops-test")

@@ -17,6 +17,9 @@ import pytest
 
 from llmops import lifecycle, teams
 from llmops.jobs.backends import settings as backend_settings
+from llmops.jobs.backends.batch.settings import BatchSettings
+from llmops.jobs.backends.hyperpod.settings import HyperPodSettings
+from llmops.jobs.backends.sagemaker.settings import SageMakerSettings
 from llmops.jobs.spec import JobSpec
 from llmops.sweep import budget
 from tests.aws_fixtures import IMAGE, ROLE, sagemaker_settings
@@ -175,7 +178,9 @@ def spec_of(team: str, stage: str = "pretrain") -> JobSpec:
 
 
 def test_jobs_run_with_their_teams_role_share_namespace_and_queue(team_setup):
-    from llmops.jobs.backends import batch, remote, sagemaker
+    from llmops.jobs.backends import remote
+    from llmops.jobs.backends.batch import requests as batch
+    from llmops.jobs.backends.sagemaker import requests as sagemaker
 
     deployment = {"sagemaker": sagemaker_settings("llmops-validation"),
                   "batch": {"job_queue": "q", "staging_uri": "s3://llmops-validation/staging",
@@ -188,31 +193,31 @@ def test_jobs_run_with_their_teams_role_share_namespace_and_queue(team_setup):
             ("vision", "arn:aws:iam::123456789012:role/llmops-vision", "visionshare",
              "hyperpod-ns-vision")):
         spec = spec_of(team)
-        sm = backend_settings.load("sagemaker", backend_settings.SageMakerSettings, deployment).for_job(spec)
+        sm = backend_settings.load("sagemaker", SageMakerSettings, deployment).for_job(spec)
         request, _ = sagemaker.training_request(spec, sm, remote.plan(spec, "job-1-a1", sm.staging_uri),
                                                 "job-1-a1")
         assert request["RoleArn"] == role
-        b = backend_settings.load("batch", backend_settings.BatchSettings, deployment).for_job(spec)
+        b = backend_settings.load("batch", BatchSettings, deployment).for_job(spec)
         assert b.job_role_arn == role
         assert batch.scheduling(spec, b.share_identifier)["shareIdentifier"] == share
-        hp = backend_settings.load("hyperpod", backend_settings.HyperPodSettings, deployment).for_job(spec)
+        hp = backend_settings.load("hyperpod", HyperPodSettings, deployment).for_job(spec)
         assert (hp.namespace, hp.queue_name) == (namespace, f"{namespace}-localqueue")
     # a job tagged with no team gets the default team's; one tagged with a removed team is refused
-    assert backend_settings.load("batch", backend_settings.BatchSettings, deployment) \
+    assert backend_settings.load("batch", BatchSettings, deployment) \
         .for_job(spec_of("")).share_identifier == "nlpshare"
     with pytest.raises(teams.TeamError, match=r"Param 'team' = 'cv' is not a team configured"):
-        backend_settings.load("hyperpod", backend_settings.HyperPodSettings, deployment).for_job(spec_of("cv"))
+        backend_settings.load("hyperpod", HyperPodSettings, deployment).for_job(spec_of("cv"))
 
 
 def test_without_teams_the_backend_settings_are_unchanged(monkeypatch):
     monkeypatch.delenv("AIRFLOW_VAR_LLMOPS_TEAMS", raising=False)
     deployment = {"hyperpod": {"namespace": "hyperpod-ns-{team}"}, "batch": {"job_queue": "q"}}
     spec = spec_of("nlp")
-    hp = backend_settings.load("hyperpod", backend_settings.HyperPodSettings, deployment).for_job(spec)
+    hp = backend_settings.load("hyperpod", HyperPodSettings, deployment).for_job(spec)
     assert hp.namespace == "hyperpod-ns-{team}"
-    from llmops.jobs.backends import batch
+    from llmops.jobs.backends.batch import requests as batch
 
-    b = backend_settings.load("batch", backend_settings.BatchSettings, deployment).for_job(spec)
+    b = backend_settings.load("batch", BatchSettings, deployment).for_job(spec)
     assert batch.scheduling(spec, b.share_identifier)["shareIdentifier"] == "nlp"
 
 

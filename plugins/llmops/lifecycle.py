@@ -19,6 +19,7 @@ from typing import Any, get_type_hints
 from llmops import params as lifecycle_params
 from llmops import model_refs, promotion
 from llmops import reuse, settings, step_cache, teams, tracking
+from llmops.jobs.backends import remote_settings
 from llmops.jobs.backends import settings as backend_settings
 from llmops.jobs.spec import JobSpec, NothingToRun
 # the path checks start_run makes, named here too for the DAGs and scripts that call them
@@ -160,7 +161,7 @@ def check_backends(backends: dict[str, str], params: dict[str, Any], storage_roo
         knob = f"backend_{stage}"
         try:
             block = backend_settings.load(backend, backend_settings.settings_class(backend)).for_stage(stage)
-        except backend_settings.BackendSettingsError as exc:
+        except remote_settings.BackendSettingsError as exc:
             raise LifecycleParamError(f"Param '{knob}' = {backend!r}: {exc}") from None
         chosen = resources.get(stage) or {}
         missing = [k for k in REQUIRED_SETTINGS[backend]
@@ -169,10 +170,10 @@ def check_backends(backends: dict[str, str], params: dict[str, Any], storage_roo
         if backend == "hyperpod" and not (block.eks_cluster_name or block.kubernetes_conn_id):
             missing.append("eks_cluster_name")
         if missing:
-            example = {backend: {k: backend_settings.EXAMPLES.get(k, "...") for k in missing}}
+            example = {backend: {k: remote_settings.EXAMPLES.get(k, "...") for k in missing}}
             raise LifecycleParamError(
                 f"Param '{knob}' = {backend!r}, but the Airflow Variable "
-                f"'{backend_settings.VARIABLE}' has no {', '.join(missing)} for it (key "
+                f"'{remote_settings.VARIABLE}' has no {', '.join(missing)} for it (key "
                 f"'{backend}'{', or stage_resources.' + stage + '.image' if 'image' in missing else ''}"
                 f"). Add them, e.g. {json.dumps(example)}, or set {knob} to 'local'. "
                 "Nothing was started.")
@@ -290,7 +291,7 @@ def fail_parent_run(parent_run_id: str, reason: str) -> None:
 
 # What start_run raises for input a retry cannot fix: the DAG fails the task without retrying.
 def validation_errors() -> tuple[type[Exception], ...]:
-    return (LifecycleParamError, sweep_budget.BudgetError, backend_settings.BackendSettingsError,
+    return (LifecycleParamError, sweep_budget.BudgetError, remote_settings.BackendSettingsError,
             configs.ConfigError, teams.TeamError, reuse.FromRunError)
 
 

@@ -557,8 +557,8 @@ class _Trainer:
                 self._log_metrics(metrics, done)
                 self.history.append({"step": done, **metrics})
                 # "step N/M | loss X" and "| T tok/s" are parsed by SageMaker's metric regexes
-                # (llmops.jobs.backends.sagemaker.METRICS): keep them as they are. MFU only with
-                # a known peak (tasks.train.runtime.peak_flops).
+                # (llmops.jobs.backends.sagemaker.requests.METRICS): keep them as they are. MFU only
+                # with a known peak (tasks.train.runtime.peak_flops).
                 log.info("step %d/%d | loss %.4f | lr %.2e | grad_norm %.3f%s%s | %s",
                          done, cfg.max_steps, self.train_loss, lr, metrics["grad_norm"],
                          f" | {metrics['tokens_per_s']:.0f} tok/s" if "tokens_per_s" in metrics

@@ -170,7 +170,7 @@ def handle_region(handle: dict[str, Any]) -> str:
 
 
 def ray_dashboard_url(ray_conn_id: str) -> str:
-    """The dashboard address of a Ray connection (as llmops.hooks.ray_jobs reads it)."""
+    """The dashboard address of a Ray connection (as llmops.jobs.backends.ray.hook reads it)."""
     from airflow.sdk import BaseHook
 
     conn = BaseHook.get_connection(ray_conn_id)

@@ -25,6 +25,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from llmops.jobs.backends import remote_settings
 from llmops.jobs.backends import settings as backend_settings
 from llmops.jobs.spec import JobSpec
 from llmops.ledger.events import instance_rate
@@ -76,7 +77,7 @@ def instance_type_for(backend: str, stage: str, params: dict[str, Any] | None = 
     backend's deployment settings (the Airflow Variable llmops_backends), else unknown ("")."""
     try:
         return stage_resources(backend, stage, params)["instance_type"]
-    except backend_settings.BackendSettingsError:  # check_backends refuses it, naming the Param
+    except remote_settings.BackendSettingsError:  # check_backends refuses it, naming the Param
         return ""
 
 

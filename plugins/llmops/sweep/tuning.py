@@ -30,8 +30,9 @@ from typing import Any
 from llmops import lifecycle
 from llmops.aws.validation import AwsRequestError, service_model, validate_request
 from llmops.jobs.backends import remote
-from llmops.jobs.backends.sagemaker import training_request
-from llmops.jobs.backends.settings import SageMakerSettings, load
+from llmops.jobs.backends.sagemaker.requests import training_request
+from llmops.jobs.backends.sagemaker.settings import SageMakerSettings
+from llmops.jobs.backends.settings import load
 from llmops.jobs.spec import JobSpec
 from llmops.run import Run
 from llmops.sweep.stage import study_for

@@ -8,11 +8,11 @@ from llmops.jobs.backends.base import Backend, JobState, JobStatus
 
 BACKENDS = {
     "local": "llmops.jobs.backends.local.LocalBackend",
-    "sagemaker": "llmops.jobs.backends.sagemaker.SageMakerTrainingBackend",
-    "sagemaker_processing": "llmops.jobs.backends.sagemaker.SageMakerProcessingBackend",
-    "hyperpod": "llmops.jobs.backends.hyperpod.HyperPodBackend",
-    "batch": "llmops.jobs.backends.batch.BatchBackend",
-    "ray": "llmops.jobs.backends.ray.RayBackend",
+    "sagemaker": "llmops.jobs.backends.sagemaker.backend.SageMakerTrainingBackend",
+    "sagemaker_processing": "llmops.jobs.backends.sagemaker.backend.SageMakerProcessingBackend",
+    "hyperpod": "llmops.jobs.backends.hyperpod.backend.HyperPodBackend",
+    "batch": "llmops.jobs.backends.batch.backend.BatchBackend",
+    "ray": "llmops.jobs.backends.ray.backend.RayBackend",
 }
 
 

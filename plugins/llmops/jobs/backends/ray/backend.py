@@ -23,7 +23,8 @@ from typing import Any
 from llmops.aws import s3
 from llmops.jobs.backends import remote
 from llmops.jobs.backends.base import Backend, JobState, JobStatus
-from llmops.jobs.backends.settings import RaySettings, load
+from llmops.jobs.backends.ray.settings import RaySettings
+from llmops.jobs.backends.settings import load
 from llmops.jobs.spec import JobSpec, JobSpecError, cost_allocation_tags
 
 log = logging.getLogger(__name__)
@@ -48,7 +49,7 @@ class RayBackend(Backend):
         self._settings = settings
 
     def _hook(self, conn_id: str):
-        from llmops.hooks.ray_jobs import RayJobsHook
+        from llmops.jobs.backends.ray.hook import RayJobsHook
 
         return RayJobsHook(ray_conn_id=conn_id)
 
@@ -85,7 +86,7 @@ class RayBackend(Backend):
         runtime_env = {**settings.runtime_env,
                        "env_vars": {"RAY_OVERRIDE_JOB_RUNTIME_ENV": "1",
                                     **settings.runtime_env.get("env_vars", {}), **env}}
-        from llmops.hooks.ray_jobs import RayJobExists
+        from llmops.jobs.backends.ray.hook import RayJobExists
 
         try:
             hook.submit_job(entrypoint, job_name, runtime_env=runtime_env,

@@ -63,175 +63,34 @@ task log with the time waited, and again while it lasts (llmops.jobs.watch). Rea
 
 from __future__ import annotations
 
-import atexit
-import base64
 import logging
-import os
-import re
-import tempfile
-import threading
 import time
 import uuid
-from datetime import datetime, timezone
-from typing import Any, Callable
+from datetime import datetime
+from typing import Any
 
 from llmops.aws import s3
 from llmops.jobs.backends import remote
 from llmops.jobs.backends.base import Backend, JobState, JobStatus
-from llmops.jobs.backends.crds import group_version_plural, validate_manifest
-from llmops.jobs.backends.sagemaker import fabric_env
-from llmops.jobs.backends.settings import HyperPodSettings, check_auto_resume_namespace, load
-from llmops.jobs.spec import JobSpec, JobSpecError, cost_allocation_tags
+from llmops.jobs.backends.hyperpod.crds import group_version_plural
+from llmops.jobs.backends.hyperpod.hook import KubeClient, kube_client, pod_log
+from llmops.jobs.backends.hyperpod.manifest import JOB_LABEL, MAX_NAME, k8s_name, manifest, namespace_of
+from llmops.jobs.backends.hyperpod.settings import HyperPodSettings
+from llmops.jobs.backends.settings import load
+from llmops.jobs.spec import JobSpec, JobSpecError
 from llmops.jobs.watch import call_with_retries
 
 log = logging.getLogger(__name__)
 
-MAX_NAME = 48   # pods and services are named <job>-worker-<i>: keep those within 63
 KINDS = ("HyperPodPyTorchJob", "PyTorchJob")
 TOKEN_ANNOTATION = "llmops/submit-token"   # this try's token, on the job its create made
 CREATE_ATTEMPTS = 5   # a create sent this often at most while its answers are lost
-JOB_LABEL = "llmops/job"        # on every pod of a job, so its pods are listed by selector
-NODE_HEALTH = "sagemaker.amazonaws.com/node-health-status"
-DEEP_HEALTH = "sagemaker.amazonaws.com/deep-health-check-status"
-AUTO_RESUME = "sagemaker.amazonaws.com/enable-job-auto-resume"
-MAX_RETRY = "sagemaker.amazonaws.com/job-max-retry-count"
-# EKS tokens are valid 15 minutes (a presigned STS URL); renew at 10 so none expires mid-poll.
-TOKEN_REFRESH_SECONDS = 600
 FIRST_LOG_LINES = 1000          # the first read of a pod's log: its tail, not all of it
 LOG_OVERLAP_SECONDS = 10        # re-read this much before the last line (clock skew, same-second lines)
 STOP_RECORD = "stopped.json"
 FINISHED = ("Succeeded", "Completed", "Failed")
 KUEUE_WORKLOADS = ("kueue.x-k8s.io", "v1beta1", "workloads")   # group, version, plural
 KUEUE_JOB_UID = "kueue.x-k8s.io/job-uid"   # on the Workload Kueue makes for a job: the job's uid
-AGENT_PORT = 8080               # hyperpodrun's port, which the HyperPod training operator talks to
-POD_WORKDIR = "/tmp/llmops-job"  # the entry's work dir in a pod (LLMOPS_WORKDIR)
-
-
-def k8s_name(name: str) -> str:
-    """`name` as a Kubernetes name of at most MAX_NAME characters, its trailing hash kept."""
-    clean = re.sub(r"-+", "-", re.sub(r"[^a-z0-9-]", "-", name.lower())).strip("-")
-    return remote.check_name("kubernetes", remote.fit_name(clean, MAX_NAME))
-
-
-def namespace_of(spec: JobSpec, settings: HyperPodSettings) -> str:
-    """The job's namespace (the settings', {team} filled in, else the kind's default), refused
-    where HyperPod would not auto-resume it although max_retry_count asks for that."""
-    namespace = settings.resolved_namespace(spec.tags.get("team", "") or "default")
-    check_auto_resume_namespace(settings, namespace)
-    return namespace
-
-
-def label_value(value: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.-]", "_", str(value))[:63].strip("_.-") or "none"
-
-
-def priority_class(priority: str, classes: dict[str, str]) -> str:
-    """The class of the highest threshold at or below the run's priority ({"0": "low", ...})."""
-    if priority == "" or not classes:
-        return ""
-    eligible = [(int(threshold), name) for threshold, name in classes.items() if int(threshold) <= int(priority)]
-    return max(eligible)[1] if eligible else ""
-
-
-def manifest(spec: JobSpec, settings: HyperPodSettings, staged: remote.Staged, name: str) -> dict[str, Any]:
-    """The job resource for one attempt of `spec`."""
-    res = remote.merged(spec, settings)
-    if not res["image"]:
-        raise JobSpecError(f"No image for the {spec.stage} job: set stage_resources.{spec.stage}.image "
-                           "or `image` in the hyperpod settings.")
-    nodes, nproc = res["instance_count"], res["nproc_per_node"]
-    team = spec.tags.get("team", "") or "default"
-    hyperpod = settings.kind == "HyperPodPyTorchJob"
-    efa = settings.efa_per_node > 0
-    env = {**fabric_env(res["instance_type"], nodes, efa=efa), **res["env"],
-           "LLMOPS_WORKDIR": POD_WORKDIR, **remote.kms_env(settings)}
-    remote.check_environment(env)
-    args = remote.entry_args(spec, staged, launcher="hyperpodrun" if hyperpod else "torchrun",
-                             nproc_per_node=nproc, nnodes=nodes)
-    limits: dict[str, Any] = {}
-    if settings.gpus_per_node:
-        limits["nvidia.com/gpu"] = settings.gpus_per_node
-    if efa:
-        limits["vpc.amazonaws.com/efa"] = settings.efa_per_node
-    if settings.cpu:
-        limits["cpu"] = settings.cpu
-    if settings.memory:
-        limits["memory"] = settings.memory
-    container: dict[str, Any] = {
-        "name": "pytorch",  # the Kubeflow operator finds the training container by this name
-        "image": res["image"], "imagePullPolicy": "IfNotPresent",
-        "command": ["python3", settings.entry_script], "args": args,
-        "env": [{"name": k, "value": v} for k, v in sorted(env.items())],
-        # Extended resources (GPUs, EFA) need requests equal to limits.
-        "resources": {"requests": dict(limits), "limits": dict(limits)} if limits else {},
-        "volumeMounts": [{"name": "shm", "mountPath": "/dev/shm"}],
-    }
-    if hyperpod:
-        container["ports"] = [{"containerPort": AGENT_PORT}]
-    pod_spec: dict[str, Any] = {
-        "containers": [container],
-        # NCCL and data loaders use shared memory; the container default (64 MiB) is too small.
-        "volumes": [{"name": "shm", "emptyDir": {"medium": "Memory"}}],
-    }
-    selector = dict(settings.node_selector)
-    if res["instance_type"]:
-        selector["node.kubernetes.io/instance-type"] = res["instance_type"]
-    if selector:
-        pod_spec["nodeSelector"] = selector
-    if settings.service_account:
-        pod_spec["serviceAccountName"] = settings.service_account
-    if settings.require_healthy_nodes:
-        # HyperPod's health agent labels every node; a node that failed a check is relabelled
-        # (and tainted) until it is replaced. Never land on one; prefer nodes that passed the
-        # deep health checks (stress and NCCL tests) over those that were never deep-checked.
-        pod_spec["affinity"] = {"nodeAffinity": {
-            "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
-                {"matchExpressions": [{"key": NODE_HEALTH, "operator": "In", "values": ["Schedulable"]}]}]},
-            "preferredDuringSchedulingIgnoredDuringExecution": [
-                {"weight": 100, "preference": {"matchExpressions": [
-                    {"key": DEEP_HEALTH, "operator": "In", "values": ["Passed"]}]}}]}}
-    cost = cost_allocation_tags(spec)
-    # Cost allocation (dag_id, run_id, team, stage): label values are at most 63 of
-    # [A-Za-z0-9_.-] (run ids have ':' and '+'), so the exact values are annotations too.
-    labels = {"app.kubernetes.io/managed-by": "llmops",
-              **{f"llmops/{key.replace('_', '-')}": label_value(value)
-                 for key, value in cost.items() if value}}
-    if settings.queue_name:
-        labels["kueue.x-k8s.io/queue-name"] = settings.queue_name.format(team=team)
-    klass = priority_class(spec.tags.get("priority", ""), settings.priority_classes)
-    if klass:
-        labels["kueue.x-k8s.io/priority-class"] = klass
-    metadata = {"name": name, "namespace": namespace_of(spec, settings), "labels": labels,
-                "annotations": {"llmops/job-name": spec.name, "llmops/result-uri": staged.result_uri,
-                                **{f"llmops/{key.replace('_', '-')}": value
-                                   for key, value in cost.items() if value}}}
-    template = {"metadata": {"labels": {**labels, JOB_LABEL: name}}, "spec": pod_spec}
-    group, version, _ = group_version_plural(settings.kind)
-    if hyperpod:
-        # cleanPodPolicy All: with None a failed job's pods stay, each holding its node's GPUs.
-        run_policy: dict[str, Any] = {"jobMaxRetryCount": settings.max_retry_count,
-                                      "activeDeadlineSeconds": spec.max_run_seconds,
-                                      "cleanPodPolicy": "All"}
-        if settings.log_monitoring:
-            run_policy["logMonitoringConfiguration"] = list(settings.log_monitoring)
-        body_spec = {"nprocPerNode": str(nproc),
-                     "replicaSpecs": [{"name": "pod", "replicas": nodes, "template": template}],
-                     "runPolicy": run_policy}
-    else:
-        if settings.max_retry_count:
-            # Annotations, not labels: the HyperPod auto-resume controller reads only these.
-            metadata["annotations"][AUTO_RESUME] = "true"
-            metadata["annotations"][MAX_RETRY] = str(settings.max_retry_count)
-        replicas = {"Master": {"replicas": 1, "restartPolicy": "OnFailure", "template": template}}
-        if nodes > 1:
-            replicas["Worker"] = {"replicas": nodes - 1, "restartPolicy": "OnFailure", "template": template}
-        body_spec = {"nprocPerNode": str(nproc), "pytorchReplicaSpecs": replicas,
-                     "runPolicy": {"activeDeadlineSeconds": spec.max_run_seconds,
-                                   "cleanPodPolicy": "All"}}
-    body = {"apiVersion": f"{group}/{version}", "kind": settings.kind, "metadata": metadata,
-            "spec": body_spec}
-    validate_manifest(body)
-    return body
 
 
 def job_state(resource: dict[str, Any]) -> tuple[str, str]:
@@ -326,114 +185,6 @@ def _log_key(timestamp: str) -> str:
     trailing zeros trimmed, so the raw strings do not sort)."""
     whole, _, frac = timestamp.rstrip("Z").partition(".")
     return f"{whole}.{frac[:9].ljust(9, '0')}"
-
-
-# -- the Kubernetes API ----------------------------------------------------------------------
-
-class KubeClient:
-    """The CustomObjects and CoreV1 APIs over one connection, with its bearer token renewed
-    every TOKEN_REFRESH_SECONDS and on a 401 (EKS tokens expire after 15 minutes)."""
-
-    def __init__(self, custom: Any, core: Any, configuration: Any = None,
-                 token: Callable[[], str] | None = None):
-        self.custom, self.core = custom, core
-        self._configuration, self._token = configuration, token
-        self._renewed = 0.0
-        self._lock = threading.Lock()
-        if token:
-            self.renew()
-
-    @classmethod
-    def from_api_client(cls, api_client: Any, token: Callable[[], str] | None = None) -> "KubeClient":
-        from kubernetes import client
-
-        return cls(client.CustomObjectsApi(api_client), client.CoreV1Api(api_client),
-                   api_client.configuration, token)
-
-    def renew(self) -> None:
-        with self._lock:
-            # Read by every client version ('authorization' alias of 'BearerToken' since v36).
-            self._configuration.api_key = {"authorization": f"Bearer {self._token()}"}
-            self._renewed = time.monotonic()
-
-    def call(self, api: str, method: str, **kwargs: Any) -> Any:
-        if self._token and time.monotonic() - self._renewed > TOKEN_REFRESH_SECONDS:
-            self.renew()
-        fn = getattr(getattr(self, api), method)
-        try:
-            return fn(**kwargs)
-        except Exception as exc:
-            if getattr(exc, "status", None) != 401 or not self._token:
-                raise
-        self.renew()
-        return fn(**kwargs)
-
-
-_CLIENTS: dict[tuple[str, ...], Any] = {}   # kube_client's entries (llmops.aws.clients)
-
-
-def _field(source: Any) -> Callable[[str], str]:
-    if isinstance(source, dict):
-        return lambda key: str(source.get(key) or "")
-    return lambda key: str(getattr(source, key, "") or "")
-
-
-def kube_client(source: Any) -> KubeClient:
-    """The process's client for the cluster of `source` (settings or a handle), made once and
-    made again when its connection's definition changes (llmops.aws.clients); its token renews
-    itself (KubeClient)."""
-    from llmops.aws import clients
-
-    get = _field(source)
-    key = (get("eks_cluster_name"), get("kubernetes_conn_id"), get("aws_conn_id"), get("region_name"))
-    return clients.cached(("kube", *key), lambda: connect(*key),
-                          (get("kubernetes_conn_id") or get("aws_conn_id"),), store=_CLIENTS)
-
-
-def connect(eks_cluster_name: str, kubernetes_conn_id: str, aws_conn_id: str,
-            region_name: str) -> KubeClient:
-    """A client for a Kubernetes connection, or for an EKS cluster (one DescribeCluster; the
-    token signed in this process with the AWS connection's session)."""
-    if kubernetes_conn_id:
-        from airflow.providers.cncf.kubernetes.hooks.kubernetes import KubernetesHook
-
-        return KubeClient.from_api_client(KubernetesHook(conn_id=kubernetes_conn_id).api_client)
-    from airflow.providers.amazon.aws.hooks.eks import EksHook
-    from kubernetes import client
-
-    eks = EksHook(aws_conn_id=aws_conn_id or None, region_name=region_name or None)
-    cluster = eks.conn.describe_cluster(name=eks_cluster_name)["cluster"]
-    with tempfile.NamedTemporaryFile("wb", prefix="llmops-eks-ca-", suffix=".crt", delete=False) as ca:
-        ca.write(base64.b64decode(cluster["certificateAuthority"]["data"]))
-    # The Kubernetes client wants a file; it lives as long as this process's cached client.
-    atexit.register(_remove_quietly, ca.name)
-    configuration = client.Configuration()
-    configuration.host, configuration.ssl_ca_cert = cluster["endpoint"], ca.name
-    session, region = eks.get_session(), eks.conn.meta.region_name
-    return KubeClient.from_api_client(client.ApiClient(configuration),
-                                      token=lambda: eks_token(session, eks_cluster_name, region))
-
-
-def _remove_quietly(path: str) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass
-
-
-def eks_token(session: Any, cluster: str, region: str) -> str:
-    """What `aws eks get-token` prints: a presigned STS GetCallerIdentity URL naming the
-    cluster, base64url-encoded (the provider's eks_get_token, without its subprocess)."""
-    from botocore.signers import RequestSigner
-
-    sts = session.client("sts", region_name=region)
-    signer = RequestSigner(sts.meta.service_model.service_id, region, "sts", "v4",
-                           session.get_credentials(), session.events)
-    url = signer.generate_presigned_url(
-        {"method": "GET", "url": f"{sts.meta.endpoint_url}/?Action=GetCallerIdentity&Version=2011-06-15",
-         "body": {}, "headers": {"x-k8s-aws-id": cluster}, "context": {}},
-        region_name=region, expires_in=60, operation_name="")
-    return "k8s-aws-v1." + base64.urlsafe_b64encode(url.encode()).decode().rstrip("=")
 
 
 def _missing(exc: Exception) -> bool:
@@ -672,15 +423,6 @@ class HyperPodBackend(Backend):
         except Exception:
             return []
         return text.splitlines()[-lines:]
-
-
-def pod_log(kube: KubeClient, pod: str, namespace: str, **query: Any) -> str:
-    """A pod's log as text. Read undecoded (`_preload_content=False`) and decoded here: the
-    kubernetes client 36 turns a text/plain body into `str(bytes)`, "b'...\\n...'" on one line
-    (kubernetes-client/python#2596), which would garble every line and the log cursor's timestamps."""
-    answer = kube.call("core", "read_namespaced_pod_log", name=pod, namespace=namespace,
-                       _preload_content=False, **query)
-    return answer.data.decode("utf-8", "replace")
 
 
 def _prefix(handle: dict[str, Any]) -> str:

@@ -1,0 +1,2 @@
+"""A Ray cluster through the Ray Jobs REST API: the client (hook.py), the backend (backend.py) and
+its settings block (settings.py)."""
