@@ -254,11 +254,15 @@ def test_queued_running_stopped_and_retried_against_a_fake_cluster(cluster, moto
     assert cluster.connects == [("hp", "", CONN_ID, "")], "one API client for the process"
 
 
-def test_a_conflict_on_create_reattaches(cluster):
+def test_a_conflict_on_create_reattaches(cluster, moto_server):
     backend = HyperPodBackend(settings=hp_settings())
     job = spec()
     first = backend.submit(job)
-    cluster.invisible.add(first["k8s_name"])   # the get raced with another try's create
+    # The get raced with another try's create: it missed the job, and that try had not yet
+    # written the record it writes once the API server has the job.
+    cluster.invisible.add(first["k8s_name"])
+    bucket, _, prefix = first["staging_prefix"].removeprefix("s3://").partition("/")
+    moto_server.client("s3").delete_object(Bucket=bucket, Key=f"{prefix}/created.json")
     again = backend.submit(job)
     assert again["reattached"] is True and again["job_name"] == first["job_name"]
     assert len(cluster.objects) == 1
@@ -474,7 +478,7 @@ def test_every_object_the_backend_writes_is_encrypted_with_the_kms_key(cluster, 
     s3 = moto_server.client("s3")
     prefix = handle["staging_prefix"][len("s3://llmops-test/"):]
     keys = [o["Key"] for o in s3.list_objects_v2(Bucket="llmops-test", Prefix=prefix)["Contents"]]
-    assert {k.rsplit("/", 1)[-1] for k in keys} >= {"manifest.json", "stopped.json"}
+    assert {k.rsplit("/", 1)[-1] for k in keys} >= {"manifest.json", "created.json", "stopped.json"}
     for k in keys:
         head = s3.head_object(Bucket="llmops-test", Key=k)
         assert (head["ServerSideEncryption"], head["SSEKMSKeyId"]) == ("aws:kms", key), k

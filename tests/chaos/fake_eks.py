@@ -1,7 +1,7 @@
 """A Kubernetes API that runs the HyperPod backend's jobs: HyperPodPyTorchJob and Kubeflow
 PyTorchJob, one process per pod, each pod on its own disk.
 
-Plug it in where the backend makes its client (`llmops.jobs.backends.hyperpod.connect`); it
+Plug it in where the backend makes its client (`llmops.jobs.backends.hyperpod.hook.connect`); it
 answers the calls the backend makes (`call(api, method, **kwargs)`), in the kubernetes client's
 shapes. Everything below is simulated, standing in for EKS, the HyperPod and Kubeflow training
 operators and HyperPod's elastic agent:

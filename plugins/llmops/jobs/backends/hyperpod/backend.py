@@ -43,7 +43,9 @@ shown (timestamps dedupe the overlap), not downloaded whole on every poll.
 
 Stopping deletes the job resource (foreground: its pods go first) after writing
 `<staging>/<spec name>/<job>/stopped.json`, so status() says STOPPED, and a retry starts the next
-attempt. Not runPolicy.suspend: under Kueue `suspend` belongs to Kueue, which sets it while a job
+attempt. A job someone else deleted (`kubectl delete`) fails its try, and the retry starts the
+next attempt too: `created.json`, written beside the manifest once the API server has the job,
+tells a job that was made and is gone from one not made yet. Not runPolicy.suspend: under Kueue `suspend` belongs to Kueue, which sets it while a job
 waits for quota and clears it on admission, so a suspended job can be started again behind our
 back; a deleted one cannot, and its quota is released at once. A job that is Suspended (queued or
 preempted by Kueue) is PENDING, not stopped, and says why in Kueue's own words: the message of
@@ -88,6 +90,7 @@ CREATE_ATTEMPTS = 5   # a create sent this often at most while its answers are l
 FIRST_LOG_LINES = 1000          # the first read of a pod's log: its tail, not all of it
 LOG_OVERLAP_SECONDS = 10        # re-read this much before the last line (clock skew, same-second lines)
 STOP_RECORD = "stopped.json"
+CREATED_RECORD = "created.json"   # written once the API server has the job (see submit's `get`)
 FINISHED = ("Succeeded", "Completed", "Failed")
 KUEUE_WORKLOADS = ("kueue.x-k8s.io", "v1beta1", "workloads")   # group, version, plural
 KUEUE_JOB_UID = "kueue.x-k8s.io/job-uid"   # on the Workload Kueue makes for a job: the job's uid
@@ -219,22 +222,42 @@ class HyperPodBackend(Backend):
         kube = kube_client(settings)
         s3_hook = s3.s3_hook(settings.aws_conn_id, settings.region_name, settings.kms_key_id)
 
-        def get(name: str) -> dict[str, Any] | None:
+        def read(name: str) -> dict[str, Any] | None:
             try:
                 return kube.call("custom", "get_namespaced_custom_object", group=group, version=version,
                                  plural=plural, name=k8s_name(name), namespace=namespace)
             except Exception as exc:
                 if not _missing(exc):
                     raise
-            # Deleted by stop(): it still counts as an attempt, so the retry takes the next name.
-            stopped = s3.read_json(s3_hook, _stop_uri(remote.plan(spec, name, settings.staging_uri).prefix))
-            return {"status": {"conditions": [{"type": "Stopped", "status": "True"}]}} if stopped else None
+            return None
+
+        def get(name: str) -> dict[str, Any] | None:
+            """The attempt's job; a gone one that existed still counts as an attempt, so the
+            retry takes the next name (a log, result and stop record of its own, as SageMaker's
+            `-r2`): deleted by stop() (its stop record), or by someone else (`kubectl delete`),
+            which leaves only the record written once the API server had the job. That record
+            is written after the create, so with it a miss is no race with another try's create
+            in flight; the second read makes sure (the API server's reads are linearizable)."""
+            found = read(name)
+            if found is not None:
+                return found
+            prefix = remote.plan(spec, name, settings.staging_uri).prefix
+            if s3.read_json(s3_hook, _stop_uri(prefix)):
+                return {"status": {"conditions": [{"type": "Stopped", "status": "True"}]}}
+            if not s3.read_json(s3_hook, s3.join(prefix, CREATED_RECORD)):
+                return None
+            return read(name) or {"status": {"conditions": [{"type": "Failed", "status": "True"}]}}
+
+        def created(staged: remote.Staged, job_name: str) -> None:
+            s3.write_json(s3_hook, s3.join(staged.prefix, CREATED_RECORD),
+                          {"kind": settings.kind, "name": k8s_name(job_name), "at": time.time()})
 
         attempt, found = remote.latest_attempt(spec.name, get, max_len=MAX_NAME)
         state = job_state(found)[0] if found else ""
         if found is not None and state not in ("Failed", "Stopped"):
             job_name = remote.attempt_name(spec.name, attempt, MAX_NAME)
             staged = remote.plan(spec, job_name, settings.staging_uri)
+            created(staged, job_name)   # again: the try that made it may have died before
             return self._handle(spec, settings, staged, job_name, namespace, attempt, True)
         attempt += 1
         job_name = remote.attempt_name(spec.name, attempt, MAX_NAME)
@@ -262,11 +285,13 @@ class HyperPodBackend(Backend):
                                  attempts=CREATE_ATTEMPTS, logger=log):
             # 409 Conflict: this try's own create (its first answer lost), or another try's a
             # moment ago; use it either way.
-            existing = get(job_name) or {}
+            existing = read(job_name) or {}
+            created(staged, job_name)
             ours = ((existing.get("metadata") or {}).get("annotations") or {}).get(TOKEN_ANNOTATION) == token
             log.info("%s %s/%s already exists (%s): using it", settings.kind, namespace, k8s_name(job_name),
                      "created by this try, its first answer lost" if ours else "another try's")
             return self._handle(spec, settings, staged, job_name, namespace, attempt, not ours)
+        created(staged, job_name)
         log.info("Created %s %s/%s (%d node(s))", settings.kind, namespace, k8s_name(job_name),
                  remote.merged(spec, settings)["instance_count"])
         return self._handle(spec, settings, staged, job_name, namespace, attempt, False)
@@ -307,7 +332,8 @@ class HyperPodBackend(Backend):
                 return JobStatus(JobState.STOPPED, f"{what} was stopped and deleted",
                                  details={"stopped": stopped})
             if resource is None:
-                return JobStatus(JobState.FAILED, f"{what} no longer exists")
+                return JobStatus(JobState.FAILED, f"{what} no longer exists: it was deleted, not by "
+                                 "this task (kubectl delete, or its namespace removed)")
         state, message = job_state(resource)
         details: dict[str, Any] = {"state": state}
         # Queue time counts from when the API server had the job (max_queue_seconds), not from

@@ -7,14 +7,20 @@ from __future__ import annotations
 
 import atexit
 import base64
+import logging
 import os
 import tempfile
 import threading
 import time
 from typing import Any, Callable
 
+from llmops.jobs.errors import Backoff
+from llmops.jobs.watch import call_with_retries
+
+log = logging.getLogger(__name__)
 # EKS tokens are valid 15 minutes (a presigned STS URL); renew at 10 so none expires mid-poll.
 TOKEN_REFRESH_SECONDS = 600
+KUBE_ATTEMPTS = 5   # a call other than a create, while the API server answers 5xx or drops it
 
 
 class KubeClient:
@@ -44,6 +50,17 @@ class KubeClient:
             self._renewed = time.monotonic()
 
     def call(self, api: str, method: str, **kwargs: Any) -> Any:
+        """`method` of the `api` ("custom" or "core"). A call that is safe to repeat (all but a
+        create) is tried again on a transient error, KUBE_ATTEMPTS times in all: the kubernetes
+        client retries no 5xx (urllib3 waits out only a 429 or 503 that says `Retry-After`, and
+        only for a GET), where botocore retries an AWS call, and a submit or a stop must not fail
+        its task on one bad answer. A create is the caller's to resend: it knows its token."""
+        if method.startswith("create_"):
+            return self._call(api, method, kwargs)
+        return call_with_retries(lambda: self._call(api, method, kwargs), method, attempts=KUBE_ATTEMPTS,
+                                 backoff=Backoff(base=0.5, cap=8.0), logger=log)
+
+    def _call(self, api: str, method: str, kwargs: dict[str, Any]) -> Any:
         if self._token and time.monotonic() - self._renewed > TOKEN_REFRESH_SECONDS:
             self.renew()
         fn = getattr(getattr(self, api), method)
