@@ -28,13 +28,18 @@ BODY      one row per fault. "global" rows run alone, one after another: 5xx and
           Batch, each a `tests.chaos.numbered_job` of `--seconds` seconds, in `chaos_remote`
           (deferred: the triggerer waits) and/or `chaos_remote_worker` (the worker waits).
           The rows a HyperPod job meets too also run `chaos_hyperpod` (`train`, deferred, a
-          HyperPodPyTorchJob): the component restarts, the worker killed right after submit,
-          the lost create answer (the connection dropped after the API server made the job), a
-          node's host lost (HyperPod's auto-resume restarts the pods on replaced nodes with empty
-          disks), MaxRuntime three times
+          HyperPodPyTorchJob), its faults in the Kubernetes API's words: the throttle storm
+          (429 to its reads), 5xx and connection resets on every call (its create and delete
+          too), the component restarts, the worker killed right after submit, the clears and
+          the same conf twice, the lost create answer (the connection dropped after the API
+          server made the job), a pod that crashes and a node's host lost (HyperPod's
+          auto-resume restarts the pods on replaced nodes with empty disks), a user's
+          `kubectl delete` (the console stop), MaxRuntime three times
           (runPolicy.activeDeadlineSeconds), the capacity wait (pods Unschedulable), the
           10-minute outage (the Kubernetes API's reads answer 503), SlowDown on its pods'
-          checkpoint uploads and the mark-failed control.
+          checkpoint uploads and the mark-failed control. `chaos_hyperpod_worker` waits in the
+          worker: the worker SIGKILLed and SIGTERMed mid-job, and the outage. Not HyperPod's:
+          spot capacity (HyperPod has no managed spot) and the lifecycle row.
           The lifecycle row runs dags/llm_lifecycle.py (recipe tiny, one sweep trial) with
           pretraining on SageMaker and fine-tuning on Batch under the throttle storm.
 LANDING   a row claims the halves its fault must hit (each task; for a component row each run's
@@ -143,13 +148,14 @@ from tests.aws_fixtures import CONN_ID, DUMMY_CREDENTIALS, IMAGE, REGION, free_p
 BUCKET = "llmops-chaos"
 QUEUE = "llmops-chaos"
 SMALL_DAG, WORKER_DAG, LIFECYCLE_DAG = "chaos_remote", "chaos_remote_worker", "llm_lifecycle"
-HYPERPOD_DAG = "chaos_hyperpod"
+HYPERPOD_DAG, HYPERPOD_WORKER_DAG = "chaos_hyperpod", "chaos_hyperpod_worker"
 REMOTE_TASKS = ("pretrain", "finetune")
 HYPERPOD_TASKS = ("train",)
 KUBE_CONN_ID = "llmops_chaos_kube"   # the deployment's Kubernetes connection (to fake_eks_http)
 # The Kubernetes API calls a status poll and a log read make (an outage's targets).
 KUBE_READS = ["get_namespaced_custom_object", "list_namespaced_custom_object", "list_namespaced_pod",
               "read_namespaced_pod_log"]
+KUBE_CALLS = KUBE_READS + ["create_namespaced_custom_object", "delete_namespaced_custom_object"]
 ENTRYPOINT = "tests.chaos.numbered_job"
 MAX_RUN_SECONDS = 900            # the chaos DAG's jobs (tests/dags/chaos_dags.py)
 SETTLE = 15.0                    # s after the last row before measuring
@@ -195,7 +201,7 @@ class Run:
     @property
     def tasks(self) -> tuple[str, ...]:
         """The run's remote tasks: the HyperPod DAG's one, or the others' two."""
-        return HYPERPOD_TASKS if self.dag_id == HYPERPOD_DAG else REMOTE_TASKS
+        return HYPERPOD_TASKS if self.dag_id in (HYPERPOD_DAG, HYPERPOD_WORKER_DAG) else REMOTE_TASKS
 
     def label(self, task_id: str) -> str:
         """What the numbered job prints as its first line (tests/dags/chaos_dags.py)."""
@@ -319,7 +325,7 @@ class Matrix:
         subprocess.run([sys.executable, "-m", "llmops.sweep.pool"], env=self.dep.env, check=True,
                        capture_output=True, timeout=120)
         self.dep.start()
-        for dag_id in (SMALL_DAG, WORKER_DAG, HYPERPOD_DAG, LIFECYCLE_DAG):
+        for dag_id in (SMALL_DAG, WORKER_DAG, HYPERPOD_DAG, HYPERPOD_WORKER_DAG, LIFECYCLE_DAG):
             self.dep.wait_dag(dag_id, timeout=180)
         threading.Thread(target=self._watch, daemon=True, name="matrix-watchdog").start()
 
@@ -416,7 +422,7 @@ class Matrix:
     def hyperpod_lines(self, job: dict[str, Any]) -> list[list[str]]:
         """A HyperPod job's log lines per generation of its pods (a restart on replaced nodes
         begins the next), from the simulator (every line, whatever the task log kept)."""
-        return [[line for _, line in generation] for generation in self.eks.generations(job["name"])]
+        return [[line for _, line in generation] for generation in self.eks.generations(job["job_id"])]
 
     def _label(self, job: dict[str, Any]) -> str | None:
         found = self._identity(job)
@@ -797,42 +803,45 @@ def _each_task(body: Callable[..., None], runs: list[Run] | None = None) -> None
 
 def row_faults(rules: list[dict[str, Any]], both: bool = True, own_jobs: bool = False,
                halves: dict[str, str] | None = None, wait: float = 300.0,
-               hyperpod: bool | Callable[[Matrix, str], None] = False) -> Callable[[Matrix, Row], None]:
+               hyperpod: bool | Callable[[Matrix, str], None] = False,
+               hyperpod_dags: tuple[str, ...] = (HYPERPOD_DAG,)) -> Callable[[Matrix, Row], None]:
     """Fault rules while a deferred run (and, with `both`, an in-worker one) runs. `own_jobs`:
     the rules are narrowed to the calls about this row's jobs (by their run_id tag), so the row
     can run beside others; otherwise they hit every call and the row runs alone. `halves`: the
     service each task's half must see the rules hit (HALVES by default); `wait`: how long the
-    runs may take beyond twice the job's length. `hyperpod`: a run of the HyperPod DAG too (the
-    rules narrowed to its jobs as well: its pods' S3 calls); as `hyperpod(m, run_id)`, with the
-    fault this arms in the simulated cluster for that run's jobs, its half landing where the
-    cluster injected it."""
+    runs may take beyond twice the job's length. `hyperpod`: a run of each of `hyperpod_dags`
+    too (the rules narrowed to its jobs as well: its pods' S3 calls); as `hyperpod(m, run_id)`,
+    with the fault this arms in the simulated cluster for that run's jobs, each run's half
+    (`<dag>/train`) landing where the cluster injected it."""
     def body(m: Matrix, row: Row) -> None:
         dags = [SMALL_DAG] + ([WORKER_DAG] if both else [])
         run_ids = [m.new_run_id() for _ in dags]
-        hyperpod_run_id = m.new_run_id() if hyperpod else ""
-        narrowed = [f"run_id={i}" for i in run_ids + ([hyperpod_run_id] if hyperpod else [])]
+        hyperpod_runs = [(dag_id, m.new_run_id()) for dag_id in hyperpod_dags] if hyperpod else []
+        narrowed = [f"run_id={i}" for i in run_ids + [run_id for _, run_id in hyperpod_runs]]
         applied = [{**r, "jobs": narrowed} if own_jobs else r for r in rules]
         row.rule_halves = dict(halves or HALVES)
         row.claim(*row.rule_halves)
         if callable(hyperpod):
-            row.claim(*HYPERPOD_TASKS)
-            hyperpod(m, hyperpod_run_id)
+            for dag_id, run_id in hyperpod_runs:
+                row.claim(f"{dag_id}/{HYPERPOD_TASKS[0]}")
+                hyperpod(m, run_id)
         m.add_faults(row, applied)
         try:
-            for dag_id, run_id in zip(dags, run_ids):
+            for dag_id, run_id in list(zip(dags, run_ids)) + hyperpod_runs:
                 m.trigger(row, dag_id, m.conf(), run_id)
-            if hyperpod:
-                m.trigger(row, HYPERPOD_DAG, m.conf(), hyperpod_run_id)
             m.wait_runs(row, timeout=wait + 2 * m.seconds)
         finally:
             m.remove_faults(row)
         row.notes.append(f"faults: {json.dumps(applied)}")
         if callable(hyperpod):
-            hits = [i for i in m.eks.report()["injections"] if i.get("run_id") == hyperpod_run_id]
-            if hits:
-                row.land(HYPERPOD_TASKS[0], f"{len(hits)} {'/'.join(sorted({i['kind'] for i in hits}))} "
-                         f"injections into its Kubernetes API calls {_count(i['operation'] for i in hits)}",
-                         at=hits[0]["at"])
+            injections = m.eks.report()["injections"]
+            for dag_id, run_id in hyperpod_runs:
+                hits = [i for i in injections if i.get("run_id") == run_id]
+                if hits:
+                    row.land(f"{dag_id}/{HYPERPOD_TASKS[0]}",
+                             f"{len(hits)} {'/'.join(sorted({i['kind'] for i in hits}))} injections "
+                             f"into its Kubernetes API calls {_count(i['operation'] for i in hits)}",
+                             at=hits[0]["at"])
     return body
 
 
@@ -936,11 +945,12 @@ def _kill_worker(m: Matrix, row: Row, run: Run, task_id: str, sig: int, when: st
 
 
 def row_worker(sig: int, when: str, dag_id: str, hyperpod: bool = False) -> Callable[[Matrix, Row], None]:
-    """`hyperpod`: a run of the HyperPod DAG too (deferred), its worker signalled the same way."""
+    """`hyperpod`: a run of the HyperPod DAG that waits as `dag_id` does (deferred, or in the
+    worker) too, its worker signalled the same way."""
     def body(m: Matrix, row: Row) -> None:
         runs = [m.trigger(row, dag_id, m.conf())]
         if hyperpod:
-            runs.append(m.trigger(row, HYPERPOD_DAG, m.conf()))
+            runs.append(m.trigger(row, HYPERPOD_WORKER_DAG if dag_id == WORKER_DAG else HYPERPOD_DAG, m.conf()))
         row.claim(*[t for _, t in halves(runs)])
         _each_task(lambda run, t: _kill_worker(m, row, run, t, sig, when), runs)
         m.wait_runs(row, timeout=300 + 2 * m.seconds)
@@ -949,62 +959,78 @@ def row_worker(sig: int, when: str, dag_id: str, hyperpod: bool = False) -> Call
 
 def row_clear_after_success(m: Matrix, row: Row) -> None:
     assert m.dep is not None
-    run = m.trigger(row, SMALL_DAG, m.conf(seconds=max(5, m.seconds // 3)))
-    row.claim(*REMOTE_TASKS)
+    runs = [m.trigger(row, dag_id, m.conf(seconds=max(5, m.seconds // 3))) for dag_id in (SMALL_DAG, HYPERPOD_DAG)]
+    row.claim(*REMOTE_TASKS, *HYPERPOD_TASKS)
     # long enough for the run to get worker slots beside 18 other rows on a loaded machine (at
     # load 11 it was still queued after 300 s, and the clear found nothing that had succeeded)
     m.wait_runs(row, timeout=900)
-    before = {t: len(m.jobs_of(run, t)) for t in REMOTE_TASKS}
-    states = {t: m.ti(run, t) for t in REMOTE_TASKS}
-    m.dep.clear_task(run.dag_id, run.run_id, list(REMOTE_TASKS))
-    for task_id, ti in states.items():
+    before = {t: len(m.jobs_of(r, t)) for r, t in halves(runs)}
+    states = {(r.run_id, t): m.ti(r, t) for r, t in halves(runs)}
+    for run in runs:
+        m.dep.clear_task(run.dag_id, run.run_id, list(run.tasks))
+    for run, task_id in halves(runs):
+        ti = states[(run.run_id, task_id)]
         if ti["state"] == "success":
             row.land(task_id, f"cleared after success (try {ti['try_number']})")
         else:
             row.miss(task_id, f"it had not succeeded when cleared ({ti['state']})")
     time.sleep(3)
     m.wait_runs(row, timeout=300)
-    after = {t: len(m.jobs_of(run, t)) for t in REMOTE_TASKS}
+    after = {t: len(m.jobs_of(r, t)) for r, t in halves(runs)}
     row.notes.append(f"jobs per task before the clear {before}, after {after}")
 
 
 def row_clear_mid_run(m: Matrix, row: Row) -> None:
+    """Each run's tasks cleared once its jobs run (a run clears as soon as its own jobs run: the
+    30 s SageMaker and Batch jobs would end while waiting on the HyperPod job's start)."""
     assert m.dep is not None
-    run = m.trigger(row, SMALL_DAG, m.conf())
-    row.claim(*REMOTE_TASKS)
-    started = time.monotonic()
-    jobs: dict[str, Any] = {}
-    _each_task(lambda t: jobs.__setitem__(t, m.wait_running(run, t, after=5)))
-    waited = time.monotonic() - started
-    m.dep.clear_task(run.dag_id, run.run_id, list(REMOTE_TASKS))
-    report = m.report()
-    for task_id in REMOTE_TASKS:
-        job = next((j for j in m.jobs_of(run, task_id, report) if jobs.get(task_id)
-                    and j["job_id"] == jobs[task_id]["job_id"]), None)
-        if job is None or job.get("ended_at"):
-            row.miss(task_id, "no job of it was running when the task was cleared")
-        else:
-            row.land(task_id, f"cleared while {job['name']} ran", waited)
+    runs = [m.trigger(row, dag_id, m.conf()) for dag_id in (SMALL_DAG, HYPERPOD_DAG)]
+    row.claim(*REMOTE_TASKS, *HYPERPOD_TASKS)
+
+    def clear(run: Run) -> None:
+        assert m.dep is not None
+        started = time.monotonic()
+        jobs: dict[str, Any] = {}
+        _each_task(lambda r, t: jobs.__setitem__(t, m.wait_running(r, t, after=5)), [run])
+        waited = time.monotonic() - started
+        m.dep.clear_task(run.dag_id, run.run_id, list(run.tasks))
+        report = m.report()
+        for task_id in run.tasks:
+            job = next((j for j in m.jobs_of(run, task_id, report) if jobs.get(task_id)
+                        and j["job_id"] == jobs[task_id]["job_id"]), None)
+            if job is None or job.get("ended_at"):
+                row.miss(task_id, "no job of it was running when the task was cleared")
+            else:
+                row.land(task_id, f"cleared while {job['name']} ran", waited)
+
+    with concurrent.futures.ThreadPoolExecutor(len(runs)) as pool:
+        for future in [pool.submit(clear, run) for run in runs]:
+            future.result()
     time.sleep(3)
     m.wait_runs(row, timeout=300 + 2 * m.seconds)
 
 
 def row_same_conf_twice(m: Matrix, row: Row) -> None:
     conf = m.conf()
-    runs = [m.trigger(row, SMALL_DAG, conf), m.trigger(row, SMALL_DAG, conf)]
-    row.claim(*REMOTE_TASKS)
+    pairs = [[m.trigger(row, dag_id, conf), m.trigger(row, dag_id, conf)] for dag_id in (SMALL_DAG, HYPERPOD_DAG)]
+    row.claim(*REMOTE_TASKS, *HYPERPOD_TASKS)
     m.wait_runs(row, timeout=300 + 2 * m.seconds)
     report = m.report()
-    for task_id in REMOTE_TASKS:
-        jobs = [m.jobs_of(r, task_id, report) for r in runs]
-        if all(jobs):
-            row.land(task_id, f"both runs of one conf submitted: {[j[0]['name'] for j in jobs]}")
-        else:
-            row.miss(task_id, f"a run submitted no job ({[len(j) for j in jobs]} jobs)")
+    for runs in pairs:
+        for task_id in runs[0].tasks:
+            jobs = [m.jobs_of(r, task_id, report) for r in runs]
+            if all(jobs):
+                row.land(task_id, f"both runs of one conf submitted: {[j[0]['name'] for j in jobs]}")
+            else:
+                row.miss(task_id, f"a run submitted no job ({[len(j) for j in jobs]} jobs)")
 
 
 SERVICE_ACTIONS = {"fail": "fail", "stop": "stop", "host": "lose_host",
                    "reclaim": "reclaim"}   # action -> ChaosClient method
+# action -> what the simulated cluster does to the job's first pod (or the job) for it
+HYPERPOD_ACTIONS: dict[str, Callable[[Any, str], None]] = {
+    "fail": lambda eks, name: eks.crash(name, 0), "stop": lambda eks, name: eks.delete(name),
+    "host": lambda eks, name: eks.lose_host(name, 0)}
 
 
 def row_service(action: str, after: float = 5.0, conf: dict[str, Any] | None = None,
@@ -1015,9 +1041,12 @@ def row_service(action: str, after: float = 5.0, conf: dict[str, Any] | None = N
     try, and the task's retry must start `-r2`; a lost host is the service's fault, and the
     operator's next attempt goes on at once; a reclaimed SageMaker managed spot job restarts
     inside itself (Batch: its host is lost). Either way the new container resumes from the
-    newest checkpoint on S3 (lost_progress_steps). `conf`: the run's extra Params. `hyperpod`
-    (host only): a run of the HyperPod DAG too, whose node's host is lost: HyperPod's
-    auto-resume restarts the job's pods on replaced nodes with empty disks, in the same job."""
+    newest checkpoint on S3 (lost_progress_steps). `conf`: the run's extra Params. `hyperpod`:
+    a run of the HyperPod DAG too. Its job's first pod crashes, or a user deletes the job
+    (`kubectl delete`: the backend is not told), or the pod's host is lost. A crash or a lost
+    host: the operator restarts every pod on replaced nodes with empty disks, in the same job
+    (HyperPod's auto-resume). A deleted job is gone: the try fails, and the retry's new job
+    resumes from S3."""
     def body(m: Matrix, row: Row) -> None:
         assert m.dep is not None
         runs = [m.trigger(row, SMALL_DAG, {**m.conf(), **(conf or {})})]
@@ -1033,8 +1062,9 @@ def row_service(action: str, after: float = 5.0, conf: dict[str, Any] | None = N
                 row.miss(task_id, f"no running job to {action} in {waited:.0f}s")
                 return
             if job["service"] == "hyperpod":
-                assert action == "host", action
-                m.eks.lose_host(job["name"], 0)
+                if action == "stop":
+                    row.service_stopped.add(job["name"])
+                HYPERPOD_ACTIONS[action](m.eks, job["name"])
             else:
                 target = job["job_id"] if job["service"] == "batch" else job["name"]
                 if action == "stop":
@@ -1184,12 +1214,32 @@ LOST_CREATES = [{"operations": ["CreateTrainingJob"], "kind": "lost", "count": 2
 
 def lose_hyperpod_creates(m: Matrix, run_id: str) -> None:
     m.eks.lose_responses("create_namespaced_custom_object", 1, run_id=run_id)
+
+
+def throttle_hyperpod(m: Matrix, run_id: str) -> None:
+    """The Kubernetes API's priority and fairness answers 429 to the run's job's reads: its
+    first two for sure, then half of them (THROTTLE's shape)."""
+    m.eks.inject("429", KUBE_READS, count=2, run_id=run_id)
+    m.eks.inject("429", KUBE_READS, rate=0.5, seconds=900, run_id=run_id)
 SERVICES = ["sagemaker", "batch", "logs", "s3"]
 # 150 s from the row's start: long enough to cover both halves' submits and first polls even on
 # a loaded machine (with 60 s, at load 27 the SageMaker half made its first call after the window)
 FIVE_XX = [{"operations": ["*"], "services": SERVICES, "kind": "500", "rate": 0.15, "seconds": 150},
            {"operations": ["*"], "services": SERVICES, "kind": "503", "rate": 0.18, "seconds": 150}]
 RESETS = [{"operations": ["*"], "services": SERVICES, "kind": "reset", "rate": 0.2, "seconds": 150}]
+
+
+def five_xx_hyperpod(m: Matrix, run_id: str) -> None:
+    """FIVE_XX on every Kubernetes API call about the run's job, its create and delete too."""
+    for rule in FIVE_XX:
+        m.eks.inject(rule["kind"], KUBE_CALLS, rate=rule["rate"], seconds=rule["seconds"], run_id=run_id)
+
+
+def resets_hyperpod(m: Matrix, run_id: str) -> None:
+    """RESETS on every Kubernetes API call about the run's job: the connection drops before the
+    API server reads the call (urllib3 resends a GET or DELETE by itself, never a POST)."""
+    for rule in RESETS:
+        m.eks.inject("reset", KUBE_CALLS, rate=rule["rate"], seconds=rule["seconds"], run_id=run_id)
 # Every status and log read about the row's jobs answered 503 for 10 minutes: far longer than the
 # jobs (they end meanwhile) and than any retry budget. Nothing may fail or stop; once the reads
 # come back, the task must pick up the job's end, its result and its whole log.
@@ -1214,24 +1264,27 @@ SPOT = {"settings_overrides": {"SageMakerSettings": {"spot": True}}}
 # client: 5xx and resets also hit S3 and creates, which no job tag narrows; a component restart
 # hits every run); the "scoped" rows touch only their own runs and jobs and run side by side.
 ROWS: list[tuple[str, Callable[[Matrix, Row], None], str]] = [
-    ("throttle storm 50% describe+logs", row_faults(THROTTLE, own_jobs=True), "scoped"),
+    ("throttle storm 50% describe+logs (HyperPod: 429 to the Kubernetes API's reads)",
+     row_faults(THROTTLE, own_jobs=True, hyperpod=throttle_hyperpod), "scoped"),
     ("throttle storm, full lifecycle (pretrain SageMaker, finetune Batch)", row_lifecycle_throttle, "scoped"),
     ("answers to CreateTrainingJob / SubmitJob / the HyperPod create lost after the job was made",
      row_faults(LOST_CREATES, own_jobs=True, hyperpod=lose_hyperpod_creates), "scoped"),
-    ("5xx burst 30% for 150s", row_faults(FIVE_XX), "global"),
-    ("connection resets 20% for 150s", row_faults(RESETS), "global"),
+    ("5xx burst 30% for 150s", row_faults(FIVE_XX, hyperpod=five_xx_hyperpod), "global"),
+    ("connection resets 20% for 150s", row_faults(RESETS, hyperpod=resets_hyperpod), "global"),
     ("triggerer SIGKILLed mid-deferral, restarted", row_component("triggerer", "kill"), "global"),
     ("scheduler restarted (SIGTERM) mid-job", row_component("scheduler", "restart"), "global"),
     ("API server restarted (SIGTERM) mid-job", row_component("api-server", "restart"), "global"),
-    ("worker SIGKILLed mid-job (in-worker wait)", row_worker(signal.SIGKILL, "mid_job", WORKER_DAG), "scoped"),
+    ("worker SIGKILLed mid-job (in-worker wait)", row_worker(signal.SIGKILL, "mid_job", WORKER_DAG, hyperpod=True),
+     "scoped"),
     ("worker SIGKILLed right after submit (deferred)",
      row_worker(signal.SIGKILL, "after_submit", SMALL_DAG, hyperpod=True), "scoped"),
-    ("worker SIGTERMed mid-job (in-worker wait)", row_worker(signal.SIGTERM, "mid_job", WORKER_DAG), "scoped"),
+    ("worker SIGTERMed mid-job (in-worker wait)", row_worker(signal.SIGTERM, "mid_job", WORKER_DAG, hyperpod=True),
+     "scoped"),
     ("task cleared after success", row_clear_after_success, "scoped"),
     ("task cleared mid-run", row_clear_mid_run, "scoped"),
     ("same conf triggered twice", row_same_conf_twice, "scoped"),
-    ("job fails on the service side", row_service("fail"), "scoped"),
-    ("job stopped on the service side", row_service("stop"), "scoped"),
+    ("job fails on the service side (HyperPod: a pod crashes)", row_service("fail", hyperpod=True), "scoped"),
+    ("job stopped on the service side (HyperPod: kubectl delete)", row_service("stop", hyperpod=True), "scoped"),
     ("node's host lost mid-job (next attempt on a fresh disk, from S3; HyperPod: pods on replaced nodes)",
      row_service("host", after=20, hyperpod=True), "scoped"),
     ("stage outlives MaxRuntime three times (60 s attempts)", row_max_runtime, "scoped"),
@@ -1239,7 +1292,8 @@ ROWS: list[tuple[str, Callable[[Matrix, Row], None], str]] = [
     ("spot capacity reclaimed mid-job (SageMaker managed spot; Batch: its host)",
      row_service("reclaim", after=12, conf=SPOT), "scoped"),
     ("describe and log reads down for 10 minutes (503; HyperPod: the Kubernetes API's)",
-     row_faults(OUTAGE, own_jobs=True, wait=OUTAGE_S + 300, hyperpod=hyperpod_outage), "scoped"),
+     row_faults(OUTAGE, own_jobs=True, wait=OUTAGE_S + 300, hyperpod=hyperpod_outage,
+                hyperpod_dags=(HYPERPOD_DAG, HYPERPOD_WORKER_DAG)), "scoped"),
     ("SlowDown on the jobs' own checkpoint uploads for 60 s (Batch, HyperPod)",
      row_faults(SLOWDOWN, own_jobs=True, halves={"finetune": "s3", "train": "s3"}, hyperpod=True), "scoped"),
     ("task marked failed by the user (control)", row_mark_failed, "scoped"),

@@ -6,7 +6,8 @@ lands while the job runs.
 - `chaos_remote`: both deferred (the triggerer waits, as on MWAA with deferrable operators);
 - `chaos_remote_worker`: both waited for in the worker (the task holds a worker slot throughout).
 - `chaos_hyperpod`: one deferred JobOperator, `train`, on HyperPod (a HyperPodPyTorchJob through
-  the Kubernetes API of tests/chaos/fake_eks.py, served over HTTP by tests/chaos/fake_eks_http.py).
+  the Kubernetes API of tests/chaos/fake_eks.py, served over HTTP by tests/chaos/fake_eks_http.py);
+- `chaos_hyperpod_worker`: the same, waited for in the worker.
 
 Params: `seconds` (job length), `exit_code` (non-zero: the job fails with it),
 `max_run_seconds` (each attempt's MaxRuntime; the operator's next attempt goes on past it),
@@ -41,7 +42,8 @@ TASKS = [("pretrain", "sagemaker", "ml.g5.2xlarge"), ("finetune", "batch", "p4d.
 HYPERPOD_TASKS = [("train", "hyperpod", "ml.g5.2xlarge")]
 
 for dag_id, deferrable, tasks in [("chaos_remote", True, TASKS), ("chaos_remote_worker", False, TASKS),
-                                  ("chaos_hyperpod", True, HYPERPOD_TASKS)]:
+                                  ("chaos_hyperpod", True, HYPERPOD_TASKS),
+                                  ("chaos_hyperpod_worker", False, HYPERPOD_TASKS)]:
     with DAG(dag_id, schedule=None, start_date=pendulum.datetime(2026, 1, 1, tz="UTC"),
              catchup=False, params=PARAMS, render_template_as_native_obj=True,
              max_active_runs=16, tags=["chaos", "test"],
