@@ -74,11 +74,15 @@ def test_lifecycle_with_pretraining_on_sagemaker(airflow_db, sagemaker_deploymen
             "storage_root": str(tmp_path / "storage"),
             "stage_resources": {"pretrain": {"instance_type": "ml.g5.2xlarge", "max_run_seconds": 432000}}}
 
+    # The session's moto is shared: another test's pretraining jobs (made before this one ran,
+    # wherever xdist put it) are not this run's.
+    others = set(moto.training_jobs("pretrain-"))
+
     # 1. Submitted, nothing ran, the retry reattaches.
     code, output = run_dag(conf)
     assert "Submitted pretrain job" in output and "Reattached to pretrain job" in output, output[-4000:]
     assert "wrote no result" in output
-    jobs = moto.training_jobs("pretrain-")
+    jobs = [j for j in moto.training_jobs("pretrain-") if j not in others]
     assert len(jobs) == 1, f"one training job, however often the task runs: {jobs}"
     job = jobs[0]
     described = moto.client("sagemaker").describe_training_job(TrainingJobName=job)
@@ -107,7 +111,7 @@ def test_lifecycle_with_pretraining_on_sagemaker(airflow_db, sagemaker_deploymen
     assert "has already ended (succeeded): finishing here rather than in the triggerer" in output, output[-6000:]
     assert re.search(r"Reattached to pretrain job pretrain-[0-9a-f]{12}", output)
     assert re.search(r"pretrain job pretrain-[0-9a-f]{12} succeeded: .*val_loss=", output)
-    assert moto.training_jobs("pretrain-") == [job], "still exactly one training job"
+    assert [j for j in moto.training_jobs("pretrain-") if j not in others] == [job], "still exactly one training job"
     pretrain_dir = tmp_path / "storage" / "llm_lifecycle"
     models = list(pretrain_dir.glob("*/pretrain/model/meta.json"))
     assert models, "the SageMaker job's model was copied to the run's local storage"
