@@ -638,15 +638,6 @@ class AirflowDeployment(StartStop):
                     return pid, _ppid(pid)
         return None
 
-    def wait_worker(self, ti_id: str, timeout: float = 60, interval: float = 0.2) -> tuple[int, int] | None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            found = self.worker_pids(ti_id)
-            if found:
-                return found
-            time.sleep(interval)
-        return None
-
 
 def _q(value: str) -> str:
     return urllib.parse.quote(value, safe="")

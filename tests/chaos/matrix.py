@@ -913,21 +913,40 @@ def row_component(component: str, how: str) -> Callable[[Matrix, Row], None]:
     return body
 
 
+def _worker_of(m: Matrix, run: Run, task_id: str, timeout: float) -> tuple[int, int] | None:
+    """The task runner of the task's running try, watched for from the moment it exists. Each
+    try has a task instance id of its own: a try that died before its worker was seen (its start
+    call to the API server timing out on busy cores, seen in a full run at high load) is followed
+    by the next try's id, which is read again every 2 s."""
+    assert m.dep is not None
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ti = m.ti(run, task_id)           # the task instance exists from the run's creation
+        if ti["state"] in TERMINAL_TI:
+            return None
+        until = min(deadline, time.monotonic() + 2)
+        while time.monotonic() < until:
+            pids = m.dep.worker_pids(ti["id"])
+            if pids:
+                return pids
+            time.sleep(0.05)
+    return None
+
+
 def _kill_worker(m: Matrix, row: Row, run: Run, task_id: str, sig: int, when: str) -> None:
-    """`sig` to the task runner of the task's first try: `mid_job` once its job has run 5 s,
+    """`sig` to the task runner of the task's running try: `mid_job` once its job has run 5 s,
     `after_submit` as soon as its log names the submitted job (before it defers: the worker
     is watched from the moment it exists, so the short window is not missed)."""
     assert m.dep is not None
     started = time.monotonic()
-    ti_id = m.ti(run, task_id)["id"]      # the task instance exists from the run's creation
     if when == "after_submit":
-        pids = m.dep.wait_worker(ti_id, timeout=600, interval=0.05)
+        pids = _worker_of(m, run, task_id, timeout=600)
         deadline = time.monotonic() + 120
         while pids and time.monotonic() < deadline and not m.named_in_log(run, task_id):
             time.sleep(0.02)
     else:
         m.wait_running(run, task_id, after=5)
-        pids = m.dep.worker_pids(ti_id)
+        pids = _worker_of(m, run, task_id, timeout=10)
     waited = time.monotonic() - started
     if not pids:
         row.miss(task_id, f"no worker process found in {waited:.0f}s (state {m.ti(run, task_id)['state']})")
@@ -1260,6 +1279,12 @@ SLOWDOWN = [{"operations": ["PutObject", "UploadPart", "CreateMultipartUpload", 
              "services": ["s3"], "kind": "throttle", "origin": "jobs", "per_job_seconds": 60}]
 SPOT = {"settings_overrides": {"SageMakerSettings": {"spot": True}}}
 
+# The side-by-side rows start this many seconds apart. Started at once, some 40 DAG runs' first
+# tries and their jobs' torch imports met on 2 cores: in the first full run with HyperPod in 21
+# rows two first tries died before their workers were seen, and one marked-failed task's job got
+# no stop request.
+STAGGER_S = 3.0
+
 # (fault, body, group): "global" rows run alone, one after another (their faults hit every
 # client: 5xx and resets also hit S3 and creates, which no job tag narrows; a component restart
 # hits every run); the "scoped" rows touch only their own runs and jobs and run side by side.
@@ -1300,7 +1325,8 @@ ROWS: list[tuple[str, Callable[[Matrix, Row], None], str]] = [
 ]
 
 
-def _run_row(m: Matrix, fault: str, body: Callable[[Matrix, Row], None]) -> Row:
+def _run_row(m: Matrix, fault: str, body: Callable[[Matrix, Row], None], after: float = 0.0) -> Row:
+    time.sleep(after)
     row = Row(fault, started_at=time.time())
     started = time.monotonic()
     try:
@@ -1350,7 +1376,7 @@ def run_matrix(workdir: Path | None = None, only: list[str] | None = None, secon
             bodies = [(f, b) for f, b, _ in group]
             try:
                 with concurrent.futures.ThreadPoolExecutor(len(bodies)) as pool:
-                    futures = [pool.submit(_run_row, m, f, b) for f, b in bodies]
+                    futures = [pool.submit(_run_row, m, f, b, i * STAGGER_S) for i, (f, b) in enumerate(bodies)]
                     rows.extend(f.result() for f in futures)
             finally:
                 m.chaos.clear()
