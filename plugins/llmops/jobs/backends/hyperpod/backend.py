@@ -45,9 +45,10 @@ Stopping deletes the job resource (foreground: its pods go first) after writing
 `<staging>/<spec name>/<job>/stopped.json`, so status() says STOPPED, and a retry starts the next
 attempt. A job someone else deleted (`kubectl delete`) fails its try, and the retry starts the
 next attempt too: `created.json`, written beside the manifest once the API server has the job,
-tells a job that was made and is gone from one not made yet. Not runPolicy.suspend: under Kueue `suspend` belongs to Kueue, which sets it while a job
-waits for quota and clears it on admission, so a suspended job can be started again behind our
-back; a deleted one cannot, and its quota is released at once. A job that is Suspended (queued or
+tells a job that was made and is gone from one not made yet. Not runPolicy.suspend: under Kueue
+`suspend` belongs to Kueue, which sets it while a job waits for quota and clears it on
+admission, so a suspended job can be started again behind our back; a deleted one cannot, and
+its quota is released at once. A job that is Suspended (queued or
 preempted by Kueue) is PENDING, not stopped, and says why in Kueue's own words: the message of
 its Workload (kueue.x-k8s.io/v1beta1, found by the `kueue.x-k8s.io/job-uid` label Kueue puts on
 it) while its quota is not reserved or it was evicted ("couldn't assign flavors to pod set
@@ -194,6 +195,18 @@ def _missing(exc: Exception) -> bool:
     return getattr(exc, "status", None) == 404
 
 
+def read_job(kube: KubeClient, kind: str, name: str, namespace: str) -> dict[str, Any] | None:
+    """The job resource `name` (its Kubernetes name), or None where the API server has none."""
+    group, version, plural = group_version_plural(kind)
+    try:
+        return kube.call("custom", "get_namespaced_custom_object", group=group, version=version,
+                         plural=plural, name=name, namespace=namespace)
+    except Exception as exc:
+        if _missing(exc):
+            return None
+        raise
+
+
 class HyperPodBackend(Backend):
     name = "hyperpod"
     poll_interval = 30   # seconds: a job runs for hours; every poll is an API server round trip
@@ -223,13 +236,7 @@ class HyperPodBackend(Backend):
         s3_hook = s3.s3_hook(settings.aws_conn_id, settings.region_name, settings.kms_key_id)
 
         def read(name: str) -> dict[str, Any] | None:
-            try:
-                return kube.call("custom", "get_namespaced_custom_object", group=group, version=version,
-                                 plural=plural, name=k8s_name(name), namespace=namespace)
-            except Exception as exc:
-                if not _missing(exc):
-                    raise
-            return None
+            return read_job(kube, settings.kind, k8s_name(name), namespace)
 
         def get(name: str) -> dict[str, Any] | None:
             """The attempt's job; a gone one that existed still counts as an attempt, so the
@@ -309,22 +316,12 @@ class HyperPodBackend(Backend):
                 "kms_key_id": settings.kms_key_id,
                 **remote.resource_fields(spec, settings), **remote.watch_fields(settings)}
 
-    def _get(self, kube: KubeClient, handle: dict[str, Any]) -> dict[str, Any] | None:
-        group, version, plural = group_version_plural(handle["kind"])
-        try:
-            return kube.call("custom", "get_namespaced_custom_object", group=group, version=version,
-                             plural=plural, name=handle["k8s_name"], namespace=handle["namespace"])
-        except Exception as exc:
-            if _missing(exc):
-                return None
-            raise
-
     def _s3(self, handle: dict[str, Any]) -> Any:
         return s3.s3_hook(handle["aws_conn_id"], handle.get("region_name", ""), handle.get("kms_key_id"))
 
     def status(self, handle: dict[str, Any]) -> JobStatus:
         kube = kube_client(handle)
-        resource = self._get(kube, handle)
+        resource = read_job(kube, handle["kind"], handle["k8s_name"], handle["namespace"])
         what = f"{handle['kind']} {handle['k8s_name']}"
         if resource is None or (resource.get("metadata") or {}).get("deletionTimestamp"):
             stopped = s3.read_json(self._s3(handle), _stop_uri(_prefix(handle)))
@@ -371,7 +368,7 @@ class HyperPodBackend(Backend):
     def stop(self, handle: dict[str, Any]) -> None:
         """Record the stop, then delete the job (see the module docstring for why not suspend)."""
         kube = kube_client(handle)
-        resource = self._get(kube, handle)
+        resource = read_job(kube, handle["kind"], handle["k8s_name"], handle["namespace"])
         if resource is None or job_state(resource)[0] in FINISHED:
             return  # nothing runs; a finished job keeps its record
         # Written first: if the delete is lost, the job is still there and status() reads it;
