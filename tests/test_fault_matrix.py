@@ -53,9 +53,13 @@ def test_every_fault_lands_and_leaves_no_duplicate_orphan_wrong_stop_lost_result
         if row["lost_progress_steps"] > matrix.LOST_PROGRESS_BOUND:
             problems.append(f"{row['fault']}: a failure cost {row['lost_progress_steps']} steps, more "
                             f"than one checkpoint interval ({matrix.LOST_PROGRESS_BOUND})")
-    # The failing rows' notes (what each task and job did) in the message itself: on a CI machine
-    # the results file is gone once the run ends.
+    # The failing rows' notes (what each task and job did) in the message itself, and printed last
+    # too: on a CI machine the results file is gone once the run ends, and CI keeps only the end of
+    # the output (the message comes before the captured output, and the table and the row timings
+    # pushed the notes out of a CI log's tail once).
     failing = {p.split(": ", 1)[0] for p in problems}
     notes = [f"{row['fault']}:\n  " + "\n  ".join(row.get("notes", [])) for row in rows if row["fault"] in failing]
+    if notes:
+        print("\nTHE FAILING ROWS' NOTES\n" + "\n".join(notes))
     assert not problems, (f"{len(problems)} problems (details in {out}):\n" + "\n".join(problems)
                           + "\n\n" + matrix.table(result) + "\n\n" + "\n".join(notes))

@@ -144,6 +144,7 @@ if str(ROOT / "plugins") not in sys.path:   # run as `python -m tests.chaos.matr
     sys.path.insert(0, str(ROOT / "plugins"))
 
 from tests.aws_fixtures import CONN_ID, DUMMY_CREDENTIALS, IMAGE, REGION, free_port, sagemaker_settings  # noqa: E402
+from llmops.jobs.errors import Backoff  # noqa: E402
 
 BUCKET = "llmops-chaos"
 QUEUE = "llmops-chaos"
@@ -1263,6 +1264,11 @@ def resets_hyperpod(m: Matrix, run_id: str) -> None:
 # jobs (they end meanwhile) and than any retry budget. Nothing may fail or stop; once the reads
 # come back, the task must pick up the job's end, its result and its whole log.
 OUTAGE_S = 600
+# How long the row's runs may take beyond the jobs: the outage, then a watch's last wait before
+# its next read (a full-jitter backoff capped at Backoff.cap, 300 s: after 10 minutes of failed
+# reads that wait is uniform in [0, 300] s), then the runs' starts and ends at the scoped group's
+# load. 300 s of slack was too little once: a CI run's row timed out at 962 s with one run left.
+OUTAGE_WAIT_S = OUTAGE_S + Backoff.cap + 300
 OUTAGE = [{"operations": DESCRIBE_AND_LOGS, "kind": "503", "per_job_seconds": OUTAGE_S}]
 
 
@@ -1317,7 +1323,7 @@ ROWS: list[tuple[str, Callable[[Matrix, Row], None], str]] = [
     ("spot capacity reclaimed mid-job (SageMaker managed spot; Batch: its host)",
      row_service("reclaim", after=12, conf=SPOT), "scoped"),
     ("describe and log reads down for 10 minutes (503; HyperPod: the Kubernetes API's)",
-     row_faults(OUTAGE, own_jobs=True, wait=OUTAGE_S + 300, hyperpod=hyperpod_outage,
+     row_faults(OUTAGE, own_jobs=True, wait=OUTAGE_WAIT_S, hyperpod=hyperpod_outage,
                 hyperpod_dags=(HYPERPOD_DAG, HYPERPOD_WORKER_DAG)), "scoped"),
     ("SlowDown on the jobs' own checkpoint uploads for 60 s (Batch, HyperPod)",
      row_faults(SLOWDOWN, own_jobs=True, halves={"finetune": "s3", "train": "s3"}, hyperpod=True), "scoped"),
