@@ -616,6 +616,44 @@ def test_trigger_on_kill_stops_the_job_when_the_user_ended_the_task(use_backend,
     assert backend.stops == (["job-1"] if stopped else [])
 
 
+@pytest.mark.parametrize("answers,stopped", [
+    (["failed"], True),                        # marked failed: stopped once Airflow answers
+    (["scheduled"], False),                    # cleared: the next try reattaches
+    ([], False),                               # never answered: left running, with an error
+])
+def test_on_kill_that_cannot_read_the_state_asks_again_and_acts_on_the_answer(use_backend, monkeypatch,
+                                                                              answers, stopped):
+    """on_kill has 30 s; under load Airflow's answer can take longer (seen once in the fault
+    matrix: a marked-failed task's job ran on). The triggerer asks again after on_kill returns."""
+    from airflow.sdk.execution_time.task_runner import RuntimeTaskInstance
+
+    replies = iter([TimeoutError("slow"), TimeoutError("slow")] + answers)
+
+    def get_task_states(**query):
+        reply = next(replies, TimeoutError("still slow"))
+        if isinstance(reply, Exception):
+            raise reply
+        return {"manual__1": {"pretrain": reply}}
+
+    monkeypatch.setattr(RuntimeTaskInstance, "get_task_states", staticmethod(get_task_states))
+    monkeypatch.setattr(job_trigger, "FOLLOW_UP_EVERY", 0.01)
+    monkeypatch.setattr(job_trigger, "FOLLOW_UP_SECONDS", 0.3)
+    backend = use_backend(ScriptedBackend([RUNNING]))
+    killed = trigger()
+    killed.task_instance = FakeTI()
+    killed._log = Recorder()
+
+    async def cancelled_by_a_user() -> None:
+        await killed.on_kill()
+        assert backend.stops == []             # on_kill itself never stops on an unknown state
+        await asyncio.gather(*job_trigger._FOLLOW_UPS)   # the triggerer's loop runs on
+
+    asyncio.run(cancelled_by_a_user())
+    assert backend.stops == (["job-1"] if stopped else [])
+    if not answers:
+        assert any("stop the job by hand" in m for level, m in killed._log.records if level == "error")
+
+
 def test_a_trigger_whose_task_was_ended_without_on_kill_stops_the_job(use_backend, monkeypatch, clock):
     """Airflow does not always call on_kill when a user marks a deferred task failed (seen in the
     fault matrix): the running trigger asks the task's state itself and stops the job."""

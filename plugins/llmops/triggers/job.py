@@ -26,6 +26,10 @@ STATE_TIMEOUT = 20.0   # s to ask Airflow for the task's state (the triggerer's 
 # "invoking on_kill" from the triggerer, the job left running to its max_run_seconds. One state
 # read per job every 30 s, against polls every poll_interval.
 TASK_CHECK_SECONDS = 30.0
+# When on_kill cannot read the task's state in time, the triggerer asks again this often, this long.
+FOLLOW_UP_EVERY = 10.0
+FOLLOW_UP_SECONDS = 300.0
+_FOLLOW_UPS: set[asyncio.Task] = set()   # held here: the loop keeps only weak references to tasks
 ENDED = {"failed", "success", "skipped", "upstream_failed", "removed"}   # no try will take our event
 
 # A checkpoint hands the log cursor back to the task, which defers again from it at once: a
@@ -63,7 +67,8 @@ class JobTrigger(BaseTrigger):
     stopped, since the next try starts a fresh one). Nor does a triggerer restart or shutdown:
     Airflow 3.3 calls `on_kill` only when the trigger is no longer wanted, and the trigger is
     resumed elsewhere from its serialized kwargs. When the task's state cannot be read the job
-    keeps running: it is never stopped on a guess.
+    keeps running: it is never stopped on a guess, and the triggerer asks again for
+    FOLLOW_UP_SECONDS, past on_kill's own 30 s.
     """
 
     def __init__(self, handle: dict[str, Any], poll_interval: float = 30.0,
@@ -187,10 +192,41 @@ class JobTrigger(BaseTrigger):
         # when its triggers were handed to another one (it missed heartbeats): the task is then
         # still deferred, and the job must keep running.
         known, state = await self._task_state()
-        if not known or state == "deferred":
-            self.log.warning("The task is %s in Airflow (this trigger moved to another triggerer, "
-                             "or the triggerer cannot ask): job %s keeps running.",
-                             state if known else "in an unknown state", self.handle["name"])
+        if not known:
+            # Airflow calls on_kill only for a user's action (a clear, mark failed or success):
+            # ask again after on_kill's 30 s, from a task of the triggerer's loop that outlives it.
+            # Once, under a fault matrix's load, no answer came in time and a marked-failed task's
+            # job ran on to its end.
+            self.log.warning("Could not read the task's state in Airflow: job %s keeps running "
+                             "while this triggerer asks again for %.0f s.", self.handle["name"],
+                             FOLLOW_UP_SECONDS)
+            follow_up = asyncio.get_running_loop().create_task(self._follow_up())
+            _FOLLOW_UPS.add(follow_up)
+            follow_up.add_done_callback(_FOLLOW_UPS.discard)
+            return
+        await self._act_on(state)
+
+    async def _follow_up(self) -> None:
+        """Ask the task's state every FOLLOW_UP_EVERY s for FOLLOW_UP_SECONDS; act on the first answer."""
+        deadline = time.monotonic() + FOLLOW_UP_SECONDS
+        while time.monotonic() < deadline:
+            await asyncio.sleep(FOLLOW_UP_EVERY)
+            known, state = await self._task_state()
+            if known:
+                try:
+                    await self._act_on(state)
+                except Exception:  # noqa: BLE001 - nothing awaits this task to see it raise
+                    self.log.exception("Could not stop job %s: stop it by hand", self.handle["name"])
+                return
+        self.log.error("Airflow did not say the task's state for %.0f s: job %s was left running. "
+                       "If a user ended the task, stop the job by hand.", FOLLOW_UP_SECONDS,
+                       self.handle["name"])
+
+    async def _act_on(self, state: str | None) -> None:
+        """What a user's action on the task means for its job, from the task's state after it."""
+        if state == "deferred":
+            self.log.warning("The task is deferred in Airflow (this trigger moved to another "
+                             "triggerer): job %s keeps running.", self.handle["name"])
             return
         # "running": a cancelled trigger's task is never running in its own try (a trigger that
         # fired is not cancelled), so a newer try runs: the task was cleared and picked up again
