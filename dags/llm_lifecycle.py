@@ -73,7 +73,7 @@ def llm_lifecycle():
         ctx = get_current_context()
         # The run page's headline figures onto the MLflow parent run, and the DAG run's note line
         # (a task cannot set notes: llmops.run_note copies this XCom when the run finishes).
-        note = run_summary.record(run, recipe=ctx["params"].get("recipe"))
+        note = run_summary.record(ctx["dag"].dag_id, ctx["run_id"], recipe=ctx["params"].get("recipe"))
         if note:
             ctx["ti"].xcom_push(run_summary.NOTE_XCOM, note)
         if not decision["promoted"]:

@@ -116,7 +116,7 @@ def test_publish_mirrors_headline_figures_onto_the_parent_run(lifecycle_run):
     from llmops import run_summary, tracking
 
     run_id, ids = lifecycle_run
-    note = run_summary.record({"dag_id": DAG_ID, "run_id": run_id}, recipe="tiny")
+    note = run_summary.record(DAG_ID, run_id, recipe="tiny")
     assert note == (f"recipe tiny | student: task accuracy 0.125, perplexity 228.9 | "
                     f"gate passed: {ids['model_name']} v{ids['version']} champion")
     client = tracking.client()

@@ -419,13 +419,13 @@ def publish(dag_id: str, run_id: str, *, recipe: str | None = None) -> dict[str,
     return summary
 
 
-def record(run: dict[str, Any], *, recipe: str | None = None) -> str | None:
-    """The promote task's part: publish the summary of `run` (start_run's result) and return its
-    note line. A report that cannot be written is logged, never fails the promotion it reports."""
+def record(dag_id: str, run_id: str, *, recipe: str | None = None) -> str | None:
+    """The promote task's part: publish the summary of the DAG run and return its note line. A
+    report that cannot be written is logged, never fails the promotion it reports."""
     try:
-        summary = publish(run["dag_id"], run["run_id"], recipe=recipe)
+        summary = publish(dag_id, run_id, recipe=recipe)
     except Exception:
-        log.exception("could not write the run summary of %s %s", run["dag_id"], run["run_id"])
+        log.exception("could not write the run summary of %s %s", dag_id, run_id)
         return None
     if summary is None:
         return None
