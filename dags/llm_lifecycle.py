@@ -7,7 +7,7 @@ import pendulum
 from airflow.sdk import Asset, dag, get_current_context, task
 from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
 
-from llmops import lifecycle, notify, promotion, run_summary
+from llmops import lifecycle, notify, promotion, run_summary, specs
 from llmops.operators.job import JobOperator
 from llmops.params import lifecycle_params
 from llmops.run import Run
@@ -69,7 +69,7 @@ def llm_lifecycle():
     def promote(run: dict, evaluation: dict, data: dict) -> dict:
         """The gate: the preferred passing model becomes `champion`; a refused one stays
         `challenger` with its reasons, and the task is skipped so CHAMPION gets no event."""
-        decision = lifecycle.promote(run, evaluation, data)
+        decision = promotion.promote(run, evaluation, data)
         ctx = get_current_context()
         # The run page's headline figures onto the MLflow parent run, and the DAG run's note line
         # (a task cannot set notes: llmops.run_note copies this XCom when the run finishes).
@@ -81,23 +81,23 @@ def llm_lifecycle():
         return decision
 
     run = start_run()
-    data = JobOperator(task_id="data_prep", build_spec=lifecycle.data_prep_spec,
+    data = JobOperator(task_id="data_prep", build_spec=specs.data_prep_spec,
                        op_kwargs={"run": run})
     # One mapped task per slot of the run's Optuna study; the pool is the accelerator quota.
-    trials = TrialOperator.partial(task_id="sweep_trial", build_spec=lifecycle.trial_spec,
+    trials = TrialOperator.partial(task_id="sweep_trial", build_spec=specs.trial_spec,
                                    pool=POOL).expand(
-        op_kwargs=task(lifecycle.sweep_trials, task_id="plan_trials")(run, data.output))
+        op_kwargs=task(specs.sweep_trials, task_id="plan_trials")(run, data.output))
     best = pick_best(run)
     trials >> best
-    pretrain = JobOperator(task_id="pretrain", build_spec=lifecycle.pretrain_spec,
+    pretrain = JobOperator(task_id="pretrain", build_spec=specs.pretrain_spec,
                            op_kwargs={"run": run, "data": data.output, "best": best})
     # none_failed: with a base_model Param pretraining is skipped and these start from it
-    finetune = JobOperator(task_id="finetune", build_spec=lifecycle.finetune_spec,
+    finetune = JobOperator(task_id="finetune", build_spec=specs.finetune_spec,
                            op_kwargs={"run": run, "data": data.output, "base": pretrain.output},
                            trigger_rule="none_failed")
-    distill = JobOperator(task_id="distill", build_spec=lifecycle.distill_spec,
+    distill = JobOperator(task_id="distill", build_spec=specs.distill_spec,
                           op_kwargs={"run": run, "data": data.output, "teacher": finetune.output})
-    evaluate = JobOperator(task_id="evaluate", build_spec=lifecycle.evaluate_spec,
+    evaluate = JobOperator(task_id="evaluate", build_spec=specs.evaluate_spec,
                            op_kwargs={"run": run, "data": data.output, "pretrained": pretrain.output,
                                       "teacher": finetune.output, "student": distill.output},
                            trigger_rule="none_failed")

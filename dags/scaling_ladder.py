@@ -7,7 +7,7 @@ from __future__ import annotations
 import pendulum
 from airflow.sdk import Asset, dag, get_current_context, task
 
-from llmops import lifecycle
+from llmops import specs
 from llmops.operators.job import JobOperator
 from llmops.params import ladder_params
 from llmops.sweep import LADDER_RECOMMENDATION_URI, POOL
@@ -45,7 +45,7 @@ def scaling_ladder():
         return recommendation
 
     run = start_ladder()
-    data = JobOperator(task_id="data_prep", build_spec=lifecycle.data_prep_spec,
+    data = JobOperator(task_id="data_prep", build_spec=specs.data_prep_spec,
                        op_kwargs={"run": run})
     # One mapped task per rung, in the same accelerator pool as the sweep's trials.
     rungs = JobOperator.partial(task_id="ladder_rung", build_spec=ladder.rung_spec,

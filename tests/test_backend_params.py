@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from llmops import lifecycle
+from llmops import specs
 from llmops.jobs.spec import JobSpec
 from llmops.params import lifecycle_params
 
@@ -42,13 +42,13 @@ def test_team_priority_and_resources_reach_the_job_spec(params):
            "config": {"pretrain": {"optim": {"lr": 1e-3}}}, "root": "/tmp/r", "experiment": "e",
            "parent_run_id": "p", "backends": {"pretrain": "batch"},
            "resources": conf["stage_resources"], "team": conf["team"], "priority": conf["priority"]}
-    spec = JobSpec.from_dict(lifecycle.pretrain_spec(
+    spec = JobSpec.from_dict(specs.pretrain_spec(
         run, {"outputs": {"data_dir": "/tmp/d"}, "data_hash": "h"}, {"lr": 0.01}))
     assert spec.backend == "batch" and spec.instance_type == "ml.p5.48xlarge"
     assert (spec.instance_count, spec.nproc_per_node, spec.max_run_seconds) == (2, 8, 432000)
     assert spec.tags["team"] == "research" and spec.tags["priority"] == "70"
     # Without them, nothing is added: local runs stay as they were.
-    plain = JobSpec.from_dict(lifecycle.pretrain_spec(
+    plain = JobSpec.from_dict(specs.pretrain_spec(
         {**run, "resources": {}, "team": "", "priority": None},
         {"outputs": {"data_dir": "/tmp/d"}, "data_hash": "h"}, {"lr": 0.01}))
     assert "team" not in plain.tags and plain.instance_count == 1 and plain.instance_type == "local"

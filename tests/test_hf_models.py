@@ -201,22 +201,22 @@ def _other_tokenizer(src: Path, out: Path) -> str:
 
 
 def test_a_base_model_replaces_sweep_and_pretraining_and_sets_the_datas_tokenizer(tiny_llama_dir):
-    from llmops import lifecycle
+    from llmops import lifecycle, specs
 
     run = _start({"base_model": str(tiny_llama_dir), "student_arch": "llama"}, "manual__base")
     assert run["base_model"] == str(tiny_llama_dir)
     assert run["config"]["data"]["tokenizer_path"] == str(tiny_llama_dir / "tokenizer.json")
     data = {"outputs": {"data_dir": "/out/data"}, "data_hash": "abc"}
-    assert lifecycle.sweep_trials(run, data) == []
-    spec = lifecycle.finetune_spec(run, data, None)
+    assert specs.sweep_trials(run, data) == []
+    spec = specs.finetune_spec(run, data, None)
     assert spec["config"]["base_model"] == str(tiny_llama_dir)
     # the step cache knows the base model by its content, not its path
     assert len(run["base_model_hash"]) == 64
-    assert lifecycle.given_base(run)["content_hashes"]["model_dir"] == run["base_model_hash"]
+    assert specs.given_base(run)["content_hashes"]["model_dir"] == run["base_model_hash"]
     model = {"outputs": {"model_dir": "/out/m"}, "mlflow_run_id": "r"}
-    spec = lifecycle.evaluate_spec(run, data, None, model, model)
+    spec = specs.evaluate_spec(run, data, None, model, model)
     assert spec["config"]["models"]["pretrained"] == str(tiny_llama_dir)
-    assert lifecycle.distill_spec(run, data, model)["config"]["student"]["arch"] == "llama"
+    assert specs.distill_spec(run, data, model)["config"]["student"]["arch"] == "llama"
 
 
 def test_data_prep_ends_documents_with_the_eos_a_models_tokenizer_config_declares(

@@ -48,7 +48,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
                        "llmops.sweep.study", "llmops.model_refs", "llmops.promotion",
                        "llmops.paired")),
     # a run: its checks and stage specs, reuse, replay, retraining, the sweep and the ladder
-    ("llmops.stages", ("llmops.lifecycle", "llmops.retraining", "llmops.reuse", "llmops.replay",
+    ("llmops.stages", ("llmops.lifecycle", "llmops.specs", "llmops.retraining", "llmops.reuse", "llmops.replay",
                        "llmops.run_summary", "llmops.summary", "llmops.sweep.stage",
                        "llmops.sweep.ladder", "llmops.sweep.tuning")),
     # Airflow's side: operators, triggers, the run page and note, the pause page, the sweep's pool

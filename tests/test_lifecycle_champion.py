@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from llmops import lifecycle, promotion, tracking
+from llmops import lifecycle, promotion, specs, tracking
 
 NAME = "lifecycle-champion-test"
 
@@ -41,12 +41,12 @@ def test_a_champion_crowned_mid_run_does_not_change_the_evaluate_spec(registry, 
     run = start("manual__1", tmp_path)
     assert run["champion"]["uri"] == f"models:/{NAME}/1"
     data, model = results()
-    first_try = lifecycle.evaluate_spec(run, data, model, model, model)
+    first_try = specs.evaluate_spec(run, data, model, model, model)
     assert first_try["config"]["models"]["champion"] == f"models:/{NAME}/1"
     crown("2")   # e.g. another DAG run promoted a model between two tries of evaluate
-    assert lifecycle.evaluate_spec(run, data, model, model, model) == first_try
+    assert specs.evaluate_spec(run, data, model, model, model) == first_try
     # A different DAG run compares with the champion of its own start.
-    later = lifecycle.evaluate_spec(start("manual__2", tmp_path), data, model, model, model)
+    later = specs.evaluate_spec(start("manual__2", tmp_path), data, model, model, model)
     assert later["config"]["models"]["champion"] == f"models:/{NAME}/2"
 
 
@@ -54,7 +54,7 @@ def test_no_champion_at_the_start_means_none_in_any_try(registry, tmp_path):
     run = start("manual__3", tmp_path)
     assert run["champion"] is None
     data, model = results()
-    before = lifecycle.evaluate_spec(run, data, model, model, model)
+    before = specs.evaluate_spec(run, data, model, model, model)
     crown("1")
-    after = lifecycle.evaluate_spec(run, data, model, model, model)
+    after = specs.evaluate_spec(run, data, model, model, model)
     assert after == before and "champion" not in after["config"]["models"]

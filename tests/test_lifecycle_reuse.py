@@ -261,7 +261,7 @@ FORK = {"recipe": "tiny", "start_at": "pretrain", "fork_step": 10}
 
 def test_a_fork_is_checked_before_any_job_and_refused_naming_the_param(first):
     """The tiny pretraining (20 steps, a checkpoint every 10, the newest 2 kept) keeps 10 and 20."""
-    from llmops import lifecycle, reuse, tracking
+    from llmops import lifecycle, reuse, specs, tracking
     from llmops.run_summary import find_parent
 
     ours = {**FORK, "from_run": first["run_id"]}
@@ -284,7 +284,7 @@ def test_a_fork_is_checked_before_any_job_and_refused_naming_the_param(first):
     assert (fork["step"], fork["parent_run_id"]) == (10, record["mlflow_run_id"])
     assert fork["checkpoints"] == str(Path(record["result"]["outputs"]["checkpoint"]).parent)
     data = {"outputs": {"data_dir": "/data"}, "data_hash": "h"}
-    spec = lifecycle.pretrain_spec(run, data, run["from_run"]["sweep_best"])
+    spec = specs.pretrain_spec(run, data, run["from_run"]["sweep_best"])
     assert (spec["config"]["fork_from"], spec["config"]["fork_step"], spec["config"]["max_steps"]) \
         == (fork["checkpoints"], 10, 30)
     assert run["from_run"]["sweep_best"]["lr"] != 0.0042 and spec["config"]["optim"]["lr"] == 0.0042

@@ -15,7 +15,7 @@ import pytest
 from airflow.sdk.exceptions import AirflowSkipException
 
 import llmops.operators.job as job_op
-from llmops import lifecycle, pause_api
+from llmops import pause_api, specs
 from llmops.jobs.backends import JobState, JobStatus
 from llmops.jobs.spec import NothingToRun
 from llmops.operators import job_pause, links
@@ -111,10 +111,10 @@ def test_the_later_stages_skip_when_pretraining_made_no_model(use_backend, clock
     run = {"dag_id": "llm_lifecycle", "run_id": "manual__paused", "root": "/tmp/x",
            "config": {"finetune": {}}, "backends": {}, "experiment": "llm_lifecycle", "parent_run_id": ""}
     with pytest.raises(NothingToRun, match="paused or skipped"):
-        lifecycle.finetune_spec(run, {"outputs": {"data_dir": "d"}, "data_hash": ""}, None)
+        specs.finetune_spec(run, {"outputs": {"data_dir": "d"}, "data_hash": ""}, None)
     with pytest.raises(NothingToRun, match="paused or skipped"):   # evaluate: none_failed too
-        lifecycle.evaluate_spec(run, {"outputs": {"data_dir": "d"}, "data_hash": ""}, None, None, None)
-    op = JobOperator(task_id="finetune", build_spec=lifecycle.finetune_spec, deferrable=False,
+        specs.evaluate_spec(run, {"outputs": {"data_dir": "d"}, "data_hash": ""}, None, None, None)
+    op = JobOperator(task_id="finetune", build_spec=specs.finetune_spec, deferrable=False,
                      op_kwargs={"run": run, "data": {"outputs": {"data_dir": "d"}}, "base": None})
     with pytest.raises(AirflowSkipException, match="finetune: pretraining produced no model"):
         op.execute(context(store=FakeStore()))

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmops import lifecycle, promotion, retraining, tracking
+from llmops import promotion, retraining, specs, tracking
 from tasks.configs import ConfigError, GateConfig, ModelConfig, to_dict
 
 NAME = "promotion-test"
@@ -349,12 +349,11 @@ def test_lifecycle_promote_prefers_the_student_and_falls_back_to_the_teacher(mod
               for n in ("teacher", "student")}
     both = {"metrics": {**metrics("teacher", 0.9, 50.0, 1.4), **metrics("student", 0.4, 70.0, 1.6)},
             "models": models, "mlflow_run_id": "eval"}
-    result = lifecycle.promote(run, both, {"data_hash": "h"})
+    result = promotion.promote(run, both, {"data_hash": "h"})
     # the student misses min_task_accuracy 0.5, so the teacher ships
     assert result["promoted"] and result["candidate"] == "teacher"
     assert result["gate"]["student"] == ["task accuracy 0.400 < 0.5"]
     assert client.get_model_version_by_alias(name, "champion").tags["candidate"] == "teacher"
-    assert lifecycle.gate_decisions is promotion.gate_decisions
 
 
 def test_job_specs_wire_the_cache_the_champion_and_the_retrained_model(model_uri):
@@ -368,9 +367,9 @@ def test_job_specs_wire_the_cache_the_champion_and_the_retrained_model(model_uri
                                                            ("finetune", "distill", "evaluate")}}
     data = {"outputs": {"data_dir": "/data"}, "data_hash": "h"}
     teacher = {"outputs": {"model_dir": "/store/run/finetune/model"}, "mlflow_run_id": "t"}
-    cache = lifecycle.teacher_cache_spec(run, data, teacher)
+    cache = specs.teacher_cache_spec(run, data, teacher)
     assert cache["entrypoint"] == "tasks.distill_cache" and cache["stage"] == "distill_cache"
-    student = lifecycle.distill_spec(run, data, teacher, cache={"outputs": {
+    student = specs.distill_spec(run, data, teacher, cache={"outputs": {
         "teacher_cache": cache["config"]["teacher_cache"]}})
     assert student["entrypoint"] == "tasks.distill"
     assert student["config"] == cache["config"]
@@ -378,7 +377,7 @@ def test_job_specs_wire_the_cache_the_champion_and_the_retrained_model(model_uri
 
     current = promotion.current_champion(NAME)
     assert current is not None  # promoted by the test above
-    spec = lifecycle.evaluate_spec(run, data, teacher, teacher, teacher)
+    spec = specs.evaluate_spec(run, data, teacher, teacher, teacher)
     assert spec["config"]["models"]["champion"] == current["uri"] == \
         f"models:/{NAME}/{current['version']}"
     retrain = {**run, "champion": {k: current[k] for k in ("version", "uri", "run_id")},

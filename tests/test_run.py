@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from llmops import lifecycle
+from llmops import lifecycle, specs
 from llmops.run import Run
 
 
@@ -52,7 +52,7 @@ def test_a_spec_builder_builds_the_same_spec_from_the_dict_and_from_the_run(star
     data = {"outputs": {"data_dir": "/out/data"}, "data_hash": "abc"}
     model = {"outputs": {"model_dir": "/out/model"}, "mlflow_run_id": "r"}
     run = Run.from_dict(started)
-    assert lifecycle.data_prep_spec(run) == lifecycle.data_prep_spec(started)
-    assert lifecycle.finetune_spec(run, data, model) == lifecycle.finetune_spec(started, data, model)
-    assert lifecycle.evaluate_spec(run, data, model, model, model) == \
-        lifecycle.evaluate_spec(started, data, model, model, model)
+    assert specs.data_prep_spec(run) == specs.data_prep_spec(started)
+    assert specs.finetune_spec(run, data, model) == specs.finetune_spec(started, data, model)
+    assert specs.evaluate_spec(run, data, model, model, model) == \
+        specs.evaluate_spec(started, data, model, model, model)

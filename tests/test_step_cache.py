@@ -95,7 +95,7 @@ def _lifecycle_run(root: str, run_id: str) -> dict:
 
 
 def _lifecycle_keys(root: str, run_id: str, champion: dict | None = None) -> dict[str, str]:
-    from llmops import lifecycle
+    from llmops import specs
     from llmops.sweep import study as studies
 
     run = {**_lifecycle_run(root, run_id), "champion": champion}
@@ -108,14 +108,14 @@ def _lifecycle_keys(root: str, run_id: str, champion: dict | None = None) -> dic
 
     best = {"lr": 3e-3, "params": {"optim.lr": 3e-3}, "mlflow_run_id": f"trial-{run_id}"}
     study = studies.study_ref(dag_id="llm_lifecycle", run_id=run_id, sweep=run["config"]["sweep"])
-    specs = {"data_prep": lifecycle.data_prep_spec(run),
-             "trial": lifecycle.trial_spec(run, data, study, 0, {"number": 0, "params": {"optim.lr": 2e-3}}),
-             "pretrain": lifecycle.pretrain_spec(run, data, best),
-             "finetune": lifecycle.finetune_spec(run, data, model("pretrain")),
-             "distill": lifecycle.distill_spec(run, data, model("finetune")),
-             "evaluate": lifecycle.evaluate_spec(run, data, model("pretrain"), model("finetune"),
+    stage_specs = {"data_prep": specs.data_prep_spec(run),
+             "trial": specs.trial_spec(run, data, study, 0, {"number": 0, "params": {"optim.lr": 2e-3}}),
+             "pretrain": specs.pretrain_spec(run, data, best),
+             "finetune": specs.finetune_spec(run, data, model("pretrain")),
+             "distill": specs.distill_spec(run, data, model("finetune")),
+             "evaluate": specs.evaluate_spec(run, data, model("pretrain"), model("finetune"),
                                                  model("distill"))}
-    return {stage: key(JobSpec.from_dict(spec)) for stage, spec in specs.items()}
+    return {stage: key(JobSpec.from_dict(spec)) for stage, spec in stage_specs.items()}
 
 
 def test_the_lifecycle_specs_of_two_dag_runs_key_alike():
@@ -151,7 +151,7 @@ def test_an_evaluation_keys_on_the_champions_weights_not_on_its_version():
 
 
 def test_an_evaluation_scores_a_champion_that_is_one_of_its_models_once():
-    from llmops import lifecycle
+    from llmops import specs
 
     run = {**_lifecycle_run(RUN1, "manual__1"),
            "champion": {"version": "5", "uri": "models:/llm-lifecycle/5", "run_id": "r5",
@@ -159,11 +159,11 @@ def test_an_evaluation_scores_a_champion_that_is_one_of_its_models_once():
     data = {"outputs": {"data_dir": f"{RUN1}/data_prep"}, "data_hash": "d" * 64}
     student = {"outputs": {"model_dir": f"{RUN1}/distill/model"}, "content_sha256": "distill-weights",
                "content_hashes": {"model_dir": "distill-hash"}, "mlflow_run_id": "s"}
-    spec = lifecycle.evaluate_models_spec(run, data, {"student": student})
+    spec = specs.evaluate_models_spec(run, data, {"student": student})
     assert spec["config"]["models"] == {"student": f"{RUN1}/distill/model"}
     assert spec["tags"]["champion_run_id"] == "r5"   # which champion it stood for
     other = {**run, "champion": {**run["champion"], "content_sha256": "e" * 64}}
-    assert lifecycle.evaluate_models_spec(other, data, {"student": student})["config"]["models"] == {
+    assert specs.evaluate_models_spec(other, data, {"student": student})["config"]["models"] == {
         "student": f"{RUN1}/distill/model", "champion": "models:/llm-lifecycle/5"}
 
 

@@ -24,7 +24,7 @@ SWEEP_DAG = '''
 import pendulum
 from airflow.sdk import dag, get_current_context, task
 
-from llmops import lifecycle
+from llmops import lifecycle, specs
 from llmops.params import lifecycle_params
 from llmops.sweep import POOL, stage
 from llmops.sweep.trial_operator import TrialOperator
@@ -46,9 +46,9 @@ def sweep_only():
         return stage.pick_best(run)
 
     run = start_run()
-    trials = TrialOperator.partial(task_id="sweep_trial", build_spec=lifecycle.trial_spec,
+    trials = TrialOperator.partial(task_id="sweep_trial", build_spec=specs.trial_spec,
                                    pool=POOL).expand(
-        op_kwargs=task(lifecycle.sweep_trials, task_id="plan_trials")(run, DATA))
+        op_kwargs=task(specs.sweep_trials, task_id="plan_trials")(run, DATA))
     trials >> pick_best(run)
 
 

@@ -15,7 +15,7 @@ import json
 
 import pytest
 
-from llmops import lifecycle, teams
+from llmops import lifecycle, specs, teams
 from llmops.jobs.backends import settings as backend_settings
 from llmops.jobs.backends.batch.settings import BatchSettings
 from llmops.jobs.backends.hyperpod.settings import HyperPodSettings
@@ -157,7 +157,7 @@ def test_a_run_inside_its_teams_lane_starts(team_setup):
                                       data_inputs=[str(corpus)]),
                               dag_id=DAG_ID, run_id="manual__team_ok")
     assert run["team"] == "nlp"   # empty team = the default team, on every job's tags
-    assert lifecycle.data_prep_spec(run)["tags"]["team"] == "nlp"
+    assert specs.data_prep_spec(run)["tags"]["team"] == "nlp"
 
 
 def test_without_the_variable_the_team_stays_a_free_label(monkeypatch, tmp_path):

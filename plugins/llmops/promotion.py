@@ -206,7 +206,7 @@ def with_champion(run: Run | dict[str, Any], evaluation: dict[str, Any]) -> dict
     """The evaluation with the run's pinned champion as its `champion` entry. Evaluation keys
     on the champion's content, not its version: the scores may come from an earlier job (the
     step cache) that scored the same weights under another reference, or from the model of this
-    run holding the champion's weights (scored once, see lifecycle.evaluate_models_spec). The
+    run holding the champion's weights (scored once, see specs.evaluate_models_spec). The
     scores stand; the reference (URI, version, run) is the run's champion."""
     run = Run.of(run)
     champion = run.champion

@@ -1,7 +1,7 @@
 """The scheduled retraining DAG's Airflow side (dags/retrain.py): find the new data and the
 champion to start from, build the fine-tuning and evaluation specs from them, branch after the
 gate, record how the run ended. The gate itself is plugins/llmops/promotion.py; the specs are the
-lifecycle's own (plugins/llmops/lifecycle.py)."""
+lifecycle's own (plugins/llmops/specs.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import os
 import re
 from typing import Any
 
-from llmops import lifecycle, promotion, tracking
+from llmops import lifecycle, promotion, specs, tracking
 from llmops.params import RETRAIN_KNOBS, set_path
 from llmops.run import Run
 from tasks import configs
@@ -108,10 +108,10 @@ def finish(run: Run | dict[str, Any], decision: dict[str, Any] | None,
 def retrain_finetune_spec(run: Run | dict[str, Any]) -> dict[str, Any]:
     """Fine-tune the pinned champion on the run's curated data (the lifecycle's finetune job)."""
     run = Run.of(run)
-    return lifecycle.finetune_spec(run, run.data, champion_as_base(run))
+    return specs.finetune_spec(run, run.data, champion_as_base(run))
 
 
 def retrain_evaluate_spec(run: Run | dict[str, Any], challenger: dict[str, Any]) -> dict[str, Any]:
     """Challenger and champion, scored by one evaluation job on the same data."""
     run = Run.of(run)
-    return lifecycle.evaluate_models_spec(run, run.data, {"challenger": challenger})
+    return specs.evaluate_models_spec(run, run.data, {"challenger": challenger})

@@ -27,7 +27,7 @@ import hashlib
 import json
 from typing import Any
 
-from llmops import lifecycle
+from llmops import specs
 from llmops.aws.validation import AwsRequestError, service_model, validate_request
 from llmops.jobs.backends import remote
 from llmops.jobs.backends.sagemaker.requests import training_request
@@ -146,7 +146,7 @@ def render(run: Run | dict[str, Any], data: dict[str, Any], *, settings: dict[st
     ref = study_for(run)
     middle = {path: (spec["choices"][0] if "choices" in spec else spec["low"])
               for path, spec in ref["space"].items()}  # replaced by SageMaker's choice per job
-    spec = JobSpec.from_dict(lifecycle.trial_spec(run, data, ref, 0, {"number": 0, "params": middle}))
+    spec = JobSpec.from_dict(specs.trial_spec(run, data, ref, 0, {"number": 0, "params": middle}))
     name = tuning_job_name(ref["name"])
     spec = spec.replace(name=name, env={k: v for k, v in spec.env.items()
                                         if not k.startswith("LLMOPS_STUDY")})
