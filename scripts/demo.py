@@ -23,7 +23,7 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugins"))
-from llmops.summary import summarize  # noqa: E402
+from llmops import run_summary, tracking  # noqa: E402
 from up import airflow_server_env  # noqa: E402  (scripts/up.py: the port's other places too)
 
 DAG_ID = "llm_lifecycle"
@@ -148,7 +148,11 @@ def main() -> int:
     mode = os.environ.get("DEMO_MODE", "standalone")
     code = run_dags_test(conf) if mode == "dags-test" else run_standalone(conf)
     print("\n" + "=" * 100)
-    print(summarize(DAG_ID))
+    run_id = run_summary.latest(DAG_ID)
+    summary = run_summary.collect(DAG_ID, run_id) if run_id else None
+    print(run_summary.text(summary) if summary else f"No lifecycle run in {tracking.tracking_uri()}.")
+    print(f"Open the MLflow UI: .venv/bin/mlflow ui --backend-store-uri {tracking.tracking_uri()} "
+          "--port 5000   (or `make up`)")
     print(f"\nThe DAG run took {(time.time() - started) / 60:.1f} min. Task logs: "
           f"{AIRFLOW_HOME / 'logs'}; `make up` shows the run in the Airflow UI.")
     return code

@@ -112,6 +112,27 @@ def test_collect_reads_every_section_and_both_metric_namings(lifecycle_run):
     assert run_summary.collect(DAG_ID, "no_such_run") is None
 
 
+def test_the_terminal_account_of_the_newest_run_shows_stages_figures_evaluation_and_model(lifecycle_run):
+    """What `make demo` prints at its end (and `python -m llmops.run_summary`): one reader of MLflow
+    for the run page, the parent run's summary and the terminal alike."""
+    from llmops import run_summary
+
+    run_id, ids = lifecycle_run
+    assert run_summary.latest(DAG_ID) == run_id
+    out = run_summary.text(run_summary.collect(DAG_ID, run_id))
+    lines = out.splitlines()
+    assert lines[0] == f"Lifecycle run {run_id}: FINISHED (MLflow run {ids['parent']})"
+    assert [line.split()[:3] for line in lines if line.startswith("  pretrain ")] == [
+        ["pretrain", "pretrain", "FINISHED"]]
+    assert any(line.split() == ["documents_kept", "191"] for line in lines)
+    assert any(line.split() == ["pretrain_goodput", "0.8"] for line in lines)
+    student = next(line.split() for line in lines if line.strip().startswith("student "))
+    assert student[1:] == ["8624", "228.9", "0.125", "0.15"]   # params, perplexity, accuracy, suite
+    assert lines[-1] == (f"Registered model: {ids['model_name']} version {ids['version']} (alias "
+                         f"'champion'), the student: models:/{ids['model_name']}@champion")
+    assert run_summary.latest("no_such_dag") is None
+
+
 def test_publish_mirrors_headline_figures_onto_the_parent_run(lifecycle_run):
     from llmops import run_summary, tracking
 

@@ -11,6 +11,9 @@
     headline(summary)         the few figures a reader wants first (`summary/*` metrics)
     note_line(summary)        one line for the Airflow DAG run's note
     publish(dag_id, run_id)   headline metrics + summary.json + summary.md on the parent run
+    latest(dag_id)            the newest lifecycle DAG run's id (what `make demo` just ran)
+    text(summary)             the plain-text account a terminal shows (`python -m
+                              llmops.run_summary [dag_id]`: the newest run's)
 
 MLflow client only (no torch, no Airflow), so it runs in a task, the API server and tests alike.
 """
@@ -395,6 +398,56 @@ def markdown(summary: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def latest(dag_id: str, client: Any = None) -> str | None:
+    """The DAG run id of the newest lifecycle parent run in the DAG's experiment, or None."""
+    client = client or tracking.client()
+    experiment = client.get_experiment_by_name(dag_id)
+    if experiment is None:
+        return None
+    parents = client.search_runs([experiment.experiment_id], "tags.kind = 'lifecycle'",
+                                 order_by=["attributes.start_time DESC"], max_results=1)
+    return parents[0].data.tags.get("run_id") if parents else None
+
+
+def text(summary: dict[str, Any]) -> str:
+    """The run for a terminal: its note line, each stage task's status and time, the headline
+    figures, the checkpoints its pretraining kept, a fork's parent, and where the model went."""
+    lines = [f"Lifecycle run {summary['run_id']}: {summary['status']} "
+             f"(MLflow run {summary['mlflow_run_id']})", f"  {note_line(summary)}", ""]
+    for s in summary["stages"]:
+        task = s["task_id"] + (f"[{s['map_index']}]" if s["map_index"] >= 0 else "")
+        secs = f"{s['duration_s']:7.1f} s" if s["duration_s"] is not None else ""
+        lines.append(f"  {s['stage']:<10} {task:<16} {s['status']:<9} {secs}")
+    if summary["headline"]:
+        lines += [""] + [f"  {k.removeprefix('summary/'):<24} {v:.6g}"
+                         for k, v in summary["headline"].items()]
+    evaluation = summary.get("evaluation")
+    if evaluation:
+        names = {c: c.removeprefix("suite.") for c in evaluation["columns"]}
+        widths = {c: max(10, len(name) + 2) for c, name in names.items()}
+        lines += ["", "  " + f"{'model':<12}" + "".join(f"{names[c]:>{widths[c]}}" for c in names)]
+        for model in evaluation["models"]:
+            row = evaluation["table"][model]
+            lines.append("  " + f"{model:<12}" + "".join(
+                f"{row[c]:>{widths[c]}.4g}" if c in row else " " * widths[c] for c in names))
+    fork = (summary["curves"].get("pretrain") or {}).get("fork")
+    if fork:
+        lines.append(f"  pretraining forked from run {fork['parent']} at step {fork['step']}")
+    checkpoints = summary.get("checkpoints")
+    if checkpoints:
+        lines.append("  pretraining kept checkpoints at steps "
+                     + ", ".join(str(step) for step in checkpoints["kept"]))
+    gate = summary["gate"]
+    if gate.get("version"):
+        alias = "champion" if "champion" in gate["aliases"] else "challenger"
+        lines.append(f"Registered model: {gate['model_name']} version {gate['version']} "
+                     f"(alias '{alias}'), the {gate['candidate']}: "
+                     f"models:/{gate['model_name']}@{alias}")
+    else:
+        lines.append("No model was registered in this run.")
+    return "\n".join(lines)
+
+
 def publish(dag_id: str, run_id: str, *, recipe: str | None = None) -> dict[str, Any] | None:
     """Mirror the run's headline figures onto its MLflow parent run (metrics, summary.json,
     summary.md, tag `summary`) and return the summary; None when there is no parent run."""
@@ -431,3 +484,12 @@ def record(dag_id: str, run_id: str, *, recipe: str | None = None) -> str | None
         return None
     log.info("run summary: %s", summary["note"])
     return summary["note"]
+
+
+if __name__ == "__main__":
+    import sys
+
+    dag = sys.argv[1] if len(sys.argv) > 1 else "llm_lifecycle"
+    newest = latest(dag)
+    found = collect(dag, newest) if newest else None
+    print(text(found) if found else f"No lifecycle run of {dag!r} in {tracking.tracking_uri()}.")
