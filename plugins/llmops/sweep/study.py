@@ -205,7 +205,7 @@ def trial_for_slot(study: Any, ref: dict[str, Any], slot: int):
 def _suggest(trial: Any, path: str, spec: dict[str, Any]) -> Any:
     if "choices" in spec:
         return trial.suggest_categorical(path, spec["choices"])
-    if configs._field_type(configs.TrainConfig, path) is int:
+    if configs.field_type(configs.TrainConfig, path) is int:
         return trial.suggest_int(path, int(spec["low"]), int(spec["high"]), log=bool(spec.get("log")))
     return trial.suggest_float(path, float(spec["low"]), float(spec["high"]), log=bool(spec.get("log")))
 

@@ -70,7 +70,7 @@ def parameter_ranges(ref: dict[str, Any]) -> dict[str, list]:
                 {"Name": name, "Values": [_text(v) for v in spec["choices"]]})
             continue
         scaling = "Logarithmic" if spec.get("log") else "Linear"
-        if configs._field_type(configs.TrainConfig, path) is int:
+        if configs.field_type(configs.TrainConfig, path) is int:
             ranges["IntegerParameterRanges"].append(
                 {"Name": name, "MinValue": str(int(spec["low"])), "MaxValue": str(int(spec["high"])),
                  "ScalingType": scaling})
