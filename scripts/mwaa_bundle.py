@@ -1,7 +1,7 @@
 """Write what Amazon MWAA takes into dist/mwaa/ (`make mwaa-bundle`).
 
     dist/mwaa/dags/            the DAG files: upload to the environment's DAGs folder in S3
-    dist/mwaa/plugins.zip      llmops (the Airflow side) + tasks/__init__.py + tasks/configs.py
+    dist/mwaa/plugins.zip      llmops (the Airflow side) + tasks/__init__.py + tasks/configs/
     dist/mwaa/requirements.txt requirements.txt behind MWAA's Airflow 3.3.1 constraints line
     dist/mwaa/startup.sh       the environment variables the Airflow side reads
     dist/mwaa/airflow_configuration_options.json
@@ -13,7 +13,7 @@
 
 MWAA unpacks plugins.zip into its plugins folder, which is on every component's sys.path, so
 `import llmops` and `import tasks.configs` work as they do locally. tasks/ is the job side: only
-the modules the Airflow side imports travel (tasks/configs.py and what the DAGs and plugins name,
+the modules the Airflow side imports travel (tasks/configs/ and what the DAGs and plugins name,
 found by reading their imports), and each must need nothing but the standard library, since
 torch, ray and numpy never reach the workers. A module that does fails the build, naming it.
 """

@@ -4,7 +4,7 @@ instance type carries.
 One table for both sides: a training job reads its device's peak for MFU
 (tasks.train.runtime.peak_flops, from torch.cuda.get_device_name), and the Airflow side's budget
 estimator (plugins/llmops/sweep/budget.py) reads the peak of the instance type a stage will run
-on. Standard library only: the MWAA bundle ships this module beside tasks/configs.py.
+on. Standard library only: the MWAA bundle ships this module beside tasks/configs/.
 
 Peaks are dense (no structured sparsity) bf16 tensor-core figures from the vendors' data sheets.
 Names are matched exactly, after normalising what the CUDA driver reports ("NVIDIA H100 80GB
