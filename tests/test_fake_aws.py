@@ -150,14 +150,14 @@ def test_a_few_503s_and_500s_are_retried_through(fake, chaos, no_backoff):
 def test_a_per_job_window_opens_at_each_jobs_first_call_and_outlives_a_re_push(monkeypatch):
     """A narrowed rule with `per_job_seconds` hits a job that comes late for as long as one
     that came first; pushing the same rule again (another row's rules changed) keeps the clocks."""
-    from tests.chaos import fake_aws
+    from tests.chaos.fake_aws import simulator as fake_faults
 
     clock = [1000.0]
-    monkeypatch.setattr(fake_aws.time, "time", lambda: clock[0])
-    faults = fake_aws.Faults()
+    monkeypatch.setattr(fake_faults.time, "time", lambda: clock[0])
+    faults = fake_faults.Faults()
     rule = {"operations": ["DescribeJobs"], "kind": "503", "jobs": ["run_id=r1"], "per_job_seconds": 60}
     faults.set([rule])
-    call = fake_aws.Call("batch", "DescribeJobs", "rest-json")
+    call = fake_faults.Call("batch", "DescribeJobs", "rest-json")
     early, late = (lambda: {"job-a", "run_id=r1"}), (lambda: {"job-b", "run_id=r1"})
     assert faults.pick(call, early) is not None
     clock[0] += 50
