@@ -150,7 +150,7 @@ def test_a_few_503s_and_500s_are_retried_through(fake, chaos, no_backoff):
 def test_a_per_job_window_opens_at_each_jobs_first_call_and_outlives_a_re_push(monkeypatch):
     """A narrowed rule with `per_job_seconds` hits a job that comes late for as long as one
     that came first; pushing the same rule again (another row's rules changed) keeps the clocks."""
-    from tests.chaos.fake_aws import simulator as fake_faults
+    from tests.chaos.fake_aws import faults as fake_faults
 
     clock = [1000.0]
     monkeypatch.setattr(fake_faults.time, "time", lambda: clock[0])
