@@ -4,7 +4,7 @@ this checkout's code beside an earlier commit's, on the same machine, the same j
     .venv/bin/python -m benchmarks.triggerer_watch [--jobs 500] [--seconds 120] [--poll 15]
         [--before REV] [--out benchmarks/results/triggerer_watch.json]
 
-What runs: tests/chaos/fake_aws.py (moto behind the proxy that counts every request by operation)
+What runs: tests/chaos/fake_aws/ (moto behind the proxy that counts every request by operation)
 holds `--jobs` jobs, half SageMaker training jobs and half 2-node AWS Batch jobs, queued for
 capacity (the simulator's `capacity_wait_seconds`: SageMaker InProgress/Starting, Batch RUNNABLE,
 with the services' capacity messages) so no container runs; a feeder puts one line every `--poll`

@@ -208,7 +208,7 @@ def training_container(s3: Any, request: dict, workdir: Path, s3_endpoint: str,
                        master_port: int = 0) -> tuple[list[str], dict[str, str]]:
     """Lay out /opt/ml on host `host`'s own disk under `workdir` for a CreateTrainingJob
     `request` (channels and checkpoints downloaded from S3) and return the container's command
-    and environment. Shared with tests/chaos/fake_aws.py, which runs the same command in the
+    and environment. Shared with tests/chaos/fake_aws/sagemaker.py, which runs the same command in the
     background, one per instance.
 
     Simulated part of the SageMaker PyTorch toolkit: with `sagemaker_torch_distributed_enabled`

@@ -1,4 +1,4 @@
-"""tests/chaos/fake_aws.py, the AWS that fails: botocore through its proxy classifies each injected
+"""tests/chaos/fake_aws/, the AWS that fails: botocore through its proxy classifies each injected
 fault as it would AWS's (throttling and 5xx retried, resets and timeouts as connection errors),
 clean passthrough without rules, and the job simulator takes our own SageMaker and Batch backends
 through InProgress/RUNNING to Completed/SUCCEEDED with the result in S3 and the log lines in

@@ -1,13 +1,13 @@
 """A multi-week pretraining, compressed to minutes, on SageMaker (multi-instance), AWS Batch
 (multi-node parallel) and HyperPod (a Kubeflow PyTorchJob under Kueue), through the project's own
-operator and backends against the simulators (tests/chaos/fake_aws.py, tests/chaos/fake_eks.py;
+operator and backends against the simulators (tests/chaos/fake_aws/, tests/chaos/fake_eks.py;
 harness: tests/chaos/multinode.py). It must end as an uninterrupted run of the same config ends.
 
 What is real: the JobOperator (its wait, its chain of attempts inside one task try, its ledger
 rows in SQLite), the backends' requests (validated by botocore, stored by moto), S3 (moto), the
 image's entry (docker/job_entry.py) on every node, torchrun's rendezvous across two nodes, DDP on
 gloo, the checkpoints written through to S3 and restored on fresh disks. What is simulated: the
-services (fake_aws.py and fake_eks.py say what), Airflow around the operator (one task try: `execute` called as
+services (fake_aws/ and fake_eks.py say what), Airflow around the operator (one task try: `execute` called as
 the task runner calls it), and the clock: MaxRuntime in seconds, set per attempt from how long
 attempts take to start on this machine (Director.max_run_seconds), with a hang on node 1 that
 MaxRuntime ends (ATTEMPT_FAULTS), so that every MaxRuntime stop lands at a step however fast the

@@ -1,1 +1,1 @@
-"""AWS that fails: a fault-injecting proxy and job simulator in front of moto (see fake_aws.py)."""
+"""AWS that fails: a fault-injecting proxy and job simulator in front of moto (see fake_aws/)."""

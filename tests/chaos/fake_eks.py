@@ -379,7 +379,7 @@ class FakeEks:
 
     def job_tags(self) -> list[tuple[str, set[str]]]:
         """(name, {"run_id=<its DAG run>"}) of every job ever created: whose a pod's S3 call is
-        (tests/chaos/fake_aws.py's Simulator.foreign_jobs)."""
+        (tests/chaos/fake_aws/simulator.py's Simulator.foreign_jobs)."""
         with self.lock:
             return [(j.name, {f"run_id={j.run_id}"}) for j in self.history]
 

@@ -3,7 +3,7 @@
     python -m tests.chaos.matrix [--out FILE] [--only fault,...] [--seconds 30] [--no-lifecycle]
                                  [--workdir DIR] [--database postgresql|sqlite]
 
-SETUP     one fake AWS (tests/chaos/fake_aws.py: moto behind a fault-injecting proxy and a job
+SETUP     one fake AWS (tests/chaos/fake_aws/: moto behind a fault-injecting proxy and a job
           simulator that runs each job's container entry, docker/job_entry.py, on this machine)
           and one Airflow deployment (tests/chaos/airflow_deployment.py: api-server, scheduler,
           dag-processor, triggerer as separate processes, LocalExecutor, parallelism 8) on a
@@ -105,7 +105,7 @@ MEASURE   after every row has ended and a settle time, from the simulators' repo
 The table is printed (`landed`: halves landed / claimed); the full run (every row, 30 s jobs,
 PostgreSQL) is written to benchmarks/results/fault_matrix.json, a subset only where `--out` says:
 the rows (exactly these keys plus `seconds`, `fault_landed`, `fault_missed` and `notes`) with
-machine information and load. What is simulated (and not): see tests/chaos/fake_aws.py.
+machine information and load. What is simulated (and not): see tests/chaos/fake_aws/__init__.py.
 
 KNOWN LIMITS  the control row marks a task failed once it is deferred and its trigger runs (its
           trigger log part shows a poll: a job line it forwarded), which is what a user does to a

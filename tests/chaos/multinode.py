@@ -1,4 +1,4 @@
-"""Multi-node jobs in the simulators (tests/chaos/fake_aws.py, fake_eks.py) through the project's
+"""Multi-node jobs in the simulators (tests/chaos/fake_aws/, fake_eks.py) through the project's
 own backends: one fake AWS with the data set in its S3, a Batch queue, and one Platform per backend
 (Batch, SageMaker, HyperPod with either job kind) that says how to read a job's log lines, when it
 ended, how to lose one of its nodes and how the run goes on after that. Shared by
