@@ -16,8 +16,9 @@ from tests.chaos.fake_aws.jobs import BATCH_GROUP, Job, LogSink
 
 
 class BatchApi:
-    """The `_batch_<Operation>` handlers Simulator.handle dispatches to; mixed into Simulator,
-    whose state (jobs, lock, config) and lifecycle (_start, end, _sink) they use."""
+    """The `_batch_<Operation>` handlers Simulator.handle dispatches to, and the containers a job
+    runs; mixed into Simulator, whose state (jobs, lock) and helpers (unseen, end, _start,
+    _jobdir, _sink, _aws_env) they use."""
 
     def _batch_SubmitJob(self, call, body, forward, user_agent):
         answer = forward(body)

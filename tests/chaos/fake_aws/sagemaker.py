@@ -12,8 +12,9 @@ from tests.chaos.fake_aws.jobs import SM_GROUP, Job, LogSink
 
 
 class SageMakerApi:
-    """The `_sagemaker_<Operation>` handlers Simulator.handle dispatches to; mixed into Simulator,
-    whose state (jobs, lock, config) and lifecycle (_start, end, _sink) they use."""
+    """The `_sagemaker_<Operation>` handlers Simulator.handle dispatches to, and the containers a job
+    runs; mixed into Simulator, whose state (jobs, lock, s3, moto_url) and helpers (unseen, end, _start,
+    _jobdir, _sink, _aws_env) they use."""
 
     def _sagemaker_CreateTrainingJob(self, call, body, forward, user_agent):
         request = json.loads(body)
