@@ -45,6 +45,30 @@ def test_a_slot_keeps_its_trial_across_retries_and_a_failed_one_is_replaced(tmp_
     assert studies.fail_orphans(study) == [replacement.number]
 
 
+def test_processes_opening_a_new_study_store_at_once_all_get_it(tmp_path):
+    """Optuna creates a store's tables on first open; opened at once (two sweeps planned on a new
+    store, a reader during the first plan) all but one failed in every round without the retry."""
+    import threading
+
+    for round_ in range(5):
+        url = f"sqlite:///{tmp_path / f'store-{round_}' / 'optuna.db'}"
+        start, errors, opened = threading.Barrier(4), [], []
+
+        def open_it() -> None:
+            start.wait()
+            try:
+                opened.append(studies.open_storage(url))
+            except Exception as exc:  # noqa: BLE001 - collected for the assert
+                errors.append(repr(exc)[:200])
+
+        threads = [threading.Thread(target=open_it) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert errors == [] and len(opened) == 4
+
+
 def test_grid_sampler_covers_learning_rates_times_choices(tmp_path):
     ref = ref_for(tmp_path, sampler="grid", trials=2,
                   search_space={"batch_size": {"choices": [4, 8]}})

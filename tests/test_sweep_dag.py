@@ -74,7 +74,10 @@ def storage() -> str:
 def trials_of(study_name: str) -> list:
     import optuna
 
-    return optuna.load_study(study_name=study_name, storage=storage()).get_trials()
+    from llmops.sweep.study import open_storage
+
+    # opened as the DAG's tasks open it: the test reads while the plan task may be creating it
+    return optuna.load_study(study_name=study_name, storage=open_storage(storage())).get_trials()
 
 
 def job_dirs(study: str, number: int) -> list[Path]:

@@ -125,14 +125,33 @@ def slot_count(cfg: configs.SweepConfig) -> int:
 
 # -- open ------------------------------------------------------------------------------------
 
-def _storage(url: str):
+STORAGE_ATTEMPTS = 5
+
+
+def open_storage(url: str):
+    """The study store at `url`, created on first use. Processes that open a new store at once
+    (two sweeps planned on a fresh one, a reader during the first plan) race inside Optuna: each
+    sees no tables, and all but the first fail creating them ("table studies already exists") or
+    writing the schema version (a UNIQUE constraint). Four threads opening one new SQLite store
+    failed so in 20 rounds of 20; the next attempt finds the tables and the version there."""
+    import time
+
     import optuna
+    from sqlalchemy.exc import IntegrityError, OperationalError
 
     if url.startswith("sqlite:///"):
         Path(url[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
         # Trial jobs and Airflow tasks write at once: wait for the lock instead of failing.
-        return optuna.storages.RDBStorage(url, engine_kwargs={"connect_args": {"timeout": 60}})
-    return optuna.storages.RDBStorage(url, engine_kwargs={"pool_pre_ping": True})
+        kwargs: dict[str, Any] = {"connect_args": {"timeout": 60}}
+    else:
+        kwargs = {"pool_pre_ping": True}
+    for attempt in range(1, STORAGE_ATTEMPTS + 1):
+        try:
+            return optuna.storages.RDBStorage(url, engine_kwargs=kwargs)
+        except (IntegrityError, OperationalError):
+            if attempt == STORAGE_ATTEMPTS:
+                raise
+            time.sleep(0.2 * attempt)
 
 
 def make_sampler(ref: dict[str, Any], slot: int = 0, attempt: int = 0):
@@ -162,7 +181,7 @@ def open_study(ref: dict[str, Any], *, create: bool = False):
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    storage = _storage(ref["storage"])
+    storage = open_storage(ref["storage"])
     if create:
         study = optuna.create_study(storage=storage, study_name=ref["name"], direction="minimize",
                                     sampler=make_sampler(ref), load_if_exists=True)
