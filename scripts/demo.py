@@ -148,9 +148,7 @@ def main() -> int:
     mode = os.environ.get("DEMO_MODE", "standalone")
     code = run_dags_test(conf) if mode == "dags-test" else run_standalone(conf)
     print("\n" + "=" * 100)
-    run_id = run_summary.latest(DAG_ID)
-    summary = run_summary.collect(DAG_ID, run_id) if run_id else None
-    print(run_summary.text(summary) if summary else f"No lifecycle run in {tracking.tracking_uri()}.")
+    print(run_summary.latest_text(DAG_ID))
     print(f"Open the MLflow UI: .venv/bin/mlflow ui --backend-store-uri {tracking.tracking_uri()} "
           "--port 5000   (or `make up`)")
     print(f"\nThe DAG run took {(time.time() - started) / 60:.1f} min. Task logs: "

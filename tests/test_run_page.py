@@ -131,6 +131,8 @@ def test_the_terminal_account_of_the_newest_run_shows_stages_figures_evaluation_
     assert lines[-1] == (f"Registered model: {ids['model_name']} version {ids['version']} (alias "
                          f"'champion'), the student: models:/{ids['model_name']}@champion")
     assert run_summary.latest("no_such_dag") is None
+    assert run_summary.latest_text(DAG_ID) == out   # what make demo prints
+    assert run_summary.latest_text("no_such_dag").startswith("No lifecycle run of 'no_such_dag'")
 
 
 def test_publish_mirrors_headline_figures_onto_the_parent_run(lifecycle_run):

@@ -12,8 +12,8 @@
     note_line(summary)        one line for the Airflow DAG run's note
     publish(dag_id, run_id)   headline metrics + summary.json + summary.md on the parent run
     latest(dag_id)            the newest lifecycle DAG run's id (what `make demo` just ran)
-    text(summary)             the plain-text account a terminal shows (`python -m
-                              llmops.run_summary [dag_id]`: the newest run's)
+    text(summary)             the plain-text account a terminal shows; latest_text(dag_id) the
+                              newest run's (`python -m llmops.run_summary [dag_id]`, make demo)
 
 MLflow client only (no torch, no Airflow), so it runs in a task, the API server and tests alike.
 """
@@ -386,15 +386,19 @@ def note_line(summary: dict[str, Any]) -> str:
     return " | ".join(parts)
 
 
+def _task_label(stage: dict[str, Any]) -> str:
+    """A stage row's task: `sweep_trial[1]` for a mapped one."""
+    return stage["task_id"] + (f"[{stage['map_index']}]" if stage["map_index"] >= 0 else "")
+
+
 def markdown(summary: dict[str, Any]) -> str:
     lines = [f"# {summary['dag_id']} {summary['run_id']}", "", note_line(summary), "",
              "| figure | value |", "| --- | --- |"]
     lines += [f"| {k.removeprefix('summary/')} | {v:.6g} |" for k, v in summary["headline"].items()]
     lines += ["", "| stage | task | status | seconds |", "| --- | --- | --- | --- |"]
     for s in summary["stages"]:
-        task = s["task_id"] + (f"[{s['map_index']}]" if s["map_index"] >= 0 else "")
         secs = f"{s['duration_s']:.1f}" if s["duration_s"] is not None else ""
-        lines.append(f"| {s['stage']} | {task} | {s['status']} | {secs} |")
+        lines.append(f"| {s['stage']} | {_task_label(s)} | {s['status']} | {secs} |")
     return "\n".join(lines) + "\n"
 
 
@@ -409,15 +413,21 @@ def latest(dag_id: str, client: Any = None) -> str | None:
     return parents[0].data.tags.get("run_id") if parents else None
 
 
+def latest_text(dag_id: str) -> str:
+    """`text` of the DAG's newest lifecycle run, or a line saying there is none."""
+    run_id = latest(dag_id)
+    summary = collect(dag_id, run_id) if run_id else None
+    return text(summary) if summary else f"No lifecycle run of {dag_id!r} in {tracking.tracking_uri()}."
+
+
 def text(summary: dict[str, Any]) -> str:
     """The run for a terminal: its note line, each stage task's status and time, the headline
     figures, the checkpoints its pretraining kept, a fork's parent, and where the model went."""
     lines = [f"Lifecycle run {summary['run_id']}: {summary['status']} "
              f"(MLflow run {summary['mlflow_run_id']})", f"  {note_line(summary)}", ""]
     for s in summary["stages"]:
-        task = s["task_id"] + (f"[{s['map_index']}]" if s["map_index"] >= 0 else "")
         secs = f"{s['duration_s']:7.1f} s" if s["duration_s"] is not None else ""
-        lines.append(f"  {s['stage']:<10} {task:<16} {s['status']:<9} {secs}")
+        lines.append(f"  {s['stage']:<10} {_task_label(s):<16} {s['status']:<9} {secs}")
     if summary["headline"]:
         lines += [""] + [f"  {k.removeprefix('summary/'):<24} {v:.6g}"
                          for k, v in summary["headline"].items()]
@@ -489,7 +499,4 @@ def record(dag_id: str, run_id: str, *, recipe: str | None = None) -> str | None
 if __name__ == "__main__":
     import sys
 
-    dag = sys.argv[1] if len(sys.argv) > 1 else "llm_lifecycle"
-    newest = latest(dag)
-    found = collect(dag, newest) if newest else None
-    print(text(found) if found else f"No lifecycle run of {dag!r} in {tracking.tracking_uri()}.")
+    print(latest_text(sys.argv[1] if len(sys.argv) > 1 else "llm_lifecycle"))
