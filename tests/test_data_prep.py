@@ -22,7 +22,7 @@ from tasks.common.io import sha256_file
 from tasks.configs import DATA_QUALITY_FILTERS, DataPrepConfig
 from tasks.data.dedup import MinHasher
 from tasks.data.engine import host_share
-from tasks.data.prep import EOS, load_manifest, normalize_text, open_token_rows, prepare, split_score
+from tasks.data.prep import EOS, load_manifest, normalize_text, open_token_rows, plan_split, prepare, split_score
 from tasks.data.pipeline import build_pipeline
 from tasks.data.steps import Doc, run_steps
 
@@ -180,6 +180,45 @@ def test_filters_dedup_and_pii_end_to_end(tmp_path, prose_documents):
     for step in ("gopher_repetition", "gopher_quality", "c4_quality", "fineweb_quality"):
         assert steps[step]["in"] == steps[step]["kept"] + sum(
             v for k, v in steps[step].items() if k.startswith("dropped."))
+
+
+def _split_by_sorting(documents, seed, val_fraction, sample_docs, row_len):
+    """The split as a driver holding every kept id would plan it: sorted lists."""
+    ordered = sorted(documents, key=lambda d: split_score(d[2], seed))
+    val = [d for d in ordered if split_score(d[2], seed) < val_fraction]
+    train = [d for d in ordered if split_score(d[2], seed) >= val_fraction]
+    sample = sorted(sorted(train, key=lambda d: split_score(d[2], seed + 1))[:sample_docs])
+    return val, train, sample
+
+
+@pytest.mark.parametrize("n, val_fraction", [(5000, 0.05), (300, 0.002), (40, 0.0)])
+def test_split_plan_streams_what_sorting_every_id_decides(n, val_fraction):
+    docs = [(i // 100, i % 100, f"doc-{i}") for i in range(n)] + [(99, 0, "doc-7")]  # a repeated id
+    val, train, sample = _split_by_sorting(docs, 3, val_fraction, 64, 17)
+    plan = plan_split(iter(docs), 3, val_fraction, sample_docs=64, row_len=17)
+    assert (plan.kept, plan.train) == (len(docs), len(train))
+    assert plan.sample == sample
+    assert plan.lendable == train[:17]
+    assert plan.val == (val if len(val) < 17 else None)
+
+
+def test_split_plan_memory_does_not_grow_with_the_corpus():
+    """The driver's memory for the split is bounded by the sample and one row, not the corpus
+    (benchmarks/data_prep_split_memory.py runs 10^8 ids)."""
+    import tracemalloc
+
+    def peak(n: int) -> int:
+        ids = ((i // 1000, i % 1000, f"document-{i:012d}") for i in range(n))
+        tracemalloc.start()
+        plan = plan_split(ids, 1, 0.05, sample_docs=500, row_len=129)
+        _, top = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+        assert plan.kept == n and len(plan.sample) == 500
+        return top
+
+    small, large = peak(20_000), peak(200_000)
+    assert large < 1.25 * small, (small, large)   # ten times the ids, not ten times the memory
+    assert large < 2_000_000
 
 
 def test_split_is_deterministic_and_seeded(tmp_path):
@@ -458,22 +497,26 @@ def test_host_share_reads_sagemaker_resource_config(tmp_path, monkeypatch):
         host_share(str(config))
 
 
-def test_ray_engine_writes_the_same_data_as_local(tmp_path):
-    """Above ray_above_bytes the auto engine is Ray Data: shards (one file in byte-range splits)
-    and dedup buckets on two workers write what the in-process engine writes."""
+def test_ray_and_process_engines_write_the_same_data_as_local(tmp_path):
+    """Shards (one file in byte-range splits), dedup buckets and the documents-and-tokens step on
+    two workers, in a process pool (what auto picks above processes_above_bytes) or on Ray Data,
+    write byte for byte what the in-process engine writes."""
     pytest.importorskip("ray")
     docs = [{"id": f"d{i}", "text": f"{i}: {PROSE[i % len(PROSE)]} {PROSE[(i * 7) % 6]}"} for i in range(60)]
     inputs = [write_jsonl(tmp_path / f"part{k}.jsonl", docs[k::3]) for k in range(3)]
     layout = dict(split_bytes=2048, dedup_buckets=4)
     local = prepare(small_config(tmp_path / "local", inputs, engine="local", **layout)).manifest
-    on_ray = prepare(small_config(tmp_path / "ray", inputs, engine="auto", ray_above_bytes=0, workers=2, **layout))
+    pooled = prepare(small_config(tmp_path / "pool", inputs, engine="auto", processes_above_bytes=0, workers=2,
+                                  **layout))
+    on_ray = prepare(small_config(tmp_path / "ray", inputs, engine="ray", workers=2, **layout))
+    assert pooled.engine == "processes" and pooled.manifest["content_hash"] == local["content_hash"]
     assert on_ray.engine == "ray" and on_ray.manifest["content_hash"] == local["content_hash"]
     assert len(local["documents"]["files"]) > len(inputs)  # the files were split
 
 
 def test_cli_writes_result_and_logs_to_mlflow(tmp_path):
     config = {"output_dir": str(tmp_path / "out"), "demo_corpus_docs": 200, "demo_sft_examples": 30,
-              "vocab_size": 280, "seq_len": 16, "engine": "local"}
+              "vocab_size": 280, "seq_len": 16, "engine": "processes", "workers": 2, "split_bytes": 16384}
     (tmp_path / "config.json").write_text(json.dumps(config))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "plugins")])}
     env.pop("MLFLOW_RUN_ID", None)
@@ -484,6 +527,7 @@ def test_cli_writes_result_and_logs_to_mlflow(tmp_path):
     result = json.loads((tmp_path / "result.json").read_text())
     manifest = load_manifest(tmp_path / "out")
     assert result["data_hash"] == manifest["content_hash"]
+    assert len(manifest["documents"]["files"]) > 1
     assert result["outputs"] == {"data_dir": str(tmp_path / "out"),
                                  "manifest": str(tmp_path / "out" / "manifest.json")}
     assert result["metrics"]["documents_in"] == 200
@@ -497,6 +541,8 @@ def test_cli_writes_result_and_logs_to_mlflow(tmp_path):
     assert run.data.metrics["documents_in"] == 200
     assert run.data.metrics["documents_kept"] == manifest["counts"]["kept_documents"]
     assert run.data.tags["data_hash"] == manifest["content_hash"]
+    # The shard functions live in __main__ here: the pool's workers import them by module name.
+    assert run.data.tags["data_prep.engine"] == "processes"
     artifacts = {a.path for a in mlflow.MlflowClient().list_artifacts(run.info.run_id)}
     assert {"manifest.json", "config.json", "data_prep.png"} <= artifacts
 

@@ -268,14 +268,20 @@ def test_two_hosts_then_finalize_with_a_split_file_and_near_dedup(tmp_path, monk
 
 def test_engine_is_chosen_by_input_size(tmp_path, monkeypatch, caplog):
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    config = DataPrepConfig(output_dir=str(tmp_path), ray_above_bytes=1_000_000)
+    config = DataPrepConfig(output_dir=str(tmp_path), processes_above_bytes=1_000_000, workers=2)
     assert config.engine == "auto"
     engine, why = choose_engine(config, 999_999)
-    assert engine == "local" and "1.0 MB of input < ray_above_bytes = 1.0 MB" in why
-    assert choose_engine(config, 1_000_000)[0] == "ray"
-    assert choose_engine(DataPrepConfig(output_dir=str(tmp_path), workers=1, ray_above_bytes=0), 10**9)[0] == "local"
+    assert engine == "local" and "1.0 MB of input < processes_above_bytes = 1.0 MB" in why
+    assert choose_engine(config, 1_000_000) == ("processes", "1.0 MB of input >= processes_above_bytes "
+                                                             "= 1.0 MB: 2 worker processes")
+    # Without a cluster, Ray on this one machine is never chosen: it only adds its start-up.
+    assert choose_engine(config, 10**12)[0] == "processes"
+    one_worker = DataPrepConfig(output_dir=str(tmp_path), workers=1, processes_above_bytes=0, ray_above_bytes=0)
+    assert choose_engine(one_worker, 10**9) == ("local", "1000.0 MB of input, one worker: in-process")
     monkeypatch.setenv("RAY_ADDRESS", "ray://head:10001")  # a cluster: Ray even with one local worker
-    assert choose_engine(DataPrepConfig(output_dir=str(tmp_path), workers=1, ray_above_bytes=0), 10**9)[0] == "ray"
+    assert choose_engine(one_worker, 10**9)[0] == "ray"
+    assert choose_engine(DataPrepConfig(output_dir=str(tmp_path), ray_above_bytes=10**9), 10**9 - 1)[0] == \
+        "processes"   # a cluster, but below ray_above_bytes
     assert choose_engine(DataPrepConfig(output_dir=str(tmp_path), engine="local", ray_above_bytes=0), 10**9) == \
         ("local", "engine='local' in the config")
     assert choose_engine(DataPrepConfig(output_dir=str(tmp_path), engine="ray"), 10)[0] == "ray"
@@ -283,8 +289,8 @@ def test_engine_is_chosen_by_input_size(tmp_path, monkeypatch, caplog):
 
     source = write_jsonl(tmp_path / "docs.jsonl", [{"id": f"d{i}", "text": t * 3} for i, t in enumerate(PROSE)])
     with caplog.at_level(logging.INFO, logger="tasks.data.prep"):
-        prepared = prepare(small_config(tmp_path, [source], engine="auto"))
-    assert prepared.engine == "local" and "< ray_above_bytes" in prepared.engine_reason
+        prepared = prepare(small_config(tmp_path, [source], engine="auto", workers=2))
+    assert prepared.engine == "local" and "< processes_above_bytes" in prepared.engine_reason
     assert f"data prep engine: local ({prepared.engine_reason})" in caplog.text
 
 
@@ -292,7 +298,7 @@ def test_engine_param_reaches_the_config():
     from llmops.lifecycle import LifecycleParamError, resolve
     from llmops.params import lifecycle_params
 
-    assert lifecycle_params()["data_engine"].schema["enum"] == [None, "auto", "ray", "local"]
+    assert lifecycle_params()["data_engine"].schema["enum"] == [None, "auto", "processes", "ray", "local"]
     assert resolve({"recipe": "tiny"}).data.engine == "auto"
     assert resolve({"recipe": "tiny", "data_engine": "ray"}).data.engine == "ray"
     with pytest.raises(LifecycleParamError, match="Param 'data_engine'"):

@@ -36,11 +36,15 @@ class DataPrepConfig:
     val_fraction: float = bounded(0.05, minimum=0.0, maximum=0.5, help="Share of documents held out.")
     min_chars: int = bounded(20, minimum=0, maximum=1_000_000, help="Shorter documents are dropped.")
     workers: int = bounded(2, minimum=1, maximum=4096, help="Parallel shard workers.")
-    engine: str = bounded("auto", choices=("auto", "ray", "local"),
-                          help="auto (in-process below ray_above_bytes of input, Ray Data above), "
-                               "ray, or local (in-process).")
+    engine: str = bounded("auto", choices=("auto", "processes", "ray", "local"),
+                          help="auto (chosen by input size: in-process, a process pool, or Ray Data "
+                               "on the cluster at RAY_ADDRESS), processes, ray, or local (in-process).")
+    processes_above_bytes: int = bounded(2 << 20, minimum=0, maximum=1 << 60,
+                                         help="engine auto: a pool of `workers` processes from this "
+                                              "many input bytes on.")
     ray_above_bytes: int = bounded(64 << 20, minimum=0, maximum=1 << 60,
-                                   help="engine auto: Ray Data from this many input bytes on.")
+                                   help="engine auto, with a Ray cluster at RAY_ADDRESS: Ray Data from "
+                                        "this many input bytes on.")
     split_bytes: int = bounded(64 << 20, minimum=1024, maximum=1 << 40,
                                help="Input files larger than this are read as several shards (JSONL "
                                     "and text by byte range, Parquet by row groups).")

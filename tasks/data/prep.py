@@ -53,9 +53,10 @@ written after its files. A rerun skips shards whose marker matches the input fil
 shards in flight. A rerun after the manifest exists is a no-op; one with a different config
 (engine and workers aside) is refused.
 
-Engines (DataPrepConfig.engine): `auto` (in this process below ray_above_bytes of input, Ray Data
-above it: choose_engine, which logs why), `ray` (Ray Data, local with `workers` CPUs, or the
-cluster at RAY_ADDRESS) or `local` (in this process). Shards and dedup buckets run on it.
+Engines (DataPrepConfig.engine): `auto` (by input size: in this process, a pool of `workers`
+processes, or Ray Data on the cluster at RAY_ADDRESS; choose_engine, which logs why), `processes`,
+`ray` (Ray Data, local with `workers` CPUs, or the cluster at RAY_ADDRESS) or `local` (in this
+process). Shards, dedup buckets and the documents-and-tokens step run on it.
 
 SageMaker Processing (one container per instance) -- the contract for a backend:
 
@@ -80,6 +81,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import heapq
 import json
 import logging
 import math
@@ -90,7 +92,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable, Iterator
 
 import numpy as np
 
@@ -111,7 +113,8 @@ log = logging.getLogger(__name__)
 
 # Config fields that change where and how the work is spread, not what is written: a data set
 # may be moved, or finished by another engine, without redoing anything.
-LAYOUT_ONLY_FIELDS = ("engine", "workers", "output_dir", "ray_above_bytes", "dedup_buckets")
+LAYOUT_ONLY_FIELDS = ("engine", "workers", "output_dir", "processes_above_bytes", "ray_above_bytes",
+                      "dedup_buckets")
 STAGES = ("all", "shards", "finalize")
 # The phases each stage reports progress by (prepare's `lap`).
 _ALL_PHASES = ("plan", "shards", "dedup", "tokenizer", "documents_and_tokens", "pack_and_manifest",
@@ -407,17 +410,85 @@ def split_score(doc_id: str, seed: int) -> float:
     return int.from_bytes(value[:8], "big") / 2**64
 
 
-def _kept_index(out_dir: Path, jobs: list[dict]) -> list[tuple[int, int, str]]:
-    """(shard, row, id) of every document that survived deduplication, in input order."""
+def _kept_documents(out_dir: Path, jobs: list[dict]) -> Iterator[tuple[int, int, str]]:
+    """(shard, row, id) of every document that survived deduplication, in input order, one shard
+    at a time: neither the kept ids nor the removed ones are ever all in memory (at 10^9
+    documents a list of the kept ids alone would be ~75 GB)."""
     import pyarrow.parquet as pq
 
-    removed = pq.read_table(out_dir / "staging" / "dedup.parquet", columns=["shard", "row"])
-    gone = set(zip(removed.column("shard").to_pylist(), removed.column("row").to_pylist()))
-    kept = []
+    # staging/dedup.parquet is sorted by (shard, row): walk it beside the shards.
+    removed = pq.ParquetFile(out_dir / "staging" / "dedup.parquet").iter_batches(
+        batch_size=1 << 16, columns=["shard", "row"])
+    shard_col, row_col = np.zeros(0, np.int32), np.zeros(0, np.int64)
     for index, job in enumerate(jobs):
+        while shard_col.size == 0 or shard_col[-1] <= index:
+            batch = next(removed, None)
+            if batch is None:
+                break
+            shard_col = np.concatenate([shard_col, batch.column(0).to_numpy()])
+            row_col = np.concatenate([row_col, batch.column(1).to_numpy()])
+        cut = int(np.searchsorted(shard_col, index, side="right"))
+        gone = set(row_col[:cut][shard_col[:cut] == index].tolist())
+        shard_col, row_col = shard_col[cut:], row_col[cut:]
         ids, _ = _staging_ids(job, pq.read_table(shard_files(out_dir, index)["docs"], columns=["id", "line"]))
-        kept += [(index, row, doc_id) for row, doc_id in enumerate(ids) if (index, row) not in gone]
-    return kept
+        for row, doc_id in enumerate(ids):
+            if row not in gone:
+                yield index, row, doc_id
+
+
+def _keep_smallest(heap: list, size: int, key: tuple, item: Any) -> None:
+    """Keep in `heap` the `size` items of smallest key seen so far (a max-heap on negated keys)."""
+    full = len(heap) >= size
+    if full and (not size or key[0] > -heap[0][0][0]):   # the cheap test first: past the first
+        return                                           # few, most keys stop here
+    entry = (tuple(-k for k in key), item)
+    if not full:
+        heapq.heappush(heap, entry)
+    elif entry > heap[0]:
+        heapq.heapreplace(heap, entry)
+
+
+def _smallest_first(heap: list) -> list:
+    return [item for _, item in sorted(heap, reverse=True)]
+
+
+@dataclass
+class SplitPlan:
+    """What the tokenizer and the split need from the kept documents, in memory bounded by
+    tokenizer_sample_docs + seq_len documents whatever the corpus size (plan_split)."""
+    kept: int                                   # kept documents
+    train: int                                  # of them in the training split
+    val: list[tuple[int, int, str]] | None      # the validation documents, while fewer than a row
+    lendable: list[tuple[int, int, str]]        # the row_len training documents of lowest split score
+    sample: list[tuple[int, int, str]]          # the tokenizer's sample, in input order
+
+
+def plan_split(documents: Iterable[tuple[int, int, str]], seed: int, val_fraction: float,
+               sample_docs: int, row_len: int) -> SplitPlan:
+    """One pass over the kept documents (shard, row, id), in input order. A document is
+    validation when split_score(id, seed) < val_fraction. Of the training documents it keeps
+    only the `sample_docs` of lowest split_score(id, seed + 1) (the tokenizer's sample: a second
+    hash, so the sample is not the validation neighbours) and the `row_len` of lowest
+    split_score(id, seed) (lent to a validation split that holds less than one row); of the
+    validation documents, only the first `row_len` (only then are their tokens counted). Ties
+    break as a stable sort by split score, then by the second score, would."""
+    kept = train = 0
+    val: list | None = []
+    lendable: list = []
+    sample: list = []
+    for position, document in enumerate(documents):
+        kept += 1
+        score = split_score(document[2], seed)
+        if score < val_fraction:
+            if val is not None:
+                val.append(document)
+                if len(val) >= row_len:
+                    val = None
+            continue
+        train += 1
+        _keep_smallest(lendable, row_len, (score, position), document)
+        _keep_smallest(sample, sample_docs, (split_score(document[2], seed + 1), score, position), document)
+    return SplitPlan(kept, train, val, _smallest_first(lendable), sorted(_smallest_first(sample)))
 
 
 def _read_texts(out_dir: Path, wanted: list[tuple[int, int, str]]) -> list[str]:
@@ -445,17 +516,15 @@ def tokenizer_and_split(out_dir: Path, jobs: list[dict], config: DataPrepConfig,
     path = out_dir / "tokenizer.json"
     if done := _finished(out_dir, "tokenizer", key):
         return done
-    kept = _kept_index(out_dir, jobs)
-    if not kept:
+    plan = plan_split(_kept_documents(out_dir, jobs), config.seed, config.val_fraction,
+                      config.tokenizer_sample_docs, config.seq_len + 1)
+    if not plan.kept:
         reasons: Counter = Counter()
         for index in range(len(jobs)):
             reasons.update(read_json(out_dir / "completions" / f"shard_{index:05d}.json")["dropped"])
         raise ValueError(f"No documents left after filtering and deduplication (dropped: "
                          f"{dict(reasons.most_common())}); {out_dir}/staging/*.dropped.parquet says "
                          "why each was dropped. Check the inputs, or relax DataPrepConfig.filters.")
-    scored = sorted(kept, key=lambda d: split_score(d[2], config.seed))
-    val = [d for d in scored if split_score(d[2], config.seed) < config.val_fraction]
-    train = [d for d in scored if split_score(d[2], config.seed) >= config.val_fraction]
 
     if config.tokenizer_path:
         data = read_bytes(config.tokenizer_path)
@@ -464,10 +533,7 @@ def tokenizer_and_split(out_dir: Path, jobs: list[dict], config: DataPrepConfig,
                                  declared_eos(config.tokenizer_path, read_bytes))
         atomic_write(path, lambda fh: fh.write(data))
     else:
-        # A seeded sample by a second hash, so the sample is not just the validation neighbours.
-        sample = sorted(train, key=lambda d: split_score(d[2], config.seed + 1))[:config.tokenizer_sample_docs]
-        sample.sort()  # read shard by shard
-        texts = _read_texts(out_dir, sample) + sft_texts
+        texts = _read_texts(out_dir, plan.sample) + sft_texts
         # SFT text is in the tokenizer's training text so every character of the task has tokens;
         # it never enters the pretraining rows (the pretrained model must not see the task).
         tokenizer = train_tokenizer(texts, config.vocab_size, length=len(texts))
@@ -476,15 +542,18 @@ def tokenizer_and_split(out_dir: Path, jobs: list[dict], config: DataPrepConfig,
 
     row_len = config.seq_len + 1
     borrowed: list[str] = []
-    if len(val) < row_len:  # fewer documents than tokens in a row: count the tokens
+    if plan.val is not None:  # fewer documents than tokens in a row: count the tokens
         val_tokens = sum(len(e.ids) + 1 for e in tokenizer.encode_batch(
-            _read_texts(out_dir, val), add_special_tokens=False))
-        while val_tokens < row_len and len(train) > 1:
-            doc = train.pop(0)
+            _read_texts(out_dir, plan.val), add_special_tokens=False))
+        train_left = plan.train
+        for doc in plan.lendable:
+            if val_tokens >= row_len or train_left <= 1:
+                break
+            train_left -= 1
             borrowed.append(doc[2])
             val_tokens += len(tokenizer.encode(_read_texts(out_dir, [doc])[0], add_special_tokens=False).ids) + 1
     return _mark_finished(out_dir, "tokenizer", key, [path], eos_id=eos_id, borrowed=borrowed,
-                          vocab_size=tokenizer.get_vocab_size(), kept_documents=len(kept))
+                          vocab_size=tokenizer.get_vocab_size(), kept_documents=plan.kept)
 
 
 # --------------------------------------------------------------------------------------------
@@ -704,19 +773,25 @@ def _set_line_bases(jobs: list[dict], shards: list[dict]) -> None:
 
 
 def choose_engine(config: DataPrepConfig, input_bytes: int) -> tuple[str, str]:
-    """(engine, why): DataPrepConfig.engine, or with "auto" in-process below ray_above_bytes of
-    input (Ray's start-up, 5-10 s, costs more than a second worker saves on small inputs), and
-    Ray Data above it when there is more than one worker (or a cluster at RAY_ADDRESS) to use."""
+    """(engine, why): DataPrepConfig.engine, or with "auto", by input size:
+    - Ray Data when a Ray cluster is there to use (RAY_ADDRESS) and the input reaches
+      ray_above_bytes: other machines' cores are worth Ray's start-up;
+    - in this process with one worker, or below processes_above_bytes, where starting workers costs
+      more than they save;
+    - otherwise a pool of `workers` processes. On one machine it spreads the same shards as a local
+      Ray would, without Ray's 5-10 s start-up (benchmarks/data_prep_bench.py measures both)."""
     if config.engine != "auto":
         return config.engine, f"engine={config.engine!r} in the config"
     size = f"{input_bytes / 1e6:.1f} MB of input"
-    limit = f"ray_above_bytes = {config.ray_above_bytes / 1e6:.1f} MB"
-    if input_bytes < config.ray_above_bytes:
-        return "local", f"{size} < {limit}: in-process, no Ray start-up"
-    if config.workers == 1 and not os.environ.get("RAY_ADDRESS"):
-        return "local", f"{size} >= {limit}, but one worker and no Ray cluster (RAY_ADDRESS unset)"
-    where = f"the Ray cluster at RAY_ADDRESS" if os.environ.get("RAY_ADDRESS") else f"{config.workers} workers"
-    return "ray", f"{size} >= {limit}: Ray Data over {where}"
+    if os.environ.get("RAY_ADDRESS") and input_bytes >= config.ray_above_bytes:
+        return "ray", (f"{size} >= ray_above_bytes = {config.ray_above_bytes / 1e6:.1f} MB: Ray Data "
+                       "on the cluster at RAY_ADDRESS")
+    if config.workers == 1:
+        return "local", f"{size}, one worker: in-process"
+    limit = f"processes_above_bytes = {config.processes_above_bytes / 1e6:.1f} MB"
+    if input_bytes < config.processes_above_bytes:
+        return "local", f"{size} < {limit}: in-process, no workers to start"
+    return "processes", f"{size} >= {limit}: {config.workers} worker processes"
 
 
 def prepare(config: DataPrepConfig, stage: str = "all") -> Prepared:
