@@ -57,7 +57,7 @@ def measured(fn, *args):
 def one_process_step(out: Path, shards: list[dict], bands: int):
     """What the global step did: every document's hash and band keys in one process."""
     from tasks.data.dedup import find_duplicates
-    from tasks.data.prep import shard_files
+    from tasks.data.markers import shard_files
 
     hashes, keys = [], []
     for index, shard in enumerate(shards):  # rebuilt in row order from the shard's sorted files

@@ -98,6 +98,9 @@ import numpy as np
 
 from tasks.common.io import atomic_write, read_json, sha256_file, write_json
 from tasks.configs import ConfigError, DataPrepConfig, from_dict, to_dict
+# Markers and staging tables (tasks/data/markers.py), by the names the stage functions call them.
+from tasks.data.markers import DROPPED_COLUMNS, digest, finished as _finished, mark_finished as _mark_finished, \
+    schemas as _schemas, shard_files, write_table as _write_table
 from tasks.data.readers import InputFile, default_id, dropped_record, fingerprint, plan_splits, read_bytes, \
     read_shard, resolve_inputs
 from tasks.data.pipeline import build_pipeline
@@ -122,71 +125,6 @@ _ALL_PHASES = ("plan", "shards", "dedup", "tokenizer", "documents_and_tokens", "
 PHASES = {"all": _ALL_PHASES, "finalize": _ALL_PHASES, "shards": ("plan", "shards")}
 # Kept-document length histogram: log-spaced character counts, fixed so shards can be summed.
 LENGTH_BINS = np.unique(np.round(np.geomspace(1, 10_000_000, 57)).astype(np.int64))
-DROPPED_COLUMNS = ("id", "source", "line", "step", "reason", "duplicate_of", "detail")
-
-
-# --------------------------------------------------------------------------------------------
-# Markers: a step's marker holds a key, a digest of everything the step was built from. A rerun
-# redoes the step when the key differs, e.g. when a shard it read was redone after a crash.
-
-
-def digest(*parts: Any) -> str:
-    hasher = hashlib.sha256()
-    for part in parts:
-        hasher.update(json.dumps(part, sort_keys=True).encode() + b"\0")
-    return hasher.hexdigest()
-
-
-def _finished(out_dir: Path, name: str, key: str) -> dict | None:
-    """The marker of step `name` if it finished with this key and its files are all there."""
-    marker = out_dir / "completions" / f"{name}.json"
-    if not marker.exists():
-        return None
-    done = read_json(marker)
-    if done.get("key") != key or not all((out_dir / f).exists() for f in done["files"]):
-        return None
-    return done
-
-
-def _mark_finished(out_dir: Path, name: str, key: str, files: list[Path], **data: Any) -> dict:
-    marker = {"key": key, "files": [str(Path(f).relative_to(out_dir)) for f in files], **data}
-    write_json(out_dir / "completions" / f"{name}.json", marker)
-    return marker
-
-
-def _write_table(path: Path, columns: dict[str, list], schema: Any) -> str:
-    """Write a Parquet file atomically; returns its sha256."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    table = pa.table({name: pa.array(columns[name], type=schema.field(name).type) for name in schema.names},
-                     schema=schema)
-    atomic_write(path, lambda fh: pq.write_table(table, fh, compression="zstd"))
-    return sha256_file(path)
-
-
-def _schemas() -> dict[str, Any]:
-    import pyarrow as pa
-
-    string, integer = pa.string(), pa.int64()
-    return {
-        "staging": pa.schema([("id", string), ("text", string), ("line", integer), ("metadata", string)]),
-        "documents": pa.schema([("id", string), ("text", string), ("source", string),
-                                ("line", integer), ("split", string), ("metadata", string)]),
-        "dropped": pa.schema([(name, integer if name == "line" else string) for name in DROPPED_COLUMNS]),
-    }
-
-
-def shard_files(out_dir: Path, index: int) -> dict[str, Path]:
-    staging = out_dir / "staging"
-    return {"docs": staging / f"{index:05d}.docs.parquet",
-            "exact": staging / f"{index:05d}.exact.npy",
-            "near": staging / f"{index:05d}.near.npy",
-            "dropped": staging / f"{index:05d}.dropped.parquet",
-            "train": staging / f"{index:05d}.train.bin",
-            "val": staging / f"{index:05d}.val.bin",
-            "documents": out_dir / "documents" / f"{index:05d}.parquet",
-            "dropped_out": out_dir / "dropped" / f"{index:05d}.parquet"}
 
 
 # --------------------------------------------------------------------------------------------
