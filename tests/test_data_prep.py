@@ -22,7 +22,8 @@ from tasks.common.io import sha256_file
 from tasks.configs import DATA_QUALITY_FILTERS, DataPrepConfig
 from tasks.data.dedup import MinHasher
 from tasks.data.engine import host_share
-from tasks.data.prep import EOS, load_manifest, normalize_text, open_token_rows, plan_split, prepare, split_score
+from tasks.data.manifest import load_manifest, open_token_rows
+from tasks.data.prep import EOS, normalize_text, plan_split, prepare, split_score
 from tasks.data.pipeline import build_pipeline
 from tasks.data.steps import Doc, run_steps
 
@@ -308,26 +309,26 @@ def test_rows_have_row_len_and_end_with_documents(tiny_data_dir):
 
 
 def test_rerun_is_a_noop_and_crash_resume_redoes_only_unfinished_steps(tmp_path, monkeypatch):
-    import tasks.data.prep as prep
+    import tasks.data.manifest as manifest
 
     source = write_jsonl(tmp_path / "docs.jsonl", [{"id": f"d{i}", "text": t * 3} for i, t in enumerate(PROSE)])
     config = small_config(tmp_path, [source])
     out = Path(config.output_dir)
 
     # A crash while packing the validation rows: every earlier step finished, nothing after did.
-    real_pack = prep.pack_split
+    real_pack = manifest.pack_split
 
     def pack_then_crash(out_dir, split, *args):
         if split == "val":
             raise RuntimeError("simulated crash")
         return real_pack(out_dir, split, *args)
 
-    monkeypatch.setattr(prep, "pack_split", pack_then_crash)
+    monkeypatch.setattr(manifest, "pack_split", pack_then_crash)
     with pytest.raises(RuntimeError, match="simulated crash"):
         prepare(config)
     assert not (out / "manifest.json").exists() and (out / "staging").exists()
     before = output_files(out)
-    monkeypatch.setattr(prep, "pack_split", real_pack)
+    monkeypatch.setattr(manifest, "pack_split", real_pack)
 
     resumed = prepare(small_config(tmp_path, [source], workers=1))  # layout fields may change
     after = output_files(out)
