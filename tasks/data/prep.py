@@ -100,6 +100,7 @@ import numpy as np
 
 from tasks.common.io import atomic_write, read_json, sha256_file, write_json
 from tasks.configs import ConfigError, DataPrepConfig, from_dict, to_dict
+from tasks.data import report
 # Markers and staging tables (tasks/data/markers.py), by the names the stage functions call them.
 from tasks.data.markers import DROPPED_COLUMNS, digest, finished as _finished, mark_finished as _mark_finished, \
     schemas as _schemas, shard_files, write_table as _write_table
@@ -827,64 +828,12 @@ def prepare(config: DataPrepConfig, stage: str = "all") -> Prepared:
 
 
 # --------------------------------------------------------------------------------------------
-# MLflow and the entrypoints
-
-
-def _metrics(manifest: dict) -> dict[str, float]:
-    counts, splits = manifest["counts"], manifest["splits"]
-    metrics = {
-        "documents_in": counts["input_documents"],
-        "documents_kept": counts["kept_documents"],
-        "documents_dropped": sum(counts["dropped"].values()),
-        "train_tokens": splits["train"]["tokens"],
-        "val_tokens": splits["val"]["tokens"],
-        "train_rows": splits["train"]["rows"],
-        "val_rows": splits["val"]["rows"],
-        "vocab_size": manifest["vocab_size"],
-        "sft_train_examples": manifest["sft"]["train_examples"],
-        "sft_eval_examples": manifest["sft"]["eval_examples"],
-    }
-    for step, stats in manifest.get("steps", {}).items():
-        for key, value in stats.items():
-            if key.startswith("redacted.") or key in ("exact_duplicates", "near_duplicates", "clusters"):
-                metrics[f"{step}.{key}"] = value
-    return metrics
-
-
-def _figure(manifest: dict) -> Any:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (reasons_ax, lengths_ax, sources_ax) = plt.subplots(1, 3, figsize=(16, 4.5))
-    reasons = manifest["counts"]["dropped"]
-    reasons_ax.barh(list(reasons) or ["(none)"], list(reasons.values()) or [0], height=0.6)
-    reasons_ax.set_title(f"Dropped documents ({sum(reasons.values())} of "
-                         f"{manifest['counts']['input_documents']})")
-    reasons_ax.set_xlabel("documents")
-    hist = manifest["length_histogram"]
-    edges, counts = np.array(hist["bin_edges"]), np.array(hist["counts"])
-    lengths_ax.stairs(counts, edges, fill=True)
-    lengths_ax.set_xscale("log")
-    lengths_ax.set_title(f"Kept document length ({int(counts.sum())} documents)")
-    lengths_ax.set_xlabel("characters")
-    names = [os.path.basename(s["input"].rstrip("/")) or s["input"] for s in manifest["sources"]]
-    sources_ax.barh(names, [s["train_tokens"] for s in manifest["sources"]], height=0.6, label="train")
-    sources_ax.barh(names, [s["val_tokens"] for s in manifest["sources"]], height=0.6,
-                    left=[s["train_tokens"] for s in manifest["sources"]], label="val")
-    sources_ax.set_title("Tokens per source (after mix weights)")
-    sources_ax.set_xlabel("tokens")
-    sources_ax.legend()
-    fig.tight_layout()
-    return fig
+# The entrypoints (the MLflow report: tasks/data/report.py)
 
 
 def main(config: DataPrepConfig, stage: str = "all") -> dict[str, Any]:
     """Prepare and log to the stage's MLflow run (the one in MLFLOW_RUN_ID, or a new one)."""
-    import mlflow
-
-    from tasks.common.tracking import log_figure, log_json_artifact, stage_run
+    from tasks.common.tracking import stage_run
 
     out_dir = Path(config.output_dir)
     if stage == "shards":  # one of several hosts: the finalize job logs the data set
@@ -894,20 +843,9 @@ def main(config: DataPrepConfig, stage: str = "all") -> dict[str, Any]:
     started = time.time()
     with stage_run("data_prep", config):
         prepared = prepare(config, stage)
-        manifest = prepared.manifest
-        metrics = _metrics(manifest)
-        mlflow.log_metrics({**metrics, "seconds": time.time() - started,
-                            **{f"seconds/{k}": v for k, v in prepared.seconds.items()},
-                            **{f"dropped/{r}": n for r, n in manifest["counts"]["dropped"].items()}})
-        mlflow.set_tag("data_hash", manifest["content_hash"])
-        if prepared.engine:  # what ran this data set's work, and why (choose_engine)
-            mlflow.set_tags({"data_prep.engine": prepared.engine,
-                             "data_prep.engine_reason": prepared.engine_reason[:5000]})
-        log_json_artifact(manifest, "manifest.json")
-        if not prepared.reused:
-            log_figure(_figure(manifest), "data_prep.png")
+        metrics = report.log_run(prepared, started)
     return {"outputs": {"data_dir": str(out_dir), "manifest": str(out_dir / "manifest.json")},
-            "metrics": metrics, "data_hash": manifest["content_hash"]}
+            "metrics": metrics, "data_hash": prepared.manifest["content_hash"]}
 
 
 def _run_without_tracking(config: DataPrepConfig, stage: str) -> dict[str, Any]:
@@ -918,7 +856,7 @@ def _run_without_tracking(config: DataPrepConfig, stage: str) -> dict[str, Any]:
         return {"outputs": {"data_dir": str(out_dir), "manifest": ""}, "metrics": prepared.manifest,
                 "data_hash": ""}
     return {"outputs": {"data_dir": str(out_dir), "manifest": str(out_dir / "manifest.json")},
-            "metrics": {**_metrics(prepared.manifest), **{f"seconds.{k}": v for k, v in prepared.seconds.items()}},
+            "metrics": {**report.metrics(prepared.manifest), **{f"seconds.{k}": v for k, v in prepared.seconds.items()}},
             "data_hash": prepared.manifest["content_hash"], "engine": prepared.engine}
 
 
