@@ -37,6 +37,7 @@ What lands in the output directory:
     sft/train.jsonl, eval.jsonl   the instruction set for fine-tuning and evaluation
     raw/demo_*.jsonl              the demo corpus, written when `inputs` is empty
     completions/*.json            markers of finished steps; a rerun after a crash skips them
+                                  (tasks/data/markers.py)
     staging/                      intermediate per-shard files; removed once the manifest exists
     ngrams/                       the contamination audit's index of the training text's 13-word
                                   runs (tasks/data/contamination.py), built after the manifest
@@ -101,10 +102,10 @@ import numpy as np
 from tasks.common.io import atomic_write, read_json, sha256_file, write_json
 from tasks.configs import ConfigError, DataPrepConfig, from_dict, to_dict
 from tasks.data import report
+from tasks.data.manifest import LENGTH_BINS, pack_and_write_manifest
 # Markers and staging tables (tasks/data/markers.py), by the names the stage functions call them.
 from tasks.data.markers import DROPPED_COLUMNS, digest, finished as _finished, mark_finished as _mark_finished, \
     schemas as _schemas, shard_files, write_table as _write_table
-from tasks.data.manifest import LENGTH_BINS, pack_and_write_manifest
 from tasks.data.readers import InputFile, default_id, dropped_record, fingerprint, plan_splits, read_bytes, \
     read_shard, resolve_inputs
 from tasks.data.pipeline import build_pipeline
