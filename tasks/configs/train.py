@@ -177,6 +177,18 @@ class TrainConfig:
                f" (no batch_size divides it on {world_size} processes)") + ".")
 
 
+def _check_post_training(cfg: Any, *, required: tuple[str, ...]) -> None:
+    """What FinetuneConfig and DistillConfig both check: bounds, the paths and model they cannot
+    run without, and room for replayed pretraining rows in each step."""
+    name = type(cfg).__name__
+    check_bounds(cfg)
+    for field_name in required:
+        check(bool(getattr(cfg, field_name)), f"{name}.{field_name} is required.")
+    check(cfg.replay_fraction == 0 or cfg.batch_size >= 2,
+           f"{name}.batch_size must be >= 2 to mix replayed rows into each step "
+           "(or set replay_fraction to 0).")
+
+
 @dataclass(kw_only=True)
 class FinetuneConfig:
     """Supervised fine-tuning on prompt/completion JSONL, loss on completion tokens only."""
@@ -221,12 +233,7 @@ class FinetuneConfig:
                                  help="Held-out SFT examples scored before and after training.")
 
     def __post_init__(self) -> None:
-        check_bounds(self)
-        for name in ("base_model", "data_dir", "output_dir"):
-            check(bool(getattr(self, name)), f"FinetuneConfig.{name} is required.")
-        check(self.replay_fraction == 0 or self.batch_size >= 2,
-               "FinetuneConfig.batch_size must be >= 2 to mix replayed rows into each step "
-               "(or set replay_fraction to 0).")
+        _check_post_training(self, required=("base_model", "data_dir", "output_dir"))
         check(all(isinstance(t, str) and t for t in self.lora_targets),
                "FinetuneConfig.lora_targets must be layer names (strings), or empty for all.")
 
@@ -273,9 +280,4 @@ class DistillConfig:
                                  help="Held-out SFT examples scored for student and teacher.")
 
     def __post_init__(self) -> None:
-        check_bounds(self)
-        for name in ("teacher_model", "data_dir", "output_dir"):
-            check(bool(getattr(self, name)), f"DistillConfig.{name} is required.")
-        check(self.replay_fraction == 0 or self.batch_size >= 2,
-               "DistillConfig.batch_size must be >= 2 to mix replayed rows into each step "
-               "(or set replay_fraction to 0).")
+        _check_post_training(self, required=("teacher_model", "data_dir", "output_dir"))
