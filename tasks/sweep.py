@@ -112,12 +112,12 @@ def make_pruner(settings: dict[str, Any]):
 
 
 def run_trial(cfg: TrainConfig, reporter: StudyReporter | None = None) -> dict[str, Any]:
-    """Pretraining (tasks/pretrain.py) for cfg.max_steps, or until the study prunes the trial;
-    the result says which (`state`) and carries the scaling law's N and D for ladder rungs."""
+    """Pretraining (tasks/train/pretraining.py) for cfg.max_steps, or until the study prunes the
+    trial; the result says which (`state`) and carries the scaling law's N and D for ladder rungs."""
     import mlflow
     import optuna
 
-    from tasks.pretrain import pretrain
+    from tasks.train.pretraining import pretrain
 
     # N of the scaling law: the transformer blocks, without the embedding's vocab x width
     sizes = {"non_embedding_params": 12 * cfg.model.n_layer * cfg.model.n_embd ** 2,

@@ -190,21 +190,21 @@ def test_a_worker_whose_guard_gave_up_exits_with_the_code_the_supervisor_does_no
     import faulthandler
     import signal
 
-    from tasks import pretrain
+    from tasks.train import pretraining
     from tasks.train.loop import LossSpikeError
     from tasks.train.supervisor import FATAL_EXIT, WorkerEnv
 
     def spent(*args, **kwargs):
         raise LossSpikeError("rollback 6 of this job, and max_rollbacks is 5")
 
-    monkeypatch.setattr(pretrain, "_setup", lambda cfg, env, warm: None)
-    monkeypatch.setattr(pretrain, "_train", spent)
+    monkeypatch.setattr(pretraining, "_setup", lambda cfg, env, warm: None)
+    monkeypatch.setattr(pretraining, "_train", spent)
     env = WorkerEnv(role="worker", attempt=2, rank=0, local_rank=0, world_size=1, run_dir=tmp_path)
     cfg = from_dict(TrainConfig, {**to_dict(tiny().pretrain), "data_dir": str(tmp_path),
                                   "output_dir": str(tmp_path)})
     try:
         with pytest.raises(SystemExit) as exit_:
-            pretrain._worker(cfg, env)
+            pretraining.run_worker(cfg, env)
     finally:
-        faulthandler.unregister(signal.SIGUSR1)  # _worker registers the watchdog's stack dump
+        faulthandler.unregister(signal.SIGUSR1)  # run_worker registers the watchdog's stack dump
     assert exit_.value.code == FATAL_EXIT
