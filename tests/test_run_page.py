@@ -210,8 +210,9 @@ def test_the_plugin_adds_a_tab_to_the_dag_run_page():
 @pytest.fixture()
 def forked_run(lifecycle_run):
     """A second lifecycle run whose pretraining forked the first's at step 10, as the fork's job
-    tags it (tasks/train/fork.py, tasks/pretrain.py): it logs from step 11 on, keeps steps 10,
-    20 and 30 (keep_checkpoints 2, keep_every 10), and its registered version names the parent."""
+    tags it (tasks/train/fork.py, tasks/train/pretraining.py): it logs from step 11 on, keeps
+    steps 10, 20 and 30 (keep_checkpoints 2, keep_every 10), and its registered version names the
+    parent."""
     from llmops import tracking
 
     parent_run_id, first = lifecycle_run

@@ -155,8 +155,8 @@ def _fork(client: Any, run: Any, curve: dict[str, Any]) -> dict[str, Any] | None
 
 
 def _checkpoints(client: Any, run: Any) -> dict[str, Any] | None:
-    """The checkpoint steps a training job kept (tag checkpoints.kept, tasks/pretrain.py) and
-    the retention policy that chose them (its params keep_checkpoints, keep_every)."""
+    """The checkpoint steps a training job kept (tag checkpoints.kept, tasks/train/pretraining.py)
+    and the retention policy that chose them (its params keep_checkpoints, keep_every)."""
     source = _source(client, run)
     tags, params = source.data.tags, source.data.params
     if "checkpoints.kept" not in tags:

@@ -65,9 +65,9 @@ def _derived(path: Path, trainer: dict[str, Any], data_dir: str | Path | None) -
     data_cursor in its trainer state from the first; skipped_batches and world_size since
     66bca62 (before, batches were never skipped and training ran on one process); global_batch
     since f4a6254. The seed and per-process batch size are its config.json's (the TrainConfig
-    it ran with: tasks/pretrain.py builds the batch reader from cfg.seed and cfg.batch_size),
-    the row count is the data dir's train split. Which data it trained on is its config's
-    data_dir: where that is readable here, its content hash is the record's, and a `data_dir`
+    it ran with: tasks/train/pretraining.py builds the batch reader from cfg.seed and
+    cfg.batch_size), the row count is the data dir's train split. Which data it trained on is its
+    config's data_dir: where that is readable here, its content hash is the record's, and a `data_dir`
     with other content is refused. A world size never changed mid-run without a recorded global
     batch (the loop refused such a resume), so one global batch covers the whole cursor."""
     config = read_json(path / "config.json") if (path / "config.json").is_file() else {}
