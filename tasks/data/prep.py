@@ -104,8 +104,8 @@ from tasks.configs import ConfigError, DataPrepConfig, from_dict, to_dict
 from tasks.data import report
 from tasks.data.manifest import LENGTH_BINS, pack_and_write_manifest
 # Markers and staging tables (tasks/data/markers.py), by the names the stage functions call them.
-from tasks.data.markers import DROPPED_COLUMNS, digest, finished as _finished, mark_finished as _mark_finished, \
-    schemas as _schemas, shard_files, write_table as _write_table
+from tasks.data.markers import DROPPED_COLUMNS, digest, finished, mark_finished, schemas, shard_files, \
+    write_table
 from tasks.data.readers import InputFile, default_id, dropped_record, fingerprint, plan_splits, read_bytes, \
     read_shard, resolve_inputs
 from tasks.data.pipeline import build_pipeline
@@ -194,21 +194,21 @@ def process_shard(job: dict) -> dict:
     run(batch)
     parse["in"], parse["kept"] = n_documents, n_documents - sum(parse.values())
 
-    schemas = _schemas()
-    _write_table(paths["docs"], kept, schemas["staging"])
+    table_schemas = schemas()
+    write_table(paths["docs"], kept, table_schemas["staging"])
     band_keys = np.concatenate(keys) if keys else \
         np.zeros((len(kept["id"]), config.minhash_bands if hasher else 0), dtype=np.uint64)
     exact, near, band_starts = shard_index(hashes_to_array(hashes), band_keys)
     atomic_write(paths["exact"], lambda fh: np.save(fh, exact))
     atomic_write(paths["near"], lambda fh: np.save(fh, near))
-    _write_table(paths["dropped"], _dropped_columns(dropped, file.path), schemas["dropped"])
+    write_table(paths["dropped"], _dropped_columns(dropped, file.path), table_schemas["dropped"])
     reasons = Counter(r["reason"] for r in dropped)
     summary = {"input": job["fingerprint"], "split": job["split"], "documents": n_documents,
                "kept": len(kept["id"]), "lines": shard.lines, "band_starts": band_starts,
                "text_bytes": n_bytes, "dropped": dict(reasons),
                "steps": {"parse": dict(parse), **{s.name: dict(s.stats) for s in steps}},
                "seconds": round(time.perf_counter() - started, 3)}
-    _mark_finished(out_dir, f"shard_{index:05d}", job["key"],
+    mark_finished(out_dir, f"shard_{index:05d}", job["key"],
                    [paths["docs"], paths["exact"], paths["near"], paths["dropped"]], **summary)
     return summary
 
@@ -271,7 +271,7 @@ def dedup_bucket(job: dict) -> dict:
     path = out_dir / "staging" / "dedup" / f"{bucket:05d}.npz"
     atomic_write(path, lambda fh: np.savez(fh, exact=exact, near=near))
     summary = {"exact_pairs": len(exact), "near_pairs": len(near), "seconds": round(time.perf_counter() - started, 3)}
-    _mark_finished(out_dir, f"dedup_{bucket:05d}", job["key"], [path], **summary)
+    mark_finished(out_dir, f"dedup_{bucket:05d}", job["key"], [path], **summary)
     return summary
 
 
@@ -286,7 +286,7 @@ def deduplicate(out_dir: Path, jobs: list[dict], shards: list[dict], config: Dat
     from tasks.data.dedup import EXACT, resolve_pairs
 
     path = out_dir / "staging" / "dedup.parquet"
-    if done := _finished(out_dir, "dedup", key):
+    if done := finished(out_dir, "dedup", key):
         return done
     bands = config.minhash_bands if config.near_dedup else 0
     buckets = dedup_buckets(config, shards) if (config.exact_dedup or bands) else 0
@@ -294,7 +294,7 @@ def deduplicate(out_dir: Path, jobs: list[dict], shards: list[dict], config: Dat
     bucket_key = digest(key, buckets)
     bucket_jobs = [{"out_dir": str(out_dir), "bucket": b, "buckets": buckets, "bands": bands,
                     "exact": config.exact_dedup, "key": bucket_key} for b in range(buckets)]
-    todo = [j for j in bucket_jobs if not _finished(out_dir, f"dedup_{j['bucket']:05d}", bucket_key)]
+    todo = [j for j in bucket_jobs if not finished(out_dir, f"dedup_{j['bucket']:05d}", bucket_key)]
     log.info("dedup: %d documents, %d buckets (%d to do) over engine=%s", offsets[-1], buckets, len(todo),
              engine.name)
     engine.map(dedup_bucket, todo)
@@ -314,7 +314,7 @@ def deduplicate(out_dir: Path, jobs: list[dict], shards: list[dict], config: Dat
     })
     atomic_write(path, lambda fh: pq.write_table(table, fh))
     stats["kept"] = stats["in"] - int(removed.size)
-    return _mark_finished(out_dir, "dedup", key, [path], stats=stats)
+    return mark_finished(out_dir, "dedup", key, [path], stats=stats)
 
 
 def _staging_ids(job: dict, table: Any) -> tuple[list[str], list[int]]:
@@ -453,7 +453,7 @@ def tokenizer_and_split(out_dir: Path, jobs: list[dict], config: DataPrepConfig,
     from tokenizers import Tokenizer
 
     path = out_dir / "tokenizer.json"
-    if done := _finished(out_dir, "tokenizer", key):
+    if done := finished(out_dir, "tokenizer", key):
         return done
     plan = plan_split(_kept_documents(out_dir, jobs), config.seed, config.val_fraction,
                       config.tokenizer_sample_docs, config.seq_len + 1)
@@ -491,7 +491,7 @@ def tokenizer_and_split(out_dir: Path, jobs: list[dict], config: DataPrepConfig,
             train_left -= 1
             borrowed.append(doc[2])
             val_tokens += len(tokenizer.encode(_read_texts(out_dir, [doc])[0], add_special_tokens=False).ids) + 1
-    return _mark_finished(out_dir, "tokenizer", key, [path], eos_id=eos_id, borrowed=borrowed,
+    return mark_finished(out_dir, "tokenizer", key, [path], eos_id=eos_id, borrowed=borrowed,
                           vocab_size=tokenizer.get_vocab_size(), kept_documents=plan.kept)
 
 
@@ -528,11 +528,11 @@ def finalize_shard(job: dict) -> dict:
 
     rows = [r for r in range(len(docs["id"])) if r not in gone]
     splits = [split_of(docs["id"][r]) for r in rows]
-    schemas = _schemas()
-    documents_sha = _write_table(paths["documents"], {
+    table_schemas = schemas()
+    documents_sha = write_table(paths["documents"], {
         "id": [docs["id"][r] for r in rows], "text": [docs["text"][r] for r in rows],
         "source": [file.path] * len(rows), "line": [docs["line"][r] for r in rows],
-        "split": splits, "metadata": [docs["metadata"][r] for r in rows]}, schemas["documents"])
+        "split": splits, "metadata": [docs["metadata"][r] for r in rows]}, table_schemas["documents"])
     table = pq.read_table(paths["dropped"])
     dropped = table.to_pydict()
     dropped["id"], dropped["line"] = _staging_ids(job, table)
@@ -541,7 +541,7 @@ def finalize_shard(job: dict) -> dict:
                             ("step", "dedup"), ("reason", reason), ("duplicate_of", duplicate_of),
                             ("detail", None)):
             dropped[name].append(value)
-    dropped_sha = _write_table(paths["dropped_out"], dropped, schemas["dropped"])
+    dropped_sha = write_table(paths["dropped_out"], dropped, table_schemas["dropped"])
 
     # Documents in split-score order: a seeded shuffle, so rows mix documents from the whole file.
     tokenizer = Tokenizer.from_file(str(out_dir / "tokenizer.json"))
@@ -563,7 +563,7 @@ def finalize_shard(job: dict) -> dict:
                "sha256": {str(paths["documents"].relative_to(out_dir)): documents_sha,
                           str(paths["dropped_out"].relative_to(out_dir)): dropped_sha},
                "seconds": round(time.perf_counter() - started, 3)}
-    _mark_finished(out_dir, f"final_{index:05d}", job["key"],
+    mark_finished(out_dir, f"final_{index:05d}", job["key"],
                    [paths["documents"], paths["dropped_out"], paths["train"], paths["val"]], **summary)
     return summary
 
@@ -576,10 +576,10 @@ def _demo_corpus(config: DataPrepConfig, out_dir: Path) -> list[str]:
     from tasks.data.corpus import write_demo_corpus
 
     key = digest(config.demo_corpus_docs, config.seed)
-    if done := _finished(out_dir, "raw", key):
+    if done := finished(out_dir, "raw", key):
         return [str(out_dir / f) for f in done["files"]]
     paths = write_demo_corpus(out_dir / "raw", config.demo_corpus_docs, config.seed)
-    _mark_finished(out_dir, "raw", key, paths)
+    mark_finished(out_dir, "raw", key, paths)
     return [str(p) for p in paths]
 
 
@@ -589,7 +589,7 @@ def _sft_set(config: DataPrepConfig, out_dir: Path) -> tuple[list[dict], list[di
 
     train_path, eval_path = out_dir / "sft" / "train.jsonl", out_dir / "sft" / "eval.jsonl"
     key = digest(config.demo_sft_examples, config.seed, [fingerprint(os.path.abspath(p)) for p in config.sft_inputs])
-    if not _finished(out_dir, "sft", key):
+    if not finished(out_dir, "sft", key):
         if config.sft_inputs:
             train, evaluation = (load_examples(p) for p in config.sft_inputs)
             leaked = {ex["prompt"] for ex in train} & {ex["prompt"] for ex in evaluation}
@@ -601,7 +601,7 @@ def _sft_set(config: DataPrepConfig, out_dir: Path) -> tuple[list[dict], list[di
             write_examples(eval_path, evaluation)
         else:
             write_demo_sft(out_dir / "sft", config.demo_sft_examples, config.seed)
-        _mark_finished(out_dir, "sft", key, [train_path, eval_path])
+        mark_finished(out_dir, "sft", key, [train_path, eval_path])
     return load_examples(train_path), load_examples(eval_path)
 
 
@@ -669,14 +669,14 @@ def _shard_jobs(config: DataPrepConfig, out_dir: Path, files: list[InputFile],
             marker = out_dir / "completions" / f"{name}.json"
             done = read_json(marker) if trust_markers and marker.exists() else None
             if done and done["input"]["path"] == file.path and done.get("split") == split \
-                    and _finished(out_dir, name, done["key"]):
+                    and finished(out_dir, name, done["key"]):
                 jobs.append(_job(index, file, split, done["input"], done["key"], out_dir, cfg, len(splits)))
                 continue
             if fp is None:
                 fp = fingerprint(file.path)  # not there: the error names the file
             job = _job(index, file, split, fp, digest(fp, split, _output_fields(cfg)), out_dir, cfg, len(splits))
             jobs.append(job)
-            if not _finished(out_dir, name, job["key"]):
+            if not finished(out_dir, name, job["key"]):
                 todo.append(job)
     return jobs, todo
 
@@ -815,7 +815,7 @@ def prepare(config: DataPrepConfig, stage: str = "all") -> Prepared:
         final_jobs = [{**job, "key": final_key, "borrowed": tok["borrowed"], "eos_id": tok["eos_id"]}
                       for job in jobs]
         engine.map(finalize_shard, [j for j in final_jobs
-                                    if not _finished(out_dir, f"final_{j['index']:05d}", final_key)])
+                                    if not finished(out_dir, f"final_{j['index']:05d}", final_key)])
         finals = [read_json(out_dir / "completions" / f"final_{j['index']:05d}.json") for j in jobs]
         lap("documents_and_tokens")
 
