@@ -514,6 +514,12 @@ def test_ray_and_process_engines_write_the_same_data_as_local(tmp_path):
     assert on_ray.engine == "ray" and on_ray.manifest["content_hash"] == local["content_hash"]
     assert len(local["documents"]["files"]) > len(inputs)  # the files were split
 
+    def contamination_index(folder):   # built by map jobs on the engine; outside content_hash
+        return {p.relative_to(folder): sha256_file(p) for p in sorted((folder / "out" / "ngrams").rglob("*.*"))}
+
+    assert contamination_index(tmp_path / "pool") == contamination_index(tmp_path / "local") != {}
+    assert contamination_index(tmp_path / "ray") == contamination_index(tmp_path / "local")
+
 
 def test_cli_writes_result_and_logs_to_mlflow(tmp_path):
     config = {"output_dir": str(tmp_path / "out"), "demo_corpus_docs": 200, "demo_sft_examples": 30,

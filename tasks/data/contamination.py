@@ -27,7 +27,7 @@ import json
 import logging
 import re
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 
@@ -97,37 +97,16 @@ def merge_bucket(parts_dir: Path, out: Path, bucket: int) -> int:
     return len(merged)
 
 
-def _pretrain_texts(data_dir: Path, manifest: dict[str, Any]) -> list[tuple[str, list[str]]]:
-    import pyarrow.parquet as pq
-
-    pieces = []
-    for f in (manifest.get("documents") or {}).get("files") or []:
-        table = pq.read_table(data_dir / f, columns=["text", "split"]).to_pydict()
-        # only what the model trains on: the held-out split is evaluation's own text
-        pieces.append((Path(f).stem, [t for t, split in zip(table["text"], table["split"])
-                                      if split == "train"]))
-    return pieces
-
-
-def _sft_texts(data_dir: Path, manifest: dict[str, Any]) -> list[tuple[str, list[str]]]:
-    rel = (manifest.get("sft") or {}).get("train")
-    if not rel or not (data_dir / rel).is_file():
-        return []
-    texts = []
-    with open(data_dir / rel) as fh:
-        for line in fh:
-            if line.strip():
-                record = json.loads(line)
-                texts.append(" ".join(str(m.get("content", "")) for m in record["messages"])
-                             if "messages" in record else
-                             f"{record.get('prompt', '')} {record.get('completion', '')}")
-    return [("train", texts)]
+MapJobs = Callable[[Callable[[dict], dict], list[dict]], list[dict]]
 
 
 def build_index(data_dir: str | Path, n: int = N, buckets: int = BUCKETS,
-                out_dir: str | Path | None = None) -> dict[str, Any]:
+                out_dir: str | Path | None = None, map_jobs: MapJobs | None = None) -> dict[str, Any]:
     """Build <out_dir or data_dir>/ngrams/ from a finished data prep (see the module docstring);
-    its index.json. Rebuilt only when missing or built for another n, bucket count or data."""
+    its index.json. Rebuilt only when missing or built for another n, bucket count or data.
+    `map_jobs(fn, jobs)` runs the map and the reduce jobs (data prep's engine; default: in turn,
+    here). A map job reads only its own documents file: no process holds the corpus's text."""
+    map_jobs = map_jobs or (lambda fn, jobs: [fn(job) for job in jobs])
     data_dir = Path(data_dir)
     manifest = json.loads((data_dir / "manifest.json").read_text())
     root = Path(out_dir or data_dir) / "ngrams"
@@ -137,14 +116,19 @@ def build_index(data_dir: str | Path, n: int = N, buckets: int = BUCKETS,
         if (index.get("n"), index.get("buckets"), index.get("data_content_hash")) == (
                 n, buckets, manifest.get("content_hash")):
             return index
-    sources: dict[str, Any] = {}
-    for source, pieces in (("pretrain", _pretrain_texts(data_dir, manifest)),
-                           ("sft", _sft_texts(data_dir, manifest))):
-        parts = root / "parts" / source
-        runs = sum(build_parts(texts, parts, name, n, buckets) for name, texts in pieces)
-        unique = sum(merge_bucket(parts, root / source, b) for b in range(buckets))
-        sources[source] = {"documents": sum(len(t) for _, t in pieces), "runs": runs,
-                           "unique_runs": unique}
+    sft = (manifest.get("sft") or {}).get("train")
+    files = {"pretrain": list((manifest.get("documents") or {}).get("files") or []),
+             "sft": [sft] if sft and (data_dir / sft).is_file() else []}
+    common = {"data_dir": str(data_dir), "n": n, "buckets": buckets}
+    hashed = map_jobs(hash_file, [{**common, "source": source, "file": name, "parts": str(root / "parts" / source)}
+                                  for source, names in files.items() for name in names])
+    merged = map_jobs(merge_source_bucket, [{"source": source, "parts": str(root / "parts" / source),
+                                             "out": str(root / source), "bucket": b}
+                                            for source in files for b in range(buckets)])
+    sources = {source: {"documents": sum(h["documents"] for h in hashed if h["source"] == source),
+                        "runs": sum(h["runs"] for h in hashed if h["source"] == source),
+                        "unique_runs": sum(m["unique"] for m in merged if m["source"] == source)}
+               for source in files}
     index = {"n": n, "buckets": buckets, "data_content_hash": manifest.get("content_hash"),
              "sources": sources}
     write_json(done, index)
@@ -152,6 +136,40 @@ def build_index(data_dir: str | Path, n: int = N, buckets: int = BUCKETS,
              ", ".join(f"{s} ({v['documents']} documents, {v['unique_runs']} unique)"
                        for s, v in sources.items()))
     return index
+
+
+def hash_file(job: dict) -> dict:
+    """Map job: one documents file's training text (or the SFT train set) into its parts."""
+    path = Path(job["data_dir"]) / job["file"]
+    texts = _sft_texts(path) if job["source"] == "sft" else _pretrain_texts(path)
+    name = "train" if job["source"] == "sft" else path.stem
+    runs = build_parts(texts, Path(job["parts"]), name, job["n"], job["buckets"])
+    return {"source": job["source"], "documents": len(texts), "runs": runs}
+
+
+def merge_source_bucket(job: dict) -> dict:
+    """Reduce job: one bucket of one source's parts."""
+    return {"source": job["source"], "unique": merge_bucket(Path(job["parts"]), Path(job["out"]), job["bucket"])}
+
+
+def _pretrain_texts(path: Path) -> list[str]:
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(path, columns=["text", "split"]).to_pydict()
+    # only what the model trains on: the held-out split is evaluation's own text
+    return [t for t, split in zip(table["text"], table["split"]) if split == "train"]
+
+
+def _sft_texts(path: Path) -> list[str]:
+    texts = []
+    with open(path) as fh:
+        for line in fh:
+            if line.strip():
+                record = json.loads(line)
+                texts.append(" ".join(str(m.get("content", "")) for m in record["messages"])
+                             if "messages" in record else
+                             f"{record.get('prompt', '')} {record.get('completion', '')}")
+    return texts
 
 
 class NgramIndex:

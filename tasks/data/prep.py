@@ -819,11 +819,12 @@ def prepare(config: DataPrepConfig, stage: str = "all") -> Prepared:
         finals = [read_json(out_dir / "completions" / f"final_{j['index']:05d}.json") for j in jobs]
         lap("documents_and_tokens")
 
-    manifest = pack_and_write_manifest(out_dir, config, files, jobs, shards, dedup, tok, finals,
-                                       sft_train, sft_eval, demo=not config.inputs)
-    lap("pack_and_manifest")
-    build_contamination_index(out_dir)   # evaluation's audit: which items training text holds
-    lap("contamination_index")
+        manifest = pack_and_write_manifest(out_dir, config, files, jobs, shards, dedup, tok, finals,
+                                           sft_train, sft_eval, demo=not config.inputs)
+        lap("pack_and_manifest")
+        # evaluation's audit: which items training text holds; one map job per documents file
+        build_contamination_index(out_dir, map_jobs=engine.map)
+        lap("contamination_index")
     shutil.rmtree(out_dir / "staging", ignore_errors=True)
     return Prepared(manifest, reused=False, seconds=seconds, engine=engine_name, engine_reason=why)
 
