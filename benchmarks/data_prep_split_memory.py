@@ -1,5 +1,5 @@
 """The data prep driver's memory for the train/validation split and the tokenizer's sample, at
-10^8 documents: it streams the kept ids (tasks.data.prep.plan_split) instead of listing them.
+10^8 documents: it streams the kept ids (tasks.data.split.plan_split) instead of listing them.
 
     python benchmarks/data_prep_split_memory.py [--documents 100000000] [--out FILE]
 
@@ -23,7 +23,7 @@ from pathlib import Path
 from pretrain_common import RESULTS, last_json_line
 
 from tasks.configs import DataPrepConfig
-from tasks.data.prep import plan_split
+from tasks.data.split import plan_split
 from tasks.train.telemetry import Progress
 
 PER_SHARD = 1_000_000

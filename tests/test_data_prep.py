@@ -23,7 +23,8 @@ from tasks.configs import DATA_QUALITY_FILTERS, DataPrepConfig
 from tasks.data.dedup import MinHasher
 from tasks.data.engine import host_share
 from tasks.data.manifest import load_manifest, open_token_rows
-from tasks.data.prep import EOS, normalize_text, plan_split, prepare, split_score
+from tasks.data.prep import EOS, normalize_text, prepare
+from tasks.data.split import plan_split, split_score
 from tasks.data.pipeline import build_pipeline
 from tasks.data.steps import Doc, run_steps
 
@@ -447,7 +448,7 @@ def test_s3_inputs_mix_weights_and_a_given_tokenizer(tmp_path, moto_s3, tiny_dat
     # often as its source's weight put it in (tasks.train.seen replays the packing, and checks
     # every occurrence's tokens against the rows on disk); only the stream's unfilled tail, at
     # most one occurrence, is missing.
-    from tasks.data.prep import mix_repeats
+    from tasks.data.split import mix_repeats
     from tasks.train import seen
 
     for cfg in (config, half_config):

@@ -84,10 +84,8 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import heapq
 import json
 import logging
-import math
 import os
 import shutil
 import sys
@@ -95,7 +93,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -103,9 +101,9 @@ from tasks.common.io import atomic_write, read_json, sha256_file, write_json
 from tasks.configs import ConfigError, DataPrepConfig, from_dict, to_dict
 from tasks.data import report
 from tasks.data.manifest import LENGTH_BINS, pack_and_write_manifest
-# Markers and staging tables (tasks/data/markers.py), by the names the stage functions call them.
 from tasks.data.markers import DROPPED_COLUMNS, digest, finished, mark_finished, schemas, shard_files, \
     write_table
+from tasks.data.split import mix_repeats, plan_split, split_score
 from tasks.data.readers import InputFile, default_id, dropped_record, fingerprint, plan_splits, read_bytes, \
     read_shard, resolve_inputs
 from tasks.data.pipeline import build_pipeline
@@ -113,7 +111,7 @@ from tasks.data.steps import normalize_text, run_batch
 from tasks.data.tokens import EOS, EOS_ID, check_tokenizer, encode_stream, token_dtype, train_tokenizer
 from tasks.data.tokens import declared_eos
 
-__all__ = ["EOS", "EOS_ID", "normalize_text", "prepare", "split_score", "main", "Prepared"]
+__all__ = ["EOS", "EOS_ID", "normalize_text", "prepare", "main", "Prepared"]
 
 log = logging.getLogger(__name__)
 
@@ -343,12 +341,6 @@ def _ids_at(out_dir: Path, jobs: list[dict], offsets: np.ndarray, documents: np.
 # Stage 3 (global): the split, then the tokenizer.
 
 
-def split_score(doc_id: str, seed: int) -> float:
-    """Uniform in [0, 1) from the id alone, so a document's split never depends on the others."""
-    value = hashlib.sha256(f"{seed}:{doc_id}".encode()).digest()
-    return int.from_bytes(value[:8], "big") / 2**64
-
-
 def _kept_documents(out_dir: Path, jobs: list[dict]) -> Iterator[tuple[int, int, str]]:
     """(shard, row, id) of every document that survived deduplication, in input order, one shard
     at a time: neither the kept ids nor the removed ones are ever all in memory (at 10^9
@@ -373,61 +365,6 @@ def _kept_documents(out_dir: Path, jobs: list[dict]) -> Iterator[tuple[int, int,
         for row, doc_id in enumerate(ids):
             if row not in gone:
                 yield index, row, doc_id
-
-
-def _keep_smallest(heap: list, size: int, key: tuple, item: Any) -> None:
-    """Keep in `heap` the `size` items of smallest key seen so far (a max-heap on negated keys)."""
-    full = len(heap) >= size
-    if full and (not size or key[0] > -heap[0][0][0]):   # the cheap test first: past the first
-        return                                           # few, most keys stop here
-    entry = (tuple(-k for k in key), item)
-    if not full:
-        heapq.heappush(heap, entry)
-    elif entry > heap[0]:
-        heapq.heapreplace(heap, entry)
-
-
-def _smallest_first(heap: list) -> list:
-    return [item for _, item in sorted(heap, reverse=True)]
-
-
-@dataclass
-class SplitPlan:
-    """What the tokenizer and the split need from the kept documents, in memory bounded by
-    tokenizer_sample_docs + seq_len documents whatever the corpus size (plan_split)."""
-    kept: int                                   # kept documents
-    train: int                                  # of them in the training split
-    val: list[tuple[int, int, str]] | None      # the validation documents, while fewer than a row
-    lendable: list[tuple[int, int, str]]        # the row_len training documents of lowest split score
-    sample: list[tuple[int, int, str]]          # the tokenizer's sample, in input order
-
-
-def plan_split(documents: Iterable[tuple[int, int, str]], seed: int, val_fraction: float,
-               sample_docs: int, row_len: int) -> SplitPlan:
-    """One pass over the kept documents (shard, row, id), in input order. A document is
-    validation when split_score(id, seed) < val_fraction. Of the training documents it keeps
-    only the `sample_docs` of lowest split_score(id, seed + 1) (the tokenizer's sample: a second
-    hash, so the sample is not the validation neighbours) and the `row_len` of lowest
-    split_score(id, seed) (lent to a validation split that holds less than one row); of the
-    validation documents, only the first `row_len` (only then are their tokens counted). Ties
-    break as a stable sort by split score, then by the second score, would."""
-    kept = train = 0
-    val: list | None = []
-    lendable: list = []
-    sample: list = []
-    for position, document in enumerate(documents):
-        kept += 1
-        score = split_score(document[2], seed)
-        if score < val_fraction:
-            if val is not None:
-                val.append(document)
-                if len(val) >= row_len:
-                    val = None
-            continue
-        train += 1
-        _keep_smallest(lendable, row_len, (score, position), document)
-        _keep_smallest(sample, sample_docs, (split_score(document[2], seed + 1), score, position), document)
-    return SplitPlan(kept, train, val, _smallest_first(lendable), sorted(_smallest_first(sample)))
 
 
 def _read_texts(out_dir: Path, wanted: list[tuple[int, int, str]]) -> list[str]:
@@ -497,13 +434,6 @@ def tokenizer_and_split(out_dir: Path, jobs: list[dict], config: DataPrepConfig,
 
 # --------------------------------------------------------------------------------------------
 # Stage 4 (per shard): documents/, dropped/, token streams.
-
-
-def mix_repeats(doc_id: str, weight: float, seed: int) -> int:
-    """How many times a training document enters the rows under its source's mix weight:
-    floor(weight), plus one more for a seeded fraction of the documents (weight's remainder)."""
-    whole, part = int(math.floor(weight)), weight - math.floor(weight)
-    return whole + (1 if part and split_score(doc_id, seed + 2) < part else 0)
 
 
 def finalize_shard(job: dict) -> dict:

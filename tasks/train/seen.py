@@ -241,7 +241,7 @@ def document_rows(data_dir: str | Path, doc_id: str) -> list[tuple[int, int]]:
     val, where a weight below 1 left it out, or into the tail that did not fill a row). KeyError
     if no kept document has that id."""
     import pyarrow.parquet as pq
-    from tasks.data.prep import mix_repeats, split_score
+    from tasks.data.split import mix_repeats, split_score
 
     data = DataDir(data_dir)
     config = data.manifest["config"]
