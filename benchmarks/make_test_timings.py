@@ -66,8 +66,11 @@ def main(argv: list[str] | None = None) -> int:
              "installed_before": (ROOT / ".venv" / ".installed").exists()}
     t0 = time.time()
     lines: list[str] = []
+    # A recorded run of `make test` also records its fault matrix (plain `make test` writes it to
+    # a temp dir); a failed matrix is written too, but then this file is not.
+    env = {**os.environ, "FAULT_MATRIX_OUT": str(ROOT / "benchmarks" / "results" / "fault_matrix.json")}
     with subprocess.Popen(["make", "--no-print-directory", args.target], cwd=ROOT, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True, bufsize=1) as proc:
+                          stderr=subprocess.STDOUT, text=True, bufsize=1, env=env) as proc:
         assert proc.stdout is not None
         for line in proc.stdout:
             sys.stdout.write(line)
