@@ -341,7 +341,11 @@ class JobOperator(JobCache, JobChain, JobWait, JobBooks, JobPause, BaseOperator)
                                       "lines before are in that try's log.")
                     return record
         submitted_at = time.time()
-        self._handle = backend.submit(spec)
+        # A submit is idempotent (it claims its attempt and reattaches by name), so an API hiccup
+        # or outage while it looks for an earlier try's job is waited out as the watch waits one
+        # out, not turned into a failed try (the fault matrix's 10-minute read outage found it).
+        self._handle = call_with_retries(lambda: backend.submit(spec), f"submit or find job {spec.name}",
+                                         logger=self.log)
         verb = "Reattached to" if self._handle.get("reattached") else "Submitted"
         self.log.info("%s %s job %s on backend %s", verb, spec.stage, spec.name, spec.backend)
         record = {"name": spec.name, "handle": self._handle, "try_number": self._ti.try_number}
