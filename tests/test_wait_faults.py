@@ -265,6 +265,27 @@ def test_api_hiccups_neither_stop_the_job_nor_fail_the_wait(use_backend, clock):
     assert job_lines(op.log) == backend.all_lines[:backend.visible]
 
 
+def test_an_outage_while_a_retried_try_finds_its_job_is_waited_out_not_a_failed_try(use_backend, clock):
+    """The fault matrix's 10-minute read outage: a try whose earlier try died before recording
+    its job finds it through submit (a reattach by name), whose reads answered 503; that try
+    failed, the task ran out of tries and the job it had started succeeded unseen."""
+    backend = use_backend(ScriptedBackend([RUNNING, SUCCEEDED]))
+    outage = [unavailable(), unavailable(), throttled()]
+    plain_submit = backend.submit
+
+    def submit(spec: JobSpec) -> dict[str, Any]:
+        if outage:
+            backend.submits += 1
+            raise outage.pop(0)
+        return plain_submit(spec)
+
+    backend.submit = submit
+    op = operator(poll_interval=30)
+    assert op.execute(context(FakeTI(try_number=2, max_tries=2)))["metrics"] == {"answer": 42}
+    assert backend.submits == 4 and backend.stops == []
+    assert sum("submit or find job" in w for w in op.log.warnings()) == 3
+
+
 def test_a_non_transient_status_error_fails_the_task_but_leaves_the_job_running(use_backend, clock,
                                                                                runs_ended):
     backend = use_backend(ScriptedBackend([RUNNING, client_error("AccessDeniedException", 403)]))
