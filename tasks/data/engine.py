@@ -81,12 +81,12 @@ class ProcessEngine:
             return []
         if len(jobs) == 1:  # nothing to spread: no pool to start
             return [fn(jobs[0])]
+        target = _importable_name(fn)
         if self._pool is None:
             context = multiprocessing.get_context("forkserver")
-            context.set_forkserver_preload([_importable_name(fn)[0]])
+            context.set_forkserver_preload([target[0]])
             self._pool = ProcessPoolExecutor(self.workers, mp_context=context,
                                              initializer=_set_environment, initargs=(WORKER_ENV,))
-        target = _importable_name(fn)
         try:
             return list(self._pool.map(_call_by_name, [target] * len(jobs), jobs))
         except BrokenProcessPool as exc:

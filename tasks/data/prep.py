@@ -343,8 +343,8 @@ def _ids_at(out_dir: Path, jobs: list[dict], offsets: np.ndarray, documents: np.
 
 def _kept_documents(out_dir: Path, jobs: list[dict]) -> Iterator[tuple[int, int, str]]:
     """(shard, row, id) of every document that survived deduplication, in input order, one shard
-    at a time: neither the kept ids nor the removed ones are ever all in memory (at 10^9
-    documents a list of the kept ids alone would be ~75 GB)."""
+    at a time: neither the kept ids nor the removed ones are ever all in memory (a list of the
+    kept ids would be ~177 GB at 10^9 documents: benchmarks/data_prep_split_memory.py)."""
     import pyarrow.parquet as pq
 
     # staging/dedup.parquet is sorted by (shard, row): walk it beside the shards.
@@ -392,8 +392,9 @@ def tokenizer_and_split(out_dir: Path, jobs: list[dict], config: DataPrepConfig,
     path = out_dir / "tokenizer.json"
     if done := finished(out_dir, "tokenizer", key):
         return done
+    row_len = config.seq_len + 1
     plan = plan_split(_kept_documents(out_dir, jobs), config.seed, config.val_fraction,
-                      config.tokenizer_sample_docs, config.seq_len + 1)
+                      config.tokenizer_sample_docs, row_len)
     if not plan.kept:
         reasons: Counter = Counter()
         for index in range(len(jobs)):
@@ -416,7 +417,6 @@ def tokenizer_and_split(out_dir: Path, jobs: list[dict], config: DataPrepConfig,
         eos_id = EOS_ID
         atomic_write(path, lambda fh: fh.write(tokenizer.to_str(pretty=True).encode()))
 
-    row_len = config.seq_len + 1
     borrowed: list[str] = []
     if plan.val is not None:  # fewer documents than tokens in a row: count the tokens
         val_tokens = sum(len(e.ids) + 1 for e in tokenizer.encode_batch(
