@@ -1,4 +1,5 @@
-"""Goodput under faults: in-job supervision against the plain job retried by Airflow, at once.
+"""Goodput under faults: in-job supervision against the plain job retried by Airflow or by
+TorchElastic, all at once.
 
 A CPU pretraining job of about --minutes minutes is run on the same model, data and fault
 schedule (one kill, one hang, one loss spike, at 25%, 50% and 75% of the steps) by every side,
@@ -18,18 +19,23 @@ the run and recorded):
                  baseline whatever it costs in loss, reported at the end. The hang is caught by
                  the same watchdog on every side (the job's hang_timeout_s; Airflow alone would
                  wait for the task's execution_timeout), so goodput is also given without it.
+  torchelastic   the same plain job launched as `torchrun --standalone --nproc_per_node=1
+                 --max-restarts=N` (TorchElastic, torchrun's own defaults otherwise): torchrun
+                 restarts the failed process in place, at once, and it resumes from its newest
+                 checkpoint. The spike is not caught either.
 
 Prints goodput (productive step time / wall time, and without the configured hang wait), the
 badput buckets, each fault's recovery seconds side by side, the final validation loss, and the
 scheduler's own latency per retry (next try's start - failed try's end - retry_delay); the last
 line is one JSON object, also written to --out.
 
-    python benchmarks/pretrain_goodput.py [--minutes 10] [--retry-delays 0,30] [--out FILE]
+    python benchmarks/pretrain_goodput.py [--minutes 10] [--retry-delays 0,30,300] [--out FILE]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import shutil
@@ -45,6 +51,7 @@ from pretrain_common import (RESULTS, ROOT, bare_loop, isolate, last_json_line, 
 from tasks.common.io import read_json
 from tasks.configs import to_dict
 from tasks.train import telemetry as tm
+from tasks.train.telemetry import read_events
 
 DAG_PREFIX = "bench_goodput_baseline_retry"
 
@@ -54,7 +61,7 @@ def main() -> None:
     parser.add_argument("--minutes", type=float, default=10.0)
     parser.add_argument("--work", type=Path, default=Path("/tmp/llmops-bench-goodput"))
     parser.add_argument("--hang-timeout", type=float, default=10.0)
-    parser.add_argument("--retry-delays", default="0,30",
+    parser.add_argument("--retry-delays", default="0,30,300",
                         help="the baselines' retry_delay in seconds, comma-separated")
     parser.add_argument("--out", type=Path, default=RESULTS / "pretrain_goodput.json")
     args = parser.parse_args()
@@ -77,10 +84,11 @@ def main() -> None:
                   spike_window=100)
     sides = {"supervised": train_config(data, args.work / "supervised", **common, spike_sigma=6.0,
                                         max_restarts=3, max_rollbacks=3, hot_spare=True)}
+    plain = dict(common, spike_sigma=0.0, max_restarts=0, max_rollbacks=0, hot_spare=False)
     for delay in delays:  # the plain job: no supervisor restarts, no spare, no spike guard
-        sides[f"airflow_retry{delay:g}"] = train_config(
-            data, args.work / f"airflow_retry{delay:g}", **common, spike_sigma=0.0,
-            max_restarts=0, max_rollbacks=0, hot_spare=False)
+        sides[f"airflow_retry{delay:g}"] = train_config(data, args.work / f"airflow_retry{delay:g}",
+                                                        **plain)
+    sides["torchelastic"] = train_config(data, args.work / "torchelastic", **plain)
     for cfg in sides.values():
         shutil.rmtree(cfg.output_dir, ignore_errors=True)
 
@@ -96,13 +104,21 @@ def main() -> None:
         except BaseException as exc:  # noqa: BLE001 - re-raised below, after the baselines
             errors.append(exc)
 
-    # ours starts once the baselines' DAG runs are triggered (the deployment takes a minute to
-    # come up), so that all sides train through the same minutes
-    ours = threading.Thread(target=supervised, name="supervised")
+    def elastic() -> None:
+        try:
+            runs["torchelastic"] = torchelastic(sides["torchelastic"], args.work, faults)
+        except BaseException as exc:  # noqa: BLE001 - re-raised below, after the baselines
+            errors.append(exc)
+
+    # ours and torchrun start once the baselines' DAG runs are triggered (the deployment takes a
+    # minute to come up), so that all sides train through the same minutes
+    threads = [threading.Thread(target=supervised, name="supervised"),
+               threading.Thread(target=elastic, name="torchelastic")]
     runs.update(airflow_baselines(args.work, {k: to_dict(v) for k, v in sides.items()
-                                              if k != "supervised"}, faults, delays,
-                                  triggered=ours.start))
-    ours.join()
+                                              if k.startswith("airflow_")}, faults, delays,
+                                  triggered=lambda: [t.start() for t in threads]))
+    for thread in threads:
+        thread.join()
     load.stop()
     if errors:
         raise errors[0]
@@ -141,7 +157,8 @@ def main() -> None:
                       "goodput_excluding_hang_wait": reports[n]["goodput_excluding_hang_wait"],
                       "wall_s": reports[n]["wall_s"], "buckets": reports[n]["buckets"],
                       "tries": runs[n]["tries"], "final_val_loss": runs[n]["val_loss"],
-                      **{k: runs[n][k] for k in ("retry_delay_s", "scheduler_latency_s")
+                      **{k: runs[n][k] for k in ("retry_delay_s", "scheduler_latency_s",
+                                                 "max_restarts")
                          if k in runs[n]}} for n in names},
         "recovery_s": {f: {n: per.get(n, {}).get("recovery_s") for n in names}
                        for f, per in by_fault.items()},
@@ -172,6 +189,32 @@ class LoadSampler:
     def summary(self) -> dict[str, float]:
         s = sorted(self.samples)
         return {"min": s[0], "median": s[len(s) // 2], "max": s[-1], "samples": len(s)}
+
+
+def torchelastic(cfg: Any, work: Path, faults: str, max_restarts: int = 10) -> dict[str, Any]:
+    """The plain job under TorchElastic: `torchrun --max-restarts` restarts it on this machine
+    each time it fails; each start resumes from the newest checkpoint. Tries = the job's starts,
+    as its event log records them (one job_start per start)."""
+    import subprocess
+
+    job = work / "torchelastic-job"
+    shutil.rmtree(job, ignore_errors=True)
+    job.mkdir(parents=True)
+    (job / "config.json").write_text(json.dumps(to_dict(cfg)))
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
+            f"--max-restarts={max_restarts}", "-m", "tasks.pretrain", "--config",
+            str(job / "config.json"), "--result", str(job / "result.json"), "--faults", faults]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "plugins")])}
+    with open(job / "output.log", "wb") as log:
+        code = subprocess.run(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                              stdin=subprocess.DEVNULL).returncode
+    if code != 0:
+        raise RuntimeError(f"torchrun exited {code}; see {job / 'output.log'}")
+    starts = [e for e in read_events(tm.run_dir(cfg.output_dir)) if e.get("kind") == "job_start"]
+    result = read_json(job / "result.json")
+    print(f"  torchelastic: {len(starts)} starts", flush=True)
+    return {"tries": len(starts), "max_restarts": max_restarts,
+            "val_loss": result["metrics"]["val_loss"]}
 
 
 def airflow_baselines(work: Path, configs: dict[str, dict[str, Any]], faults: str,
