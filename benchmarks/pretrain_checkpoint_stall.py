@@ -1,17 +1,19 @@
 """Checkpoint cost as a user feels it: a training segment's wall time with no save, with
-synchronous saves and with asynchronous saves; and how long each save blocks training.
+synchronous saves and with asynchronous saves; and how long each save blocks training; per model
+size.
 
-A ~20M-parameter GPT (with AdamW's two moments, ~240 MB of state per checkpoint) trains on one
-CPU thread. A segment is --saves x --steps-between steps; with saves, the loop's Checkpointer
-saves before each group of steps (and the segment ends when the last save is committed).
-Synchronous: serialize, sha256, fsync, manifest and rename all block. Asynchronous: training
-waits only for the previous save (if still in flight; at most one) and for the copy of the state
-to CPU memory; the rest runs on a background thread while the next steps train, and competes
-with them for the cores: the blocked time alone hides that cost, the segment's wall time shows
-it. The three modes run in --rounds rounds, each in another order (a burst of load on a shared
-machine falls on all of them); medians are reported. The last line is one JSON object.
+GPTs of --sizes (default ~5M, ~19M and ~85M parameters; with AdamW's two moments a checkpoint is
+~12 bytes a parameter: 60 MB to 1 GB) train on one CPU thread. A segment is --saves x
+--steps-between steps; with saves, the loop's Checkpointer saves before each group of steps (and
+the segment ends when the last save is committed). Synchronous: serialize, sha256, fsync,
+manifest and rename all block. Asynchronous: training waits only for the previous save (if still
+in flight; at most one) and for the copy of the state to CPU memory; the rest runs on a
+background thread while the next steps train, and competes with them for the cores: the blocked
+time alone hides that cost, the segment's wall time shows it. Per size, the three modes run in
+--rounds rounds, each in another order (a burst of load on a shared machine falls on all of
+them); medians are reported. The last line is one JSON object.
 
-    python benchmarks/pretrain_checkpoint_stall.py [--saves 5] [--steps-between 4] [--rounds 3]
+    python benchmarks/pretrain_checkpoint_stall.py [--sizes 5M 19M 85M] [--saves 5] [--steps-between 4] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -21,14 +23,23 @@ import shutil
 import statistics
 import time
 from pathlib import Path
+from typing import Any
 
 from pretrain_common import RESULTS, isolate, last_json_line, prepared_data, train_config
 
 from tasks.configs import ModelConfig, to_dict
 
+# GPT-2 small's shape (85M without its 50k-token embedding) and two smaller ones; a 512-token
+# vocabulary and 64-token rows keep a step at seconds on one CPU thread
+SIZES = {"5M": ModelConfig(vocab_size=512, block_size=64, n_layer=4, n_head=4, n_embd=320),
+         "19M": ModelConfig(vocab_size=512, block_size=64, n_layer=6, n_head=8, n_embd=512),
+         "85M": ModelConfig(vocab_size=512, block_size=64, n_layer=12, n_head=12, n_embd=768)}
+MODES = ("none", "sync", "async")
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
     parser.add_argument("--saves", type=int, default=5)
     parser.add_argument("--steps-between", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=3)
@@ -38,7 +49,25 @@ def main() -> None:
     args.work.mkdir(parents=True, exist_ok=True)
     isolate(args.work)
     data = prepared_data(args.work)
+    per_size = {}
+    for name in args.sizes:
+        print(f"\n== {name}", flush=True)
+        per_size[name] = measure(SIZES[name], data, args)
+    print(f"\n{'':10}{'params':>8}{'ckpt MB':>9}{'no save s':>11}{'sync s':>9}{'async s':>9}"
+          f"{'sync +':>9}{'async +':>9}{'blocked sync/async s':>24}")
+    for name, r in per_size.items():
+        n, s, a = r["no_save"], r["sync"], r["async"]
+        print(f"{name:10}{r['params'] / 1e6:>7.1f}M{a['checkpoint_mb']:>9.0f}{n['segment_s']:>11.2f}"
+              f"{s['segment_s']:>9.2f}{a['segment_s']:>9.2f}"
+              f"{s['segment_slowdown_vs_no_save']:>9.1%}{a['segment_slowdown_vs_no_save']:>9.1%}"
+              f"{s['blocked_median_s']:>16.3f} / {a['blocked_median_s']:.3f}")
+    last_json_line({"benchmark": "pretrain_checkpoint_stall", "saves": args.saves,
+                    "steps_between": args.steps_between, "rounds": args.rounds,
+                    "sizes": per_size}, args.out)
 
+
+def measure(model_cfg: ModelConfig, data: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """One model size: the three modes in args.rounds rotated rounds; medians and each round."""
     import torch
 
     from tasks.model import GPT
@@ -49,7 +78,6 @@ def main() -> None:
     from tasks.train.runtime import rng_state
 
     torch.set_num_threads(1)
-    model_cfg = ModelConfig(vocab_size=512, block_size=64, n_layer=6, n_head=8, n_embd=512)
     cfg = train_config(data, args.work / "run", model=to_dict(model_cfg), batch_size=4)
     model = GPT(cfg.model)
     optimizer = build_optimizer(model, cfg.optim, torch.device("cpu"))
@@ -89,12 +117,13 @@ def main() -> None:
                        checkpoint_mb=sum(f.stat().st_size for f in saver.last.iterdir()) / 1e6)
         return out
 
-    modes = ("none", "sync", "async")
-    rounds: dict[str, list[dict]] = {m: [] for m in modes}
+    rounds: dict[str, list[dict]] = {m: [] for m in MODES}
     for r in range(args.rounds):
-        for mode in modes[r % 3:] + modes[:r % 3]:
+        for mode in MODES[r % 3:] + MODES[:r % 3]:
             rounds[mode].append(segment(mode))
             print(f"round {r + 1} {mode}: segment {rounds[mode][-1]['segment_s']:.2f} s", flush=True)
+    shutil.rmtree(args.work / "checkpoints-sync", ignore_errors=True)
+    shutil.rmtree(args.work / "checkpoints-async", ignore_errors=True)
     results = {}
     for mode, runs in rounds.items():
         med = {k: statistics.median(run[k] for run in runs)
@@ -106,22 +135,10 @@ def main() -> None:
     n, s, a = results["none"], results["sync"], results["async"]
     for side in (s, a):
         side["segment_slowdown_vs_no_save"] = side["segment_s"] / n["segment_s"] - 1
-    print(f"\n{'':36}{'no save':>10}{'sync':>10}{'async':>10}")
-    print(f"{'segment wall time (s, median)':36}{n['segment_s']:>10.2f}{s['segment_s']:>10.2f}"
-          f"{a['segment_s']:>10.2f}")
-    print(f"{'  slower than no save':36}{'':>10}{s['segment_slowdown_vs_no_save']:>10.1%}"
-          f"{a['segment_slowdown_vs_no_save']:>10.1%}")
-    print(f"{'step time between saves (s)':36}{n['step_s_between_saves']:>10.3f}"
-          f"{s['step_s_between_saves']:>10.3f}{a['step_s_between_saves']:>10.3f}")
-    print(f"{'training blocked per save (s)':36}{'':>10}{s['blocked_median_s']:>10.3f}"
-          f"{a['blocked_median_s']:>10.3f}")
-    print(f"{'checkpoint size (MB)':36}{'':>10}{s['checkpoint_mb']:>10.0f}{a['checkpoint_mb']:>10.0f}")
-    last_json_line({"benchmark": "pretrain_checkpoint_stall", "params": model.num_params(),
-                    "saves": args.saves, "steps_between": args.steps_between,
-                    "rounds": args.rounds, "no_save": n, "sync": s, "async": a,
-                    "blocked_ratio_sync_over_async":
-                        s["blocked_median_s"] / max(a["blocked_median_s"], 1e-9),
-                    "segment_ratio_sync_over_async": s["segment_s"] / a["segment_s"]}, args.out)
+    return {"params": model.num_params(), "model": to_dict(model_cfg), "no_save": n, "sync": s,
+            "async": a, "blocked_ratio_sync_over_async":
+                s["blocked_median_s"] / max(a["blocked_median_s"], 1e-9),
+            "segment_ratio_sync_over_async": s["segment_s"] / a["segment_s"]}
 
 
 if __name__ == "__main__":
