@@ -6,9 +6,11 @@ function only ever writes its own shard's files, atomically, so any engine may r
 
 - `local`: a loop in this process.
 - `processes`: a pool of `workers` processes on this machine. They fork from a server that has
-  imported the shard code once, so the pool is ready in well under a second where a local Ray
-  takes 5-10 s to start; on one machine Ray adds nothing else that pays for that. A worker that
-  dies (out of memory) fails the run; a rerun keeps every shard that finished.
+  imported the shard code and the libraries it uses once (PRELOAD), so the pool is ready in well
+  under a second where a local Ray takes 5-10 s to start; on one machine Ray adds nothing else
+  that pays for that. The pool starts when the engine is opened, in the background, so that start
+  overlaps this process's own set-up. A worker that dies (out of memory) fails the run; a rerun
+  keeps every shard that finished.
 - `ray`: one Ray Data task per shard (`Dataset.map` on a task pool of `workers`). On the cluster at
   RAY_ADDRESS when it is set (its workers must have this repository, as the job image does),
   else on a local Ray started here with `workers` CPUs and stopped at the end.
@@ -27,6 +29,7 @@ import os
 import sys
 import shutil
 import tempfile
+import threading
 from pathlib import Path
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -69,24 +72,44 @@ def _call_by_name(target: tuple[str, str], job: dict) -> dict:
     return getattr(importlib.import_module(module), name)(job)
 
 
+# What the pool's server imports before it forks any worker, so no worker imports it again: the
+# modules of every function data prep maps, and the libraries they import only when first called.
+# A worker's first job used to pay for these (~0.6 s of CPU each on 2 cores: pyarrow imports all
+# of pandas the first time it builds an array from a list). A missing one is skipped.
+PRELOAD = ("tasks.data.prep", "tasks.data.dedup", "tasks.data.contamination", "pyarrow.parquet", "pandas",
+           "phonenumbers", "tokenizers")
+
+
 class ProcessEngine:
     name = "processes"
 
     def __init__(self, workers: int) -> None:
         self.workers = workers
         self._pool: ProcessPoolExecutor | None = None
+        self._starting: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Start the pool now, without waiting for it: launching a worker waits for the server's
+        imports (about a second), which this process's own set-up can overlap."""
+        if self._pool is not None:
+            return
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload(list(PRELOAD))
+        self._pool = ProcessPoolExecutor(self.workers, mp_context=context,
+                                         initializer=_set_environment, initargs=(WORKER_ENV,))
+        # The first submit launches every worker (forkserver pools do not grow on demand).
+        self._starting = threading.Thread(target=self._pool.submit, args=(int,), daemon=True,
+                                          name="data-prep-pool-start")
+        self._starting.start()
 
     def map(self, fn: ShardFn, jobs: list[dict]) -> list[dict]:
         if not jobs:
             return []
-        if len(jobs) == 1:  # nothing to spread: no pool to start
+        if len(jobs) == 1:  # nothing to spread: not worth a round trip
             return [fn(jobs[0])]
         target = _importable_name(fn)
-        if self._pool is None:
-            context = multiprocessing.get_context("forkserver")
-            context.set_forkserver_preload([target[0]])
-            self._pool = ProcessPoolExecutor(self.workers, mp_context=context,
-                                             initializer=_set_environment, initargs=(WORKER_ENV,))
+        self.start()
+        assert self._pool is not None
         try:
             return list(self._pool.map(_call_by_name, [target] * len(jobs), jobs))
         except BrokenProcessPool as exc:
@@ -95,8 +118,11 @@ class ProcessEngine:
                                "lower DataPrepConfig.workers.") from exc
 
     def close(self) -> None:
+        if self._starting is not None:
+            self._starting.join()
         if self._pool is not None:
             self._pool.shutdown(cancel_futures=True)
+            self._pool = None
 
 
 def _call_json(fn: ShardFn) -> Callable[[dict], dict]:
@@ -145,14 +171,15 @@ def _environment(values: dict[str, str]) -> Iterator[None]:
 
 @contextlib.contextmanager
 def open_engine(name: str, workers: int) -> Iterator[LocalEngine | ProcessEngine | RayEngine]:
-    """The engine for one run; a process pool, or a local Ray, is started on first use and stopped
-    after."""
+    """The engine for one run; a process pool (in the background) or a local Ray is started here
+    and stopped after."""
     if name == "local":
         yield LocalEngine()
         return
     if name == "processes":
         engine = ProcessEngine(workers)
         try:
+            engine.start()
             yield engine
         finally:
             engine.close()
