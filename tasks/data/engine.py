@@ -5,12 +5,14 @@ A job is a JSON-able dict; a shard function takes one job and returns a JSON-abl
 function only ever writes its own shard's files, atomically, so any engine may retry it.
 
 - `local`: a loop in this process.
-- `processes`: a pool of `workers` processes on this machine. They fork from a server that has
-  imported the shard code and the libraries it uses once (PRELOAD), so the pool is ready in well
-  under a second where a local Ray takes 5-10 s to start; on one machine Ray adds nothing else
-  that pays for that. The pool starts when the engine is opened, in the background, so that start
-  overlaps this process's own set-up. A worker that dies (out of memory) fails the run; a rerun
-  keeps every shard that finished.
+- `processes`: `workers` jobs at once on this machine: this process runs jobs itself beside a pool
+  of `workers - 1` processes, all taking the next job as they finish one (largest first). The
+  pool's processes fork from a server that has imported the shard code and the libraries it uses
+  once (PRELOAD), so the pool is ready in about a second where a local Ray takes 5-10 s to start;
+  on one machine Ray adds nothing else that pays for that. That second is not waited for: the pool
+  starts in the background when the engine is opened, and this process, whose imports are done,
+  works meanwhile. A worker that dies (out of memory) fails the run; a rerun keeps every shard
+  that finished.
 - `ray`: one Ray Data task per shard (`Dataset.map` on a task pool of `workers`). On the cluster at
   RAY_ADDRESS when it is set (its workers must have this repository, as the job image does),
   else on a local Ray started here with `workers` CPUs and stopped at the end.
@@ -72,6 +74,22 @@ def _call_by_name(target: tuple[str, str], job: dict) -> dict:
     return getattr(importlib.import_module(module), name)(job)
 
 
+@contextlib.contextmanager
+def _environment(values: dict[str, str]) -> Iterator[None]:
+    """Set environment variables for the duration of the block (for processes started in it, and
+    libraries that read them on each call)."""
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 # What the pool's server imports before it forks any worker, so no worker imports it again: the
 # modules of every function data prep maps, and the libraries they import only when first called.
 # A worker's first job used to pay for these (~0.6 s of CPU each on 2 cores: pyarrow imports all
@@ -90,12 +108,12 @@ class ProcessEngine:
 
     def start(self) -> None:
         """Start the pool now, without waiting for it: launching a worker waits for the server's
-        imports (about a second), which this process's own set-up can overlap."""
-        if self._pool is not None:
+        imports (about a second), which this process's own work can overlap."""
+        if self._pool is not None or self.workers < 2:
             return
         context = multiprocessing.get_context("forkserver")
         context.set_forkserver_preload(list(PRELOAD))
-        self._pool = ProcessPoolExecutor(self.workers, mp_context=context,
+        self._pool = ProcessPoolExecutor(self.workers - 1, mp_context=context,
                                          initializer=_set_environment, initargs=(WORKER_ENV,))
         # The first submit launches every worker (forkserver pools do not grow on demand).
         self._starting = threading.Thread(target=self._pool.submit, args=(int,), daemon=True,
@@ -103,19 +121,61 @@ class ProcessEngine:
         self._starting.start()
 
     def map(self, fn: ShardFn, jobs: list[dict]) -> list[dict]:
+        """fn over the jobs, `workers` at once; the results in the jobs' order. A failed job stops
+        the others from starting and its error is raised (the first job's, if several failed)."""
         if not jobs:
             return []
-        if len(jobs) == 1:  # nothing to spread: not worth a round trip
-            return [fn(jobs[0])]
         target = _importable_name(fn)
         self.start()
-        assert self._pool is not None
-        try:
-            return list(self._pool.map(_call_by_name, [target] * len(jobs), jobs))
-        except BrokenProcessPool as exc:
-            raise RuntimeError(f"A data prep worker process died (out of memory? {self.workers} workers "
-                               "share this machine); rerun it: shards that finished are kept, or "
-                               "lower DataPrepConfig.workers.") from exc
+        # Largest first (shards and documents-and-tokens jobs know their input bytes): the jobs
+        # that start last are then the small ones, so the workers finish close together.
+        order = iter(sorted(range(len(jobs)), key=lambda i: -jobs[i].get("bytes", 0)))
+        results: list[Any] = [None] * len(jobs)
+        errors: dict[int, BaseException] = {}
+        lock = threading.Lock()
+
+        def take() -> int | None:
+            with lock:
+                return None if errors else next(order, None)
+
+        def fail(i: int, exc: BaseException) -> None:
+            with lock:
+                errors[i] = exc
+
+        def feed() -> None:  # one pool worker's jobs, one at a time: none waits queued behind another
+            assert self._starting is not None
+            self._starting.join()  # until the pool is up, this process takes every job
+            while (i := take()) is not None:
+                try:
+                    assert self._pool is not None
+                    results[i] = self._pool.submit(_call_by_name, target, jobs[i]).result()
+                except BaseException as exc:  # noqa: BLE001 - raised below, in this thread
+                    fail(i, exc)
+
+        feeders = [threading.Thread(target=feed, daemon=True, name=f"data-prep-feed-{k}")
+                   for k in range(min(self.workers - 1, len(jobs) - 1))]
+        for thread in feeders:
+            thread.start()
+        # This process is one of the workers: its imports are done, and it works while the pool
+        # starts, so a stage of a few small jobs (the dedup buckets) never waits for the pool, and
+        # a map of one job makes no round trip. Its tokenizer uses one thread, like a pool
+        # worker's: the workers are the parallelism.
+        with _environment({"TOKENIZERS_PARALLELISM": "false"}):
+            while (i := take()) is not None:
+                try:
+                    results[i] = fn(jobs[i])
+                except BaseException as exc:  # noqa: BLE001 - raised below, after the pool's jobs stop
+                    fail(i, exc)
+        for thread in feeders:
+            thread.join()
+        if errors:
+            exc = errors[min(errors)]
+            if isinstance(exc, BrokenProcessPool):
+                raise RuntimeError(f"A data prep worker process died (out of memory? {self.workers} workers "
+                                   "share this machine); rerun it: shards that finished are kept, or "
+                                   "lower DataPrepConfig.workers.") from exc
+            raise exc
+        return results
 
     def close(self) -> None:
         if self._starting is not None:
@@ -152,21 +212,6 @@ class RayEngine:
         pool = ray.data.TaskPoolStrategy(size=min(self.workers, len(jobs)))
         rows = ds.map(_call_json(fn), num_cpus=1, compute=pool).take_all()
         return [json.loads(row["result"]) for row in rows]
-
-
-@contextlib.contextmanager
-def _environment(values: dict[str, str]) -> Iterator[None]:
-    """Set environment variables for the duration of the block (for processes started in it)."""
-    saved = {name: os.environ.get(name) for name in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 @contextlib.contextmanager

@@ -1,0 +1,72 @@
+"""The process engine as data prep uses it: `workers` jobs at once (this process and a pool started
+when the engine opens), results in the jobs' order, a failing job's own error, and no worker
+process left behind once the engine closes."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from tasks.data.engine import open_engine
+
+
+def _meet(job: dict) -> dict:
+    """Wait (up to a minute) until every job of the map has started: only runs that have them all
+    going at once get past it."""
+    Path(job["dir"], f"{job['n']}.started").touch()
+    deadline = time.monotonic() + 60
+    while len(list(Path(job["dir"]).glob("*.started"))) < job["of"]:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"job {job['n']}: the other jobs never started alongside it")
+        time.sleep(0.01)
+    return {"n": job["n"], "pid": os.getpid()}
+
+
+def _whoami(job: dict) -> dict:
+    if job.get("fail"):
+        raise ValueError(f"job {job['n']} failed")
+    return {"n": job["n"], "pid": os.getpid()}
+
+
+def _gone(pid: int, within: float = 10.0) -> bool:
+    """The process has exited (reaped, or a zombie waiting for its parent)."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            return True
+        if state == "Z":
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads process states from /proc")
+def test_two_workers_run_two_jobs_at_once_and_leave_no_process_behind(tmp_path):
+    with open_engine("processes", 2) as engine:
+        # Two jobs that each wait for the other: they finish only if both run at the same time,
+        # one in this process and one in the pool's worker.
+        met = engine.map(_meet, [{"n": n, "of": 2, "dir": str(tmp_path), "bytes": n} for n in range(2)])
+        assert [r["n"] for r in met] == [0, 1]
+        worker = ({r["pid"] for r in met} - {os.getpid()}).pop()
+        assert os.getpid() in {r["pid"] for r in met}
+
+        # Results come back in the jobs' order, though the largest ("bytes") are started first.
+        jobs = [{"n": n, "bytes": (n * 7) % 10} for n in range(10)]
+        assert [r["n"] for r in engine.map(_whoami, jobs)] == list(range(10))
+        # A map of one job (a small stage) runs here, with no round trip to the pool.
+        assert engine.map(_whoami, [{"n": 0}]) == [{"n": 0, "pid": os.getpid()}]
+        # A failing job raises its own error, wherever it ran.
+        with pytest.raises(ValueError, match="job 3 failed"):
+            engine.map(_whoami, [{"n": n, "fail": n == 3} for n in range(6)])
+    assert _gone(worker), f"pool worker {worker} still running after the engine closed"
+
+
+def test_one_worker_runs_every_job_here(tmp_path):
+    with open_engine("processes", 1) as engine:
+        out = engine.map(_whoami, [{"n": n} for n in range(4)])
+    assert out == [{"n": n, "pid": os.getpid()} for n in range(4)]
