@@ -12,7 +12,7 @@ What it does, all offline:
 2. runs, in rounds whose order alternates (so a burst of load on this shared machine hits every
    configuration alike): this project's whole pipeline (`python -m tasks.data.prep`: filters, PII,
    exact + near dedup, documents, tokens, manifest) with engine auto, pinned with taskset to 1
-   core (1 worker: in-process) and to 2 cores (2 workers: a pool of 2 processes); datatrove's
+   core (1 worker: in-process) and to 2 cores (2 workers: this process and a pool of 1); datatrove's
    equivalent pipeline
    (benchmarks/data_prep_datatrove.py) pinned to the same 1 and 2 cores (1 and 2 workers);
 3. fits each configuration's median times at the sizes to time = start-up + MB / rate: the fixed
@@ -144,7 +144,7 @@ def run_ours(corpus: Path, out: Path, cores: int, workers: int, tokenizer: Path)
     shutil.rmtree(out, ignore_errors=True)
     config = out.parent / f"{out.name}.config.json"
     config.parent.mkdir(parents=True, exist_ok=True)
-    # engine auto, as a user runs it: 1 worker in-process, 2 a pool of 2 processes (choose_engine);
+    # engine auto, as a user runs it: 1 worker in-process, 2 this process and a pool of 1 (choose_engine);
     # the engine and why are recorded per run.
     config.write_text(json.dumps({"engine": "auto", "tokenizer_path": str(tokenizer),
                                   "seq_len": 1024, "vocab_size": 8192, "demo_sft_examples": 100}))

@@ -40,7 +40,7 @@ class DataPrepConfig:
                           help="auto (chosen by input size: in-process, a process pool, or Ray Data "
                                "on the cluster at RAY_ADDRESS), processes, ray, or local (in-process).")
     processes_above_bytes: int = bounded(2 << 20, minimum=0, maximum=1 << 60,
-                                         help="engine auto: a pool of `workers` processes from this "
+                                         help="engine auto: `workers` processes (this one and a pool) from this "
                                               "many input bytes on.")
     ray_above_bytes: int = bounded(64 << 20, minimum=0, maximum=1 << 60,
                                    help="engine auto, with a Ray cluster at RAY_ADDRESS: Ray Data from "

@@ -56,7 +56,7 @@ written after its files. A rerun skips shards whose marker matches the input fil
 shards in flight. A rerun after the manifest exists is a no-op; one with a different config
 (engine and workers aside) is refused.
 
-Engines (DataPrepConfig.engine): `auto` (by input size: in this process, a pool of `workers`
+Engines (DataPrepConfig.engine): `auto` (by input size: in this process, `workers`
 processes, or Ray Data on the cluster at RAY_ADDRESS; choose_engine, which logs why), `processes`,
 `ray` (Ray Data, local with `workers` CPUs, or the cluster at RAY_ADDRESS) or `local` (in this
 process). Shards, dedup buckets and the documents-and-tokens step run on it.
@@ -647,7 +647,7 @@ def choose_engine(config: DataPrepConfig, input_bytes: int) -> tuple[str, str]:
       ray_above_bytes: other machines' cores are worth Ray's start-up;
     - in this process with one worker, or below processes_above_bytes, where starting workers costs
       more than they save;
-    - otherwise a pool of `workers` processes. On one machine it spreads the same shards as a local
+    - otherwise `workers` processes (this one and a pool). On one machine it spreads the same shards as a local
       Ray would, without Ray's 5-10 s start-up (benchmarks/data_prep_bench.py measures both)."""
     if config.engine != "auto":
         return config.engine, f"engine={config.engine!r} in the config"
