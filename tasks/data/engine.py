@@ -125,7 +125,8 @@ class ProcessEngine:
         the others from starting and its error is raised (the first job's, if several failed)."""
         if not jobs:
             return []
-        target = _importable_name(fn)
+        spread = min(self.workers - 1, len(jobs) - 1)  # pool workers this map uses
+        target = _importable_name(fn) if spread else None
         self.start()
         # Largest first (shards and documents-and-tokens jobs know their input bytes): the jobs
         # that start last are then the small ones, so the workers finish close together.
@@ -153,7 +154,7 @@ class ProcessEngine:
                     fail(i, exc)
 
         feeders = [threading.Thread(target=feed, daemon=True, name=f"data-prep-feed-{k}")
-                   for k in range(min(self.workers - 1, len(jobs) - 1))]
+                   for k in range(spread)]
         for thread in feeders:
             thread.start()
         # This process is one of the workers: its imports are done, and it works while the pool
