@@ -12,8 +12,8 @@ the run and recorded):
   airflow_retry<D>  the plain job a user would otherwise run (no supervisor, no hot spare, no
                  spike guard) as one JobOperator task of a real Airflow deployment
                  (tests/chaos/airflow_deployment.py, benchmarks/dags/goodput_baseline.py) with
-                 retries every D seconds (--retry-delays, default 0 and 30; Airflow's own default
-                 is 300): the kill fails the job and the try, the next try resubmits it and it
+                 retries every D seconds (--retry-delays, default 0, 30 and 300, Airflow's own
+                 default): the kill fails the job and the try, the next try resubmits it and it
                  resumes from its newest checkpoint. Nothing catches the spike: the update is
                  applied (gradient clipping bounds it) and the job trains on, so it costs the
                  baseline whatever it costs in loss, reported at the end. The hang is caught by
