@@ -35,7 +35,6 @@ line is one JSON object, also written to --out.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import shutil
@@ -48,7 +47,7 @@ from typing import Any, Callable
 from pretrain_common import (RESULTS, ROOT, bare_loop, isolate, last_json_line, prepared_data,
                              run_job, train_config)
 
-from tasks.common.io import read_json
+from tasks.common.io import read_json, write_json
 from tasks.configs import to_dict
 from tasks.train import telemetry as tm
 from tasks.train.telemetry import read_events
@@ -96,24 +95,23 @@ def main() -> None:
     runs: dict[str, dict[str, Any]] = {}
     errors: list[BaseException] = []
 
-    def supervised() -> None:
-        try:
-            job = run_job(sides["supervised"], f"bench-supervised-{int(time.time())}", faults=faults)
-            runs["supervised"] = {"tries": 1, "val_loss": job["result"]["metrics"]["val_loss"],
-                                  "restarts": job["result"]["metrics"].get("restarts")}
-        except BaseException as exc:  # noqa: BLE001 - re-raised below, after the baselines
-            errors.append(exc)
+    def supervised() -> dict[str, Any]:
+        job = run_job(sides["supervised"], f"bench-supervised-{int(time.time())}", faults=faults)
+        return {"tries": 1, "val_loss": job["result"]["metrics"]["val_loss"],
+                "restarts": job["result"]["metrics"].get("restarts")}
 
-    def elastic() -> None:
-        try:
-            runs["torchelastic"] = torchelastic(sides["torchelastic"], args.work, faults)
-        except BaseException as exc:  # noqa: BLE001 - re-raised below, after the baselines
-            errors.append(exc)
+    def side(name: str, run: Callable[[], dict[str, Any]]) -> threading.Thread:
+        def target() -> None:
+            try:
+                runs[name] = run()
+            except BaseException as exc:  # noqa: BLE001 - re-raised below, after the baselines
+                errors.append(exc)
+        return threading.Thread(target=target, name=name)
 
     # ours and torchrun start once the baselines' DAG runs are triggered (the deployment takes a
     # minute to come up), so that all sides train through the same minutes
-    threads = [threading.Thread(target=supervised, name="supervised"),
-               threading.Thread(target=elastic, name="torchelastic")]
+    threads = [side("supervised", supervised),
+               side("torchelastic", lambda: torchelastic(sides["torchelastic"], args.work, faults))]
     runs.update(airflow_baselines(args.work, {k: to_dict(v) for k, v in sides.items()
                                               if k.startswith("airflow_")}, faults, delays,
                                   triggered=lambda: [t.start() for t in threads]))
@@ -200,7 +198,7 @@ def torchelastic(cfg: Any, work: Path, faults: str, max_restarts: int = 10) -> d
     job = work / "torchelastic-job"
     shutil.rmtree(job, ignore_errors=True)
     job.mkdir(parents=True)
-    (job / "config.json").write_text(json.dumps(to_dict(cfg)))
+    write_json(job / "config.json", to_dict(cfg))
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
             f"--max-restarts={max_restarts}", "-m", "tasks.pretrain", "--config",
             str(job / "config.json"), "--result", str(job / "result.json"), "--faults", faults]
