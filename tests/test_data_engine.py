@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from tasks.data.engine import open_engine
+from tests.test_jobs import pid_alive
 
 
 def _meet(job: dict) -> dict:
@@ -32,17 +33,13 @@ def _whoami(job: dict) -> dict:
 
 
 def _gone(pid: int, within: float = 10.0) -> bool:
-    """The process has exited (reaped, or a zombie waiting for its parent)."""
+    """The process has exited within `within` seconds (reaped, or a zombie waiting for its parent)."""
     deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except FileNotFoundError:
-            return True
-        if state == "Z":
-            return True
+    while pid_alive(pid):
+        if time.monotonic() > deadline:
+            return False
         time.sleep(0.05)
-    return False
+    return True
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads process states from /proc")

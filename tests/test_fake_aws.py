@@ -33,6 +33,7 @@ from llmops.jobs.watch import JobWatch
 from tests.aws_fixtures import IMAGE, REGION, ROOT, free_port, sagemaker_settings, wait_http
 from tests.chaos.fake_aws import ChaosClient, FakeAws
 from tests.chaos.multinode import batch_queue as create_batch_queue, connected
+from tests.test_jobs import pid_alive
 
 CONN = "llmops_chaos"
 BUCKET = "llmops-chaos"
@@ -83,14 +84,6 @@ def client(fake: FakeAws, service: str, attempts: int = 3, **config):
     return boto3.client(service, endpoint_url=fake.url, region_name=REGION, aws_access_key_id="testing",
                         aws_secret_access_key="testing",
                         config=Config(retries={"mode": "standard", "total_max_attempts": attempts}, **config))
-
-
-def pid_alive(pid: int) -> bool:
-    try:   # a zombie (Z) has ended; whoever adopted it reaps it later
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def injections(chaos: ChaosClient, operation: str, since: float = 0.0) -> int:

@@ -34,7 +34,7 @@ def wait_terminal(backend, handle, timeout=60.0):
 
 
 def pid_alive(pid: int) -> bool:
-    try:
+    try:   # a zombie (Z) has ended; whoever adopted it reaps it later
         with open(f"/proc/{pid}/stat") as fh:
             return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
