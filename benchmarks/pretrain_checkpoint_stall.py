@@ -7,9 +7,11 @@ GPTs of --sizes (default ~5M, ~19M and ~85M parameters; with AdamW's two moments
 --steps-between steps; with saves, the loop's Checkpointer saves before each group of steps (and
 the segment ends when the last save is committed). Synchronous: serialize, sha256, fsync,
 manifest and rename all block. Asynchronous: training waits only for the previous save (if still
-in flight; at most one) and for the copy of the state to CPU memory; the rest runs on a
-background thread while the next steps train, and competes with them for the cores: the blocked
-time alone hides that cost, the segment's wall time shows it. Per size, the three modes run in
+in flight; at most one) and for the copy of the state to shared memory; the writer process
+writes the files while the next steps train, and competes with them for the machine (caches,
+memory bandwidth, the kernel's writeback): the blocked time alone hides that cost, the
+segment's wall time shows it. Each mode keeps one Checkpointer for the whole run, as a job does:
+its first save, untimed, lays out the buffers and starts the writer process (once per job). Per size, the three modes run in
 --rounds rounds, each in another order (a burst of load on a shared machine falls on all of
 them); medians are reported. The last line is one JSON object.
 
@@ -97,22 +99,34 @@ def measure(model_cfg: ModelConfig, data: Path, args: argparse.Namespace) -> dic
 
     train_steps(2)  # optimizer state exists from here on: checkpoints have their full size
 
-    def segment(mode: str) -> dict:
+    def state() -> dict:
+        return {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                "trainer": {"step": step, "rng": rng_state()}}
+
+    # one saver per mode for the whole run, as a job has one: its first save (untimed) lays out
+    # the snapshot buffers and, async, starts the writer process, once per job
+    savers = {}
+    for mode in ("sync", "async"):
         root = args.work / f"checkpoints-{mode}"
         shutil.rmtree(root, ignore_errors=True)
-        saver = Checkpointer(root, keep=2, config={}, asynchronous=mode == "async")
+        savers[mode] = Checkpointer(root, keep=2, config={}, asynchronous=mode == "async")
+        savers[mode].save(step, state())
+        savers[mode].wait()
+    time.sleep(3)  # the writer process has started (it imports torch) before any timing
+
+    def segment(mode: str) -> dict:
+        saver = savers.get(mode)
         blocked, step_s = [], []
         t_start = time.perf_counter()
         for _ in range(args.saves):
-            if mode != "none":
-                state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                         "trainer": {"step": step, "rng": rng_state()}}
-                blocked.append(saver.save(step, state))
+            if saver is not None:
+                blocked.append(saver.save(step, state()))
             step_s.append(train_steps(args.steps_between))
-        saver.wait()
+        if saver is not None:
+            saver.wait()
         out = {"segment_s": time.perf_counter() - t_start,
                "step_s_between_saves": statistics.median(step_s)}
-        if mode != "none":
+        if saver is not None:
             out.update(blocked_s=blocked, blocked_median_s=statistics.median(blocked),
                        checkpoint_mb=sum(f.stat().st_size for f in saver.last.iterdir()) / 1e6)
         return out
