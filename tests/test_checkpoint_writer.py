@@ -155,3 +155,26 @@ def test_a_small_state_is_written_on_the_thread_without_a_process(tmp_path):
     assert saver._process is None and not saver._buffers.shared
     assert ckpt.state_bytes(_state(1.0)) < ckpt.PROCESS_WRITER_MIN_BYTES
     assert torch.equal(ckpt.load_checkpoint(saver.last)["model"]["w"], torch.full((64, 32), 2.0))
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_the_snapshot_copy_spread_over_the_cores_is_exact(monkeypatch, shared):
+    """Training waits for the copy of its state, so it runs on every core, in slices: uneven
+    sizes, dtypes and a tensor split across threads all come out exact."""
+    monkeypatch.setattr(ckpt._SnapshotBuffers, "SLICE", 1000)  # bytes: many slices, tiny data
+    generator = torch.Generator().manual_seed(0)
+    state = {"a": torch.randn(3001, generator=generator), "b": torch.randn(7, 111, generator=generator),
+             "c": torch.randn(777, generator=generator).to(torch.bfloat16),
+             "d": [torch.arange(5000, dtype=torch.int64), torch.tensor(3.5)], "e": torch.zeros(0)}
+    buffers = ckpt._SnapshotBuffers(pinned=False, shared=shared)
+    buffers.fit(state)
+    for round_ in range(2):  # the second copy reuses the buffers
+        copied = ckpt.snapshot(state, buffers)
+        for key in ("a", "b", "c", "e"):
+            assert torch.equal(copied[key], state[key]) and copied[key].dtype == state[key].dtype
+            assert copied[key].data_ptr() != state[key].data_ptr() or not state[key].numel()
+        assert torch.equal(copied["d"][0], state["d"][0]) and copied["d"][1].item() == 3.5
+        state["a"].add_(1.0)
+        assert not torch.equal(copied["a"], state["a"])  # a copy, not a view
+    if len(os.sched_getaffinity(0)) > 1:
+        assert buffers._pool is not None, "the copy never ran on more than one thread"
