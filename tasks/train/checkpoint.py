@@ -85,10 +85,10 @@ def latest_valid_checkpoint(root: str | Path, *, max_step: int | None = None) ->
 
 def save_checkpoint(root: str | Path, step: int, tensors: dict[str, Any], config: dict[str, Any],
                     keep: int, progress: BytesMoved | None = None, keep_every: int = 0,
-                    write_files: Callable[..., dict[str, Any]] = write_files) -> Path:
+                    files_writer: Callable[..., dict[str, Any]] = write_files) -> Path:
     """Write tensors[name] to <name>.pt and the resolved config to config.json under
     root/step_{step:06d}, atomically; then delete all but the newest `keep` checkpoints and the
-    multiples of `keep_every` (tasks/train/retention.py). write_files(tmp, tensors, progress)
+    multiples of `keep_every` (tasks/train/retention.py). files_writer(tmp, tensors, progress)
     writes the .pt files (here, or in the writer process) and returns their manifest entries."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
@@ -99,7 +99,7 @@ def save_checkpoint(root: str | Path, step: int, tensors: dict[str, Any], config
     tmp = root / f".tmp-{final.name}-{os.getpid()}"
     tmp.mkdir()
     try:
-        files = write_files(tmp, tensors, progress)
+        files = files_writer(tmp, tensors, progress)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -251,7 +251,7 @@ class Checkpointer:
             def commit(files_writer: Callable[..., dict[str, Any]]) -> Path:
                 return save_checkpoint(self.root, step, snap, self.config, keep=self.keep,
                                        progress=self.on_progress, keep_every=self.keep_every,
-                                       write_files=files_writer)
+                                       files_writer=files_writer)
             try:
                 path = commit(self._files_writer())
             except WriterDied as exc:

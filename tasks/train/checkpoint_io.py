@@ -64,7 +64,7 @@ class HashingFile:
 
 
 def save_tensor_file(obj: Any, path: Path,
-                      progress: BytesMoved | None = None) -> dict[str, Any]:
+                     progress: BytesMoved | None = None) -> dict[str, Any]:
     """Write obj to path; returns its manifest entry."""
     # directly into the checkpoint's private temporary directory: the rename of the whole
     # directory is what makes it appear, so the file needs no temporary name of its own
@@ -81,10 +81,11 @@ def save_tensor_file(obj: Any, path: Path,
 
 
 def write_files(tmp: Path, tensors: dict[str, Any],
-                 progress: BytesMoved | None) -> dict[str, Any]:
+                progress: BytesMoved | None) -> dict[str, Any]:
     """tensors[name] to tmp/<name>.pt; their manifest entries."""
     return {f"{name}.pt": save_tensor_file(obj, tmp / f"{name}.pt", progress)
             for name, obj in tensors.items()}
+
 
 class SnapshotBuffers:
     """Host buffers reused from one save to the next (a save waits for the previous write, so
@@ -156,7 +157,7 @@ class SnapshotBuffers:
             return
         specs: list[tuple[tuple, torch.dtype, tuple]] = []
         map_state(state, lambda x, key: isinstance(x, torch.Tensor) and x.numel()
-                   and specs.append((key, x.dtype, tuple(x.shape))))
+                  and specs.append((key, x.dtype, tuple(x.shape))))
         if [spec[:3] for spec in self.layout] == specs:
             return
         layout, size = [], 0
@@ -225,7 +226,7 @@ def state_bytes(state: Any) -> int:
     """Bytes of the tensors in a nested state."""
     sizes: list[int] = []
     map_state(state, lambda x, _: isinstance(x, torch.Tensor)
-               and sizes.append(x.numel() * x.element_size()))
+              and sizes.append(x.numel() * x.element_size()))
     return sum(sizes)
 
 
@@ -303,7 +304,7 @@ def _writer_process_main(sock_fd: int) -> None:
             tmp, state = body
             try:
                 tensors = map_state(state, lambda x, _: shared[x.key]
-                                     if isinstance(x, _Shared) else x)
+                                    if isinstance(x, _Shared) else x)
                 files = write_files(Path(tmp), tensors, lambda n: conn.send(("progress", n)))
             except Exception as exc:  # noqa: BLE001 - reported to the training process
                 conn.send(("error", f"{exc.__class__.__name__}: {exc}"))
@@ -347,9 +348,13 @@ class WriterProcess:
 
     @property
     def ready(self) -> bool:
-        """Whether it has started (imported torch: ~1.5 s of CPU) and takes jobs."""
-        if not self._ready and self._conn.poll():
-            self._ready = self._conn.recv() == ("ready",)
+        """Whether it has started (imported torch: ~1.5 s of CPU) and takes jobs; False if it
+        died starting (the next save starts another)."""
+        try:
+            if not self._ready and self._conn.poll():
+                self._ready = self._conn.recv() == ("ready",)
+        except (EOFError, OSError):
+            return False
         return self._ready
 
     def write_files(self, tmp: Path, snap: dict[str, Any], buffers: SnapshotBuffers,
