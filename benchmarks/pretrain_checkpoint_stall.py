@@ -11,9 +11,9 @@ in flight; at most one) and for the copy of the state to shared memory; the writ
 writes the files while the next steps train, and competes with them for the machine (caches,
 memory bandwidth, the kernel's writeback): the blocked time alone hides that cost, the
 segment's wall time shows it. Each mode keeps one Checkpointer for the whole run, as a job does:
-its first save, untimed, lays out the buffers and starts the writer process (once per job). Per size, the three modes run in
---rounds rounds, each in another order (a burst of load on a shared machine falls on all of
-them); medians are reported. The last line is one JSON object.
+its first save, untimed, lays out the buffers and starts the writer process (once per job). Per
+size, the three modes run in --rounds rounds, each in another order (a burst of load on a shared
+machine falls on all of them); medians are reported. The last line is one JSON object.
 
     python benchmarks/pretrain_checkpoint_stall.py [--sizes 5M 19M 85M] [--saves 5] [--steps-between 4] [--rounds 3]
 """

@@ -123,7 +123,8 @@ def test_a_writer_process_killed_mid_write_costs_no_save_and_the_next_save_start
     # the process died half-way through step 2's files: the thread wrote them from the snapshot
     assert saver.wait() == tmp_path / "c" / "step_000002"
     assert killed and ckpt.verify_checkpoint(saver.last) is None
-    assert torch.equal(ckpt.load_checkpoint(saver.last)["model"]["w"], torch.full((34_000_000,), 2.0))
+    assert torch.equal(ckpt.load_checkpoint(saver.last)["model"]["w"],
+                       torch.full((34_000_000,), 2.0))
     assert not list((tmp_path / "c").glob(".tmp-*")), "the half-written copy was cleared"
     saver.save(3, _state(3.0))  # a new process starts; this save is written on the thread
     saver.wait()
@@ -161,7 +162,8 @@ def test_the_writer_process_dies_with_a_killed_training_process(tmp_path):
         print(saver._process._proc.pid, flush=True)
         time.sleep(600)
     """)  # no __main__ guard: the writer is not multiprocessing's spawn, which would re-run it
-    job = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    job = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE,
+                           text=True)
     try:
         writer = int(job.stdout.readline())
         assert pid_alive(writer)
@@ -188,9 +190,11 @@ def test_a_small_state_is_written_on_the_thread_without_a_process(tmp_path):
 def test_the_snapshot_copy_spread_over_the_cores_is_exact(monkeypatch, shared):
     """Training waits for the copy of its state, so it runs on every core, in slices: uneven
     sizes, dtypes and a tensor split across threads all come out exact."""
-    monkeypatch.setattr(checkpoint_io.SnapshotBuffers, "SLICE", 1000)  # bytes: many slices, tiny data
+    # 1000 bytes: many slices of tiny data
+    monkeypatch.setattr(checkpoint_io.SnapshotBuffers, "SLICE", 1000)
     generator = torch.Generator().manual_seed(0)
-    state = {"a": torch.randn(3001, generator=generator), "b": torch.randn(7, 111, generator=generator),
+    state = {"a": torch.randn(3001, generator=generator),
+             "b": torch.randn(7, 111, generator=generator),
              "c": torch.randn(777, generator=generator).to(torch.bfloat16),
              "d": [torch.arange(5000, dtype=torch.int64), torch.tensor(3.5)], "e": torch.zeros(0)}
     buffers = checkpoint_io.SnapshotBuffers(pinned=False, shared=shared)

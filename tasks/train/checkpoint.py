@@ -186,12 +186,13 @@ class Checkpointer:
     save() blocks only to wait for the previous save if it is still being written (at most one
     in flight, so host memory holds at most one extra copy of the state) and to copy the state
     to CPU memory. Serializing, fsync, the manifest, the rename, pruning (the newest `keep` and
-    every multiple of `keep_every`, tasks/train/retention.py) and the upload
-    run on a thread (the .pt files of a state of PROCESS_WRITER_MIN_BYTES or more are written by
-    a process of its own, see WriterProcess). A background failure is raised by the next save() or wait(): a job must not
-    train on for hours believing it has checkpoints it does not have. on_progress(n) is called
-    (on whichever thread moves them) for every chunk of bytes written, uploaded or downloaded:
-    the supervisor's watchdog counts it as progress while training waits on that I/O.
+    every multiple of `keep_every`, tasks/train/retention.py) and the upload run on a thread
+    (the .pt files of a state of PROCESS_WRITER_MIN_BYTES or more are written by a process of
+    its own, see WriterProcess). A background failure is raised by the next save() or wait(): a
+    job must not train on for hours believing it has checkpoints it does not have.
+    on_progress(n) is called (on whichever thread moves them) for every chunk of bytes written,
+    uploaded or downloaded: the supervisor's watchdog counts it as progress while training waits
+    on that I/O.
     """
 
     def __init__(self, root: str | Path, *, keep: int, config: dict[str, Any],
@@ -329,7 +330,7 @@ class Checkpointer:
                 files = {name: e for rank_files in entries for name, e in rank_files.items()}
                 files[".metadata"] = _file_entry(tmp / ".metadata")  # DCP's index of the shards
                 files["trainer.pt"] = save_tensor_file(trainer, tmp / "trainer.pt",
-                                                        self.on_progress)
+                                                       self.on_progress)
                 path = _commit(tmp, final, step, files, self.config, self.keep, layout=SHARDED,
                                keep_every=self.keep_every)
                 where = str(path)

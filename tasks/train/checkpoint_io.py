@@ -266,7 +266,8 @@ class Writer:
 # holds the GIL while torch.save pickles and frames the state, and training waits for it: on a
 # 5M-parameter model (62 MB checkpoint) its steps ran 3.6% slower while a save was written.
 # A process costs one start (it imports torch: ~1.5 s of CPU, off the training thread) and
-# shared memory for the snapshot; below this size the thread's cost is smaller than that.
+# shared memory for the snapshot, which small states (every test's tiny model) need not pay.
+# The size is a judgement between the two, not a measured crossover.
 PROCESS_WRITER_MIN_BYTES = 16 << 20
 
 
