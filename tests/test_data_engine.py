@@ -67,3 +67,44 @@ def test_one_worker_runs_every_job_here(tmp_path):
     with open_engine("processes", 1) as engine:
         out = engine.map(_whoami, [{"n": n} for n in range(4)])
     assert out == [{"n": n, "pid": os.getpid()} for n in range(4)]
+
+
+def _table_from_lists(job: dict) -> dict:
+    import sys
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"id": [f"d{job['n']}"], "tokens": [[1, 2, 3]]}), Path(job["dir"], f"{job['n']}.parquet"))
+    return {**_meet(job), "pandas": "pandas" in sys.modules}  # one job in each process
+
+
+_NO_PANDAS_RUN = """
+import json, os, sys
+from tasks.data.engine import open_engine
+from tests.test_data_engine import _table_from_lists
+with open_engine("processes", 2) as engine:
+    out = engine.map(_table_from_lists, [{"n": n, "of": 2, "dir": sys.argv[1]} for n in range(2)])
+import pyarrow.parquet as pq
+print(json.dumps({"jobs": out, "driver": os.getpid(), "driver_pandas": "pandas" in sys.modules,
+                  "to_pandas": len(pq.read_table(sys.argv[1] + "/0.parquet").to_pandas())}))
+"""
+
+
+def test_data_prep_processes_never_import_pandas_yet_to_pandas_still_works(tmp_path):
+    """pyarrow imports pandas (~0.3 s of CPU per process) the first time it converts a Python list,
+    only to ask whether it is a pandas object; the engine answers that question for it. Run in a
+    fresh interpreter: this one may have pandas imported already."""
+    import json
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-c", _NO_PANDAS_RUN, str(tmp_path)], cwd=repo, check=True,
+                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": f"{repo}{os.pathsep}{repo / 'plugins'}"}, timeout=120)
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert {job["pid"] for job in result["jobs"]} - {result["driver"]}, "no job ran in the pool's worker"
+    assert not any(job["pandas"] for job in result["jobs"]), result
+    assert not result["driver_pandas"], result
+    assert result["to_pandas"] == 1  # pandas is still there when asked for explicitly
+    assert len(list(tmp_path.glob("*.parquet"))) == 2
