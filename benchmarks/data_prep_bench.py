@@ -205,9 +205,14 @@ def versions(datatrove_python: str | None) -> dict:
     out = {"python": platform.python_version(), "numpy": numpy.__version__, "pyarrow": pyarrow.__version__,
            "ray": ray.__version__, "tokenizers": tokenizers.__version__}
     if datatrove_python:
-        probe = subprocess.run([datatrove_python, "-c", "import importlib.metadata as m; "
-                                "print(m.version('datatrove'), m.version('spacy'))"], capture_output=True, text=True)
-        out["datatrove"], out["spacy"] = (probe.stdout.split() + ["?", "?"])[:2]
+        # Every package of the peer's environment: only datatrove and spacy are pinned and the rest
+        # moves between installs, so a figure against it is read with the versions it ran on.
+        probe = subprocess.run([datatrove_python, "-c", "import importlib.metadata as m, json; print(json.dumps("
+                                "{d.metadata['Name'].lower(): d.version for d in m.distributions()}))"],
+                               capture_output=True, text=True, check=True)
+        peer = dict(sorted(json.loads(probe.stdout).items()))
+        out["datatrove"], out["spacy"] = peer.get("datatrove", "?"), peer.get("spacy", "?")
+        out["datatrove_environment"] = peer
     return out
 
 
