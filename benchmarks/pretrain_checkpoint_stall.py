@@ -7,8 +7,9 @@ GPTs of --sizes (default ~5M, ~19M and ~85M parameters; with AdamW's two moments
 --steps-between steps; with saves, the loop's Checkpointer saves before each group of steps (and
 the segment ends when the last save is committed). Synchronous: serialize, sha256, fsync,
 manifest and rename all block. Asynchronous: training waits only for the previous save (if still
-in flight; at most one) and for the copy of the state to shared memory; the writer process
-writes the files while the next steps train, and competes with them for the machine (caches,
+in flight; at most one) and, at the next optimizer step, for the copy of the state to shared
+memory, which runs beside that step's forward and backward passes; the writer process writes the
+files while the next steps train, and competes with them for the machine (caches,
 memory bandwidth, the kernel's writeback): the blocked time alone hides that cost, the
 segment's wall time shows it. Each mode keeps one Checkpointer for the whole run, as a job does:
 its first save, untimed, lays out the buffers and starts the writer process (once per job). Per
@@ -91,12 +92,16 @@ def measure(model_cfg: ModelConfig, data: Path, args: argparse.Namespace) -> dic
     batches = PretrainBatches(DataDir(data).split("train"), cfg.batch_size, cfg.seed)
     step = 0
 
-    def train_steps(n: int) -> float:
+    waited = [0.0]  # seconds the optimizer steps waited for a save's copy of the state
+
+    def train_steps(n: int, saver: Checkpointer | None = None) -> float:
         nonlocal step
         t0 = time.perf_counter()
         for _ in range(n):
             loss = cross_entropy(model, batches(step))
             loss.backward()
+            if saver is not None:  # as the training loop does (tasks/train/loop.py)
+                waited[0] += saver.wait_for_snapshot()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             step += 1
@@ -125,8 +130,11 @@ def measure(model_cfg: ModelConfig, data: Path, args: argparse.Namespace) -> dic
         t_start = time.perf_counter()
         for _ in range(args.saves):
             if saver is not None:
-                blocked.append(saver.save(step, state()))
-            step_s.append(train_steps(args.steps_between))
+                waited[0] = 0.0
+                blocked.append(saver.save(step, state(), copy_in_background=True))
+            step_s.append(train_steps(args.steps_between, saver))
+            if saver is not None:  # blocked: in save() and until its copy let the step go on
+                blocked[-1] += waited[0]
         if saver is not None:
             saver.wait()
         out = {"segment_s": time.perf_counter() - t_start,

@@ -209,3 +209,45 @@ def test_the_snapshot_copy_spread_over_the_cores_is_exact(monkeypatch, shared):
         assert not torch.equal(copied["a"], state["a"])  # a copy, not a view
     if len(os.sched_getaffinity(0)) > 1:
         assert buffers._pool is not None, "the copy never ran on more than one thread"
+
+
+@pytest.mark.parametrize("process_min_bytes", [0, 1 << 40], ids=["writer-process", "writer-thread"])
+def test_a_copy_made_beside_training_holds_the_state_as_it_was_at_save(tmp_path, process_min_bytes):
+    """save(copy_in_background=True) returns before the state is copied: the copy is made while
+    the next step's forward and backward read the weights, and wait_for_snapshot() holds the
+    optimizer step back until it is done. The checkpoint holds the weights of the step it names,
+    not the ones the step after it wrote."""
+    saver = ckpt.Checkpointer(tmp_path / "c", keep=5, config={}, process_min_bytes=process_min_bytes)
+    weights = {"model": {"w": torch.full((8_000_000,), 1.0)}, "trainer": {"step": 1}}  # 32 MB
+    saver.save(1, weights, copy_in_background=True)
+    saver.wait()
+    for step in (2, 3, 4):
+        weights["model"]["w"].fill_(float(step))
+        weights["trainer"]["step"] = step
+        saver.save(step, weights, copy_in_background=True)
+        read_meanwhile = float(weights["model"]["w"].sum())  # the forward pass reads the weights
+        saver.wait_for_snapshot()
+        weights["model"]["w"].add_(100.0)  # the optimizer step, in place
+        weights["trainer"]["step"] = -1  # nor does a later change to the state's other values count
+        assert read_meanwhile == step * 8_000_000
+        assert saver.wait() == tmp_path / "c" / f"step_{step:06d}"
+        saved = ckpt.load_checkpoint(saver.last)
+        assert torch.equal(saved["model"]["w"], torch.full((8_000_000,), float(step)))
+        assert saved["trainer"]["step"] == step
+    assert saver.wait_for_snapshot() == 0.0  # nothing in flight: no wait
+
+
+def test_a_failed_background_copy_does_not_hang_the_optimizer_step_and_is_raised(tmp_path, monkeypatch):
+    saver = ckpt.Checkpointer(tmp_path / "c", keep=5, config={}, process_min_bytes=1 << 40)
+    saver.save(1, _state(1.0), copy_in_background=True)
+    saver.wait()
+
+    def broken(pairs, threads=None):
+        raise OSError("no memory for the copy")
+
+    monkeypatch.setattr(saver._buffers, "copy", broken)
+    saver.save(2, _state(2.0), copy_in_background=True)
+    saver.wait_for_snapshot()  # returns: the copy's failure is the save's, not a hang
+    with pytest.raises(RuntimeError, match="no memory for the copy"):
+        saver.wait()
+    assert saver.last == tmp_path / "c" / "step_000001"

@@ -21,6 +21,7 @@ import logging
 import os
 import re
 import shutil
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -29,8 +30,8 @@ import torch
 
 from tasks.common.io import fsync_dir, publish_dir, read_json, sha256_file, write_json
 from tasks.train.checkpoint_io import (PROCESS_WRITER_MIN_BYTES, BytesMoved, SnapshotBuffers,
-                                       Writer, WriterDied, WriterProcess, save_tensor_file,
-                                       snapshot, state_bytes, write_files)
+                                       Writer, WriterDied, WriterProcess, plan_snapshot,
+                                       save_tensor_file, snapshot, state_bytes, write_files)
 from tasks.train.retention import prunable
 
 log = logging.getLogger(__name__)
@@ -184,8 +185,11 @@ class Checkpointer:
     """Checkpoints under `root`, optionally mirrored to S3, written in the background.
 
     save() blocks only to wait for the previous save if it is still being written (at most one
-    in flight, so host memory holds at most one extra copy of the state) and to copy the state
-    to CPU memory. Serializing, fsync, the manifest, the rename, pruning (the newest `keep` and
+    in flight, so host memory holds at most one extra copy of the state). The copy of the state
+    (into reused host buffers) is made in save(), or with copy_in_background on the writer
+    thread beside training's next forward and backward passes, which do not change it (the
+    caller then calls wait_for_snapshot() before the optimizer step changes it). From a GPU the
+    copy is made in save(). Serializing, fsync, the manifest, the rename, pruning (the newest `keep` and
     every multiple of `keep_every`, tasks/train/retention.py) and the upload run on a thread
     (the .pt files of a state of PROCESS_WRITER_MIN_BYTES or more are written by a process of
     its own, see WriterProcess). A background failure is raised by the next save() or wait(): a
@@ -210,6 +214,8 @@ class Checkpointer:
         self._error: BaseException | None = None
         self.process_min_bytes = process_min_bytes
         self._buffers: SnapshotBuffers | None = None  # chosen at the first save, by its size
+        self._copied = threading.Event()  # clear while a save's copy of the state is under way
+        self._copied.set()
         self._process: WriterProcess | None = None  # started by the first save that needs it
         # sharded (FSDP): every rank saves its shards, through this group (see shard_with)
         self.group: Any = None
@@ -221,8 +227,11 @@ class Checkpointer:
         checkpoint's collectives, which run beside training's."""
         self.group, self.rank = group, rank
 
-    def save(self, step: int, state: dict[str, Any]) -> float:
-        """Checkpoint `state` as step `step`; returns the seconds training was blocked."""
+    def save(self, step: int, state: dict[str, Any], *, copy_in_background: bool = False) -> float:
+        """Checkpoint `state` as step `step`; returns the seconds training was blocked.
+        copy_in_background (asynchronous, from CPU memory): the state is copied on the writer
+        thread after this returns; the caller promises to call wait_for_snapshot() before it
+        changes any tensor of `state` in place."""
         t0 = time.perf_counter()
         self.wait()
         if self.group is not None:
@@ -233,7 +242,15 @@ class Checkpointer:
                 pinned=torch.cuda.is_available(),
                 shared=self.asynchronous and state_bytes(state) >= self.process_min_bytes)
         self._buffers.fit(state)
-        snap = snapshot(state, self._buffers)
+        snap, pairs = plan_snapshot(state, self._buffers)
+        if copy_in_background and self.asynchronous and not self._buffers.pinned:
+            # The copy runs on the writer thread while training computes the next step's forward
+            # and backward, which read the state but do not change it; the loop calls
+            # wait_for_snapshot() before anything changes it (the optimizer step, a rollback).
+            self._copied.clear()
+            self._background(self._copy_and_write, step, snap, pairs)
+            return time.perf_counter() - t0
+        self._buffers.copy(pairs)
         if self._buffers.pinned:
             torch.cuda.synchronize()  # the pinned copies were queued non-blocking
         if self.asynchronous:
@@ -241,6 +258,30 @@ class Checkpointer:
         else:
             self._write(step, snap)
             self._raise()
+        return time.perf_counter() - t0
+
+    def _copy_and_write(self, step: int, snap: dict[str, Any],
+                        pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        try:
+            # on the cores training leaves idle (one, where it uses all): a copy training waits
+            # for would be quicker on all of them, but this one runs beside it
+            assert self._buffers is not None
+            self._buffers.copy(pairs, threads=max(1, len(os.sched_getaffinity(0)) - torch.get_num_threads()))
+        except BaseException as exc:  # noqa: BLE001 - handed to the training thread
+            self._error = exc
+            return
+        finally:
+            self._copied.set()
+        self._write(step, snap)
+
+    def wait_for_snapshot(self) -> float:
+        """Block until the state of the last save() has been copied, so training may change it
+        again; the seconds waited (none when the copy finished during the forward and backward
+        passes). Called before every in-place change to the saved tensors."""
+        if self._copied.is_set():
+            return 0.0
+        t0 = time.perf_counter()
+        self._copied.wait()
         return time.perf_counter() - t0
 
     def _write(self, step: int, snap: dict[str, Any]) -> None:

@@ -119,12 +119,12 @@ class SnapshotBuffers:
             buf = self.buffers[key] = torch.empty(t.shape, dtype=t.dtype, pin_memory=self.pinned)
         return buf
 
-    def copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], threads: int | None = None) -> None:
         """Copy each (buffer, tensor). From a GPU: queued on the stream, pinned, non-blocking.
-        From CPU memory: on every core, in slices of even size (training waits for this copy,
-        and a copy on one thread runs at one core's memory bandwidth: 1 GB took 0.161 s on one
-        thread and 0.086 s on two here; a job that trains on one thread, as the accelerator's
-        does, would leave the others idle meanwhile)."""
+        From CPU memory: on `threads` threads (default every core), in slices of even size (a
+        copy on one thread runs at one core's memory bandwidth: 1 GB took 0.161 s on one thread
+        and 0.086 s on two here; a job that trains on one thread, as the accelerator's does,
+        would leave the others idle meanwhile)."""
         if self.pinned or len(pairs) == 0:
             for buf, t in pairs:
                 buf.copy_(t.detach(), non_blocking=self.pinned)
@@ -134,7 +134,7 @@ class SnapshotBuffers:
             to, source = buf.view(-1), t.detach().reshape(-1)
             step = max(1, self.SLICE // buf.element_size())  # elements per slice
             slices += [(to[i:i + step], source[i:i + step]) for i in range(0, to.numel(), step)]
-        threads = min(len(os.sched_getaffinity(0)), len(slices))
+        threads = min(threads or len(os.sched_getaffinity(0)), len(slices))
         total = sum(d.numel() * d.element_size() for d, _ in slices)
         if threads < 2 or total <= self.SLICE:  # not worth a hand-over
             _copy_run(slices)
@@ -207,6 +207,17 @@ def snapshot(state: Any, buffers: SnapshotBuffers | None = None) -> Any:
     when given (the caller must not snapshot into them again while a copy is still being
     written). Call torch.cuda.synchronize() before using a copy made from GPU tensors into
     pinned buffers."""
+    copied, pairs = plan_snapshot(state, buffers)
+    if buffers is not None:
+        buffers.copy(pairs)
+    return copied
+
+
+def plan_snapshot(state: Any, buffers: SnapshotBuffers | None = None
+                  ) -> tuple[Any, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """snapshot() up to its copy: the state's structure with each tensor replaced by its buffer
+    (its containers are new, its other leaves the same), and the (buffer, tensor) pairs still to
+    copy. Without buffers every tensor is copied here and no pair is left."""
     pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def copy(x: Any, key: tuple) -> Any:
@@ -216,10 +227,7 @@ def snapshot(state: Any, buffers: SnapshotBuffers | None = None) -> Any:
             return x.detach().to("cpu", copy=True)
         pairs.append((buffers.buffer(key, x), x))
         return pairs[-1][0]
-    copied = map_state(state, copy)
-    if buffers is not None:
-        buffers.copy(pairs)
-    return copied
+    return map_state(state, copy), pairs
 
 
 def state_bytes(state: Any) -> int:

@@ -347,7 +347,9 @@ class _Trainer:
         t0 = time.time()
         state = self._state()
         if state is not None:
-            self.checkpointer.save(self.step, state)
+            # copied beside the next step's forward and backward: before anything changes the
+            # weights, the loop waits for it (wait_for_snapshot)
+            self.checkpointer.save(self.step, state, copy_in_background=True)
         t1 = time.time()
         self._event("save", step=self.step, t0=t0, t1=t1, blocked_s=round(t1 - t0, 4), echo=False)
         log.info("step %d/%d | checkpoint (%.3fs blocked)", self.step, self.cfg.max_steps, t1 - t0)
@@ -358,6 +360,7 @@ class _Trainer:
         if self.hb is not None:
             self.hb.beat(phase=tm.RESTORE)
         t0 = time.time()
+        self.checkpointer.wait_for_snapshot()  # loading overwrites the weights a save may be copying
         # gradients of the step a failure interrupted would be added to the next step's
         assert self.optimizer is not None
         self.optimizer.zero_grad(set_to_none=True)
@@ -505,6 +508,7 @@ class _Trainer:
                 interval_steps, interval_tokens = 0, 0
                 interval_start, paused = time.perf_counter(), 0.0
                 continue
+            self.checkpointer.wait_for_snapshot()  # a save's copy of the weights is complete
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             self.guard.add(done, loss_value, norm_value)
