@@ -247,8 +247,12 @@ class Checkpointer:
             # The copy runs on the writer thread while training computes the next step's forward
             # and backward, which read the state but do not change it; the loop calls
             # wait_for_snapshot() before anything changes it (the optimizer step, a rollback).
+            # on the cores training leaves idle (one, where it uses all): a copy training waits
+            # for would be quicker on all of them, but this one runs beside it (counted here:
+            # torch's thread count is this thread's setting)
+            threads = max(1, len(os.sched_getaffinity(0)) - torch.get_num_threads())
             self._copied.clear()
-            self._background(self._copy_and_write, step, snap, pairs)
+            self._background(self._copy_and_write, step, snap, pairs, threads)
             return time.perf_counter() - t0
         self._buffers.copy(pairs)
         if self._buffers.pinned:
@@ -261,12 +265,10 @@ class Checkpointer:
         return time.perf_counter() - t0
 
     def _copy_and_write(self, step: int, snap: dict[str, Any],
-                        pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+                        pairs: list[tuple[torch.Tensor, torch.Tensor]], threads: int) -> None:
         try:
-            # on the cores training leaves idle (one, where it uses all): a copy training waits
-            # for would be quicker on all of them, but this one runs beside it
             assert self._buffers is not None
-            self._buffers.copy(pairs, threads=max(1, len(os.sched_getaffinity(0)) - torch.get_num_threads()))
+            self._buffers.copy(pairs, threads=threads)
         except BaseException as exc:  # noqa: BLE001 - handed to the training thread
             self._error = exc
             return
