@@ -189,9 +189,9 @@ class Checkpointer:
     (into reused host buffers) is made in save(), or with copy_in_background on the writer
     thread beside training's next forward and backward passes, which do not change it (the
     caller then calls wait_for_snapshot() before the optimizer step changes it). From a GPU the
-    copy is made in save(). Serializing, fsync, the manifest, the rename, pruning (the newest `keep` and
-    every multiple of `keep_every`, tasks/train/retention.py) and the upload run on a thread
-    (the .pt files of a state of PROCESS_WRITER_MIN_BYTES or more are written by a process of
+    copy is made in save(). Serializing, fsync, the manifest, the rename, pruning (the newest
+    `keep` and every multiple of `keep_every`, tasks/train/retention.py) and the upload run on a
+    thread (the .pt files of a state of PROCESS_WRITER_MIN_BYTES or more are written by a process of
     its own, see WriterProcess). A background failure is raised by the next save() or wait(): a
     job must not train on for hours believing it has checkpoints it does not have.
     on_progress(n) is called (on whichever thread moves them) for every chunk of bytes written,
@@ -247,9 +247,9 @@ class Checkpointer:
             # The copy runs on the writer thread while training computes the next step's forward
             # and backward, which read the state but do not change it; the loop calls
             # wait_for_snapshot() before anything changes it (the optimizer step, a rollback).
-            # on the cores training leaves idle (one, where it uses all): a copy training waits
-            # for would be quicker on all of them, but this one runs beside it (counted here:
-            # torch's thread count is this thread's setting)
+            # It runs on the cores training leaves idle (one, where training uses all): a copy
+            # training waited for would be quicker on all of them, this one runs beside it.
+            # Counted here: torch's thread count is a per-thread setting.
             threads = max(1, len(os.sched_getaffinity(0)) - torch.get_num_threads())
             self._copied.clear()
             self._background(self._copy_and_write, step, snap, pairs, threads)
