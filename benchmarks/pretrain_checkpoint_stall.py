@@ -92,20 +92,19 @@ def measure(model_cfg: ModelConfig, data: Path, args: argparse.Namespace) -> dic
     batches = PretrainBatches(DataDir(data).split("train"), cfg.batch_size, cfg.seed)
     step = 0
 
-    waited = [0.0]  # seconds the optimizer steps waited for a save's copy of the state
-
-    def train_steps(n: int, saver: Checkpointer | None = None) -> float:
+    def train_steps(n: int, saver: Checkpointer | None = None) -> tuple[float, float]:
+        """Seconds per step, and the seconds the optimizer steps waited for a save's copy."""
         nonlocal step
-        t0 = time.perf_counter()
+        t0, waited = time.perf_counter(), 0.0
         for _ in range(n):
             loss = cross_entropy(model, batches(step))
             loss.backward()
             if saver is not None:  # as the training loop does (tasks/train/loop.py)
-                waited[0] += saver.wait_for_snapshot()
+                waited += saver.wait_for_snapshot()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             step += 1
-        return (time.perf_counter() - t0) / n
+        return (time.perf_counter() - t0) / n, waited
 
     train_steps(2)  # optimizer state exists from here on: checkpoints have their full size
 
@@ -130,11 +129,11 @@ def measure(model_cfg: ModelConfig, data: Path, args: argparse.Namespace) -> dic
         t_start = time.perf_counter()
         for _ in range(args.saves):
             if saver is not None:
-                waited[0] = 0.0
                 blocked.append(saver.save(step, state(), copy_in_background=True))
-            step_s.append(train_steps(args.steps_between, saver))
+            per_step, waited = train_steps(args.steps_between, saver)
+            step_s.append(per_step)
             if saver is not None:  # blocked: in save() and until its copy let the step go on
-                blocked[-1] += waited[0]
+                blocked[-1] += waited
         if saver is not None:
             saver.wait()
         out = {"segment_s": time.perf_counter() - t_start,
