@@ -75,7 +75,8 @@ def _table_from_lists(job: dict) -> dict:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    pq.write_table(pa.table({"id": [f"d{job['n']}"], "tokens": [[1, 2, 3]]}), Path(job["dir"], f"{job['n']}.parquet"))
+    pq.write_table(pa.table({"id": [f"d{job['n']}"], "tokens": [[1, 2, 3]]}),
+                   Path(job["dir"], f"{job['n']}.parquet"))
     return {**_meet(job), "pandas": "pandas" in sys.modules}  # one job in each process
 
 
@@ -100,8 +101,9 @@ def test_data_prep_processes_never_import_pandas_yet_to_pandas_still_works(tmp_p
     import sys
 
     repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": f"{repo}{os.pathsep}{repo / 'plugins'}"}
     done = subprocess.run([sys.executable, "-c", _NO_PANDAS_RUN, str(tmp_path)], cwd=repo, check=True,
-                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": f"{repo}{os.pathsep}{repo / 'plugins'}"}, timeout=120)
+                          capture_output=True, text=True, env=env, timeout=120)
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert {job["pid"] for job in result["jobs"]} - {result["driver"]}, "no job ran in the pool's worker"
     assert not any(job["pandas"] for job in result["jobs"]), result
