@@ -17,8 +17,11 @@ Stages (the order they run in; [shard] stages are shared-nothing, one task per s
   2 [bucket] exact and near-duplicate pairs per key range, one task per bucket (dedup.bucket_pairs,
              reading only its slice of every shard's keys); then one process joins the pairs
              into clusters (dedup.resolve_pairs): no process holds every document's keys
-  3 global   tokenizer: byte-level BPE trained on a seeded sample of training documents, or
-             DataPrepConfig.tokenizer_path; the train/validation split (seeded hash of the id)
+  3 [shard]  the train/validation split (seeded hash of the id) and the tokenizer's sample: each
+             shard reports the few documents below a cut that the plan could pick
+             (split.shard_candidates); one process merges them
+    global   tokenizer: byte-level BPE trained on that seeded sample of training documents, or
+             DataPrepConfig.tokenizer_path
   4 [shard]  documents/ and dropped/ written; documents tokenized into per-shard token streams
              (training documents repeated or sampled by their source's mix weight)
   5 global   the streams cut into rows of seq_len + 1 tokens; manifest.json written last
@@ -91,9 +94,9 @@ import shutil
 import sys
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -103,13 +106,16 @@ from tasks.data import report
 from tasks.data.manifest import LENGTH_BINS, pack_and_write_manifest
 from tasks.data.markers import DROPPED_COLUMNS, digest, finished, mark_finished, schemas, shard_files, \
     write_table
-from tasks.data.split import mix_repeats, plan_split, split_score
+from tasks.data.split import SplitCuts, SplitPlan, merge_candidates, mix_repeats, shard_candidates, split_score
 from tasks.data.readers import InputFile, default_id, dropped_record, fingerprint, plan_splits, read_bytes, \
     read_shard, resolve_inputs
 from tasks.data.pipeline import build_pipeline
 from tasks.data.steps import normalize_text, run_batch
 from tasks.data.tokens import EOS, EOS_ID, check_tokenizer, encode_stream, token_dtype, train_tokenizer
 from tasks.data.tokens import declared_eos
+
+if TYPE_CHECKING:
+    from tasks.data.contamination import MapJobs
 
 __all__ = ["EOS", "EOS_ID", "normalize_text", "prepare", "main", "Prepared"]
 
@@ -338,33 +344,44 @@ def _ids_at(out_dir: Path, jobs: list[dict], offsets: np.ndarray, documents: np.
 
 
 # --------------------------------------------------------------------------------------------
-# Stage 3 (global): the split, then the tokenizer.
+# Stage 3: the split (its candidates by shard, merged here), then the tokenizer (global).
 
 
-def _kept_documents(out_dir: Path, jobs: list[dict]) -> Iterator[tuple[int, int, str]]:
-    """(shard, row, id) of every document that survived deduplication, in input order, one shard
-    at a time: neither the kept ids nor the removed ones are ever all in memory (a list of the
-    kept ids would be ~177 GB at 10^9 documents: benchmarks/data_prep_split_memory.py)."""
+def split_candidates(job: dict) -> dict:
+    """One shard's part of the split plan (tasks.data.split.shard_candidates) from its documents
+    that survived deduplication: a job per shard, so no one process hashes every kept id."""
     import pyarrow.parquet as pq
 
-    # staging/dedup.parquet is sorted by (shard, row): walk it beside the shards.
-    removed = pq.ParquetFile(out_dir / "staging" / "dedup.parquet").iter_batches(
-        batch_size=1 << 16, columns=["shard", "row"])
-    shard_col, row_col = np.zeros(0, np.int32), np.zeros(0, np.int64)
-    for index, job in enumerate(jobs):
-        while shard_col.size == 0 or shard_col[-1] <= index:
-            batch = next(removed, None)
-            if batch is None:
-                break
-            shard_col = np.concatenate([shard_col, batch.column(0).to_numpy()])
-            row_col = np.concatenate([row_col, batch.column(1).to_numpy()])
-        cut = int(np.searchsorted(shard_col, index, side="right"))
-        gone = set(row_col[:cut][shard_col[:cut] == index].tolist())
-        shard_col, row_col = shard_col[cut:], row_col[cut:]
-        ids, _ = _staging_ids(job, pq.read_table(shard_files(out_dir, index)["docs"], columns=["id", "line"]))
-        for row, doc_id in enumerate(ids):
-            if row not in gone:
-                yield index, row, doc_id
+    config = from_dict(DataPrepConfig, job["config"])
+    out_dir, index = Path(job["out_dir"]), job["index"]
+    gone = set(_removed(out_dir, index, ["row"])["row"])
+    ids, _ = _staging_ids(job, pq.read_table(shard_files(out_dir, index)["docs"], columns=["id", "line"]))
+    kept = ((index, row, doc_id) for row, doc_id in enumerate(ids) if row not in gone)
+    return shard_candidates(kept, config.seed, config.val_fraction, config.tokenizer_sample_docs,
+                            config.seq_len + 1, SplitCuts(**job["cuts"]))
+
+
+def _removed(out_dir: Path, index: int, columns: list[str]) -> dict[str, list]:
+    """The given columns of staging/dedup.parquet for shard `index`: its documents that
+    deduplication removed (the file is sorted by shard, so only its row groups are read)."""
+    import pyarrow.parquet as pq
+
+    return pq.read_table(out_dir / "staging" / "dedup.parquet", columns=columns,
+                         filters=[("shard", "==", index)]).to_pydict()
+
+
+def plan_the_split(jobs: list[dict], config: DataPrepConfig, kept: int, map_jobs: MapJobs) -> SplitPlan:
+    """The split plan of the `kept` documents, one job per shard (split_candidates) and a merge
+    of their few candidates here; again with wider cuts in the rare case they let too few through."""
+    row_len = config.seq_len + 1
+    cuts = SplitCuts.for_corpus(kept, config.val_fraction, config.tokenizer_sample_docs, row_len)
+    while True:
+        parts = map_jobs(split_candidates, [{**job, "cuts": asdict(cuts)} for job in jobs])
+        plan = merge_candidates(parts, config.tokenizer_sample_docs, row_len, cuts)
+        if plan is not None:
+            return plan
+        log.info("split: the cuts %s let through too few candidates; again with wider cuts", cuts)
+        cuts = cuts.wider(config.val_fraction)
 
 
 def _read_texts(out_dir: Path, wanted: list[tuple[int, int, str]]) -> list[str]:
@@ -383,7 +400,7 @@ def _read_texts(out_dir: Path, wanted: list[tuple[int, int, str]]) -> list[str]:
 
 
 def tokenizer_and_split(out_dir: Path, jobs: list[dict], config: DataPrepConfig, sft_texts: list[str],
-                        key: str) -> dict:
+                        key: str, kept: int, map_jobs: MapJobs) -> dict:
     """Train (or load) the tokenizer; decide which documents are validation. Validation is every
     document whose split score is below val_fraction; when that holds less than one row of tokens
     (tiny inputs), the training documents with the lowest scores are lent to it until it fills one."""
@@ -393,8 +410,7 @@ def tokenizer_and_split(out_dir: Path, jobs: list[dict], config: DataPrepConfig,
     if done := finished(out_dir, "tokenizer", key):
         return done
     row_len = config.seq_len + 1
-    plan = plan_split(_kept_documents(out_dir, jobs), config.seed, config.val_fraction,
-                      config.tokenizer_sample_docs, row_len)
+    plan = plan_the_split(jobs, config, kept, map_jobs)
     if not plan.kept:
         reasons: Counter = Counter()
         for index in range(len(jobs)):
@@ -447,8 +463,7 @@ def finalize_shard(job: dict) -> dict:
     table = pq.read_table(paths["docs"])
     docs = table.to_pydict()
     docs["id"], docs["line"] = _staging_ids(job, table)
-    removed = pq.read_table(out_dir / "staging" / "dedup.parquet",
-                            filters=[("shard", "==", index)]).to_pydict()
+    removed = _removed(out_dir, index, ["row", "reason", "duplicate_of"])
     gone = dict(zip(removed["row"], zip(removed["reason"], removed["duplicate_of"])))
     borrowed = set(job["borrowed"])
 
@@ -738,7 +753,7 @@ def prepare(config: DataPrepConfig, stage: str = "all") -> Prepared:
         sft_texts = [ex["prompt"] + ex["completion"] for ex in sft_train]
         tok_key = digest(dedup_key, config.tokenizer_path, config.tokenizer_sample_docs,
                          hashlib.sha256("\0".join(sft_texts).encode()).hexdigest())
-        tok = tokenizer_and_split(out_dir, jobs, config, sft_texts, tok_key)
+        tok = tokenizer_and_split(out_dir, jobs, config, sft_texts, tok_key, dedup["stats"]["kept"], engine.map)
         lap("tokenizer")
 
         final_key = digest(tok_key, sha256_file(out_dir / "tokenizer.json"), tok["borrowed"])
