@@ -14,7 +14,9 @@ memory bandwidth, the kernel's writeback): the blocked time alone hides that cos
 segment's wall time shows it. Each mode keeps one Checkpointer for the whole run, as a job does:
 its first save, untimed, lays out the buffers and starts the writer process (once per job). Per
 size, the three modes run in --rounds rounds, each in another order (a burst of load on a shared
-machine falls on all of them); medians are reported. The last line is one JSON object.
+machine falls on all of them); medians are reported, and each round's async and sync segments
+against the same round's no-save segment (the paired median and range). The last line is one
+JSON object.
 
     python benchmarks/pretrain_checkpoint_stall.py [--sizes 5M 19M 85M] [--saves 5] [--steps-between 4] [--rounds 3]
 """
@@ -57,12 +59,13 @@ def main() -> None:
         print(f"\n== {name}", flush=True)
         per_size[name] = measure(SIZES[name], data, args)
     print(f"\n{'':10}{'params':>8}{'ckpt MB':>9}{'no save s':>11}{'sync s':>9}{'async s':>9}"
-          f"{'sync +':>9}{'async +':>9}{'blocked sync/async s':>24}")
+          f"{'sync +':>9}{'async +':>9}{'async + paired':>16}{'blocked sync/async s':>24}")
     for name, r in per_size.items():
         n, s, a = r["no_save"], r["sync"], r["async"]
         print(f"{name:10}{r['params'] / 1e6:>7.1f}M{a['checkpoint_mb']:>9.0f}{n['segment_s']:>11.2f}"
               f"{s['segment_s']:>9.2f}{a['segment_s']:>9.2f}"
               f"{s['segment_slowdown_vs_no_save']:>9.1%}{a['segment_slowdown_vs_no_save']:>9.1%}"
+              f"{a['segment_slowdown_paired_median']:>16.1%}"
               f"{s['blocked_median_s']:>16.3f} / {a['blocked_median_s']:.3f}")
     last_json_line({"benchmark": "pretrain_checkpoint_stall", "saves": args.saves,
                     "steps_between": args.steps_between, "rounds": args.rounds,
@@ -161,6 +164,11 @@ def measure(model_cfg: ModelConfig, data: Path, args: argparse.Namespace) -> dic
     n, s, a = results["none"], results["sync"], results["async"]
     for side in (s, a):
         side["segment_slowdown_vs_no_save"] = side["segment_s"] / n["segment_s"] - 1
+        # each round against the no-save segment of the same round (the rounds rotate the order,
+        # so a burst of load falls on a round's three segments alike): the median, and the range
+        paired = sorted(run["segment_s"] / none["segment_s"] - 1 for run, none in zip(side["rounds"], n["rounds"]))
+        side["segment_slowdown_paired_median"] = statistics.median(paired)
+        side["segment_slowdown_paired_range"] = [paired[0], paired[-1]]
     return {"params": model.num_params(), "model": to_dict(model_cfg), "no_save": n, "sync": s,
             "async": a, "blocked_ratio_sync_over_async":
                 s["blocked_median_s"] / max(a["blocked_median_s"], 1e-9),
