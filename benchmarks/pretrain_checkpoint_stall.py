@@ -137,10 +137,12 @@ def measure(model_cfg: ModelConfig, data: Path, args: argparse.Namespace) -> dic
             step_s.append(per_step)
             if saver is not None:  # blocked: in save() and until its copy let the step go on
                 blocked[-1] += waited
+        trained = time.perf_counter()
         if saver is not None:
             saver.wait()
         out = {"segment_s": time.perf_counter() - t_start,
-               "step_s_between_saves": statistics.median(step_s)}
+               "step_s_between_saves": statistics.median(step_s),
+               "final_wait_s": time.perf_counter() - trained}  # for the last save's write
         if saver is not None:
             out.update(blocked_s=blocked, blocked_median_s=statistics.median(blocked),
                        checkpoint_mb=sum(f.stat().st_size for f in saver.last.iterdir()) / 1e6)
