@@ -33,7 +33,7 @@ from typing import Any, Callable, Iterator
 from pretrain_common import RESULTS, last_json_line
 
 from tasks.configs import DataPrepConfig
-from tasks.data.split import SplitCuts, SplitPlan, merge_candidates, plan_split, shard_candidates
+from tasks.data.split import SplitCuts, SplitPlan, plan_by_shard, plan_split, shard_candidates
 from tasks.train.telemetry import Progress
 
 PER_SHARD = 1_000_000
@@ -62,25 +62,24 @@ def shard_job(job: tuple[int, int, dict[str, Any]]) -> dict[str, Any]:
 
 def sharded_plan(documents: int, workers: int,
                  on_part: Callable[[int], None] = lambda done: None) -> tuple[SplitPlan, int, int]:
-    """(plan, passes, candidates the driver merged): the sharded pass on `workers` processes,
-    wider cuts until the merge has enough, as tasks.data.prep.plan_the_split does."""
+    """(plan, passes, candidates the driver merged): the sharded pass on `workers` processes, as
+    data prep plans its split (tasks.data.split.plan_by_shard)."""
     from dataclasses import asdict
 
-    cuts = SplitCuts.for_corpus(documents, DEFAULTS.val_fraction, DEFAULTS.tokenizer_sample_docs, ROW_LEN)
     shards = -(-documents // PER_SHARD)
-    passes = 0
+    reports: list[list[dict[str, Any]]] = []
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        while True:
-            passes += 1
-            parts = []
+        def report(cuts: SplitCuts) -> list[dict[str, Any]]:
+            parts: list[dict[str, Any]] = []
             for part in pool.map(shard_job, [(s, documents, asdict(cuts)) for s in range(shards)]):
                 parts.append(part)
                 on_part(len(parts))
-            plan = merge_candidates(parts, DEFAULTS.tokenizer_sample_docs, ROW_LEN, cuts)
-            if plan is not None:
-                merged = sum(len(p[kind]) for p in parts for kind in ("val", "lendable", "sample"))
-                return plan, passes, merged
-            cuts = cuts.wider(DEFAULTS.val_fraction)
+            reports.append(parts)
+            return parts
+
+        plan = plan_by_shard(report, documents, DEFAULTS.val_fraction, DEFAULTS.tokenizer_sample_docs, ROW_LEN)
+    merged = sum(len(p[kind]) for p in reports[-1] for kind in ("val", "lendable", "sample"))
+    return plan, len(reports), merged
 
 
 def listed_bytes_per_document(n: int = 1_000_000) -> float:

@@ -24,7 +24,7 @@ from tasks.data.dedup import MinHasher
 from tasks.data.engine import host_share
 from tasks.data.manifest import load_manifest, open_token_rows
 from tasks.data.prep import EOS, normalize_text, prepare
-from tasks.data.split import SplitCuts, merge_candidates, plan_split, shard_candidates, split_score
+from tasks.data.split import SplitCuts, plan_by_shard, plan_split, shard_candidates, split_score
 from tasks.data.pipeline import build_pipeline
 from tasks.data.steps import Doc, run_steps
 
@@ -204,20 +204,20 @@ def test_split_plan_streams_what_sorting_every_id_decides(n, val_fraction):
     assert plan.val == (val if len(val) < 17 else None)
 
 
-def _sharded_plan(docs, seed, val_fraction, sample_docs, row_len, cuts):
-    """The plan as data prep makes it: each shard's candidates below the cuts (over JSON, as an
-    engine returns them), merged; again with wider cuts while the merge finds too few."""
+def _sharded_plan(docs, seed, val_fraction, sample_docs, row_len, cuts=None):
+    """The plan as data prep makes it (plan_by_shard): each shard's candidates below the cuts,
+    over JSON as an engine returns them, merged. Also the passes it took and the last parts."""
     shards = sorted({d[0] for d in docs})
-    passes = 0
-    while True:
-        passes += 1
-        parts = [json.loads(json.dumps(shard_candidates((d for d in docs if d[0] == shard), seed,
-                                                        val_fraction, sample_docs, row_len, cuts)))
-                 for shard in shards]
-        plan = merge_candidates(parts, sample_docs, row_len, cuts)
-        if plan is not None:
-            return plan, passes, parts
-        cuts = cuts.wider(val_fraction)
+    reports = []
+
+    def report(cuts):
+        reports.append([json.loads(json.dumps(shard_candidates((d for d in docs if d[0] == shard), seed,
+                                                               val_fraction, sample_docs, row_len, cuts)))
+                        for shard in shards])
+        return reports[-1]
+
+    plan = plan_by_shard(report, len(docs), val_fraction, sample_docs, row_len, cuts)
+    return plan, len(reports), reports[-1]
 
 
 @pytest.mark.parametrize("n, val_fraction, cuts", [
@@ -233,8 +233,7 @@ def _sharded_plan(docs, seed, val_fraction, sample_docs, row_len, cuts):
 def test_split_plan_by_shard_equals_one_pass_over_every_id(n, val_fraction, cuts):
     docs = [(i // 100, i % 100, f"doc-{i}") for i in range(n)] + [(99, 0, "doc-7")]  # a repeated id
     expected = plan_split(iter(docs), 3, val_fraction, sample_docs=64, row_len=17)
-    first = cuts or SplitCuts.for_corpus(len(docs), val_fraction, 64, 17)
-    plan, passes, _ = _sharded_plan(docs, 3, val_fraction, 64, 17, first)
+    plan, passes, _ = _sharded_plan(docs, 3, val_fraction, 64, 17, cuts)
     assert plan == expected
     assert (passes == 1) == (cuts is None), passes
 
@@ -243,8 +242,7 @@ def test_split_candidates_do_not_grow_with_the_shards():
     """The driver merges about what the plan picks, not a sample's worth from every shard."""
     n, shards, sample_docs, row_len = 200_000, 40, 1000, 129
     docs = [(i * shards // n, i, f"document-{i:012d}") for i in range(n)]
-    cuts = SplitCuts.for_corpus(n, 0.05, sample_docs, row_len)
-    plan, passes, parts = _sharded_plan(docs, 1, 0.05, sample_docs, row_len, cuts)
+    plan, passes, parts = _sharded_plan(docs, 1, 0.05, sample_docs, row_len)
     assert passes == 1 and plan == plan_split(iter(docs), 1, 0.05, sample_docs, row_len)
     sample = sum(len(p["sample"]) for p in parts)
     lendable = sum(len(p["lendable"]) for p in parts)

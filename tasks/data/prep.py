@@ -106,7 +106,7 @@ from tasks.data import report
 from tasks.data.manifest import LENGTH_BINS, pack_and_write_manifest
 from tasks.data.markers import DROPPED_COLUMNS, digest, finished, mark_finished, schemas, shard_files, \
     write_table
-from tasks.data.split import SplitCuts, SplitPlan, merge_candidates, mix_repeats, shard_candidates, split_score
+from tasks.data.split import SplitCuts, SplitPlan, mix_repeats, plan_by_shard, shard_candidates, split_score
 from tasks.data.readers import InputFile, default_id, dropped_record, fingerprint, plan_splits, read_bytes, \
     read_shard, resolve_inputs
 from tasks.data.pipeline import build_pipeline
@@ -371,17 +371,10 @@ def _removed(out_dir: Path, index: int, columns: list[str]) -> dict[str, list]:
 
 
 def plan_the_split(jobs: list[dict], config: DataPrepConfig, kept: int, map_jobs: MapJobs) -> SplitPlan:
-    """The split plan of the `kept` documents, one job per shard (split_candidates) and a merge
-    of their few candidates here; again with wider cuts in the rare case they let too few through."""
-    row_len = config.seq_len + 1
-    cuts = SplitCuts.for_corpus(kept, config.val_fraction, config.tokenizer_sample_docs, row_len)
-    while True:
-        parts = map_jobs(split_candidates, [{**job, "cuts": asdict(cuts)} for job in jobs])
-        plan = merge_candidates(parts, config.tokenizer_sample_docs, row_len, cuts)
-        if plan is not None:
-            return plan
-        log.info("split: the cuts %s let through too few candidates; again with wider cuts", cuts)
-        cuts = cuts.wider(config.val_fraction)
+    """The split plan of the `kept` documents: one job per shard (split_candidates), their few
+    candidates merged here (tasks.data.split.plan_by_shard)."""
+    return plan_by_shard(lambda cuts: map_jobs(split_candidates, [{**job, "cuts": asdict(cuts)} for job in jobs]),
+                         kept, config.val_fraction, config.tokenizer_sample_docs, config.seq_len + 1)
 
 
 def _read_texts(out_dir: Path, wanted: list[tuple[int, int, str]]) -> list[str]:

@@ -16,9 +16,12 @@ from __future__ import annotations
 
 import hashlib
 import heapq
+import logging
 import math
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
+
+log = logging.getLogger(__name__)
 
 
 def split_score(doc_id: str, seed: int) -> float:
@@ -149,6 +152,19 @@ def merge_candidates(parts: list[dict[str, Any]], sample_docs: int, row_len: int
     return SplitPlan(kept, train, val if val_count < row_len else None,
                      [(c[1], c[2], c[3]) for c in lendable[:row_len]],
                      sorted((c[2], c[3], c[4]) for c in sample[:sample_docs]))
+
+
+def plan_by_shard(report: Callable[[SplitCuts], list[dict[str, Any]]], kept: int, val_fraction: float,
+                  sample_docs: int, row_len: int, cuts: SplitCuts | None = None) -> SplitPlan:
+    """The plan of `kept` documents from every shard's candidates: report(cuts) runs
+    shard_candidates once per shard (one job each, anywhere) and returns the parts in shard order.
+    The cuts are set from `kept` unless given; while a merge finds that they let too few
+    through, the shards report again with wider ones."""
+    cuts = cuts or SplitCuts.for_corpus(kept, val_fraction, sample_docs, row_len)
+    while (plan := merge_candidates(report(cuts), sample_docs, row_len, cuts)) is None:
+        log.info("split: the cuts %s let through too few candidates; again with wider cuts", cuts)
+        cuts = cuts.wider(val_fraction)
+    return plan
 
 
 def plan_split(documents: Iterable[tuple[int, int, str]], seed: int, val_fraction: float,
