@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -92,3 +93,35 @@ def test_the_gate_scores_without_seen_items_and_refuses_past_the_share():
     (reason,) = promotion.gate_decisions(strict, evaluation, ("challenger",))["challenger"]
     assert reason.startswith("task_accuracy: 3 of 10 items (30%) appear in the training data, "
                              "more than max_contaminated_share 25%")
+
+
+def test_buckets_are_hash_ranges_so_each_bucket_reads_one_slice_of_a_sorted_part():
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    for buckets in (1, 3, 7, 16, 1000):
+        starts = [-(-b * (1 << 32) // buckets) << 32 for b in range(1, buckets)]
+        edges = [x + d for x in starts for d in (-1, 0, 1)] + [0, 2**64 - 1]
+        hashes = np.unique(np.concatenate([rng.integers(0, 2**64 - 1, 20000, dtype=np.uint64, endpoint=True),
+                                           np.array(edges, dtype=np.uint64)]))
+        which = contamination._bucket_of(hashes, buckets)
+        assert which.min() >= 0 and which.max() == buckets - 1 and (np.diff(which) >= 0).all()
+        for b in range(buckets):
+            assert np.array_equal(contamination._bucket_slice(hashes, b, buckets), hashes[which == b])
+
+
+def test_an_index_of_the_old_layout_is_rebuilt_not_misread(tiny_data_dir, tmp_path):
+    root = tiny_data_dir / "ngrams"
+    assert not (root / "parts").exists()              # the merge's input is gone once the index is
+    assert len(list(root.rglob("*.npy"))) == 2 * contamination.BUCKETS
+    old = tmp_path / "old"
+    shutil.copytree(tiny_data_dir, old)
+    meta = json.loads((old / "ngrams" / "index.json").read_text())
+    del meta["bucketing"]                             # as versions before range buckets wrote it
+    (old / "ngrams" / "index.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="older version"):
+        NgramIndex(old)
+    index = contamination.open_index(old, tmp_path / "scratch")
+    assert index.root == tmp_path / "scratch" / "ngrams"
+    train = next(t for t in _documents(old, "train") if len(t.split()) > 60)
+    assert index.hits(" ".join(train.split()[:30]))["pretrain"] >= 10

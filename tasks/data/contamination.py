@@ -5,12 +5,15 @@ A leaked benchmark inflates every score the gate reads. As the large evaluation 
 it (13 by default) occurs in the training text.
 
     index   data_dir/ngrams/: per source, the sorted unique 64-bit hashes of every N-word run of
-            its text, in `buckets` files by hash (bucket-BBB.npy), and index.json (written last:
-            the index is complete once it exists). Sources: `pretrain` (the kept documents of the
-            train split, documents/*.parquet) and `sft` (sft/train.jsonl, prompt and completion).
-            Built map/reduce as the dedup index is: each documents file hashes its words into one
-            part per bucket (`build_parts`, shared-nothing), then each bucket's parts are merged
-            (`merge_bucket`); a lookup reads only the buckets its hashes fall in.
+            its text, in `buckets` files by hash range (bucket-BBB.npy), and index.json (written
+            last: the index is complete once it exists). Sources: `pretrain` (the kept documents
+            of the train split, documents/*.parquet) and `sft` (sft/train.jsonl, prompt and
+            completion). Built map/reduce as the dedup index is: each documents file hashes its
+            words into one sorted part (`build_parts`, shared-nothing), then each bucket merges
+            its range of every part (`merge_bucket`); a lookup reads only the buckets its hashes
+            fall in. Buckets are ranges of the hash, not residues, so a bucket's share of a sorted
+            part is one slice: one part file per documents file, not one per file and bucket
+            (each an fsync'd write; 16x fewer files, and on S3 16x fewer objects).
     audit   for each item's text (query + gold answer), its N-word runs looked up per source.
             Items shorter than N words cannot be checked this way: they are counted as
             `too_short`, never silently passed as clean.
@@ -26,6 +29,7 @@ import hashlib
 import json
 import logging
 import re
+import shutil
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
@@ -68,8 +72,24 @@ def gram_hashes(tokens: list[str], n: int, cache: dict[str, int] | None = None) 
     return acc
 
 
+# index.json's "bucketing": how hashes map to buckets. Indexes of older versions (residues mod
+# `buckets`) have none; they are rebuilt, never read with the wrong map.
+BUCKETING = "range"
+_HALF = np.uint64(32)
+
+
 def _bucket_of(hashes: np.ndarray, buckets: int) -> np.ndarray:
-    return (hashes % np.uint64(buckets)).astype(np.int64)
+    """floor(hash * buckets / 2**64), from the top 32 bits: monotone in the hash."""
+    return (((hashes >> _HALF) * np.uint64(buckets)) >> _HALF).astype(np.int64)
+
+
+def _bucket_slice(hashes: np.ndarray, bucket: int, buckets: int) -> np.ndarray:
+    """The hashes of `bucket` in a sorted array, found by binary search (a memory-mapped part is
+    read only there). Bucket b starts at the first hash whose top 32 bits reach ceil(b * 2**32 / buckets)."""
+    def start(b: int) -> int:
+        return len(hashes) if b >= buckets else int(np.searchsorted(
+            hashes, np.uint64(-(-b * (1 << 32) // buckets) << 32)))
+    return hashes[start(bucket):start(bucket + 1)]
 
 
 def _save(path: Path, array: np.ndarray) -> None:
@@ -78,21 +98,19 @@ def _save(path: Path, array: np.ndarray) -> None:
 
 def build_parts(texts: Iterable[str], parts_dir: Path, name: str, n: int = N,
                 buckets: int = BUCKETS) -> int:
-    """Map: hash one piece of a source's text into parts_dir/BBB/<name>.npy; the number of runs."""
+    """Map: hash one piece of a source's text into parts_dir/<name>.npy (sorted, unique; every
+    bucket's share); the number of runs."""
     cache: dict[str, int] = {}
     chunks = [gram_hashes(words(t), n, cache) for t in texts]
     hashes = np.unique(np.concatenate(chunks)) if chunks else np.zeros(0, dtype=np.uint64)
-    which = _bucket_of(hashes, buckets)
-    for b in range(buckets):
-        _save(parts_dir / f"{b:03d}" / f"{name}.npy", hashes[which == b])
+    _save(parts_dir / f"{name}.npy", hashes)
     return int(sum(len(c) for c in chunks))
 
 
-def merge_bucket(parts_dir: Path, out: Path, bucket: int) -> int:
-    """Reduce: one bucket's parts into one sorted array of unique hashes; its size."""
-    parts = sorted((parts_dir / f"{bucket:03d}").glob("*.npy"))
-    merged = (np.unique(np.concatenate([np.load(p) for p in parts])) if parts
-              else np.zeros(0, dtype=np.uint64))
+def merge_bucket(parts_dir: Path, out: Path, bucket: int, buckets: int = BUCKETS) -> int:
+    """Reduce: one bucket's range of every part into one sorted array of unique hashes; its size."""
+    pieces = [_bucket_slice(np.load(p, mmap_mode="r"), bucket, buckets) for p in sorted(parts_dir.glob("*.npy"))]
+    merged = np.unique(np.concatenate(pieces)) if pieces else np.zeros(0, dtype=np.uint64)
     _save(out / f"bucket-{bucket:03d}.npy", merged)
     return len(merged)
 
@@ -113,8 +131,8 @@ def build_index(data_dir: str | Path, n: int = N, buckets: int = BUCKETS,
     done = root / "index.json"
     if done.is_file():
         index = json.loads(done.read_text())
-        if (index.get("n"), index.get("buckets"), index.get("data_content_hash")) == (
-                n, buckets, manifest.get("content_hash")):
+        if (index.get("n"), index.get("buckets"), index.get("data_content_hash"), index.get("bucketing")) == (
+                n, buckets, manifest.get("content_hash"), BUCKETING):
             return index
     sft = (manifest.get("sft") or {}).get("train")
     files = {"pretrain": list((manifest.get("documents") or {}).get("files") or []),
@@ -123,15 +141,16 @@ def build_index(data_dir: str | Path, n: int = N, buckets: int = BUCKETS,
     hashed = map_jobs(hash_file, [{**common, "source": source, "file": name, "parts": str(root / "parts" / source)}
                                   for source, names in files.items() for name in names])
     merged = map_jobs(merge_source_bucket, [{"source": source, "parts": str(root / "parts" / source),
-                                             "out": str(root / source), "bucket": b}
+                                             "out": str(root / source), "bucket": b, "buckets": buckets}
                                             for source in files for b in range(buckets)])
     sources = {source: {"documents": sum(h["documents"] for h in hashed if h["source"] == source),
                         "runs": sum(h["runs"] for h in hashed if h["source"] == source),
                         "unique_runs": sum(m["unique"] for m in merged if m["source"] == source)}
                for source in files}
-    index = {"n": n, "buckets": buckets, "data_content_hash": manifest.get("content_hash"),
-             "sources": sources}
+    index = {"n": n, "buckets": buckets, "bucketing": BUCKETING,
+             "data_content_hash": manifest.get("content_hash"), "sources": sources}
     write_json(done, index)
+    shutil.rmtree(root / "parts", ignore_errors=True)  # the merge's input: the buckets hold it all
     log.info("contamination index: %d-word runs of %s", n,
              ", ".join(f"{s} ({v['documents']} documents, {v['unique_runs']} unique)"
                        for s, v in sources.items()))
@@ -149,7 +168,8 @@ def hash_file(job: dict) -> dict:
 
 def merge_source_bucket(job: dict) -> dict:
     """Reduce job: one bucket of one source's parts."""
-    return {"source": job["source"], "unique": merge_bucket(Path(job["parts"]), Path(job["out"]), job["bucket"])}
+    return {"source": job["source"],
+            "unique": merge_bucket(Path(job["parts"]), Path(job["out"]), job["bucket"], job["buckets"])}
 
 
 def _pretrain_texts(path: Path) -> list[str]:
@@ -179,6 +199,9 @@ class NgramIndex:
     def __init__(self, where: str | Path) -> None:
         self.root = Path(where) / "ngrams"
         meta = json.loads((self.root / "index.json").read_text())
+        if meta.get("bucketing") != BUCKETING:
+            raise ValueError(f"{self.root} was built by an older version (buckets by "
+                             f"{meta.get('bucketing', 'residue')}, not {BUCKETING}): rebuild it with build_index.")
         self.n, self.buckets, self.sources = int(meta["n"]), int(meta["buckets"]), list(meta["sources"])
         self._loaded: dict[tuple[str, int], np.ndarray] = {}
 
@@ -224,9 +247,10 @@ def audit(index: NgramIndex, texts: list[str]) -> dict[str, Any]:
 def open_index(data_dir: str | Path, scratch: str | Path) -> NgramIndex:
     """The data dir's index, or one built now into `scratch` (data prepared before the index
     existed, or a read-only data dir without one)."""
-    if (Path(data_dir) / "ngrams" / "index.json").is_file():
+    marker = Path(data_dir) / "ngrams" / "index.json"
+    if marker.is_file() and json.loads(marker.read_text()).get("bucketing") == BUCKETING:
         return NgramIndex(data_dir)
-    log.info("%s has no contamination index: building it in %s", data_dir, scratch)
+    log.info("%s has no contamination index of this version: building it in %s", data_dir, scratch)
     build_index(data_dir, out_dir=scratch)
     return NgramIndex(scratch)
 
