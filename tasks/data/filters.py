@@ -77,6 +77,7 @@ def ngram_repetition(ids: list[np.ndarray], lengths: list[np.ndarray], max_n: in
     prefix = np.concatenate(([0], np.cumsum(np.concatenate(lengths) if n_docs else _NOTHING)))
     positions = np.flatnonzero(doc_of[:-1] == doc_of[1:])  # bigrams inside one document
     keys = mixed[positions] * _PRIME + mixed[positions + 1]
+    owner_type = np.uint16 if n_docs <= 1 << 16 else np.int64  # radix-sorted when 16 bits
     stats = {}
     for n in range(2, max_n + 1):
         fits = sizes >= n
@@ -85,12 +86,16 @@ def ngram_repetition(ids: list[np.ndarray], lengths: list[np.ndarray], max_n: in
         repeated = _NOTHING
         if len(keys):
             owner = doc_of[positions]
-            order = np.lexsort((keys, owner))  # by document, then key; stable: by position
+            # By document, then key: numpy's vectorised (unstable) sort groups the keys, then a
+            # stable radix sort of the small document numbers brings each document's together,
+            # 4x faster than lexsort's two stable sorts. Within a group positions are in no order.
+            order = np.argsort(keys)
+            order = order[np.argsort(owner[order].astype(owner_type), kind="stable")]
             ordered, owners = keys[order], owner[order]
             starts = np.flatnonzero(np.concatenate(([True], (ordered[1:] != ordered[:-1])
                                                     | (owners[1:] != owners[:-1]))))
             counts = np.diff(np.append(starts, len(keys)))
-            first = positions[order[starts]]
+            first = positions[np.minimum.reduceat(order, starts)]  # each n-gram where it is first seen
             # Sorted by document first: each document's runs are adjacent, its best is a reduceat.
             run_owner = owners[starts]
             per_doc = np.flatnonzero(np.concatenate(([True], run_owner[1:] != run_owner[:-1])))
