@@ -185,17 +185,42 @@ def split_words(text: str) -> list[str]:
     return list(chain.from_iterable(parts))
 
 
+def _memo_tokens(chunks: list[str]) -> list[tuple[str, ...]]:
+    """Each chunk's tokens, through split_words's memo: the per-line filters split the lines of a
+    text whose chunks WordTable.encode_text has just split, so each chunk is split once."""
+    memo = _CHUNK_TOKENS
+    if len(memo) + len(chunks) > MAX_MEMO_CHUNKS:
+        memo.clear()
+    out = []
+    for chunk in chunks:
+        tokens = memo.get(chunk)
+        if tokens is None:
+            tokens = memo[chunk] = tuple(_chunk_tokens(chunk))
+        out.append(tokens)
+    return out
+
+
+def _unsplit(word: str) -> bool:
+    """True for a word no rule splits: letters only; or, in ASCII, a name from code ("run_id",
+    "float64") of letters, digits and underscores, starting with a letter and ending in a letter
+    or digit. A digit before a final letter is left to the rules: "5km" splits as a unit."""
+    if word.isalpha():
+        return True
+    return (word.isascii() and word[:1].isalpha() and word[-1] != "_" and word.replace("_", "").isalnum()
+            and (word[-1].isdigit() or not any(c.isdigit() for c in word)))
+
+
 def _chunk_tokens(chunk: str) -> list[str]:
     """The tokens of one whitespace-separated chunk."""
     special = _SPECIAL
     if chunk in special:
         return special[chunk]
-    if chunk.isalpha() or chunk.isdigit():  # most chunks: one plain word, or a plain number
+    if chunk.isdigit() or _unsplit(chunk):  # most chunks: one plain word, or a plain number
         return [chunk]
     last = chunk[-1]
     if last in _ALWAYS_SUFFIX:  # "word," "word)": the next most common shape
         word = chunk[:-1]
-        if word.isalpha():
+        if _unsplit(word):
             return [*special.get(word, (word,)), last]
     # Next most common: a word inside marks that always split off ("(word", "word)," '"word".'),
     # maybe hyphenated; settled here by the same rules, without the regular expressions.
@@ -214,7 +239,7 @@ def _chunk_tokens(chunk: str) -> list[str]:
     core = chunk[i:j]
     # (Unless a special case hides inside: "(Mr." keeps "Mr.", "(:)" is a smiley.)
     if core and _MERGE_RE.search(chunk) is None and not (chunk[j:j + 1] == "." and core + "." in special):
-        if core.isalpha():
+        if _unsplit(core):
             return [*chunk[:i], *special.get(core, (core,)), *chunk[j:]]
         if "-" in core and core[0] != "-" and core[-1] != "-" and "--" not in core \
                 and core.replace("-", "").isalpha():  # well-known: a hyphen between letters splits
@@ -342,7 +367,7 @@ class WordTable:
                 if len(memo) + len(missing) > MAX_MEMO_CHUNKS:  # start over, with this text's
                     memo.clear()
                     missing = list(set(chunks))
-                tokens = [_chunk_tokens(chunk) for chunk in missing]
+                tokens = _memo_tokens(missing)
                 ids = self.encode(list(chain.from_iterable(tokens))).tolist()
                 if self.generation != generation:  # the table started over: this text again
                     continue
