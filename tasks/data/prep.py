@@ -86,6 +86,7 @@ SageMaker Processing (one container per instance) -- the contract for a backend:
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import logging
@@ -445,9 +446,21 @@ def tokenizer_and_split(out_dir: Path, jobs: list[dict], config: DataPrepConfig,
 # Stage 4 (per shard): documents/, dropped/, token streams.
 
 
+def _load_tokenizer(path: Path) -> Any:
+    """The run's tokenizer.json, parsed once per process, not once per shard (~10 ms each)."""
+    stat = path.stat()  # a rewritten file (new inode, size or time) is parsed again
+    return _parse_tokenizer(str(path), (stat.st_ino, stat.st_size, stat.st_mtime_ns))
+
+
+@functools.lru_cache(maxsize=2)
+def _parse_tokenizer(path: str, stamp: tuple[int, int, int]) -> Any:
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(path)
+
+
 def finalize_shard(job: dict) -> dict:
     import pyarrow.parquet as pq
-    from tokenizers import Tokenizer
 
     started = time.perf_counter()
     config = from_dict(DataPrepConfig, job["config"])
@@ -482,7 +495,7 @@ def finalize_shard(job: dict) -> dict:
     dropped_sha = write_table(paths["dropped_out"], dropped, table_schemas["dropped"])
 
     # Documents in split-score order: a seeded shuffle, so rows mix documents from the whole file.
-    tokenizer = Tokenizer.from_file(str(out_dir / "tokenizer.json"))
+    tokenizer = _load_tokenizer(out_dir / "tokenizer.json")
     dtype = token_dtype(tokenizer.get_vocab_size())
     order = sorted(zip(rows, splits), key=lambda rs: split_score(docs["id"][rs[0]], config.seed))
     weight = config.input_weights[file.source] if config.input_weights else 1.0
