@@ -330,3 +330,10 @@ def test_split_words_approximates_a_word_tokenizer():
         "well", "-", "known", ",", "is", "n't", "it", "?"]
     assert split_words("See https://example.com/a?b=1. It's Jane's.") == [
         "See", "https://example.com/a?b=1", ".", "It", "'s", "Jane", "'s", "."]
+
+
+def test_names_from_code_stay_one_word_but_a_unit_after_a_digit_splits():
+    # as spaCy's English tokenizer splits them (the fast path for names must not swallow "5km")
+    assert split_words("run_id: float64 x5km x_5km a5_b (index_array), _private ``task_id``. S3. 5MB") == [
+        "run_id", ":", "float64", "x5", "km", "x_5", "km", "a5_b", "(", "index_array", ")", ",", "_", "private",
+        "`", "`", "task_id", "`", "`", ".", "S3", ".", "5", "MB"]
