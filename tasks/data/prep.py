@@ -86,7 +86,6 @@ SageMaker Processing (one container per instance) -- the contract for a backend:
 from __future__ import annotations
 
 import argparse
-import functools
 import hashlib
 import json
 import logging
@@ -112,7 +111,8 @@ from tasks.data.readers import InputFile, default_id, dropped_record, fingerprin
     read_shard, resolve_inputs
 from tasks.data.pipeline import build_pipeline
 from tasks.data.steps import normalize_text, run_batch
-from tasks.data.tokens import EOS, EOS_ID, check_tokenizer, encode_stream, token_dtype, train_tokenizer
+from tasks.data.tokens import EOS, EOS_ID, check_tokenizer, encode_stream, load_tokenizer, token_dtype, \
+    train_tokenizer
 from tasks.data.tokens import declared_eos
 
 if TYPE_CHECKING:
@@ -446,19 +446,6 @@ def tokenizer_and_split(out_dir: Path, jobs: list[dict], config: DataPrepConfig,
 # Stage 4 (per shard): documents/, dropped/, token streams.
 
 
-def _load_tokenizer(path: Path) -> Any:
-    """The run's tokenizer.json, parsed once per process, not once per shard (~10 ms each)."""
-    stat = path.stat()  # a rewritten file (new inode, size or time) is parsed again
-    return _parse_tokenizer(str(path), (stat.st_ino, stat.st_size, stat.st_mtime_ns))
-
-
-@functools.lru_cache(maxsize=2)
-def _parse_tokenizer(path: str, stamp: tuple[int, int, int]) -> Any:
-    from tokenizers import Tokenizer
-
-    return Tokenizer.from_file(path)
-
-
 def finalize_shard(job: dict) -> dict:
     import pyarrow.parquet as pq
 
@@ -495,7 +482,7 @@ def finalize_shard(job: dict) -> dict:
     dropped_sha = write_table(paths["dropped_out"], dropped, table_schemas["dropped"])
 
     # Documents in split-score order: a seeded shuffle, so rows mix documents from the whole file.
-    tokenizer = _load_tokenizer(out_dir / "tokenizer.json")
+    tokenizer = load_tokenizer(out_dir / "tokenizer.json")
     dtype = token_dtype(tokenizer.get_vocab_size())
     order = sorted(zip(rows, splits), key=lambda rs: split_score(docs["id"][rs[0]], config.seed))
     weight = config.input_weights[file.source] if config.input_weights else 1.0

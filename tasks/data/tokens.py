@@ -8,6 +8,7 @@ one-shifted targets), uint16 when the vocabulary fits, else uint32, little-endia
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from pathlib import Path
@@ -20,6 +21,21 @@ from tasks.common.io import atomic_write
 EOS = "<|endoftext|>"
 EOS_ID = 0  # the trained tokenizer's first special token; train_tokenizer checks it
 MAX_TOKENS_PER_FILE = 1 << 27  # 256 MiB of uint16 per token file
+
+
+def load_tokenizer(path: Path) -> Any:
+    """A tokenizer.json, parsed once per process (every shard job of a run reads the same one;
+    ~10 ms a parse). Here, not in tasks.data.prep: Ray pickles the shard functions of a module
+    run as __main__ by value, and a cache must be found by its module's name in the worker."""
+    stat = path.stat()  # a rewritten file (new inode, size or time) is parsed again
+    return _parse_tokenizer(str(path), (stat.st_ino, stat.st_size, stat.st_mtime_ns))
+
+
+@functools.lru_cache(maxsize=2)
+def _parse_tokenizer(path: str, stamp: tuple[int, int, int]) -> Any:
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(path)
 
 
 def token_dtype(vocab_size: int) -> str:
