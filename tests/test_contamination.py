@@ -58,6 +58,14 @@ def test_the_index_is_rebuilt_only_for_other_data(tiny_data_dir, tmp_path):
     stamp = marker.stat().st_mtime_ns
     assert build_index(tiny_data_dir, out_dir=tmp_path) == first and marker.stat().st_mtime_ns == stamp
     assert build_index(tiny_data_dir, n=8, out_dir=tmp_path)["n"] == 8   # another n: rebuilt
+    # a build that crashed before its index.json left a part no documents file has now
+    import numpy as np
+    stale = np.array([2**63 + 12345], dtype=np.uint64)
+    (tmp_path / "ngrams" / "parts" / "pretrain").mkdir(parents=True)
+    np.save(tmp_path / "ngrams" / "parts" / "pretrain" / "gone.npy", stale)
+    build_index(tiny_data_dir, n=7, out_dir=tmp_path)
+    bucket = int(contamination._bucket_of(stale, contamination.BUCKETS)[0])
+    assert stale[0] not in np.load(tmp_path / "ngrams" / "pretrain" / f"bucket-{bucket:03d}.npy")
 
 
 def _results(correct: str, seen: str = "") -> dict:

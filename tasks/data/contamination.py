@@ -138,6 +138,7 @@ def build_index(data_dir: str | Path, n: int = N, buckets: int = BUCKETS,
     files = {"pretrain": list((manifest.get("documents") or {}).get("files") or []),
              "sft": [sft] if sft and (data_dir / sft).is_file() else []}
     common = {"data_dir": str(data_dir), "n": n, "buckets": buckets}
+    shutil.rmtree(root / "parts", ignore_errors=True)  # a crashed build's parts are not this one's
     hashed = map_jobs(hash_file, [{**common, "source": source, "file": name, "parts": str(root / "parts" / source)}
                                   for source, names in files.items() for name in names])
     merged = map_jobs(merge_source_bucket, [{"source": source, "parts": str(root / "parts" / source),
