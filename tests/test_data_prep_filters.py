@@ -337,3 +337,48 @@ def test_names_from_code_stay_one_word_but_a_unit_after_a_digit_splits():
     assert split_words("run_id: float64 x5km x_5km a5_b (index_array), _private ``task_id``. S3. 5MB") == [
         "run_id", ":", "float64", "x5", "km", "x_5", "km", "a5_b", "(", "index_array", ")", ",", "_", "private",
         "`", "`", "task_id", "`", "`", ".", "S3", ".", "5", "MB"]
+
+
+def test_word_ids_of_a_batch_are_each_texts_words_even_when_the_tables_start_over(monkeypatch):
+    """encode_texts gives each text the ids of split_words(text), in one batch: texts with no
+    words, new and known chunks, and the chunk and token tables starting over in mid-stream (made
+    tiny here) while earlier texts' ids were handed out."""
+    import tasks.data.text as text
+
+    rng = random.Random(1)
+    pieces = [*WORDS, "(x)", "well-known,", "U.S.", "$3.14", "isn't", "run_id:", "a.b", "``x``.", "…"]
+    texts = ["", "   \n "] + [" ".join(rng.choice(pieces) + rng.choice(["", "", str(rng.randint(0, 99))])
+                                   for _ in range(rng.randint(1, 60))) for _ in range(300)]
+    for max_chunks, max_tokens in [(1 << 18, 4_000_000), (40, 4_000_000), (1 << 18, 30), (25, 30)]:
+        monkeypatch.setattr(text, "MAX_MEMO_CHUNKS", max_chunks)
+        table = text.WordTable()
+        table.MAX_TOKENS = max_tokens
+        for start in range(0, len(texts), 37):
+            batch = texts[start:start + 37]
+            generation = table.generation
+            ids = table.encode_texts(batch)
+            names = {i: w for w, i in table.ids.items()}
+            assert len(ids) == len(batch)
+            for one, ids_of_one in zip(batch, ids):
+                assert [names[i] for i in ids_of_one.tolist()] == split_words(one), (max_chunks, max_tokens)
+            if max_tokens == 30:
+                assert table.generation > generation or start == 0
+        assert table.encode_texts([]) == []
+        assert table.encode_texts(["a (b) a"])[0].tolist() == table.encode(["a", "(", "b", ")", "a"]).tolist()
+
+
+def test_a_batch_of_documents_gets_ids_of_one_table_when_it_starts_over(monkeypatch):
+    """A document encoded before the process's word table started over is encoded again with
+    the rest of its batch: the filters read every document's ids against the same table."""
+    from tasks.data.steps import word_ids_of
+    from tasks.data.text import TABLE
+
+    early = Doc(id="a", text="alpha beta (gamma)")
+    early.word_ids  # ids of the table as it is now
+    monkeypatch.setattr(TABLE, "MAX_TOKENS", len(TABLE.ids) + 20)
+    late = Doc(id="b", text=" ".join(f"new{i}word" for i in range(40)))
+    generation = TABLE.generation
+    ids = word_ids_of([early, late])
+    assert TABLE.generation > generation
+    names = {i: w for w, i in TABLE.ids.items()}
+    assert [[names[i] for i in x.tolist()] for x in ids] == [split_words(early.text), split_words(late.text)]

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tasks.data.steps import Doc, Filter
+from tasks.data.steps import Doc, Filter, word_ids_of
 from tasks.data.text import TABLE, TERMINAL_PUNCTUATION, count_sentences, split_lines, split_words
 
 
@@ -177,7 +177,7 @@ class GopherRepetition(Filter):
         top, dup = dict(p.top_n_grams), dict(p.dup_n_grams)
         if not todo or not (top or dup):
             return results
-        ids = [docs[i].word_ids for i in todo]
+        ids = word_ids_of([docs[i] for i in todo])
         stats = ngram_repetition(ids, [TABLE.length[x] for x in ids], max([*top, *dup]), set(dup))
         text_chars = np.array([len(docs[i].text) for i in todo])
         # The checks in the order they are published; a document fails at the first one.

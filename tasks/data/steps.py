@@ -34,10 +34,14 @@ class Doc:
     _ids_generation: int = -1
     _words_of: str | None = None
 
-    def _split(self) -> None:
+    def _forget_if_changed(self) -> None:
+        """Drop what was computed from an older version of the text."""
         if self._words_of is not self.text:
             self._words = self._line_words = None
             self._ids, self._words_of = None, self.text
+
+    def _split(self) -> None:
+        self._forget_if_changed()
         if self._words is None:
             self._words = split_words(self.text)
 
@@ -74,13 +78,26 @@ class Doc:
     def word_ids(self) -> Any:
         """`words` as ids of the process's WordTable (numpy int64), for vectorized statistics
         (from the text directly: the list of words is made only when a step asks for it)."""
-        if self._words_of is not self.text:
-            self._words = self._line_words = None
-            self._ids, self._words_of = None, self.text
-        if self._ids is None or self._ids_generation != TABLE.generation:  # the table started over
-            self._ids = TABLE.encode_text(self.text)
-            self._ids_generation = TABLE.generation
-        return self._ids
+        return word_ids_of([self])[0]
+
+
+def word_ids_of(docs: list[Doc]) -> list[Any]:
+    """[doc.word_ids for doc in docs], the ones not known yet encoded in one batch; all of them
+    ids of the table as it is on return."""
+    for doc in docs:
+        doc._forget_if_changed()
+    todo = [doc for doc in docs if doc._ids is None or doc._ids_generation != TABLE.generation]
+    if todo:
+        generation = TABLE.generation
+        _encode(todo)
+        if TABLE.generation != generation and len(todo) < len(docs):
+            _encode(docs)  # the table started over: the others' ids were of the old one
+    return [doc._ids for doc in docs]
+
+
+def _encode(docs: list[Doc]) -> None:
+    for doc, ids in zip(docs, TABLE.encode_texts([doc.text for doc in docs])):
+        doc._ids, doc._ids_generation = ids, TABLE.generation
 
 
 @dataclass(kw_only=True)

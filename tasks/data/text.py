@@ -177,17 +177,13 @@ def split_words(text: str) -> list[str]:
     try:
         parts = list(map(memo.__getitem__, chunks))
     except KeyError:
-        if len(memo) > MAX_MEMO_CHUNKS:
-            memo.clear()
-        for chunk in set(chunks).difference(memo):
-            memo[chunk] = tuple(_chunk_tokens(chunk))
-        parts = list(map(memo.__getitem__, chunks))
+        parts = _memo_tokens(chunks)
     return list(chain.from_iterable(parts))
 
 
 def _memo_tokens(chunks: list[str]) -> list[tuple[str, ...]]:
     """Each chunk's tokens, through split_words's memo: the per-line filters split the lines of a
-    text whose chunks WordTable.encode_text has just split, so each chunk is split once."""
+    text whose chunks WordTable.encode_texts has just split, so each chunk is split once."""
     memo = _CHUNK_TOKENS
     if len(memo) + len(chunks) > MAX_MEMO_CHUNKS:
         memo.clear()
@@ -327,10 +323,20 @@ class WordTable:
     def _reset(self) -> None:
         self.generation = getattr(self, "generation", -1) + 1  # ids of an older one mean nothing
         self.ids: dict[str, int] = {}
-        self.chunk_ids: dict[str, tuple[int, ...]] = {}  # whitespace chunk -> ids of its tokens
         self.kind = np.zeros(1 << 16, dtype=np.int8)
         self.length = np.zeros(1 << 16, dtype=np.int64)
         self.hash = np.zeros(1 << 16, dtype=np.uint64)
+        self._reset_chunks()
+
+    def _reset_chunks(self) -> None:
+        # The chunk table: each whitespace chunk seen gets a row, the row its tokens' ids (a run
+        # of chunk_tokens), so a batch of texts becomes ids with one dictionary lookup per chunk
+        # and a few numpy operations for the whole batch.
+        self.chunk_rows: dict[str, int] = {}
+        self.chunk_start = np.zeros(1 << 16, dtype=np.int64)
+        self.chunk_size = np.zeros(1 << 16, dtype=np.int64)
+        self.chunk_tokens = np.zeros(1 << 16, dtype=np.int64)
+        self._chunk_tokens_used = 0
 
     def encode(self, words: list[str]) -> np.ndarray:
         ids = self.ids
@@ -342,11 +348,7 @@ class WordTable:
             start = len(ids)
             if start + len(missing) > len(self.kind):
                 size = max(2 * len(self.kind), start + len(missing))
-                for name in ("kind", "length", "hash"):
-                    old = getattr(self, name)
-                    grown = np.zeros(size, dtype=old.dtype)
-                    grown[:start] = old[:start]
-                    setattr(self, name, grown)
+                self.kind, self.length, self.hash = (_grown(a, size, start) for a in (self.kind, self.length, self.hash))
             for i, word in enumerate(missing, start):
                 ids[word] = i
                 self.length[i] = len(word)
@@ -354,28 +356,61 @@ class WordTable:
                 self.hash[i] = int.from_bytes(hashlib.blake2b(word.encode("utf-8"), digest_size=8).digest(), "little")
         return np.fromiter(map(ids.__getitem__, words), dtype=np.int64, count=len(words))
 
+    def encode_texts(self, texts: list[str]) -> list[np.ndarray]:
+        """[encode(split_words(text)) for text in texts], without any list of words: each
+        whitespace chunk of the batch is looked up in the chunk table (the chunks never seen
+        before are split first, all of the batch's at once), and the table's runs of token ids
+        are gathered for the whole batch in one go."""
+        if not texts:
+            return []
+        splits = [text.split() for text in texts]
+        chunks = list(chain.from_iterable(splits))
+        try:
+            rows = np.fromiter(map(self.chunk_rows.__getitem__, chunks), dtype=np.int64, count=len(chunks))
+        except KeyError:
+            self._add_chunks(chunks)
+            rows = np.fromiter(map(self.chunk_rows.__getitem__, chunks), dtype=np.int64, count=len(chunks))
+        sizes = self.chunk_size[rows]
+        ends = np.cumsum(sizes)  # where each chunk's tokens end in the batch's ids
+        at = np.repeat(self.chunk_start[rows] - (ends - sizes), sizes) + np.arange(ends[-1] if len(ends) else 0)
+        text_ends = np.concatenate(([0], ends))[np.cumsum([len(split) for split in splits])]
+        return np.split(self.chunk_tokens[at], text_ends[:-1])
 
-    def encode_text(self, text: str) -> np.ndarray:
-        """encode(split_words(text)), without the list of words: the ids of each whitespace
-        chunk's tokens are memoized, so a text costs a lookup per chunk (and the chunks never
-        seen before one split, all of a text's in one encode)."""
-        chunks = text.split()
+    def _add_chunks(self, chunks: list[str]) -> None:
+        """Rows for the chunks not in the table yet (split through split_words's memo)."""
         while True:
-            generation, memo = self.generation, self.chunk_ids
-            missing = list(set(chunks).difference(memo))
-            if missing:
-                if len(memo) + len(missing) > MAX_MEMO_CHUNKS:  # start over, with this text's
-                    memo.clear()
-                    missing = list(set(chunks))
-                tokens = _memo_tokens(missing)
-                ids = self.encode(list(chain.from_iterable(tokens))).tolist()
-                if self.generation != generation:  # the table started over: this text again
-                    continue
-                at = 0
-                for chunk, chunk_tokens in zip(missing, tokens):
-                    memo[chunk] = tuple(ids[at:at + len(chunk_tokens)])
-                    at += len(chunk_tokens)
-            return np.fromiter(chain.from_iterable(map(memo.__getitem__, chunks)), dtype=np.int64)
+            generation, rows = self.generation, self.chunk_rows
+            missing = list(set(chunks).difference(rows))
+            if len(rows) + len(missing) > MAX_MEMO_CHUNKS:  # start over, with this batch's
+                self._reset_chunks()
+                rows, missing = self.chunk_rows, list(set(chunks))
+            fresh = not rows
+            tokens = _memo_tokens(missing)
+            ids = self.encode(list(chain.from_iterable(tokens)))
+            if self.generation == generation or fresh:
+                break
+            # The token table started over (and with it the chunk table) while the rows already
+            # there were left out of `missing`: the batch again, into the empty chunk table.
+        rows = self.chunk_rows  # (a new one if the token table started over in encode)
+        first, used = len(rows), self._chunk_tokens_used
+        sizes = np.fromiter(map(len, tokens), dtype=np.int64, count=len(tokens))
+        if first + len(missing) > len(self.chunk_start):
+            size = max(2 * len(self.chunk_start), first + len(missing))
+            self.chunk_start, self.chunk_size = (_grown(a, size, first) for a in (self.chunk_start, self.chunk_size))
+        if used + len(ids) > len(self.chunk_tokens):
+            self.chunk_tokens = _grown(self.chunk_tokens, max(2 * len(self.chunk_tokens), used + len(ids)), used)
+        self.chunk_start[first:first + len(missing)] = used + np.cumsum(sizes) - sizes
+        self.chunk_size[first:first + len(missing)] = sizes
+        self.chunk_tokens[used:used + len(ids)] = ids
+        self._chunk_tokens_used = used + len(ids)
+        rows.update(zip(missing, range(first, first + len(missing))))
+
+
+def _grown(array: np.ndarray, size: int, keep: int) -> np.ndarray:
+    """A zeroed array of `size` holding the first `keep` items of `array`."""
+    grown = np.zeros(size, dtype=array.dtype)
+    grown[:keep] = array[:keep]
+    return grown
 
 
 TABLE = WordTable()  # one per process (each Ray worker has its own)
