@@ -270,6 +270,23 @@ def test_split_plan_memory_does_not_grow_with_the_corpus():
     assert large < 2_000_000
 
 
+def test_a_shards_duplicates_are_read_from_the_row_groups_that_hold_it(tmp_path):
+    """staging/dedup.parquet is sorted by shard and, at scale, has many row groups: each shard
+    gets exactly its own rows, wherever the row groups cut (here every 2 rows), and none when it
+    has no duplicate."""
+    from tasks.data.prep import _removed
+
+    (tmp_path / "staging").mkdir()
+    shards = [0, 0, 2, 2, 2, 5, 7]
+    pq.write_table(pa.table({"shard": pa.array(shards, type=pa.int32()), "row": pa.array(range(7)),
+                             "reason": [f"r{i}" for i in range(7)]}),
+                   tmp_path / "staging" / "dedup.parquet", row_group_size=2)
+    for index in range(9):
+        expected = [i for i, s in enumerate(shards) if s == index]
+        assert _removed(tmp_path, index, ["row", "reason"]) == {
+            "row": expected, "reason": [f"r{i}" for i in expected]}, index
+
+
 def test_split_is_deterministic_and_seeded(tmp_path):
     docs = [{"id": f"doc-{i}", "text": f"Document number {i} says: {PROSE[i % len(PROSE)]}"}
             for i in range(200)]

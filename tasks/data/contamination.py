@@ -36,6 +36,7 @@ from typing import Any, Callable, Iterable
 import numpy as np
 
 from tasks.common.io import atomic_write, write_json
+from tasks.data.markers import read_table
 
 log = logging.getLogger("tasks.data.contamination")
 
@@ -174,9 +175,7 @@ def merge_source_bucket(job: dict) -> dict:
 
 
 def _pretrain_texts(path: Path) -> list[str]:
-    import pyarrow.parquet as pq
-
-    table = pq.read_table(path, columns=["text", "split"]).to_pydict()
+    table = read_table(path, columns=["text", "split"]).to_pydict()
     # only what the model trains on: the held-out split is evaluation's own text
     return [t for t, split in zip(table["text"], table["split"]) if split == "train"]
 

@@ -52,6 +52,15 @@ def write_table(path: Path, columns: dict[str, list], schema: Any) -> str:
     return sha256_file(path)
 
 
+def read_table(path: Any, columns: list[str] | None = None) -> Any:
+    """One Parquet file as a pyarrow Table (`columns`, or all). Not pq.read_table: that goes
+    through pyarrow.dataset, whose import costs ~0.2 s of CPU in every process that first reads a
+    file (this one and each pool worker), and one file needs none of it."""
+    import pyarrow.parquet as pq
+
+    return pq.ParquetFile(path).read(columns=columns)
+
+
 def schemas() -> dict[str, Any]:
     import pyarrow as pa
 

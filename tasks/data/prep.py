@@ -104,8 +104,8 @@ from tasks.common.io import atomic_write, read_json, sha256_file, write_json
 from tasks.configs import ConfigError, DataPrepConfig, from_dict, to_dict
 from tasks.data import report
 from tasks.data.manifest import LENGTH_BINS, pack_and_write_manifest
-from tasks.data.markers import DROPPED_COLUMNS, digest, finished, mark_finished, schemas, shard_files, \
-    write_table
+from tasks.data.markers import DROPPED_COLUMNS, digest, finished, mark_finished, read_table, schemas, \
+    shard_files, write_table
 from tasks.data.split import SplitCuts, SplitPlan, mix_repeats, plan_by_shard, shard_candidates, split_score
 from tasks.data.readers import InputFile, default_id, dropped_record, fingerprint, plan_splits, read_bytes, \
     read_shard, resolve_inputs
@@ -332,12 +332,10 @@ def _staging_ids(job: dict, table: Any) -> tuple[list[str], list[int]]:
 
 def _ids_at(out_dir: Path, jobs: list[dict], offsets: np.ndarray, documents: np.ndarray) -> list[str]:
     """The ids of the given documents (global indices), reading one shard's id column at a time."""
-    import pyarrow.parquet as pq
-
     shard_of = np.searchsorted(offsets, documents, side="right") - 1
     found: dict[int, str] = {}
     for index in np.unique(shard_of).tolist():
-        table = pq.read_table(shard_files(out_dir, index)["docs"], columns=["id", "line"])
+        table = read_table(shard_files(out_dir, index)["docs"], columns=["id", "line"])
         ids, _ = _staging_ids(jobs[index], table)
         for doc in documents[shard_of == index].tolist():
             found[doc] = ids[doc - int(offsets[index])]
@@ -351,12 +349,10 @@ def _ids_at(out_dir: Path, jobs: list[dict], offsets: np.ndarray, documents: np.
 def split_candidates(job: dict) -> dict:
     """One shard's part of the split plan (tasks.data.split.shard_candidates) from its documents
     that survived deduplication: a job per shard, so no one process hashes every kept id."""
-    import pyarrow.parquet as pq
-
     config = from_dict(DataPrepConfig, job["config"])
     out_dir, index = Path(job["out_dir"]), job["index"]
     gone = set(_removed(out_dir, index, ["row"])["row"])
-    ids, _ = _staging_ids(job, pq.read_table(shard_files(out_dir, index)["docs"], columns=["id", "line"]))
+    ids, _ = _staging_ids(job, read_table(shard_files(out_dir, index)["docs"], columns=["id", "line"]))
     kept = ((index, row, doc_id) for row, doc_id in enumerate(ids) if row not in gone)
     return shard_candidates(kept, config.seed, config.val_fraction, config.tokenizer_sample_docs,
                             config.seq_len + 1, SplitCuts(**job["cuts"]))
@@ -364,11 +360,20 @@ def split_candidates(job: dict) -> dict:
 
 def _removed(out_dir: Path, index: int, columns: list[str]) -> dict[str, list]:
     """The given columns of staging/dedup.parquet for shard `index`: its documents that
-    deduplication removed (the file is sorted by shard, so only its row groups are read)."""
+    deduplication removed. The file is sorted by shard: only the row groups whose statistics
+    can hold the shard are read, and its rows are one slice of them."""
     import pyarrow.parquet as pq
 
-    return pq.read_table(out_dir / "staging" / "dedup.parquet", columns=columns,
-                         filters=[("shard", "==", index)]).to_pydict()
+    file = pq.ParquetFile(out_dir / "staging" / "dedup.parquet")
+    at = file.schema_arrow.get_field_index("shard")
+    groups = []
+    for group in range(file.num_row_groups):
+        stats = file.metadata.row_group(group).column(at).statistics
+        if stats is None or not stats.has_min_max or stats.min <= index <= stats.max:
+            groups.append(group)
+    table = file.read_row_groups(groups, columns=["shard", *columns])
+    first, end = np.searchsorted(table.column("shard").to_numpy(), [index, index + 1])
+    return table.slice(first, end - first).select(columns).to_pydict()
 
 
 def plan_the_split(jobs: list[dict], config: DataPrepConfig, kept: int, map_jobs: MapJobs) -> SplitPlan:
@@ -380,14 +385,12 @@ def plan_the_split(jobs: list[dict], config: DataPrepConfig, kept: int, map_jobs
 
 def _read_texts(out_dir: Path, wanted: list[tuple[int, int, str]]) -> list[str]:
     """Texts of the given (shard, row, id) documents, in the order given."""
-    import pyarrow.parquet as pq
-
     by_shard: dict[int, list[int]] = {}
     for shard, row, _ in wanted:
         by_shard.setdefault(shard, []).append(row)
     texts: dict[tuple[int, int], str] = {}
     for shard, rows in by_shard.items():
-        column = pq.read_table(shard_files(out_dir, shard)["docs"], columns=["text"]).column("text")
+        column = read_table(shard_files(out_dir, shard)["docs"], columns=["text"]).column("text")
         for row in rows:
             texts[(shard, row)] = column[row].as_py()
     return [texts[(shard, row)] for shard, row, _ in wanted]
@@ -447,13 +450,11 @@ def tokenizer_and_split(out_dir: Path, jobs: list[dict], config: DataPrepConfig,
 
 
 def finalize_shard(job: dict) -> dict:
-    import pyarrow.parquet as pq
-
     started = time.perf_counter()
     config = from_dict(DataPrepConfig, job["config"])
     out_dir, index, file = Path(job["out_dir"]), job["index"], InputFile(**job["file"])
     paths = shard_files(out_dir, index)
-    table = pq.read_table(paths["docs"])
+    table = read_table(paths["docs"])
     docs = table.to_pydict()
     docs["id"], docs["line"] = _staging_ids(job, table)
     removed = _removed(out_dir, index, ["row", "reason", "duplicate_of"])
@@ -471,7 +472,7 @@ def finalize_shard(job: dict) -> dict:
         "id": [docs["id"][r] for r in rows], "text": [docs["text"][r] for r in rows],
         "source": [file.path] * len(rows), "line": [docs["line"][r] for r in rows],
         "split": splits, "metadata": [docs["metadata"][r] for r in rows]}, table_schemas["documents"])
-    table = pq.read_table(paths["dropped"])
+    table = read_table(paths["dropped"])
     dropped = table.to_pydict()
     dropped["id"], dropped["line"] = _staging_ids(job, table)
     for row, (reason, duplicate_of) in sorted(gone.items()):

@@ -404,7 +404,7 @@ def _read_parquet(data: bytes, file: InputFile, text_field: str, id_field: str) 
     import pyarrow.parquet as pq
 
     try:
-        table = pq.read_table(pa.BufferReader(data))
+        table = pq.ParquetFile(pa.BufferReader(data)).read()  # (not read_table: markers.read_table)
     except (pa.ArrowException, OSError, ValueError) as exc:
         return Shard(iter([dropped_record(file.label, 0, "parse", "unreadable_file", error=str(exc)[:200])]), 0)
     return Shard(_parquet_rows(table, file, text_field, id_field), table.num_rows)
