@@ -324,6 +324,19 @@ def test_minhash_is_deterministic_and_ignores_case_digits_and_punctuation():
     assert sets.roots().tolist() == [0, 1, 2, 1, 1]
 
 
+def test_minhash_of_new_words_while_the_word_table_grows():
+    """Shingling words the process's word table has never seen makes it grow its arrays: the
+    hashes are read from the grown ones (a 48 MB benchmark run failed with an IndexError when
+    the growth fell inside a shingling call)."""
+    from tasks.data.text import TABLE
+
+    known = len(TABLE.ids)
+    TABLE.kind, TABLE.length, TABLE.hash = (a[:known].copy() for a in (TABLE.kind, TABLE.length, TABLE.hash))
+    text = " ".join(f"neverseen{chr(97 + i % 26)}{chr(97 + i // 26)}" for i in range(60))
+    keys = MinHasher(seed=3).band_keys(text)
+    assert len(TABLE.hash) > known and (keys == MinHasher(seed=3).band_keys(text)).all()
+
+
 def test_split_words_approximates_a_word_tokenizer():
     assert split_words("Don't stop: U.S. costs $3.14 (or 1,000 yen)... well-known, isn't it?") == [
         "Do", "n't", "stop", ":", "U.S.", "costs", "$", "3.14", "(", "or", "1,000", "yen", ")", "...",

@@ -74,7 +74,8 @@ class MinHasher:
         if not counts.any():
             return np.zeros(0, dtype=np.uint64), counts
         words = list(chain.from_iterable(texts_words))
-        h = TABLE.hash[TABLE.encode(words)]  # stable 64-bit word hashes, memoized per process
+        ids = TABLE.encode(words)  # first: encoding new words may replace TABLE.hash with a larger array
+        h = TABLE.hash[ids]  # stable 64-bit word hashes, memoized per process
         span = len(h) - n + 1
         acc = np.zeros(span, dtype=np.uint64)
         for k in range(n):
