@@ -76,6 +76,13 @@ def gram_hashes(tokens: list[str], n: int, cache: dict[str, int] | None = None) 
 # index.json's "bucketing": how hashes map to buckets. Indexes of older versions (residues mod
 # `buckets`) have none; they are rebuilt, never read with the wrong map.
 BUCKETING = "range"
+
+
+def _this_layout(meta: dict) -> bool:
+    """Whether an index.json describes an index in this version's layout."""
+    return meta.get("bucketing") == BUCKETING
+
+
 _HALF = np.uint64(32)
 
 
@@ -132,8 +139,8 @@ def build_index(data_dir: str | Path, n: int = N, buckets: int = BUCKETS,
     done = root / "index.json"
     if done.is_file():
         index = json.loads(done.read_text())
-        if (index.get("n"), index.get("buckets"), index.get("data_content_hash"), index.get("bucketing")) == (
-                n, buckets, manifest.get("content_hash"), BUCKETING):
+        if (index.get("n"), index.get("buckets"), index.get("data_content_hash")) == (
+                n, buckets, manifest.get("content_hash")) and _this_layout(index):
             return index
     sft = (manifest.get("sft") or {}).get("train")
     files = {"pretrain": list((manifest.get("documents") or {}).get("files") or []),
@@ -199,7 +206,7 @@ class NgramIndex:
     def __init__(self, where: str | Path) -> None:
         self.root = Path(where) / "ngrams"
         meta = json.loads((self.root / "index.json").read_text())
-        if meta.get("bucketing") != BUCKETING:
+        if not _this_layout(meta):
             raise ValueError(f"{self.root} was built by an older version (buckets by "
                              f"{meta.get('bucketing', 'residue')}, not {BUCKETING}): rebuild it with build_index.")
         self.n, self.buckets, self.sources = int(meta["n"]), int(meta["buckets"]), list(meta["sources"])
@@ -248,7 +255,7 @@ def open_index(data_dir: str | Path, scratch: str | Path) -> NgramIndex:
     """The data dir's index, or one built now into `scratch` (data prepared before the index
     existed, or a read-only data dir without one)."""
     marker = Path(data_dir) / "ngrams" / "index.json"
-    if marker.is_file() and json.loads(marker.read_text()).get("bucketing") == BUCKETING:
+    if marker.is_file() and _this_layout(json.loads(marker.read_text())):
         return NgramIndex(data_dir)
     log.info("%s has no contamination index of this version: building it in %s", data_dir, scratch)
     build_index(data_dir, out_dir=scratch)
