@@ -37,6 +37,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Iterator
 
+from tasks.data.markers import read_table
 from tasks.data.steps import Doc
 from tasks.uris import split_s3
 
@@ -401,10 +402,9 @@ def _read_text(data: bytes, file: InputFile, first_line: int = 1, continues: boo
 
 def _read_parquet(data: bytes, file: InputFile, text_field: str, id_field: str) -> Shard:
     import pyarrow as pa
-    import pyarrow.parquet as pq
 
     try:
-        table = pq.ParquetFile(pa.BufferReader(data)).read()  # (not read_table: markers.read_table)
+        table = read_table(pa.BufferReader(data))
     except (pa.ArrowException, OSError, ValueError) as exc:
         return Shard(iter([dropped_record(file.label, 0, "parse", "unreadable_file", error=str(exc)[:200])]), 0)
     return Shard(_parquet_rows(table, file, text_field, id_field), table.num_rows)

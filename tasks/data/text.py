@@ -346,9 +346,8 @@ class WordTable:
                 self._reset()
                 ids, missing = self.ids, set(words)
             start = len(ids)
-            if start + len(missing) > len(self.kind):
-                size = max(2 * len(self.kind), start + len(missing))
-                self.kind, self.length, self.hash = (_grown(a, size, start) for a in (self.kind, self.length, self.hash))
+            self.kind, self.length, self.hash = (_with_room(a, start + len(missing), start)
+                                                 for a in (self.kind, self.length, self.hash))
             for i, word in enumerate(missing, start):
                 ids[word] = i
                 self.length[i] = len(word)
@@ -394,11 +393,9 @@ class WordTable:
         rows = self.chunk_rows  # (a new one if the token table started over in encode)
         first, used = len(rows), self._chunk_tokens_used
         sizes = np.fromiter(map(len, tokens), dtype=np.int64, count=len(tokens))
-        if first + len(missing) > len(self.chunk_start):
-            size = max(2 * len(self.chunk_start), first + len(missing))
-            self.chunk_start, self.chunk_size = (_grown(a, size, first) for a in (self.chunk_start, self.chunk_size))
-        if used + len(ids) > len(self.chunk_tokens):
-            self.chunk_tokens = _grown(self.chunk_tokens, max(2 * len(self.chunk_tokens), used + len(ids)), used)
+        self.chunk_start, self.chunk_size = (_with_room(a, first + len(missing), first)
+                                             for a in (self.chunk_start, self.chunk_size))
+        self.chunk_tokens = _with_room(self.chunk_tokens, used + len(ids), used)
         self.chunk_start[first:first + len(missing)] = used + np.cumsum(sizes) - sizes
         self.chunk_size[first:first + len(missing)] = sizes
         self.chunk_tokens[used:used + len(ids)] = ids
@@ -406,9 +403,12 @@ class WordTable:
         rows.update(zip(missing, range(first, first + len(missing))))
 
 
-def _grown(array: np.ndarray, size: int, keep: int) -> np.ndarray:
-    """A zeroed array of `size` holding the first `keep` items of `array`."""
-    grown = np.zeros(size, dtype=array.dtype)
+def _with_room(array: np.ndarray, need: int, keep: int) -> np.ndarray:
+    """`array` if it holds `need` items, else a zeroed one of twice its size (at least `need`)
+    holding its first `keep` items."""
+    if need <= len(array):
+        return array
+    grown = np.zeros(max(2 * len(array), need), dtype=array.dtype)
     grown[:keep] = array[:keep]
     return grown
 
