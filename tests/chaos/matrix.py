@@ -138,7 +138,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable
 
-from tests.chaos.airflow_deployment import ROOT, TERMINAL_TI, AirflowDeployment
+from tests.chaos.airflow_deployment import ROOT, TERMINAL_TI, AirflowDeployment, alive
 
 if str(ROOT / "plugins") not in sys.path:   # run as `python -m tests.chaos.matrix`
     sys.path.insert(0, str(ROOT / "plugins"))
@@ -319,8 +319,12 @@ class Matrix:
         # 8 worker slots: the scoped rows (19) run side by side, and an in-worker wait holds its
         # slot for the whole job (the 10-minute outage row's for 11 minutes); with 4, later rows'
         # runs stayed queued past their rows' timeouts and their faults expired unlanded.
+        # A 60 s task heartbeat timeout, not 30: in a CI run at load 3-5 the API server's
+        # database pool ran dry for 30 s (its requests waited for a connection), the workers'
+        # heartbeats waited with them, and the scheduler failed every running task's try at once.
+        # Their retries reattached to their jobs, but the rows' waits ran out.
         self.dep = AirflowDeployment(self.workdir / "deployment", dags_folder=dags, env=env,
-                                     database=self.database, parallelism=PARALLELISM)
+                                     database=self.database, parallelism=PARALLELISM, heartbeat_timeout=60)
         self.dep.migrate()
         # The accelerator pool the lifecycle's sweep trials run in.
         subprocess.run([sys.executable, "-m", "llmops.sweep.pool"], env=self.dep.env, check=True,
@@ -686,6 +690,7 @@ class Matrix:
                 row_jobs = ", ".join(f"{j['name'].split('-', 1)[0]}{'-' + j['name'].rsplit('-', 1)[1] if BASE.search(j['name']) else ''}"
                                      f":{j['status']}" for j in jobs)
                 details.append(f"{label}: task {ti.get('state')} after {ti.get('try_number')} tries; jobs [{row_jobs}]")
+                details += self._earlier_tries(run, task_id, label, events_by_task[task_id])
         crashes = [f"DEPLOYMENT: {text}" for at, text in self.events if row.started_at <= at <= row.ended_at]
         if row.rule_halves:
             injections = self.injections_of(row, report)
@@ -704,6 +709,20 @@ class Matrix:
                 "lost_progress_steps": lost_progress, "seconds": round(row.seconds, 1),
                 "fault_landed": row.landed, "fault_missed": missed,
                 "notes": row.notes + crashes + details + ([f"ERROR: {row.error}"] if row.error else [])}
+
+    def _earlier_tries(self, run: Run, task_id: str, label: str, events: list[dict[str, Any]]) -> list[str]:
+        """How each try before the last ended: its state and its log's last line. A try can end
+        with no fault of the row's (in a CI run at load 3-5, first tries died on their own and
+        the runs outlived their row's wait); the notes say how, for the next one to read."""
+        assert self.dep is not None
+        out = []
+        tries = sorted(self.dep.tries(run.dag_id, run.run_id, task_id), key=lambda t: t.get("try_number") or 0)
+        for attempt in tries[:-1]:
+            number = attempt.get("try_number")
+            last = [e["event"] for e in events if e["try"] == number and e["event"].strip()]
+            out.append(f"{label}: try {number} {attempt.get('state')} at {attempt.get('end_date')}; its log's "
+                       f"last line: {(last[-1] if last else '(no log)')[:300]}")
+        return out
 
     def _wrong_stop(self, row: Row, job: dict[str, Any]) -> bool:
         for stop in job.get("stop_requests") or []:
@@ -941,9 +960,17 @@ def _kill_worker(m: Matrix, row: Row, run: Run, task_id: str, sig: int, when: st
     assert m.dep is not None
     started = time.monotonic()
     if when == "after_submit":
+        # A try can die on its own before it submits (in a CI run at load 3-5 a first try did,
+        # and the worker watched was gone when the signal came): the next try's worker is then
+        # watched instead, until one names its job while it lives.
+        deadline = time.monotonic() + 600
         pids = _worker_of(m, run, task_id, timeout=600)
-        deadline = time.monotonic() + 120
         while pids and time.monotonic() < deadline and not m.named_in_log(run, task_id):
+            if not alive(pids[0]):
+                row.notes.append(f"{task_id}: task runner {pids[0]} exited before its log named a job; "
+                                 "watching the next try")
+                pids = _worker_of(m, run, task_id, timeout=max(1.0, deadline - time.monotonic()))
+                continue
             time.sleep(0.02)
     else:
         m.wait_running(run, task_id, after=5)
@@ -1034,7 +1061,9 @@ def row_same_conf_twice(m: Matrix, row: Row) -> None:
     conf = m.conf()
     pairs = [[m.trigger(row, dag_id, conf), m.trigger(row, dag_id, conf)] for dag_id in (SMALL_DAG, HYPERPOD_DAG)]
     row.claim(*REMOTE_TASKS, *HYPERPOD_TASKS)
-    m.wait_runs(row, timeout=300 + 2 * m.seconds)
+    # What is judged is each run's end: its four runs wait for worker slots beside the other rows,
+    # and in a CI run at load 3-5 they were still running after 360 s (with no job yet for some)
+    m.wait_runs(row, timeout=900)
     report = m.report()
     for runs in pairs:
         for task_id in runs[0].tasks:
