@@ -15,10 +15,12 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import boto3
 import pytest
@@ -386,6 +388,22 @@ def held_pending(chaos):
 def live(chaos: ChaosClient, name: str) -> list[dict]:
     return [j for j in chaos.report()["jobs"] if j["name"] == name and j["ended_at"] is None
             and not j["stop_requests"]]
+
+
+def test_a_request_cut_short_by_its_dying_client_takes_no_effect(fake, chaos):
+    """A worker SIGKILLed while it sends leaves half a request: the service acts on none of it
+    (here a PutObject of 10 of its 100 bytes writes no object) and goes on serving."""
+    url = urlsplit(fake.url)
+    with socket.create_connection((url.hostname, url.port), timeout=10) as sock:
+        sock.sendall(f"PUT /{BUCKET}/cut/short.txt HTTP/1.1\r\nHost: {url.netloc}\r\n"
+                     "Content-Length: 100\r\n\r\n".encode() + b"0123456789")
+        sock.shutdown(socket.SHUT_WR)   # the client is gone
+        assert sock.recv(1024) == b""   # no answer: closed
+    s3 = client(fake, "s3")
+    with pytest.raises(ClientError, match="404|Not Found"):
+        s3.head_object(Bucket=BUCKET, Key="cut/short.txt")
+    s3.put_object(Bucket=BUCKET, Key="cut/whole.txt", Body=b"whole")
+    assert s3.get_object(Bucket=BUCKET, Key="cut/whole.txt")["Body"].read() == b"whole"
 
 
 def test_a_lost_response_is_resent_by_botocore_after_the_request_took_effect(fake, chaos, no_backoff):

@@ -719,7 +719,10 @@ class Matrix:
         tries = sorted(self.dep.tries(run.dag_id, run.run_id, task_id), key=lambda t: t.get("try_number") or 0)
         for attempt in tries[:-1]:
             number = attempt.get("try_number")
-            last = [e["event"] for e in events if e["try"] == number and e["event"].strip()]
+            # the worker's part (its file ends with how the try ended; the triggerer's part, a file
+            # of its own, comes after it in `events` whatever the order in time)
+            mine = [e for e in events if e["try"] == number and e["event"].strip()]
+            last = [e["event"] for e in mine if e["source"] == "worker"] or [e["event"] for e in mine]
             out.append(f"{label}: try {number} {attempt.get('state')} at {attempt.get('end_date')}; its log's "
                        f"last line: {(last[-1] if last else '(no log)')[:300]}")
         return out
@@ -965,13 +968,15 @@ def _kill_worker(m: Matrix, row: Row, run: Run, task_id: str, sig: int, when: st
         # watched instead, until one names its job while it lives.
         deadline = time.monotonic() + 600
         pids = _worker_of(m, run, task_id, timeout=600)
-        while pids and time.monotonic() < deadline and not m.named_in_log(run, task_id):
+        while pids and time.monotonic() < deadline:
             if not alive(pids[0]):
-                row.notes.append(f"{task_id}: task runner {pids[0]} exited before its log named a job; "
+                row.notes.append(f"{task_id}: task runner {pids[0]} exited before the signal; "
                                  "watching the next try")
                 pids = _worker_of(m, run, task_id, timeout=max(1.0, deadline - time.monotonic()))
-                continue
-            time.sleep(0.02)
+            elif m.named_in_log(run, task_id):
+                break
+            else:
+                time.sleep(0.02)
     else:
         m.wait_running(run, task_id, after=5)
         pids = _worker_of(m, run, task_id, timeout=10)

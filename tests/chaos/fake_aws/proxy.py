@@ -45,6 +45,11 @@ class ProxyHandler(BaseHTTPRequestHandler):
 
     def do_any(self) -> None:
         body = self._read_body()
+        if body is None:
+            # The client went away mid-request (a task runner SIGKILLed while it sent): the
+            # service never saw a whole request, acts on nothing and has no one to answer.
+            self.close_connection = True
+            return
         url = urlsplit(self.path)
         if url.path.startswith("/_chaos/"):
             return self._send(self._control(url.path, body))
@@ -70,9 +75,12 @@ class ProxyHandler(BaseHTTPRequestHandler):
 
     do_GET = do_POST = do_PUT = do_DELETE = do_HEAD = do_PATCH = do_any
 
-    def _read_body(self) -> bytes:
+    def _read_body(self) -> bytes | None:
+        """The request's body; None when the connection closed before all of it came."""
         if "chunked" not in self.headers.get("Transfer-Encoding", "").lower():
-            return self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            length = int(self.headers.get("Content-Length") or 0)
+            body = self.rfile.read(length)
+            return body if len(body) == length else None
         # botocore streams S3 uploads with checksums chunked; moto gets them with a length.
         chunks = []
         while size := int(self.rfile.readline().split(b";")[0].strip() or b"0", 16):
