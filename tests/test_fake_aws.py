@@ -390,13 +390,16 @@ def live(chaos: ChaosClient, name: str) -> list[dict]:
             and not j["stop_requests"]]
 
 
-def test_a_request_cut_short_by_its_dying_client_takes_no_effect(fake, chaos):
+@pytest.mark.parametrize("framing", [b"Content-Length: 100\r\n\r\n0123456789",
+                                     b"Transfer-Encoding: chunked\r\n\r\na\r\n0123456789\r\n"],
+                         ids=["length", "chunked"])
+def test_a_request_cut_short_by_its_dying_client_takes_no_effect(fake, chaos, framing):
     """A worker SIGKILLed while it sends leaves half a request: the service acts on none of it
-    (here a PutObject of 10 of its 100 bytes writes no object) and goes on serving."""
+    (here a PutObject of 10 of its 100 bytes, or of its first chunk only, writes no object) and
+    goes on serving."""
     url = urlsplit(fake.url)
     with socket.create_connection((url.hostname, url.port), timeout=10) as sock:
-        sock.sendall(f"PUT /{BUCKET}/cut/short.txt HTTP/1.1\r\nHost: {url.netloc}\r\n"
-                     "Content-Length: 100\r\n\r\n".encode() + b"0123456789")
+        sock.sendall(f"PUT /{BUCKET}/cut/short.txt HTTP/1.1\r\nHost: {url.netloc}\r\n".encode() + framing)
         sock.shutdown(socket.SHUT_WR)   # the client is gone
         assert sock.recv(1024) == b""   # no answer: closed
     s3 = client(fake, "s3")

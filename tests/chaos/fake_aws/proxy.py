@@ -83,8 +83,17 @@ class ProxyHandler(BaseHTTPRequestHandler):
             return body if len(body) == length else None
         # botocore streams S3 uploads with checksums chunked; moto gets them with a length.
         chunks = []
-        while size := int(self.rfile.readline().split(b";")[0].strip() or b"0", 16):
-            chunks.append(self.rfile.read(size))
+        while True:
+            line = self.rfile.readline()
+            if not line:   # closed before the last chunk
+                return None
+            size = int(line.split(b";")[0].strip() or b"0", 16)
+            if not size:
+                break
+            chunk = self.rfile.read(size)
+            if len(chunk) < size:
+                return None
+            chunks.append(chunk)
             self.rfile.readline()
         while self.rfile.readline() not in (b"\r\n", b"\n", b""):  # trailers
             pass
