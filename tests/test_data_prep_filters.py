@@ -352,6 +352,34 @@ def test_names_from_code_stay_one_word_but_a_unit_after_a_digit_splits():
         "`", "`", "task_id", "`", "`", ".", "S3", ".", "5", "MB"]
 
 
+def test_the_suffix_guard_never_hides_a_suffix_the_rules_would_split_off():
+    """_split_chunk asks its suffix rules (a long alternation, searched at the chunk's last 12
+    positions) only of chunks whose last character can end a suffix; a chunk the guard passes
+    over must have no suffix match at all. Every listed mark, quote, currency, unit and icon,
+    after every kind of character the rules look behind at."""
+    from tasks.data import text
+
+    ends = [*text._PUNCT, *text._QUOTES, *(c.replace("\\", "") for c in text._CURRENCY), *text._UNITS,
+            "'s", "’S", "...", "……", "—", "–", "+", ".", "¦", "©", "°", "→", "⌘", "■", "⭐", "🙂", "x", "Z", "é"]
+    before = ["", "a", "Z", "ab", "AB", "5", "x5", "°F", "°c", "%", "²", "-", ")", "'", "”"]
+    checked = 0
+    for end in ends:
+        for lead in before:
+            chunk = f"w{lead}{end}"
+            if text._SUFFIX.search(chunk, max(0, len(chunk) - 12)) is not None:
+                assert text._may_end_in_suffix(chunk), chunk
+                checked += 1
+    assert checked > 500  # the rules matched (the guard was asked) in most of these
+    assert not text._may_end_in_suffix("pip._vendor.rich.panel")  # and it spares the plain ones
+
+
+def test_symbols_are_punctuation_of_any_script_and_menu_marks():
+    from tasks.data.text import is_symbol
+
+    assert all(map(is_symbol, ["...", "»", "¿", "。", "、", "•", "→", "—", "#", "\x07"]))
+    assert not any(map(is_symbol, ["a", "5", "€5", "…a", "a.", "😀", "中"]))
+
+
 def test_word_ids_of_a_batch_are_each_texts_words_even_when_the_tables_start_over(monkeypatch):
     """encode_texts gives each text the ids of split_words(text), in one batch: texts with no
     words, new and known chunks, and the chunk and token tables starting over in mid-stream (made

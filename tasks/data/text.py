@@ -14,7 +14,6 @@ import re
 from itertools import chain
 import string
 import unicodedata
-from functools import lru_cache
 
 import numpy as np
 
@@ -48,6 +47,21 @@ _INFIX = re.compile(_alts([r"\.\.+", "…", f"[{_ICONS}]", r"(?<=[0-9])[+\-*^](?
                            rf"(?<=[{_ALPHA}]),(?=[{_ALPHA}])",
                            rf"(?<=[{_ALPHA}0-9])(?:-|–|—|--|---|——|~)(?=[{_ALPHA}])",
                            rf"(?<=[{_ALPHA}0-9])[:<>=/](?=[{_ALPHA}])"]))
+# What every _SUFFIX match ends in (the guard that spares most chunks its search): the last
+# character of a mark, a quote, "'s", a dash, "+", "." or an icon; or of a unit or a currency sign,
+# which the rules split off only after a digit.
+_SUFFIX_LAST = frozenset(".…+sS—–" + "".join(x[-1] for x in _PUNCT + _QUOTES))
+_AFTER_DIGIT_LAST = frozenset(x.replace("\\", "")[-1] for x in _CURRENCY + _UNITS)
+_ICON_LAST = re.compile(f"[{_ICONS}]$")
+_DIGIT = re.compile("[0-9]")
+
+
+def _may_end_in_suffix(chunk: str) -> bool:
+    last = chunk[-1]
+    return last in _SUFFIX_LAST or (last in _AFTER_DIGIT_LAST and _DIGIT.search(chunk) is not None) \
+        or _ICON_LAST.search(chunk) is not None
+
+
 _URL = re.compile(r"^(?:[a-zA-Z][a-zA-Z+.-]*://|www\.)\S+$")
 _NOT = re.compile(r"^(\w+)([nN]['’][tT])$")
 _CLITIC = re.compile(r"^(\w+)(['’](?:[mMdD]|re|RE|ve|VE|ll|LL))$")
@@ -105,7 +119,7 @@ def _split_chunk(chunk: str) -> list[str]:
             chunk = chunk[pre_len:]
             break
         # Suffixes are short: search only the tail (lookbehinds still see the whole chunk).
-        suf = _SUFFIX.search(chunk, max(pre_len, len(chunk) - 12))
+        suf = _SUFFIX.search(chunk, max(pre_len, len(chunk) - 12)) if _may_end_in_suffix(chunk) else None
         suf_len = len(suf.group()) if suf else 0
         if suf_len and chunk[:-suf_len] in special:
             suffixes.append(chunk[-suf_len:])
@@ -248,17 +262,18 @@ def _chunk_tokens(chunk: str) -> list[str]:
     return _merge_specials(tokens) if len(tokens) > 1 and _MERGE_RE.search(chunk) else tokens
 
 
-@lru_cache(maxsize=1)
-def punctuation_chars() -> frozenset[str]:
-    """What counts as a symbol, not a word: ASCII punctuation and symbols, every Unicode
-    punctuation character (category P*), control characters, and the arrows and box-drawing
-    marks that menus and bullet lists are made of."""
-    chars = set(string.punctuation) | {chr(c) for c in [*range(0, 32), *range(127, 160)]}
-    chars |= set("►▶◄◀•·━─│※→←↑↓")
-    for code in range(0x20000):  # the BMP and plane 1 hold every punctuation mark in use
-        if unicodedata.category(chr(code)).startswith("P"):
-            chars.add(chr(code))
-    return frozenset(chars)
+# Symbols besides Unicode punctuation (category P*): ASCII punctuation and symbols, control
+# characters, and the arrows and box-drawing marks that menus and bullet lists are made of.
+_SYMBOL_CHARS = frozenset(string.punctuation) | {chr(c) for c in [*range(0, 32), *range(127, 160)]} \
+    | frozenset("►▶◄◀•·━─│※→←↑↓")
+
+
+def is_symbol_char(ch: str) -> bool:
+    """What counts as a symbol, not a word: _SYMBOL_CHARS, and every Unicode punctuation character
+    of the BMP and plane 1 (they hold every punctuation mark in use). Asked per character: a set of
+    them all costs each process a pass over 131,072 code points (~40 ms), and only the few tokens
+    that do not start with a letter or digit ask."""
+    return ch in _SYMBOL_CHARS or (ord(ch) < 0x20000 and unicodedata.category(ch)[0] == "P")
 
 
 # Characters that end a sentence in the scripts the filters are meant for (Unicode's
@@ -345,14 +360,16 @@ class WordTable:
             if len(ids) + len(missing) > self.MAX_TOKENS:
                 self._reset()
                 ids, missing = self.ids, set(words)
-            start = len(ids)
-            self.kind, self.length, self.hash = (_with_room(a, start + len(missing), start)
+            start, end, new = len(ids), len(ids) + len(missing), list(missing)
+            self.kind, self.length, self.hash = (_with_room(a, end, start)
                                                  for a in (self.kind, self.length, self.hash))
-            for i, word in enumerate(missing, start):
-                ids[word] = i
-                self.length[i] = len(word)
-                self.kind[i] = self.SYMBOL if is_symbol(word) else self.ALPHA if has_alpha(word) else self.NO_ALPHA
-                self.hash[i] = int.from_bytes(hashlib.blake2b(word.encode("utf-8"), digest_size=8).digest(), "little")
+            ids.update(zip(new, range(start, end)))
+            self.length[start:end] = np.fromiter(map(len, new), dtype=np.int64, count=len(new))
+            self.kind[start:end] = [self.SYMBOL if is_symbol(word) else self.ALPHA if has_alpha(word)
+                                    else self.NO_ALPHA for word in new]
+            # Each word's first 8 bytes of BLAKE2b, read little-endian.
+            self.hash[start:end] = np.frombuffer(b"".join(
+                [hashlib.blake2b(word.encode("utf-8"), digest_size=8).digest() for word in new]), dtype="<u8")
         return np.fromiter(map(ids.__getitem__, words), dtype=np.int64, count=len(words))
 
     def encode_texts(self, texts: list[str]) -> list[np.ndarray]:
@@ -424,8 +441,7 @@ def is_symbol(word: str) -> bool:
     """True when every character of the token is punctuation (a "symbol", not a word)."""
     if word[:1].isalnum():  # words from split_words start with a letter or digit
         return False
-    punct = punctuation_chars()
-    return all(ch in punct for ch in word)
+    return all(map(is_symbol_char, word))
 
 
 # For near-duplicate shingles: lowercase, numbers folded, punctuation dropped, accents stripped,
