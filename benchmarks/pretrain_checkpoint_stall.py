@@ -1,24 +1,29 @@
-"""Checkpoint cost as a user feels it: a training segment's wall time with no save, with
-synchronous saves and with asynchronous saves; and how long each save blocks training; per model
-size.
+"""Checkpoint cost as a user feels it: the wall time of the steps between two saves with no
+save, with a synchronous save and with an asynchronous save; and how long each save blocks
+training; per model size.
 
 GPTs of --sizes (default ~5M, ~19M and ~85M parameters; with AdamW's two moments a checkpoint is
-~12 bytes a parameter: 60 MB to 1 GB) train on one CPU thread. A segment is --saves x
---steps-between steps; with saves, the loop's Checkpointer saves before each group of steps (and
-the segment ends when the last save is committed). Synchronous: serialize, sha256, fsync,
-manifest and rename all block. Asynchronous: training waits only for the previous save (if still
-in flight; at most one) and, at the next optimizer step, for the copy of the state to shared
-memory, which runs beside that step's forward and backward passes; the writer process writes the
-files while the next steps train, and competes with them for the machine (caches,
-memory bandwidth, the kernel's writeback): the blocked time alone hides that cost, the
-segment's wall time shows it. Each mode keeps one Checkpointer for the whole run, as a job does:
-its first save, untimed, lays out the buffers and starts the writer process (once per job). Per
-size, the three modes run in --rounds rounds, each in another order (a burst of load on a shared
-machine falls on all of them); medians are reported, and each round's async and sync segments
-against the same round's no-save segment (the paired median and range). The last line is one
-JSON object.
+~12 bytes a parameter: 60 MB to 1 GB) train on one CPU thread. A segment is --steps-between
+steps (a job saving every 4 steps, the default, saves far more often than any real one: the
+worst case). A save segment starts with a save and ends when that save is committed:
+synchronous, serialize, sha256, fsync, manifest and rename all block; asynchronous, training
+waits only, at the first optimizer step, for the copy of the state to shared memory, which runs
+beside that step's forward and backward passes, and the writer process writes the files while
+the steps train, competing with them for the machine (caches, memory bandwidth, the kernel's
+writeback): the blocked time alone hides that cost, the segment's wall time shows it.
 
-    python benchmarks/pretrain_checkpoint_stall.py [--sizes 5M 19M 85M] [--saves 5] [--steps-between 4] [--rounds 3]
+Paired, adjacent segments: this machine's speed drifts by 10-15% over minutes (a no-save
+20-step segment took 27.5-32.2 s across 9 rounds of the last design, which compared segments
+minutes apart), more than the cost measured. So each cycle runs a no-save segment, an async
+save segment, a settling segment (not the save's: what a save leaves behind falls on it, and
+its slowdown is reported beside), a no-save segment, a sync save segment and another settling segment;
+each save segment is compared with the no-save segment right before it, seconds apart. Reported
+per mode: the mean of those per-cycle slowdowns with its standard error, the median and the
+range, over --cycles cycles. Each mode keeps one Checkpointer for the whole run, as a job does:
+its first save, untimed, lays out the buffers and starts the writer process (once per job).
+The last line is one JSON object.
+
+    python benchmarks/pretrain_checkpoint_stall.py [--sizes 5M 19M 85M] [--steps-between 4] [--cycles 20]
 """
 
 from __future__ import annotations
@@ -45,9 +50,8 @@ MODES = ("none", "sync", "async")
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
-    parser.add_argument("--saves", type=int, default=5)
     parser.add_argument("--steps-between", type=int, default=4)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--cycles", type=int, default=20)
     parser.add_argument("--out", type=Path, default=RESULTS / "pretrain_checkpoint_stall.json")
     parser.add_argument("--work", type=Path, default=Path("/tmp/llmops-bench-ckpt"))
     args = parser.parse_args()
@@ -58,22 +62,22 @@ def main() -> None:
     for name in args.sizes:
         print(f"\n== {name}", flush=True)
         per_size[name] = measure(SIZES[name], data, args)
-    print(f"\n{'':10}{'params':>8}{'ckpt MB':>9}{'no save s':>11}{'sync s':>9}{'async s':>9}"
-          f"{'sync +':>9}{'async +':>9}{'async + paired':>16}{'blocked sync/async s':>24}")
+    print(f"\n{'':8}{'params':>8}{'ckpt MB':>9}{'no save s':>11}{'sync s':>9}{'async s':>9}"
+          f"{'sync +':>9}{'async + (mean +- 2 SE)':>25}{'next seg. +':>12}{'blocked sync/async s':>24}")
     for name, r in per_size.items():
         n, s, a = r["no_save"], r["sync"], r["async"]
-        print(f"{name:10}{r['params'] / 1e6:>7.1f}M{a['checkpoint_mb']:>9.0f}{n['segment_s']:>11.2f}"
-              f"{s['segment_s']:>9.2f}{a['segment_s']:>9.2f}"
-              f"{s['segment_slowdown_vs_no_save']:>9.1%}{a['segment_slowdown_vs_no_save']:>9.1%}"
-              f"{a['segment_slowdown_paired_median']:>16.1%}"
+        print(f"{name:8}{r['params'] / 1e6:>7.1f}M{a['checkpoint_mb']:>9.0f}{n['segment_s']:>11.3f}"
+              f"{s['segment_s']:>9.3f}{a['segment_s']:>9.3f}{s['slowdown_mean']:>9.1%}"
+              f"{a['slowdown_mean']:>14.2%} +- {2 * a['slowdown_standard_error']:.2%}"
+              f"{a['next_segment_slowdown_mean']:>12.2%}"
               f"{s['blocked_median_s']:>16.3f} / {a['blocked_median_s']:.3f}")
-    last_json_line({"benchmark": "pretrain_checkpoint_stall", "saves": args.saves,
-                    "steps_between": args.steps_between, "rounds": args.rounds,
+    last_json_line({"benchmark": "pretrain_checkpoint_stall", "design": "paired adjacent segments",
+                    "steps_between": args.steps_between, "cycles": args.cycles,
                     "sizes": per_size}, args.out)
 
 
 def measure(model_cfg: ModelConfig, data: Path, args: argparse.Namespace) -> dict[str, Any]:
-    """One model size: the three modes in args.rounds rotated rounds; medians and each round."""
+    """One model size: args.cycles cycles of paired adjacent segments (module docstring)."""
     import torch
 
     from tasks.model import GPT
@@ -127,54 +131,61 @@ def measure(model_cfg: ModelConfig, data: Path, args: argparse.Namespace) -> dic
     time.sleep(3)  # the writer process has started (it imports torch) before any timing
 
     def segment(mode: str) -> dict:
+        """--steps-between steps; with a save of `mode` first, committed before it ends."""
         saver = savers.get(mode)
-        blocked, step_s = [], []
         t_start = time.perf_counter()
-        for _ in range(args.saves):
-            if saver is not None:
-                blocked.append(saver.save(step, state(), copy_in_background=True))
-            per_step, waited = train_steps(args.steps_between, saver)
-            step_s.append(per_step)
-            if saver is not None:  # blocked: in save() and until its copy let the step go on
-                blocked[-1] += waited
+        blocked = saver.save(step, state(), copy_in_background=True) if saver is not None else 0.0
+        per_step, waited = train_steps(args.steps_between, saver)
         trained = time.perf_counter()
         if saver is not None:
             saver.wait()
-        out = {"segment_s": time.perf_counter() - t_start,
-               "step_s_between_saves": statistics.median(step_s),
-               "final_wait_s": time.perf_counter() - trained}  # for the last save's write
-        if saver is not None:
-            out.update(blocked_s=blocked, blocked_median_s=statistics.median(blocked),
+        out = {"segment_s": time.perf_counter() - t_start, "step_s": per_step,
+               "commit_wait_s": time.perf_counter() - trained}  # for a write the steps did not hide
+        if saver is not None:  # blocked: in save() and until its copy let the step go on
+            out.update(blocked_s=blocked + waited,
                        checkpoint_mb=sum(f.stat().st_size for f in saver.last.iterdir()) / 1e6)
         return out
 
-    rounds: dict[str, list[dict]] = {m: [] for m in MODES}
-    for r in range(args.rounds):
-        for mode in MODES[r % 3:] + MODES[:r % 3]:
-            rounds[mode].append(segment(mode))
-            print(f"round {r + 1} {mode}: segment {rounds[mode][-1]['segment_s']:.2f} s", flush=True)
+    for _ in range(2):
+        segment("none")  # warm: the first steps after setting up are slower
+    pairs: dict[str, list[tuple[dict, dict]]] = {"async": [], "sync": []}
+    for cycle in range(args.cycles):
+        for mode in ("async", "sync"):
+            reference = segment("none")
+            saved = segment(mode)
+            # settling: not the save's segment, but reported, so that a cost it passes on shows
+            saved["next_segment_s"] = segment("none")["segment_s"]
+            pairs[mode].append((reference, saved))
+        a, s_ = pairs["async"][-1], pairs["sync"][-1]
+        print(f"cycle {cycle + 1}: async {a[1]['segment_s']:.3f} s against {a[0]['segment_s']:.3f}, "
+              f"sync {s_[1]['segment_s']:.3f} s against {s_[0]['segment_s']:.3f}", flush=True)
     shutil.rmtree(args.work / "checkpoints-sync", ignore_errors=True)
     shutil.rmtree(args.work / "checkpoints-async", ignore_errors=True)
-    results = {}
-    for mode, runs in rounds.items():
-        med = {k: statistics.median(run[k] for run in runs)
-               for k in ("segment_s", "step_s_between_saves")}
-        if mode != "none":
-            med.update(blocked_median_s=statistics.median(b for run in runs for b in run["blocked_s"]),
-                       checkpoint_mb=runs[-1]["checkpoint_mb"])
-        results[mode] = {**med, "rounds": runs}
-    n, s, a = results["none"], results["sync"], results["async"]
-    for side in (s, a):
-        side["segment_slowdown_vs_no_save"] = side["segment_s"] / n["segment_s"] - 1
-        # each round against the no-save segment of the same round (the rounds rotate the order,
-        # so a burst of load falls on a round's three segments alike): the median, and the range
-        paired = sorted(run["segment_s"] / none["segment_s"] - 1 for run, none in zip(side["rounds"], n["rounds"]))
-        side["segment_slowdown_paired_median"] = statistics.median(paired)
-        side["segment_slowdown_paired_range"] = [paired[0], paired[-1]]
+    references = [ref for mode in pairs for ref, _ in pairs[mode]]
+    results: dict[str, Any] = {"no_save": {"segment_s": statistics.median(r["segment_s"] for r in references),
+                                           "step_s": statistics.median(r["step_s"] for r in references)}}
+    for mode, runs in pairs.items():
+        slowdowns = [saved["segment_s"] / ref["segment_s"] - 1 for ref, saved in runs]
+        results[mode] = {
+            "segment_s": statistics.median(saved["segment_s"] for _, saved in runs),
+            "step_s": statistics.median(saved["step_s"] for _, saved in runs),
+            "slowdown_mean": statistics.mean(slowdowns),
+            "slowdown_standard_error": statistics.stdev(slowdowns) / len(slowdowns) ** 0.5,
+            "slowdown_median": statistics.median(slowdowns),
+            "slowdown_range": [min(slowdowns), max(slowdowns)],
+            "next_segment_slowdown_mean": statistics.mean(saved["next_segment_s"] / ref["segment_s"] - 1
+                                                          for ref, saved in runs),
+            "blocked_median_s": statistics.median(saved["blocked_s"] for _, saved in runs),
+            "commit_wait_median_s": statistics.median(saved["commit_wait_s"] for _, saved in runs),
+            "checkpoint_mb": runs[-1][1]["checkpoint_mb"],
+            "pairs": [{"no_save_s": ref["segment_s"], "saved_s": saved["segment_s"],
+                       "blocked_s": saved["blocked_s"], "commit_wait_s": saved["commit_wait_s"],
+                       "next_segment_s": saved["next_segment_s"]}
+                      for ref, saved in runs]}
+    n, s, a = results["no_save"], results["sync"], results["async"]
     return {"params": model.num_params(), "model": to_dict(model_cfg), "no_save": n, "sync": s,
             "async": a, "blocked_ratio_sync_over_async":
-                s["blocked_median_s"] / max(a["blocked_median_s"], 1e-9),
-            "segment_ratio_sync_over_async": s["segment_s"] / a["segment_s"]}
+                s["blocked_median_s"] / max(a["blocked_median_s"], 1e-9)}
 
 
 if __name__ == "__main__":
