@@ -367,7 +367,7 @@ class WordTable:
             self.length[start:end] = np.fromiter(map(len, new), dtype=np.int64, count=len(new))
             self.kind[start:end] = [self.SYMBOL if is_symbol(word) else self.ALPHA if has_alpha(word)
                                     else self.NO_ALPHA for word in new]
-            # Each word's first 8 bytes of BLAKE2b, read little-endian.
+            # Each word's 8-byte BLAKE2b digest, read as a little-endian integer (as before).
             self.hash[start:end] = np.frombuffer(b"".join(
                 [hashlib.blake2b(word.encode("utf-8"), digest_size=8).digest() for word in new]), dtype="<u8")
         return np.fromiter(map(ids.__getitem__, words), dtype=np.int64, count=len(words))
