@@ -52,14 +52,14 @@ _INFIX = re.compile(_alts([r"\.\.+", "…", f"[{_ICONS}]", r"(?<=[0-9])[+\-*^](?
 # which the rules split off only after a digit.
 _SUFFIX_LAST = frozenset(".…+sS—–" + "".join(x[-1] for x in _PUNCT + _QUOTES))
 _AFTER_DIGIT_LAST = frozenset(x.replace("\\", "")[-1] for x in _CURRENCY + _UNITS)
-_ICON_LAST = re.compile(f"[{_ICONS}]$")
+_ICON = re.compile(f"[{_ICONS}]")
 _DIGIT = re.compile("[0-9]")
 
 
 def _may_end_in_suffix(chunk: str) -> bool:
     last = chunk[-1]
     return last in _SUFFIX_LAST or (last in _AFTER_DIGIT_LAST and _DIGIT.search(chunk) is not None) \
-        or _ICON_LAST.search(chunk) is not None
+        or _ICON.match(last) is not None
 
 
 _URL = re.compile(r"^(?:[a-zA-Z][a-zA-Z+.-]*://|www\.)\S+$")
