@@ -466,9 +466,21 @@ def test_too_little_data_for_a_val_row_fails_clearly(tmp_path):
 
 
 def test_tiny_inputs_still_get_a_val_row(tmp_path):
+    from tokenizers import Tokenizer
+
     source = write_jsonl(tmp_path / "few.jsonl", [{"id": f"d{i}", "text": t} for i, t in enumerate(PROSE)])
-    manifest = prepare(small_config(tmp_path, [source], val_fraction=0.0)).manifest
+    config = small_config(tmp_path, [source], val_fraction=0.0)
+    manifest = prepare(config).manifest
     assert manifest["splits"]["val"]["rows"] >= 1 and manifest["splits"]["train"]["rows"] >= 1
+    # The lent documents are the training documents of lowest split score, and no more of them
+    # than it takes to fill one row: without the last one lent, validation holds less than a row.
+    documents = read_rows(config.output_dir, "documents")
+    by_score = sorted(documents, key=lambda d: split_score(d["id"], config.seed))
+    lent = [d for d in by_score if d["split"] == "val"]
+    assert lent == by_score[:len(lent)]
+    tokenizer = Tokenizer.from_file(str(Path(config.output_dir) / "tokenizer.json"))
+    tokens = [len(tokenizer.encode(d["text"], add_special_tokens=False).ids) + 1 for d in lent]
+    assert sum(tokens[:-1]) < config.seq_len + 1 <= sum(tokens)
 
 
 def test_missing_input_names_the_pattern(tmp_path):

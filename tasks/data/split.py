@@ -125,7 +125,7 @@ def shard_candidates(documents: Iterable[tuple[int, int, str]], seed: int, val_f
         # (shard, row) orders documents as input order does: a tie in score breaks the same way
         if score < cuts.lend_below:
             _keep_smallest(lendable, row_len, (score, shard, row), doc_id)
-        if (second := split_score(doc_id, seed + 1)) < cuts.sample_below:
+        if sample_docs and (second := split_score(doc_id, seed + 1)) < cuts.sample_below:
             _keep_smallest(sample, sample_docs, (second, score, shard, row), doc_id)
     return {"kept": kept, "train": train, "val_count": val_count, "val": val,
             "lendable": [[*key, doc_id] for key, doc_id in _smallest_first_keyed(lendable)],
