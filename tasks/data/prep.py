@@ -389,28 +389,21 @@ def plan_the_split(jobs: list[dict], config: DataPrepConfig, kept: int, map_jobs
                          kept, config.val_fraction, _sample_docs(config), config.seq_len + 1)
 
 
-def _read_texts(out_dir: Path, wanted: list[tuple[int, int, str]]) -> list[str]:
-    """Texts of the given (shard, row, id) documents, in the order given."""
-    by_shard: dict[int, list[int]] = {}
-    for shard, row, _ in wanted:
-        by_shard.setdefault(shard, []).append(row)
-    texts: dict[tuple[int, int], str] = {}
-    for shard, rows in by_shard.items():
-        column = read_table(shard_files(out_dir, shard)["docs"], columns=["text"]).column("text")
-        for row in rows:
-            texts[(shard, row)] = column[row].as_py()
-    return [texts[(shard, row)] for shard, row, _ in wanted]
-
-
-def _token_counts(out_dir: Path, documents: Iterable[tuple[int, int, str]], tokenizer: Any) -> Iterator[int]:
-    """Each document's tokens plus its end-of-text, in the order given, read as they are asked
-    for, so a caller that stops early reads and encodes no more. One shard's texts are held at a
-    time (documents in shard order read each shard once)."""
+def _texts(out_dir: Path, documents: Iterable[tuple[int, int, str]]) -> Iterator[str]:
+    """Texts of the given (shard, row, id) documents, in the order given, read as they are asked
+    for (a caller that stops early reads no more). One shard's texts are held at a time:
+    documents in shard order, as the sample and the validation documents are, read each shard once."""
     held, column = None, None
     for shard, row, _ in documents:
         if shard != held:
             held, column = shard, read_table(shard_files(out_dir, shard)["docs"], columns=["text"]).column("text")
-        yield len(tokenizer.encode(column[row].as_py(), add_special_tokens=False).ids) + 1
+        yield column[row].as_py()
+
+
+def _token_counts(out_dir: Path, documents: Iterable[tuple[int, int, str]], tokenizer: Any) -> Iterator[int]:
+    """Each document's tokens plus its end-of-text, in the order given, encoded as asked for."""
+    for text in _texts(out_dir, documents):
+        yield len(tokenizer.encode(text, add_special_tokens=False).ids) + 1
 
 
 def tokenizer_and_split(out_dir: Path, jobs: list[dict], config: DataPrepConfig, sft_texts: list[str],
@@ -440,7 +433,7 @@ def tokenizer_and_split(out_dir: Path, jobs: list[dict], config: DataPrepConfig,
                                  declared_eos(config.tokenizer_path, read_bytes))
         atomic_write(path, lambda fh: fh.write(data))
     else:
-        texts = _read_texts(out_dir, plan.sample) + sft_texts
+        texts = [*_texts(out_dir, plan.sample), *sft_texts]
         # SFT text is in the tokenizer's training text so every character of the task has tokens;
         # it never enters the pretraining rows (the pretrained model must not see the task).
         tokenizer = train_tokenizer(texts, config.vocab_size, length=len(texts))
