@@ -94,13 +94,19 @@ def timed(cmd: list[str], env: dict | None = None) -> dict:
     proc = subprocess.Popen([*NICE, *cmd], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                             cwd=REPO)
     out: list[str] = []
-    reader = threading.Thread(target=lambda: out.extend(proc.communicate()), daemon=True)
+    ended: list[float] = []
+
+    def read() -> None:  # the end is taken here, when the run's output closes, not at the next sample
+        out.extend(proc.communicate())
+        ended.append(time.perf_counter())
+
+    reader = threading.Thread(target=read, daemon=True)
     reader.start()
     while proc.poll() is None:
         _tree_cpu(proc.pid, seen)
         time.sleep(0.2)
     reader.join()
-    seconds = time.perf_counter() - started
+    seconds = ended[0] - started
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{out[0][-3000:]}\n{out[1][-3000:]}")
     return {"seconds": seconds, "cpu_seconds": sum(seen.values()), "load_before": load,
@@ -129,6 +135,28 @@ def train_shared_tokenizer(corpus: Path, out: Path, vocab_size: int = 8192, samp
     return time.perf_counter() - started
 
 
+def prepared_corpora(work: Path, name: str, sizes: list[float]) -> tuple[dict[float, tuple[Path, dict]], Path]:
+    """{size: (folder, stats)} of corpus `name` at each size, built under `work` the first time
+    (its JSONL in folder/jsonl), and the tokenizer every run on it uses (trained on the largest)."""
+    from benchmarks.data_prep_corpus import build_corpus, pool
+
+    paragraphs = None
+    corpora = {}
+    for size in sizes:
+        folder = work / f"{name}-{size:g}mb"
+        if not (folder / "stats.json").exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            paragraphs = paragraphs if paragraphs is not None else pool(name)
+            folder.mkdir(parents=True, exist_ok=True)
+            stats = build_corpus(folder / "jsonl", size, paragraphs=paragraphs)
+            (folder / "stats.json").write_text(json.dumps(stats))
+        corpora[size] = (folder, json.loads((folder / "stats.json").read_text()))
+    tokenizer = work / f"{name}-tokenizer.json"
+    if not tokenizer.exists():
+        train_shared_tokenizer(corpora[max(sizes)][0] / "jsonl", tokenizer)
+    return corpora, tokenizer
+
+
 def bench_env() -> dict:
     """The environment of our runs: standalone (no tracking store), a local Ray of exactly the
     workers asked for, whose workers run at the driver's priority: Ray starts them 15 nice
@@ -140,7 +168,9 @@ def bench_env() -> dict:
     return env
 
 
-def run_ours(corpus: Path, out: Path, cores: int, workers: int, tokenizer: Path) -> dict:
+def run_ours(corpus: Path, out: Path, cores: int, workers: int, tokenizer: Path,
+             launcher: tuple[str, ...] = ("-m", "tasks.data.prep")) -> dict:
+    """One whole run of `python -m tasks.data.prep` (or of `launcher`, which takes its arguments)."""
     shutil.rmtree(out, ignore_errors=True)
     config = out.parent / f"{out.name}.config.json"
     config.parent.mkdir(parents=True, exist_ok=True)
@@ -149,12 +179,13 @@ def run_ours(corpus: Path, out: Path, cores: int, workers: int, tokenizer: Path)
     config.write_text(json.dumps({"engine": "auto", "tokenizer_path": str(tokenizer),
                                   "seq_len": 1024, "vocab_size": 8192, "demo_sft_examples": 100}))
     env = bench_env()
-    run = timed([*pinned(cores), sys.executable, "-m", "tasks.data.prep", "--input", str(corpus / "*.jsonl"),
+    run = timed([*pinned(cores), sys.executable, *launcher, "--input", str(corpus / "*.jsonl"),
                  "--output", str(out), "--config", str(config), "--workers", str(workers)], env)
     stdout = run.pop("stdout")
     result = json.loads(stdout[stdout.index("\n{") + 1:] if not stdout.startswith("{") else stdout)
     run["stages"] = {k[len("seconds."):]: v for k, v in result["metrics"].items() if k.startswith("seconds.")}
     run["engine"] = result.get("engine")
+    run["run_seconds"] = result["seconds"]  # the CLI's own clock: from its config read to its result
     return run
 
 
@@ -229,27 +260,12 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="Write the results JSON here.")
     args = parser.parse_args()
     sys.stdout.reconfigure(line_buffering=True)
-    from benchmarks.data_prep_corpus import build_corpus, pool
-
     results: dict = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                                  "processor": platform.processor() or platform.machine()},
                      "versions": versions(args.datatrove_python), "sizes_mb": args.sizes, "rounds": args.rounds,
                      "corpora": {}}
     for name in args.corpora:
-        paragraphs = None
-        corpora = {}
-        for size in args.sizes:
-            folder = args.work / f"{name}-{size:g}mb"
-            if not (folder / "stats.json").exists():
-                shutil.rmtree(folder, ignore_errors=True)
-                paragraphs = paragraphs if paragraphs is not None else pool(name)
-                (folder / "stats.json").parent.mkdir(parents=True, exist_ok=True)
-                stats = build_corpus(folder / "jsonl", size, paragraphs=paragraphs)
-                (folder / "stats.json").write_text(json.dumps(stats))
-            corpora[size] = (folder, json.loads((folder / "stats.json").read_text()))
-        tokenizer = args.work / f"{name}-tokenizer.json"
-        if not tokenizer.exists():
-            train_shared_tokenizer(corpora[max(args.sizes)][0] / "jsonl", tokenizer)
+        corpora, tokenizer = prepared_corpora(args.work, name, args.sizes)
 
         sizes_of = {c[0]: [s for s in args.sizes if c[1] == "ours" or s <= args.datatrove_max_mb] for c in CONFIGS}
         common = f"{max(s for s in args.sizes if s <= args.datatrove_max_mb):g}"  # the largest both ran
