@@ -151,22 +151,22 @@ def test_make_test_timings_reads_each_pytest_run_in_order():
 
 
 def test_data_prep_scaling_measures_each_part_of_both_runs(tmp_path):
-    """benchmarks/data_prep_scaling.py on a 3 MB corpus (above processes_above_bytes, so 2 workers
+    """benchmarks/data_prep_scaling.py on an 8 MB corpus (above processes_above_bytes, so 2 workers
     start a pool): the 2-core run's pool, its worker's share of every stage and the forkserver are
     measured, the 1-core run has none, and the result records where and on what it ran."""
     out = tmp_path / "scaling.json"
-    proc = subprocess.run([sys.executable, "benchmarks/data_prep_scaling.py", "--corpora", "stdlib", "--sizes", "3",
+    proc = subprocess.run([sys.executable, "benchmarks/data_prep_scaling.py", "--corpora", "stdlib", "--sizes", "8",
                            "--rounds", "1", "--work", str(tmp_path / "work"), "--out", str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0 and out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
-    summary = report["corpora"]["stdlib"]["3"]
+    summary = report["corpora"]["stdlib"]["8"]
     assert summary["engines"] == ["local", "processes"]
     one, two = summary["runs"]["1"][0], summary["runs"]["2"][0]
     assert "pool_wait" not in one and two["pool_wait"] > 0 and two["forkserver_cpu"] > 0
     for run in (one, two):
         assert 0 < run["outside"] < run["whole"] and 0 < run["driver"] and 0 < run["maps"] < run["whole"]
-    probe = json.loads((tmp_path / "work" / "runs" / "scaling-stdlib-3-2.probe.json").read_text())
+    probe = json.loads((tmp_path / "work" / "runs" / "scaling-stdlib-8-2.probe.json").read_text())
     by_stage = {m["fn"]: m for m in probe["maps"]}
     assert {"process_shard", "finalize_shard", "hash_file"} <= set(by_stage)
     # the worker took part in the stages with jobs to spare, the first one (where it comes up) too
