@@ -40,7 +40,9 @@ TICKS = os.sysconf("SC_CLK_TCK")
 
 
 def _cpu(pid: int) -> float:
-    """CPU seconds (user + system) of a live process."""
+    """CPU seconds (user + system) of a live process. (data_prep_bench._tree_cpu reads the same
+    fields; the probe does not import it from there: that module's imports run git, which would
+    be timed as part of the run.)"""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / TICKS
 
@@ -92,7 +94,6 @@ def probe(out: Path, argv: list[str]) -> None:
         if self._starting is not None:
             self._starting.join()
         if self._pool is not None:
-            record["pool"]["worker_cpu_s"] = round(sum(map(_cpu, self._pool._processes)), 3)
             server = multiprocessing.forkserver._forkserver._forkserver_pid
             record["pool"]["forkserver_cpu_s"] = round(_cpu(server), 3) if server else None
         close_pool(self)
@@ -104,7 +105,6 @@ def probe(out: Path, argv: list[str]) -> None:
     try:
         runpy.run_module("tasks.data.prep", run_name="__main__", alter_sys=True)
     finally:
-        record["this_process_cpu_s"] = round(time.process_time(), 3)
         out.write_text(json.dumps(record))
 
 
@@ -123,9 +123,10 @@ def parts(run: dict) -> dict:
 
 
 def summarize(runs: dict[int, list[dict]]) -> dict:
-    """Medians over the rounds of each part, the measured speed-up and the two bounds."""
-    one = {k: statistics.median(parts(r)[k] for r in runs[1]) for k in parts(runs[1][0])}
-    two = {k: statistics.median(parts(r)[k] for r in runs[2]) for k in parts(runs[2][0])}
+    """Medians over the rounds of each part (`parts` of each run), the measured speed-up and the
+    two bounds."""
+    one, two = ({k: statistics.median(run["parts"][k] for run in runs[cores]) for k in runs[cores][0]["parts"]}
+                for cores in (1, 2))
     serial = one["outside"] + one["driver"]
     ideal = serial + one["maps"] / 2
     costed = serial + two["map_cpu"] / 2 + two.get("pool_wait", 0.0) / 2
@@ -170,14 +171,14 @@ def main() -> None:
                                    cores, cores, tokenizer,
                                    launcher=(str(Path(__file__).resolve()), "--probe", str(record)))
                     run["probe"] = json.loads(record.read_text())
+                    p = run["parts"] = parts(run)
                     runs[cores].append(run)
-                    p = parts(run)
                     print(f"{name} {size:g} MB round {round_ + 1}, {cores} core(s): whole {p['whole']:.2f} s "
                           f"(outside {p['outside']:.2f}, driver {p['driver']:.2f}, maps {p['maps']:.2f}; "
                           f"map CPU {p['map_cpu']:.2f}" + (f", pool wait {p['pool_wait']:.2f}" if "pool_wait" in p
                                                            else "") + ")")
             summary = summarize(runs)
-            summary["runs"] = {cores: [{k: round(v, 3) for k, v in parts(run).items()} for run in runs[cores]]
+            summary["runs"] = {cores: [{k: round(v, 3) for k, v in run["parts"].items()} for run in runs[cores]]
                                for cores in runs}
             results["corpora"][name][f"{size:g}"] = summary
             print(f"{name} {size:g} MB: speed-up {summary['speedup']}x; bounds: ideal "
