@@ -64,7 +64,9 @@ class TrainConfig:
                                    "to go back to or fork from; a multiple of "
                                    "checkpoint_interval; 0 = only the newest keep_checkpoints.")
     log_interval: int = bounded(10, minimum=1, maximum=10_000_000, help="Steps between metric logs.")
-    seed: int = bounded(1337, minimum=0, maximum=2**31 - 1)
+    seed: int = bounded(1337, minimum=0, maximum=2**31 - 1,
+                        help="Seed of the initial weights and the batch order; a run with only "
+                             "the seeds changed shows the run-to-run noise.")
     # Scale-out and resilience (tasks/train/supervisor.py, loop.py, checkpoint.py)
     checkpoint_uri: str = bounded("", help="Also keep checkpoints under s3://bucket/prefix (one "
                                            "uploader per node); empty = output_dir/checkpoints only.")
@@ -228,7 +230,9 @@ class FinetuneConfig:
     checkpoint_interval: int = bounded(50, minimum=1, maximum=10_000_000)
     keep_checkpoints: int = bounded(2, minimum=1, maximum=1000)
     log_interval: int = bounded(10, minimum=1, maximum=10_000_000)
-    seed: int = bounded(1338, minimum=0, maximum=2**31 - 1)
+    seed: int = bounded(1338, minimum=0, maximum=2**31 - 1,
+                        help="Seed of fine-tuning's example order and replayed rows (and new "
+                             "LoRA weights).")
     eval_examples: int = bounded(200, minimum=1, maximum=1_000_000,
                                  help="Held-out SFT examples scored before and after training.")
 
@@ -275,7 +279,8 @@ class DistillConfig:
     checkpoint_interval: int = bounded(100, minimum=1, maximum=10_000_000)
     keep_checkpoints: int = bounded(2, minimum=1, maximum=1000)
     log_interval: int = bounded(10, minimum=1, maximum=10_000_000)
-    seed: int = bounded(1339, minimum=0, maximum=2**31 - 1)
+    seed: int = bounded(1339, minimum=0, maximum=2**31 - 1,
+                        help="Seed of the student's initial weights and distillation's batch order.")
     eval_examples: int = bounded(200, minimum=1, maximum=1_000_000,
                                  help="Held-out SFT examples scored for student and teacher.")
 
