@@ -56,8 +56,9 @@ def tiny() -> LifecycleConfig:
     # every val row (118 of 32 tokens): the gate pairs the held-out text document by document
     cfg.evaluate.eval_batches, cfg.evaluate.max_task_examples, cfg.evaluate.max_new_tokens = 8, 20, 8
     cfg.evaluate.suite_examples = 20
-    # ten steps teach nothing: only refuse what is far worse than guessing (uniform = 300)
-    cfg.gate = GateConfig(min_task_accuracy=0.0, max_perplexity=600.0)
+    # ten steps teach nothing: only refuse what is far worse than guessing (uniform = 300). A
+    # model this small moves by up to 0.8% with its seeds alone (benchmarks/results/gate_noise.json)
+    cfg.gate = GateConfig(min_task_accuracy=0.0, max_perplexity=600.0, margin=0.015)
     return cfg
 
 
