@@ -48,6 +48,7 @@ def start_retrain(params: dict[str, Any], *, dag_id: str, run_id: str,
     if not data["data_hash"] and os.path.isfile(manifest):
         with open(manifest) as fh:
             data["data_hash"] = json.load(fh)["content_hash"]
+    lifecycle.check_suites(params.get("eval_suites"))
     cfg = lifecycle.resolve({"recipe": params.get("recipe") or "demo"})
     for knob, path in RETRAIN_KNOBS.items():
         if params.get(knob) is not None:
