@@ -17,7 +17,8 @@ import pytest
 from tasks.configs import DataPrepConfig
 from tasks.data.dedup import (MinHasher, bucket_pairs, content_hash, find_duplicates, hashes_to_array,
                               resolve_pairs, shard_index)
-from tasks.data.prep import choose_engine, prepare
+from tasks.data.planning import choose_engine
+from tasks.data.prep import prepare
 from tasks.data.readers import plan_splits
 from tasks.data.pipeline import build_pipeline
 from tasks.data.steps import Doc, run_steps
