@@ -243,16 +243,16 @@ def test_a_file_below_split_bytes_is_cut_so_that_every_worker_gets_some():
     """Up to 16 splits of at least MIN_SPLIT_BYTES a file, split_bytes the most: by the file's
     size alone, never by the workers."""
     mb = 1_000_000
-    assert planning.MIN_SPLIT_BYTES == 2 << 20 and planning.SPLITS_PER_FILE == 16
-    cut = {size: -(-size // planning.split_bytes_for(size, 64 << 20)) for size in (46 * mb, 3 * mb, 2 * mb)}
-    assert cut == {46 * mb: 16, 3 * mb: 2, 2 * mb: 1}   # the 46 MB file: 16 splits of 2.9 MB
+    assert planning.MIN_SPLIT_BYTES == 4 << 20 and planning.SPLITS_PER_FILE == 16
+    cut = {size: -(-size // planning.split_bytes_for(size, 64 << 20)) for size in (46 * mb, 100 * mb, 3 * mb)}
+    assert cut == {46 * mb: 11, 100 * mb: 16, 3 * mb: 1}   # the 46 MB file: 11 splits of 4.2 MB
     assert planning.split_bytes_for(10_000 * mb, 64 << 20) == 64 << 20   # a big file: split_bytes
     assert planning.split_bytes_for(46 * mb, 4096) == 4096   # a smaller split_bytes still wins
 
 
 def test_one_file_makes_the_same_data_set_on_one_worker_and_on_two(tmp_path, monkeypatch):
     """One JSONL file under split_bytes, cut into splits (the rule at a small scale: a split of at
-    least 4 KiB here, 2 MiB in use); one worker in this process, and two (this process and a pool
+    least 4 KiB here, 4 MiB in use); one worker in this process, and two (this process and a pool
     of one): the same shards, documents, dedup decisions, train/val split, token rows and
     manifest content_hash."""
     monkeypatch.setattr(planning, "MIN_SPLIT_BYTES", 4096)

@@ -34,9 +34,13 @@ RECORDS_PER_BUCKET = 1 << 22  # hashes + band keys a dedup bucket holds at most 
 # one worker read it while the others waited: a 46 MB file ran 0.96x as fast on 2 workers as on 1,
 # the same bytes as 16 files 1.80x. Never by the number of workers or hosts, which would make the
 # shards, and with them every output file and the manifest's content_hash, depend on where the
-# run ran (datatrove likewise fixes its tasks apart from its workers).
+# run ran (datatrove likewise fixes its tasks apart from its workers). Every shard costs time of
+# its own (its files and markers, each step's set-up): at 2 MiB the 16 files of 3 MB became 32
+# shards and their 1-worker run took 30.6 s against 25.6 s for the same bytes as one file in 16
+# (benchmarks/results/data_prep_one_file_min2mib.json, medians of 5 rounds at load 11-21); at
+# 4 MiB files of a few MB stay whole, as before.
 SPLITS_PER_FILE = 16
-MIN_SPLIT_BYTES = 2 << 20
+MIN_SPLIT_BYTES = 4 << 20
 
 
 def output_fields(config: dict) -> dict:
@@ -45,8 +49,9 @@ def output_fields(config: dict) -> dict:
 
 
 def split_bytes_for(size: int, split_bytes: int) -> int:
-    """The split size of a file of `size` bytes (SPLITS_PER_FILE): a 46 MB file is cut into 16
-    splits of 2.9 MB, a 3 MB one into one, a 10 GB one into splits of split_bytes."""
+    """The split size of a file of `size` bytes (SPLITS_PER_FILE): a 46 MB file is cut into 11
+    splits of 4.2 MB, a 100 MB one into 16, a 3 MB one into one, a 10 GB one into splits of
+    split_bytes."""
     return min(split_bytes, max(MIN_SPLIT_BYTES, -(-size // SPLITS_PER_FILE)))
 
 
