@@ -73,10 +73,11 @@ test: install browser
 	$(MAKE) --no-print-directory test-matrix
 
 # The slow runs alone, two at a time (each is mostly waits): a multi-week pretraining compressed to
-# minutes on SageMaker, Batch and HyperPod (against the simulators), and the scaling-ladder DAG end
-# to end on the tiny recipe (the suite skips it: LLMOPS_SLOW_TESTS).
+# minutes on SageMaker, Batch and HyperPod (against the simulators), a node lost mid-run on each of
+# them for pretraining, fine-tuning and distillation, and the scaling-ladder DAG end to end on the
+# tiny recipe (the suite skips the last two: LLMOPS_SLOW_TESTS).
 test-slow: install
-	LLMOPS_SLOW_TESTS=1 $(PY) -m pytest tests/test_multiweek.py \
+	LLMOPS_SLOW_TESTS=1 $(PY) -m pytest tests/test_multiweek.py tests/test_node_loss_every_stage.py \
 	  tests/test_ladder.py::test_the_ladder_dag_publishes_a_recommendation \
 	  -n $(TEST_WORKERS) --dist load --durations=5
 

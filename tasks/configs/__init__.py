@@ -10,7 +10,8 @@ Where each part lives (each imports only the ones above it):
     fields.py     ConfigError, bounded, check, check_bounds, from_dict, to_dict, flatten, field_type
     model.py      the building blocks: ModelConfig, OptimConfig
     data.py       DataPrepConfig and DATA_QUALITY_FILTERS
-    train.py      TrainConfig (and what a fork may change), FinetuneConfig, DistillConfig
+    train.py      TrainConfig (and what a fork may change), FinetuneConfig, DistillConfig, and
+                  which stages keep their progress in checkpoints (CHECKPOINTED_STAGES)
     evaluate.py   EvalConfig, the task suite format (SUITE_FORMATS, check_suite_text)
     sweep.py      SweepConfig, LadderConfig, LadderFitConfig
     gate.py       GateConfig and ITEM_METRIC
@@ -40,6 +41,7 @@ from tasks.configs.model import MODEL_ARCHS, ModelConfig, OptimConfig
 from tasks.configs.recipes import RECIPES, base, demo, gpu, recipe, tiny
 from tasks.configs.sweep import SWEEP_PRUNERS, SWEEP_SAMPLERS, LadderConfig, LadderFitConfig, SweepConfig
 from tasks.configs.train import (
+    CHECKPOINTED_STAGES,
     FORK_KNOBS,
     FORK_PLACES,
     DistillConfig,
@@ -56,6 +58,7 @@ __all__ = [
     "MODEL_ARCHS", "ModelConfig", "OptimConfig",
     "DATA_QUALITY_FILTERS", "DataPrepConfig",
     "FORK_KNOBS", "FORK_PLACES", "fork_refusals", "TrainConfig", "FinetuneConfig", "DistillConfig",
+    "CHECKPOINTED_STAGES",
     "EvalConfig", "SUITE_FORMATS", "check_suite_text", "suite_item_kind",
     "SWEEP_SAMPLERS", "SWEEP_PRUNERS", "SweepConfig", "LadderConfig", "LadderFitConfig",
     "ITEM_METRIC", "ITEM_METRIC_HELP", "GateConfig",

@@ -146,6 +146,7 @@ def _train(cfg: TrainConfig, setup: _Setup, env: WorkerEnv, *, stage: str, publi
     from tasks.train.loop import LoopOptions, train
     from tasks.causal_lm import position_params
     from tasks.train.runtime import gpt_flops_per_token
+    from tasks.train.s3 import mirror_for
     from tasks.train.scoring import shard_loss
 
     device, data, model = setup.device, setup.data, setup.model
@@ -159,11 +160,7 @@ def _train(cfg: TrainConfig, setup: _Setup, env: WorkerEnv, *, stage: str, publi
     dist = DistContext.from_env(device, parallelism=cfg.parallelism,
                                 timeout_s=collective_timeout_s(cfg))
     rank, world = (dist.rank, dist.world_size) if dist else (0, 1)
-    mirror = None
-    if cfg.checkpoint_uri:
-        from tasks.train.s3 import S3Mirror
-
-        mirror = S3Mirror(cfg.checkpoint_uri)
+    mirror = mirror_for(cfg.checkpoint_uri)
     faults = FaultInjector.from_env(rank, events)
     health = JobHealth(health_settings(cfg), state_file=run_dir / "health.json",
                        faults=faults if faults else None)

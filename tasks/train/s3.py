@@ -65,6 +65,11 @@ def _retryable(exc: Exception) -> bool:
     return False
 
 
+def mirror_for(uri: str) -> "S3Mirror | None":
+    """The write-through of a stage's checkpoints to its `checkpoint_uri`; None without one."""
+    return S3Mirror(uri) if uri else None
+
+
 class S3Mirror:
     def __init__(self, uri: str, *, part_size: int = 8 << 20, max_attempts: int = 8,
                  base_delay: float = 0.2, max_delay: float = 20.0, parallel_parts: int = 4,
