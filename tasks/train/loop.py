@@ -410,6 +410,9 @@ class _Trainer:
                 self.model.load_state_dict(state["model"])
                 self.optimizer.load_state_dict(state["optimizer"])
             trainer = state["trainer"]
+        check_resume = getattr(self.get_batch, "check_resume", None)
+        if check_resume is not None:   # the same sample order, or the cursor means other rows
+            check_resume(trainer.get("data_seen"))
         self.step = int(trainer["step"])
         self.cursor = int(trainer.get("data_cursor", self.step))
         self.skipped |= set(trainer.get("skipped_batches", []))
