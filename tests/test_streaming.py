@@ -183,3 +183,58 @@ def test_streamed_pretraining_is_bitwise_the_local_one_resumes_exactly_and_reads
     assert a.keys() == b.keys() and len(a) == 20
     for s in a:
         assert a[s] == pytest.approx(b[s], rel=1e-5), s
+
+
+def test_a_batch_node_streams_its_token_shards_instead_of_downloading_them_before_step_1(
+        tiny_data_dir, tmp_path):
+    """docker/job_entry.py as a Batch node starts it (torchrun launcher, AWS_BATCH_JOB_* set, a
+    fresh work dir), with the S3 behind the fake AWS's proxy (its jobs port logs every S3
+    request): before the first step the node listed nothing under the data prefix and fetched
+    no token shard whole, only ranged reads of the blocks its first windows need, a small part
+    of the shards' bytes; data_dir reached the stage as the s3:// URI. (The same map_inputs runs
+    before hyperpodrun on HyperPod.)"""
+    import subprocess
+    import sys
+
+    import boto3
+
+    from tests.aws_fixtures import DUMMY_CREDENTIALS, ENTRY, REGION, ROOT, free_port
+    from tests.chaos.fake_aws import FakeAws
+
+    fake = FakeAws(free_port(), tmp_path / "fake").start()
+    try:
+        s3 = boto3.client("s3", endpoint_url=fake.moto_url, region_name=REGION, **{
+            k.lower(): v for k, v in DUMMY_CREDENTIALS.items() if k != "AWS_DEFAULT_REGION"})
+        s3.create_bucket(Bucket=BUCKET)
+        shard_bytes = 0
+        for path in sorted(tiny_data_dir.rglob("*")):
+            if path.is_file():
+                s3.upload_file(str(path), BUCKET, f"prep/{path.relative_to(tiny_data_dir).as_posix()}")
+                shard_bytes += path.stat().st_size if path.suffix == ".bin" else 0
+        config = to_dict(cfg_for(f"s3://{BUCKET}/prep", Path("unused"), max_steps=5,
+                                 checkpoint_interval=5, eval_interval=5))
+        config["output_dir"] = f"s3://{BUCKET}/out"
+        node = tmp_path / "node0"
+        (node / "tmp").mkdir(parents=True)
+        env = {**os.environ, **DUMMY_CREDENTIALS, "AWS_ENDPOINT_URL": fake.jobs_url,
+               "PYTHONPATH": str(ROOT), "TMPDIR": str(node / "tmp"),
+               "AWS_BATCH_JOB_NUM_NODES": "1", "AWS_BATCH_JOB_NODE_INDEX": "0",
+               "AWS_BATCH_JOB_MAIN_NODE_PRIVATE_IPV4_ADDRESS": "127.0.0.1"}
+        proc = subprocess.run(
+            [sys.executable, str(ENTRY), "--entrypoint", "tasks.pretrain", "--config-json",
+             json.dumps(config), "--result", f"s3://{BUCKET}/out/result.json", "--launcher",
+             "torchrun", "--workdir", str(node / "work"), "--checkpoint-uri", f"s3://{BUCKET}/ckpt"],
+            env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+        assert json.loads((node / "work" / "config.json").read_text())["data_dir"] == f"s3://{BUCKET}/prep"
+        steps = (node / "work" / "output" / "resilience" / "steps.rank0.jsonl").read_text().splitlines()
+        first_step_done = json.loads(steps[0])["t1"]
+        before = [r for r in fake.s3_log if r.origin == "jobs" and r.at <= first_step_done]
+        assert not [r for r in before if r.operation.startswith("List") and "prep" in r.path], before
+        shards = [r for r in before if f"/{BUCKET}/prep/tokens/" in r.path and r.operation == "GetObject"]
+        assert shards and all(r.range.startswith("bytes=") for r in shards), shards
+        # 2 windows of 2 blocks of 8 rows of 33 uint16 tokens: what its first steps read ahead
+        assert sum(r.bytes for r in shards) <= 2 * 2 * 8 * 33 * 2 < shard_bytes / 20
+        assert s3.get_object(Bucket=BUCKET, Key="out/result.json")["Body"].read()
+    finally:
+        fake.stop()

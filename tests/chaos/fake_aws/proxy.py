@@ -18,7 +18,7 @@ import urllib.error
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 from urllib.parse import urlsplit
 
 from tests.aws_fixtures import REGION, free_port
@@ -33,6 +33,17 @@ log = logging.getLogger("fake_aws")
 PACE_CHUNK = 64 << 10   # bytes written between the bandwidth cap's waits
 HOP_HEADERS = {"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "trailer",
                "upgrade", "expect", "content-length"}
+
+
+class S3Request(NamedTuple):
+    """One S3 request the proxy answered (FakeAws.s3_log): when its answer was sent, from which
+    port, the operation, the path (/bucket/key?query), its Range header and its body's bytes."""
+    at: float
+    origin: str
+    operation: str
+    path: str
+    range: str
+    bytes: int
 
 
 class ProxyHandler(BaseHTTPRequestHandler):
@@ -62,7 +73,12 @@ class ProxyHandler(BaseHTTPRequestHandler):
         rule = self.fake.faults.pick(call, lambda: self.fake.sim.keys(call, body, url.path), self.origin)
         if rule is None:
             answer = self.fake.sim.handle(call, body, self._forward, self.headers.get("User-Agent", ""))
-            return self._send(answer)
+            self._send(answer)
+            if call.service == "s3":
+                self.fake.s3_log.append(S3Request(time.time(), self.origin, call.operation,
+                                                  self.path, self.headers.get("Range", ""),
+                                                  len(answer[2]) if self.command != "HEAD" else 0))
+            return
         if rule.kind == "lost":
             # AWS accepted the request (moto and the simulator act on it); its answer never
             # reaches the client, which sees a reset and resends it.
@@ -225,6 +241,7 @@ class FakeAws:
         self.faults = Faults()
         self.operations: collections.Counter[str] = collections.Counter()
         self.job_operations: collections.Counter[str] = collections.Counter()   # the containers' calls
+        self.s3_log: collections.deque[S3Request] = collections.deque(maxlen=200_000)   # what moved
         self.jobs_port = free_port()
         self.lock = threading.Lock()
         self.releasing = threading.Event()   # set at stop: held connections let go
