@@ -83,6 +83,21 @@ def test_global_permutation_replays_runs_made_before_block_shuffling(tiny_data_d
     assert reader.seen(3)["sampler"] == "epoch_permutation"   # what old checkpoints recorded
 
 
+def test_a_block_shuffled_checkpoint_names_the_rows_its_ranks_read(tiny_data_dir):
+    """tasks/train/seen.py's answer for a block-shuffled record is the rows the readers of every
+    rank drew for the trained batches (2 ranks, 2 micro-steps, batch 5 skipped)."""
+    from tasks.train import seen
+
+    rows = DataDir(tiny_data_dir).split("train", block_rows=8)
+    readers = [PretrainBatches(rows, 3, seed=11, rank=r, world_size=2, accumulation=2,
+                               order="block_shuffle", window_blocks=2) for r in range(2)]
+    record = readers[0].seen(9, {5})
+    assert record["sampler"] == "block_shuffle" and record["block_rows"] == 8
+    drawn = {int(i) for b in range(9) if b != 5 for r in readers
+             for i in r.sampler.at(r.positions(b))}
+    assert set(seen.rows_of(record, tiny_data_dir).tolist()) == drawn
+
+
 def test_streamed_rows_are_the_local_rows_and_only_the_needed_blocks_are_read(tiny_data_dir, s3_data):
     local = DataDir(tiny_data_dir).split("train", block_rows=8)
     remote_dir = DataDir(s3_data)
