@@ -40,6 +40,8 @@ KNOBS: dict[str, str] = {
     "batch_size": "pretrain.batch_size",
     "pretrain_steps": "pretrain.max_steps",
     "pretrain_lr": "pretrain_lr",
+    "sample_order": "pretrain.sample_order",
+    "stream_cache_gb": "pretrain.stream_cache_gb",
     "sweep_trials": "sweep.trials",
     "lr_min": "sweep.lr_min",
     "lr_max": "sweep.lr_max",
