@@ -125,7 +125,7 @@ class BlockCache:
     def __init__(self, root: Path, limit_bytes: int) -> None:
         self.root, self.limit = root, int(limit_bytes)
         self.root.mkdir(parents=True, exist_ok=True)
-        self._evict_lock = threading.Lock()
+        self._evict_lock = threading.Lock()   # this process's evict-then-rename, one at a time
 
     def path(self, name: str) -> Path:
         return self.root / f"{name}.blk"
@@ -152,13 +152,9 @@ class BlockCache:
                 fcntl.flock(lock, fcntl.LOCK_UN)
         return path
 
-    def evict(self, keep: set[str]) -> int:
-        """Delete least recently used blocks until the cache fits its limit; returns bytes freed."""
-        with self._evict_lock:
-            return self._evict(keep)
-
-    def _evict(self, keep: set[str], incoming: int = 0) -> int:
-        """Evict (the caller holds the lock) to leave room for `incoming` more bytes."""
+    def _evict(self, keep: set[str], incoming: int) -> int:
+        """Delete least recently used blocks (never those in `keep`) until `incoming` more bytes
+        fit the limit; the caller holds the lock. Returns the bytes freed."""
         files = []
         for entry in os.scandir(self.root):
             if entry.name.endswith(".blk"):
@@ -235,9 +231,15 @@ class StreamedShards:
         return data
 
     def _load(self, block: int) -> np.ndarray:
-        path = self.cache.get(self._name(block), lambda: self._fetch(block), self._keep())
         rows = int(self.block_starts[block + 1] - self.block_starts[block])
-        return np.memmap(path, dtype=self.dtype, mode="r", shape=(rows, self.row_len))
+        for attempt in range(3):
+            path = self.cache.get(self._name(block), lambda: self._fetch(block), self._keep())
+            try:   # once mapped, the rows stay readable whoever evicts the file
+                return np.memmap(path, dtype=self.dtype, mode="r", shape=(rows, self.row_len))
+            except FileNotFoundError:   # evicted (by another rank, or the val split) just now
+                if attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
 
     def _keep(self) -> set[str]:
         with self._lock:
