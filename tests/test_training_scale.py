@@ -231,8 +231,10 @@ def test_accumulation_reads_the_micro_batches_of_more_ranks_and_trains_like_a_bi
     got = [h["loss"] for h in history if "loss" in h]
     want = [h["loss"] for h in ref_history if "loss" in h]
     assert len(got) == 6 and got == pytest.approx(want, rel=1e-5)
+    # float rounding of 6 steps of sums taken in another order: at most 1.1e-6 on block-shuffled
+    # rows (4e-7 on the same steps in the global permutation)
     for name, value in reference.state_dict().items():
-        torch.testing.assert_close(model.state_dict()[name], value, rtol=1e-5, atol=1e-6, msg=name)
+        torch.testing.assert_close(model.state_dict()[name], value, rtol=1e-5, atol=2e-6, msg=name)
 
 
 def test_a_global_batch_the_world_size_cannot_divide_is_refused_at_start(tiny_data_dir, tmp_path):
