@@ -41,6 +41,8 @@ KNOBS: dict[str, str] = {
     "pretrain_steps": "pretrain.max_steps",
     "pretrain_lr": "pretrain_lr",
     "pretrain_seed": "pretrain.seed",
+    "sample_order": "pretrain.sample_order",
+    "stream_cache_gb": "pretrain.stream_cache_gb",
     "sweep_trials": "sweep.trials",
     "lr_min": "sweep.lr_min",
     "lr_max": "sweep.lr_max",

@@ -26,13 +26,19 @@ FORK_PLACES = ("data_dir", "output_dir", "checkpoint_uri", "fork_from", "fork_st
                "max_restarts", "hot_spare", "hang_timeout_s", "save_timeout_s",
                "restore_timeout_s", "upload_timeout_s", "compile_timeout_s", "burn_in",
                "burn_in_min_gbps", "straggler_check_every", "straggler_factor", "straggler_steps",
-               "straggler_action", "sdc_check", "sdc_check_every")
+               "straggler_action", "sdc_check", "sdc_check_every", "stream_cache_gb")
+# What a parent config written before a setting existed ran with: the global permutation, the
+# only sample order then (the block sizes mean nothing to it, so any are the same to a fork).
+BEFORE_SETTING = {"sample_order": "global_permutation"}
 
 
 def fork_refusals(parent: dict[str, Any], fork: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
     """The settings of `fork` (a TrainConfig as a dict) that differ from `parent`'s and may not
     change at a fork: dotted name -> (the parent's value, the fork's)."""
-    was, now = flatten(parent), flatten(fork)
+    was, now = {**BEFORE_SETTING, **flatten(parent)}, flatten(fork)
+    if was.get("sample_order") == now.get("sample_order") == "global_permutation":
+        for key in ("shuffle_block_rows", "shuffle_window_blocks"):
+            was.pop(key, None), now.pop(key, None)
     return {key: (was.get(key), now.get(key)) for key in sorted(set(was) | set(now))
             if key not in FORK_KNOBS + FORK_PLACES and was.get(key) != now.get(key)}
 
@@ -84,6 +90,25 @@ class TrainConfig:
     seed: int = bounded(1337, minimum=0, maximum=2**31 - 1,
                         help="Seed of the initial weights and the batch order; a run with only "
                              "the seeds changed shows the run-to-run noise.")
+    # The order rows are read in (tasks/train/data.py) and how they stream from S3
+    # (tasks/train/stream.py)
+    sample_order: str = bounded("block_shuffle", choices=("block_shuffle", "global_permutation"),
+                                help="block_shuffle: shuffle blocks of rows, then rows within "
+                                     "windows of blocks, so token shards stream from S3 block by "
+                                     "block; global_permutation: one permutation of all rows per "
+                                     "epoch (runs made before block shuffling; replays them "
+                                     "bitwise; streaming it fetches the whole split first).")
+    shuffle_block_rows: int = bounded(1024, minimum=1, maximum=1 << 24,
+                                      help="Rows per block (consecutive rows of one shard): one "
+                                           "sequential S3 read; 1024 rows of 2048 uint32 tokens = "
+                                           "8 MiB.")
+    shuffle_window_blocks: int = bounded(16, minimum=1, maximum=1 << 16,
+                                         help="Blocks whose rows are shuffled together: a batch "
+                                              "draws from window_blocks x block_rows rows.")
+    stream_cache_gb: float = bounded(8.0, minimum=0.001, maximum=1e6,
+                                     help="An s3:// data_dir streams through a cache on each "
+                                          "node's disk of at most this size (two windows at "
+                                          "least; the whole split for global_permutation).")
     # Scale-out and resilience (tasks/train/supervisor.py, loop.py, checkpoint.py)
     checkpoint_uri: str = checkpoint_uri_field()
     async_checkpoint: bool = bounded(True, help="Snapshot to CPU and write in the background, at "
