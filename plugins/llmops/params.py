@@ -40,6 +40,10 @@ KNOBS: dict[str, str] = {
     "batch_size": "pretrain.batch_size",
     "pretrain_steps": "pretrain.max_steps",
     "pretrain_lr": "pretrain_lr",
+    # which steps a pause, a retry or a fork can start from (the sweep's trials keep their own)
+    "checkpoint_interval": "pretrain.checkpoint_interval",
+    "keep_checkpoints": "pretrain.keep_checkpoints",
+    "keep_every": "pretrain.keep_every",
     "sweep_trials": "sweep.trials",
     "lr_min": "sweep.lr_min",
     "lr_max": "sweep.lr_max",
