@@ -72,11 +72,12 @@ test: install browser
 	$(MAKE) --no-print-directory test-slow
 	$(MAKE) --no-print-directory test-matrix
 
-# The slow runs alone, two at a time (each is mostly waits): a multi-week pretraining compressed to
-# minutes on SageMaker, Batch and HyperPod (against the simulators), and the scaling-ladder DAG end
-# to end on the tiny recipe (the suite skips it: LLMOPS_SLOW_TESTS).
+# The slow runs alone, two at a time (each is mostly waits): a lifecycle run paused, resumed and
+# forked through the DAG (first: its tiny lifecycle run makes it the longest), a multi-week
+# pretraining compressed to minutes on SageMaker, Batch and HyperPod (against the simulators), and
+# the scaling-ladder DAG end to end on the tiny recipe (the suite skips them: LLMOPS_SLOW_TESTS).
 test-slow: install
-	LLMOPS_SLOW_TESTS=1 $(PY) -m pytest tests/test_multiweek.py \
+	LLMOPS_SLOW_TESTS=1 $(PY) -m pytest tests/test_pause_resume_dag.py tests/test_multiweek.py \
 	  tests/test_ladder.py::test_the_ladder_dag_publishes_a_recommendation \
 	  -n $(TEST_WORKERS) --dist load --durations=5
 
