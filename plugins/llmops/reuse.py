@@ -168,8 +168,11 @@ def pause_record(result: dict[str, Any], *, identity: dict[str, Any], key: str,
     the manifests are hashed here: a checkpoint's manifest holds its files' sha256."""
     outputs = result.get("outputs") or {}
     checkpoints = outputs.get("checkpoints") or os.path.dirname(outputs.get("checkpoint") or "")
+    steps = result.get("kept_steps") or []
+    if not os.path.isdir(checkpoints):  # a remote job's disk: only its S3 mirror outlives the job
+        checkpoints, steps = outputs.get("checkpoint_uri") or checkpoints, []
     kept = {}
-    for step in result.get("kept_steps") or []:
+    for step in steps:
         manifest = step_cache.listing(os.path.join(checkpoints, f"step_{int(step):06d}", "manifest.json"))
         if manifest is None:
             raise step_cache.StepCacheError(f"the kept checkpoint of step {step} under "
