@@ -73,7 +73,8 @@ test: install browser
 	$(MAKE) --no-print-directory test-matrix
 
 # The slow runs alone, two at a time (each is mostly waits): a lifecycle run paused, resumed and
-# forked through the DAG (first: its tiny lifecycle run makes it the longest), a multi-week
+# forked through the DAG (listed first so that a worker starts it at once: with the tiny lifecycle
+# run it builds on, five DAG runs in one test), a multi-week
 # pretraining compressed to minutes on SageMaker, Batch and HyperPod (against the simulators), and
 # the scaling-ladder DAG end to end on the tiny recipe (the suite skips them: LLMOPS_SLOW_TESTS).
 test-slow: install
