@@ -63,7 +63,8 @@ browser:
 
 # The suite on TEST_WORKERS processes (pytest-xdist; 0 runs it in this process), then the slow runs
 # and the fault matrix as targets of their own: the compressed multi-week run per backend and the
-# whole scaling-ladder DAG (~11 min on 2 cores), the fault matrix (~18 min).
+# whole scaling-ladder DAG (~11 min on 2 cores, measured before the pause/resume DAG test joined
+# them), the fault matrix (~18 min).
 TEST_WORKERS ?= 2
 SLOW_MATRICES := tests/test_multiweek.py tests/test_fault_matrix.py
 test: install browser
