@@ -78,7 +78,8 @@ class TrainConfig:
     eval_interval: int = bounded(50, minimum=1, maximum=10_000_000, help="Steps between val evals.")
     eval_batches: int = bounded(8, minimum=1, maximum=100_000, help="Batches per val eval.")
     checkpoint_interval: int = bounded(50, minimum=1, maximum=10_000_000,
-                                       help="Steps between checkpoints.")
+                                       help="Steps between checkpoints: the steps a retry "
+                                            "resumes from and a pause or fork can start at.")
     keep_checkpoints: int = bounded(2, minimum=1, maximum=1000,
                                     help="The newest checkpoints kept, on disk and under "
                                          "checkpoint_uri (besides those keep_every keeps).")
@@ -190,11 +191,13 @@ class TrainConfig:
         check(bool(self.fork_from) or not (self.fork_step or self.fork_parent_run_id),
                "TrainConfig.fork_step and fork_parent_run_id need fork_from: the checkpoints "
                "directory of the pretraining to fork.")
+        # Both fields named with their class, so the lifecycle's refusal names both Params.
         check(self.keep_every % self.checkpoint_interval == 0,
                f"TrainConfig.keep_every ({self.keep_every}) must be 0 or a multiple of "
-               f"checkpoint_interval ({self.checkpoint_interval}): only those steps are saved. Set "
-               f"keep_every to "
-               f"{max(1, round(self.keep_every / self.checkpoint_interval)) * self.checkpoint_interval}.")
+               f"TrainConfig.checkpoint_interval ({self.checkpoint_interval}): only those steps are "
+               f"saved. Set keep_every to "
+               f"{max(1, round(self.keep_every / self.checkpoint_interval)) * self.checkpoint_interval}"
+               f" or 0, or checkpoint_interval to a divisor of it.")
         check(bool(self.output_dir), "TrainConfig.output_dir is required: where checkpoints go.")
         check_checkpoint_uri(self)
 

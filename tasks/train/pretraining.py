@@ -256,7 +256,7 @@ def _paused_result(run_dir: Path, result: Any, run: Any, cfg: TrainConfig) -> di
     report = _report(run_dir, result)
     checkpoints = str(Path(cfg.output_dir) / "checkpoints")
     out: dict[str, Any] = {
-        "paused": True, "paused_at_step": result.paused_at,
+        "paused": True, "paused_at_step": result.paused_at, "max_steps": cfg.max_steps,
         "pause_request": result.pause_request,
         "metrics": {"step": result.step, "paused_at_step": result.paused_at,
                     "train_loss": result.train_loss, "tokens_per_s": result.tokens_per_s,
