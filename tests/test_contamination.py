@@ -89,19 +89,22 @@ def test_the_gate_scores_without_seen_items_and_refuses_past_the_share():
                    "champion": {"per_item": {"task_accuracy": _results("0001111110", seen)}}},
         "contamination": {"task_accuracy": {"items": 10, "checked": 10, "too_short": 0,
                                             "contaminated": 3}}}
-    lenient = GateConfig(min_task_accuracy=0.0, champion_margins={"task_accuracy": 0.0},
-                         max_contaminated_share=0.5)
+    lenient = GateConfig(min_task_accuracy=0.0, metrics=["task_accuracy"], max_contaminated_share=0.5)
     clean = promotion.clean_metrics(lenient, evaluation)
     assert clean["challenger.task_accuracy"] == pytest.approx(4 / 7)     # 0.7 with the leak
     assert clean["champion.task_accuracy"] == pytest.approx(6 / 7)
-    assert promotion.gate_decisions(lenient, evaluation, ("challenger",))["challenger"] == [
-        "task_accuracy 0.5714 is worse than the champion's 0.8571 (at most -0 allowed)"]
-    counted = GateConfig(min_task_accuracy=0.0, champion_margins={"task_accuracy": 0.0},
-                         max_contaminated_share=0.5, exclude_contaminated=False)
-    assert promotion.gate_decisions(counted, evaluation, ("challenger",))["challenger"] == []
+    reasons, compared = promotion.judge(lenient, evaluation, ("challenger",))
+    scored = compared["challenger"]["task_accuracy"]
+    # the paired comparison drops the seen items from both models: 7 items, not 10
+    assert (scored.n, scored.challenger, scored.champion) == (7, pytest.approx(4 / 7), pytest.approx(6 / 7))
+    assert reasons["challenger"] == [scored.reason()] and "over 7 items" in scored.reason()
+    counted = GateConfig(min_task_accuracy=0.0, metrics=["task_accuracy"], max_contaminated_share=0.5,
+                         exclude_contaminated=False)
+    scored = promotion.judge(counted, evaluation, ("challenger",))[1]["challenger"]["task_accuracy"]
+    assert (scored.n, scored.challenger) == (10, pytest.approx(0.7))
 
-    strict = GateConfig(min_task_accuracy=0.0, champion_margins={})    # default share: 25%
-    (reason,) = promotion.gate_decisions(strict, evaluation, ("challenger",))["challenger"]
+    strict = GateConfig(min_task_accuracy=0.0, metrics=["task_accuracy"])    # default share: 25%
+    reason = promotion.gate_decisions(strict, evaluation, ("challenger",))["challenger"][-1]
     assert reason.startswith("task_accuracy: 3 of 10 items (30%) appear in the training data, "
                              "more than max_contaminated_share 25%")
 
