@@ -118,8 +118,11 @@ def _approve_when_asked(proc: subprocess.Popen, timeout: float) -> dict:
 
 @pytest.fixture(scope="module")
 def retrain_run(airflow_db, tiny_data_dir, champion, tmp_path_factory) -> dict:
+    # Ten fine-tuning steps from a random champion make the held-out text ~0.5% cheaper (measured:
+    # -0.51% [-0.59%, -0.43%] over 8 documents): real, and below the tiny recipe's 1.5% margin,
+    # which refuses it. A team that retrains on fresh data asks for the gain it needs: gate_margin.
     conf = {"recipe": "tiny", "registered_model_name": NAME, "data_dir": str(tiny_data_dir),
-            "require_approval": True}
+            "require_approval": True, "gate_margin": 0.002}
     bin_dir = Path(sys.executable).parent
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
     # The run's output goes to a file, not a pipe: nobody reads a pipe while the test waits for
@@ -152,6 +155,7 @@ def test_the_champion_is_retrained_evaluated_gated_approved_and_promoted(retrain
     assert str(mv.version) == "2"
     tags = mv.tags
     assert tags["gate.passed"] == "true" and tags["gate.compared_to"] == "1"
+    assert "superior(0.20%): pass" in tags["gate.paired.heldout.bits_per_byte"]
     assert tags["approval"].startswith("Approve by admin")
     assert tags["lineage.parent_registered_version"] == f"{NAME}/1"
     data_hash = json.loads((tiny_data_dir / "manifest.json").read_text())["content_hash"]
