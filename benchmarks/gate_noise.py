@@ -2,7 +2,10 @@
 beside the point-estimate gate it replaced, on the same challengers, in one run.
 
     .venv/bin/python -m benchmarks.gate_noise [--recipes tiny demo] [--seeds 5] [--improved 5]
-        [--out benchmarks/results/gate_noise.json]
+        [--work DIR] [--out benchmarks/results/gate_noise.json]
+
+With --work, a rerun after an interruption reads back every job that finished there with the same
+config instead of running it again.
 
 Per recipe: data prep once; a champion run (pretrain -> finetune -> distill -> evaluate) with the
 recipe's seeds; `--seeds` challengers that differ from it only in their seeds (Params
@@ -61,9 +64,20 @@ def _seeds(cfg: Any, k: int) -> dict[str, int]:
 
 
 def _job(stage: str, config: dict[str, Any], work: Path, env: dict[str, str]) -> dict[str, Any]:
-    """One stage's job as the local backend runs it; its result."""
+    """One stage's job as the local backend runs it; its result. A job that already finished in
+    `work` with this very config (a rerun with the same --work after an interruption) is read back,
+    not run again: its seconds are from its files (config.json written at its start, result.json
+    by the job at its end)."""
     work.mkdir(parents=True, exist_ok=True)
-    (work / "config.json").write_text(json.dumps(config))
+    config_file, result_file = work / "config.json", work / "result.json"
+    if (result_file.exists() and config_file.exists()
+            and json.loads(config_file.read_text()) == json.loads(json.dumps(config))):
+        result = json.loads(result_file.read_text())
+        result["seconds"] = result_file.stat().st_mtime - config_file.stat().st_mtime
+        result["reused"] = True
+        return result
+    result_file.unlink(missing_ok=True)
+    config_file.write_text(json.dumps(config))
     started = time.monotonic()
     with open(work / "output.log", "w") as log:
         proc = subprocess.run([sys.executable, "-m", f"tasks.{stage}", "--config",
@@ -147,8 +161,25 @@ def paired_gate(gate: Any, evaluation: dict[str, Any]) -> dict[str, Any]:
             "primary": primary.to_dict() if primary else None}
 
 
-def bench_recipe(recipe: str, seeds: int, improved: int, work: Path, env: dict[str, str]
-                 ) -> dict[str, Any]:
+def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per gate: promotions among the seed challengers (false) and the improved ones (power)."""
+    summary = {}
+    noise = [r for r in rows if r["kind"] == "seed"]
+    better = [r for r in rows if r["kind"] == "improved"]
+    for gate_name in ("paired", "point_estimate"):
+        summary[gate_name] = {
+            "false_promotions": sum(r[gate_name]["promoted"] for r in noise), "seed_challengers": len(noise),
+            "false_promotion_rate": sum(r[gate_name]["promoted"] for r in noise) / max(len(noise), 1),
+            "true_promotions": sum(r[gate_name]["promoted"] for r in better),
+            "improved_challengers": len(better),
+            "power": sum(r[gate_name]["promoted"] for r in better) / max(len(better), 1)}
+    return summary
+
+
+def bench_recipe(recipe: str, seeds: int, improved: int, work: Path, env: dict[str, str],
+                 save: Any = None) -> dict[str, Any]:
+    """One recipe's champion and challengers; `save(partial)` after each challenger, so an
+    interrupted run keeps what it measured (marked complete: false)."""
     from llmops import lifecycle
     from tasks import configs
 
@@ -163,9 +194,14 @@ def bench_recipe(recipe: str, seeds: int, improved: int, work: Path, env: dict[s
     champion = _lifecycle(common, data_dir, work / "champion", env)
     gate = base.gate
     first = promotion_of_first(gate, champion)
-    runs = [("seed", k, {**common, **_seeds(base, k)}) for k in range(1, seeds + 1)]
-    runs += [("improved", k, {**common, **_seeds(base, 100 + k), **RECIPE_IMPROVEMENT[recipe]})
-             for k in range(1, improved + 1)]
+    # seed and improved challengers in turn: a run cut short still has some of each
+    runs = sorted([("seed", k, {**common, **_seeds(base, k)}) for k in range(1, seeds + 1)]
+                  + [("improved", k, {**common, **_seeds(base, 100 + k), **RECIPE_IMPROVEMENT[recipe]})
+                     for k in range(1, improved + 1)], key=lambda run: (run[1], run[0] != "seed"))
+    head = {"recipe": recipe, "gate": configs.to_dict(gate), "champion_model": first,
+            "improvement": RECIPE_IMPROVEMENT[recipe], "seed_step": SEED_STEP,
+            "champion_seconds": champion["seconds"],
+            "champion_bits_per_byte": champion["evaluation"]["metrics"][f"{first}.bits_per_byte"]}
     rows = []
     for kind, k, params in runs:
         print(f"[{recipe}] {kind} challenger {k}: {params}", flush=True)
@@ -183,21 +219,11 @@ def bench_recipe(recipe: str, seeds: int, improved: int, work: Path, env: dict[s
               f"{'PROMOTED' if new['promoted'] else 'kept champion'} | point estimate "
               f"{'PROMOTED ' + str(old['candidate']) if old['promoted'] else 'kept champion'}",
               flush=True)
-    summary = {}
-    for gate_name in ("paired", "point_estimate"):
-        noise = [r for r in rows if r["kind"] == "seed"]
-        better = [r for r in rows if r["kind"] == "improved"]
-        summary[gate_name] = {
-            "false_promotions": sum(r[gate_name]["promoted"] for r in noise), "seed_challengers": len(noise),
-            "false_promotion_rate": sum(r[gate_name]["promoted"] for r in noise) / max(len(noise), 1),
-            "true_promotions": sum(r[gate_name]["promoted"] for r in better),
-            "improved_challengers": len(better),
-            "power": sum(r[gate_name]["promoted"] for r in better) / max(len(better), 1)}
-    return {"recipe": recipe, "gate": configs.to_dict(gate), "champion_model": first,
-            "improvement": RECIPE_IMPROVEMENT[recipe], "seed_step": SEED_STEP,
-            "champion_seconds": champion["seconds"],
-            "champion_bits_per_byte": champion["evaluation"]["metrics"][f"{first}.bits_per_byte"],
-            "rows": rows, "summary": summary, "seconds": time.monotonic() - started}
+        if save is not None and len(rows) < len(runs):
+            save({**head, "rows": rows, "summary": summarize(rows), "complete": False,
+                  "seconds": time.monotonic() - started})
+    return {**head, "rows": rows, "summary": summarize(rows), "complete": True,
+            "seconds": time.monotonic() - started}
 
 
 def promotion_of_first(gate: Any, champion: dict[str, Any]) -> str:
@@ -227,9 +253,13 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.update({k: env[k] for k in ("MLFLOW_TRACKING_URI", "LLMOPS_HOME")})
     from benchmarks.pretrain_common import write_result
 
-    results = []
-    for recipe in args.recipes:   # written as each recipe finishes: a crash keeps what ran
-        results.append(bench_recipe(recipe, args.seeds, args.improved, work / recipe, env))
+    results: list[dict[str, Any]] = []
+
+    def save(partial: dict[str, Any]) -> None:   # after every challenger: a crash keeps what ran
+        write_result({"benchmark": "gate_noise", "recipes": [*results, partial]}, Path(args.out))
+
+    for recipe in args.recipes:
+        results.append(bench_recipe(recipe, args.seeds, args.improved, work / recipe, env, save))
         write_result({"benchmark": "gate_noise", "recipes": results}, Path(args.out))
     print("\n| recipe | gate | seed challengers promoted (false) | improved promoted (power) |")
     print("| --- | --- | --- | --- |")
