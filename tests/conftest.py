@@ -112,9 +112,13 @@ SHARED_RUN_GROUPS = {
     "test_lifecycle_e2e": "tiny_lifecycle_run",
     "test_lifecycle_reuse": "tiny_lifecycle_run",
     "test_lifecycle_gate": "tiny_lifecycle_run",
+    "test_pause_resume_dag": "tiny_lifecycle_run",   # make test-slow: one tiny run for both
 }
 SLOWEST_FIRST = [  # by their seconds on 2 cores (--durations), the slowest first
-    "test_lifecycle_e2e", "test_lifecycle_reuse", "test_lifecycle_gate", "test_browser",
+    # test-slow: the gate's DAG test before the pause/resume one, while the session's first
+    # tiny run is still the champion it is compared with
+    "test_lifecycle_gate", "test_pause_resume_dag",
+    "test_lifecycle_e2e", "test_lifecycle_reuse", "test_browser",
     "test_post_training", "test_lifecycle_hf", "test_multinode_no_shared_disk",
     "test_backend_sagemaker_lifecycle",
     "test_resilience", "test_pause", "test_pause_ui", "test_fork", "test_run_failure", "test_mwaa",
