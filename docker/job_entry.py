@@ -245,6 +245,8 @@ def download(uri: str, target: Path) -> None:
 def upload(local: Path, uri: str, skip: tuple[str, ...] = ("checkpoints",)) -> int:
     """Copy a directory tree to an s3:// prefix, or to a shared path; skips `checkpoints`, which
     the platform syncs (or which already sit at the checkpoint URI)."""
+    if not uri:   # Path("") is the working directory: never copy a job's outputs there
+        raise ValueError(f"no destination for the outputs in {local}")
     files = [p for p in sorted(local.rglob("*"))
              if p.is_file() and p.relative_to(local).parts[0] not in skip]
     if uri.startswith("s3://"):
@@ -444,7 +446,10 @@ def main(argv: list[str] | None = None) -> int:
         if n_hosts > 1:
             output_uri = f"{output_uri.rstrip('/')}/host-{host}"
     elif "://" in target:
+        # the stage writes on this node; its outputs go where its config says once it ends
+        # (--output-uri, when given, says where instead)
         local_out, upload_outputs = workdir / "output", True
+        output_uri = output_uri or target
     else:  # a path on storage the job shares with Airflow
         local_out = Path(target or workdir / "output")
     local_out.mkdir(parents=True, exist_ok=True)

@@ -251,5 +251,9 @@ def test_a_batch_node_streams_its_token_shards_instead_of_downloading_them_befor
         # 2 windows of 2 blocks of 8 rows of 33 uint16 tokens: what its first steps read ahead
         assert sum(r.bytes for r in shards) <= 2 * 2 * 8 * 33 * 2 < shard_bytes / 20
         assert s3.get_object(Bucket=BUCKET, Key="out/result.json")["Body"].read()
+        # the outputs went where the config's output_dir says (no --output-uri given), not into
+        # the directory the node was started in
+        outputs = s3.list_objects_v2(Bucket=BUCKET, Prefix="out/model/")["Contents"]
+        assert any(o["Key"].endswith("model.safetensors") for o in outputs)
     finally:
         fake.stop()
