@@ -2,7 +2,7 @@
 
 A task cannot write its DAG run's note (the Task SDK has no setter, and the REST API would need
 a user's credentials in every task). So the promote task leaves the line as the XCom `run_note`
-(llmops.run_summary.note_line) and this listener, loaded by the scheduler with the project's
+(llmops.run_summary_text.note_line) and this listener, loaded by the scheduler with the project's
 plugins, copies it onto the run when the run finishes, in the scheduler's own transaction. A note
 someone already wrote is kept.
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any, Callable
 
-from llmops import run_note, run_summary
+from llmops import run_note, run_summary, run_summary_text
 from llmops.run_charts import (bar_chart, duration, esc, figure, fmt, fork_chart, line_chart,
                                percent, timeline_chart, utc_time)
 
@@ -187,7 +187,7 @@ def render(summary: dict[str, Any], airflow: dict[str, Any] | None = None) -> st
             f' · {esc(duration(s["duration_s"]))}</div>',
             _live_line(airflow, dt.datetime.fromtimestamp(s["as_of_ms"] / 1000, dt.timezone.utc)
                        if s.get("as_of_ms") else None),
-            f'<div class="note" data-key="note">{esc(s.get("note") or run_summary.note_line(s))}</div>',
+            f'<div class="note" data-key="note">{esc(s.get("note") or run_summary_text.note_line(s))}</div>',
             _failure(airflow)]
 
     # headline cards
