@@ -113,10 +113,13 @@ $(BENCH_VENV)/.installed:
 bench-data: install $(BENCH_VENV)/.installed
 	$(PY) benchmarks/data_prep_bench.py --datatrove-python $(BENCH_VENV)/bin/python --out benchmarks/results/data_prep_throughput.json
 
-# Amazon MWAA: what the environment takes, in dist/mwaa/. Optional: MWAA_TRACKING_URI=...
-# STORAGE_ROOT=s3://... are written into startup.sh.
+# Amazon MWAA: what the environment takes, in $(MWAA_OUT). MWAA_TRACKING_URI=... (not
+# MLFLOW_TRACKING_URI, which is this checkout's local store above) and STORAGE_ROOT=s3://... are
+# written into startup.sh; the build warns when either is missing and refuses a local store.
+MWAA_OUT ?= $(CURDIR)/dist/mwaa
 mwaa-bundle: install
-	$(PY) scripts/mwaa_bundle.py --tracking-uri "$(MWAA_TRACKING_URI)" --storage-root "$(STORAGE_ROOT)"
+	$(PY) scripts/mwaa_bundle.py --tracking-uri "$(MWAA_TRACKING_URI)" --storage-root "$(STORAGE_ROOT)" \
+	  --out "$(MWAA_OUT)"
 
 # The bundle's DAGs import with only its requirements.txt (MWAA's constraints, no torch, no
 # ray): a venv of its own in ~/.cache/llmops/, ~1-2 min to create the first time, then cached.
