@@ -17,6 +17,7 @@ import html
 import math
 from typing import Any
 
+from llmops.run_summary_text import duration
 PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2",
            "#7f7f7f", "#bcbd22", "#17becf")
 STATE_COLOURS = {"FINISHED": "#2ca02c", "RUNNING": "#1f77b4", "FAILED": "#d62728",
@@ -53,14 +54,6 @@ def figure(key: str, value: Any, digits: int = 4, shown: str | None = None) -> s
 
 def percent(value: float | None) -> str:
     return "–" if value is None else f"{100 * value:.1f}%"
-
-
-def duration(seconds: float | None) -> str:
-    if seconds is None:
-        return "–"
-    if seconds >= 7200:
-        return f"{seconds / 3600:.1f} h"
-    return f"{seconds:.1f} s" if seconds < 120 else f"{seconds / 60:.1f} min"
 
 
 def utc_time(ms: int | None) -> str:
@@ -187,34 +180,48 @@ def bar_chart(values: dict[str, float], *, title: str, unit: str = "", width: in
     return "".join(out)
 
 
-def timeline_chart(stages: list[dict[str, Any]], *, width: int = 940) -> str:
-    """A Gantt chart of the stage runs: one bar per task (mapped trials included), coloured by state."""
+def timeline_chart(stages: list[dict[str, Any]], *, width: int = 940, now_ms: int | None = None) -> str:
+    """A Gantt chart of the stage runs: one bar per task (mapped trials included), coloured by
+    state. A stage still running (no end yet) has a bar to `now_ms`, labelled "running"."""
     rows = [s for s in stages if s["start_ms"]]
     if not rows:
         return '<div class="empty">No stage has started yet.</div>'
+
+    def end(s: dict[str, Any]) -> int | None:
+        return s["end_ms"] or (now_ms if s["status"] == "RUNNING" and now_ms else None)
+
     t0 = min(s["start_ms"] for s in rows)
-    t1 = max((s["end_ms"] or s["start_ms"]) for s in rows)
+    t1 = max((end(s) or s["start_ms"]) for s in rows)
     span = max(t1 - t0, 1)
     label_w, row, top = 150, 22, 8
-    bar_w = width - label_w - 90
+    bar_w = width - label_w - 110
     height = top + row * len(rows) + 26
     out = [f'<svg class="chart" role="img" aria-label="stage timeline" width="{width}" height="{height}" '
            f'viewBox="0 0 {width} {height}" xmlns="http://www.w3.org/2000/svg">']
     for i, s in enumerate(rows):
         y = top + i * row
         x = label_w + (s["start_ms"] - t0) / span * bar_w
-        w = max(2.0, ((s["end_ms"] or t1) - s["start_ms"]) / span * bar_w)
+        w = max(2.0, ((end(s) or t1) - s["start_ms"]) / span * bar_w)
         name = s["task_id"] + (f"[{s['map_index']}]" if s["map_index"] >= 0 else "")
         colour = STATE_COLOURS.get(s["status"], "#7f7f7f")
+        running = s["end_ms"] is None and s["status"] == "RUNNING" and bool(now_ms)
+        seconds = _seconds_between(s["start_ms"], end(s)) if running else s["duration_s"]
+        label = f"running {duration(seconds)}" if running else duration(seconds)
+        cls = ' class="running"' if running else ""
         out.append(f'<text x="{label_w - 6}" y="{y + 15}" class="tick" text-anchor="end">{esc(name)}</text>'
-                   f'<rect x="{x:.1f}" y="{y + 3}" width="{w:.1f}" height="{row - 6}" rx="3" fill="{colour}">'
-                   f'<title>{esc(name)}: {esc(s["status"])}, {esc(duration(s["duration_s"]))}</title></rect>'
-                   f'<text x="{x + w + 4:.1f}" y="{y + 15}" class="tick">{esc(duration(s["duration_s"]))}</text>')
+                   f'<rect x="{x:.1f}" y="{y + 3}" width="{w:.1f}" height="{row - 6}" rx="3" fill="{colour}"'
+                   f'{cls} data-task="{esc(name)}">'
+                   f'<title>{esc(name)}: {esc(s["status"])}, {esc(label)}</title></rect>'
+                   f'<text x="{x + w + 4:.1f}" y="{y + 15}" class="tick">{esc(label)}</text>')
     for t in _ticks(0, span / 1000):
         x = label_w + t * 1000 / span * bar_w
         out.append(f'<text x="{x:.1f}" y="{height - 8}" class="tick" text-anchor="middle">{t:g} s</text>')
     out.append("</svg>")
     return "".join(out)
+
+
+def _seconds_between(start_ms: int, end_ms: int | None) -> float | None:
+    return max(0.0, (end_ms - start_ms) / 1000) if end_ms else None
 
 
 def fork_series(fork: dict[str, Any]) -> tuple[dict[str, list[list[float]]], dict[str, tuple[str, bool]]]:

@@ -23,11 +23,14 @@ should pay for FastAPI and Airflow's security module.
 from __future__ import annotations
 
 import datetime as dt
-from typing import Any, Callable
+import json
+from typing import Any, Callable, Iterator
+from urllib.parse import quote
 
-from llmops import run_note, run_summary, run_summary_text
-from llmops.run_charts import (bar_chart, duration, esc, figure, fmt, fork_chart, line_chart,
-                               percent, timeline_chart, utc_time)
+from llmops import run_note, run_summary, run_summary_text, tracking
+from llmops.run_charts import (bar_chart, esc, figure, fmt, fork_chart, line_chart, percent,
+                               timeline_chart, utc_time)
+from llmops.run_summary_text import duration
 
 
 def kept_checkpoints(checkpoints: dict[str, Any] | None) -> str:
@@ -73,7 +76,14 @@ table.stages td:nth-child(-n+3),table.stages th:nth-child(-n+3){text-align:left}
 .live{color:#2b6cb0;font-size:12px;margin:2px 0 6px} .now{border-left:4px solid #1f77b4;padding:2px 10px;margin:8px 0}
 .now .stale{color:#c05621}
 .state-FINISHED{color:#276749} .state-FAILED{color:#c53030} .state-RUNNING{color:#2b6cb0}
-code{font-size:12px;color:#4a5568}
+.state-KILLED{color:#718096} .reused{color:#6b46c1;font-weight:600} .waiting{color:#b7791f;font-weight:600}
+code{font-size:12px;color:#4a5568} a code{color:#2b6cb0}
+.banner{padding:8px 12px;margin:8px 0 4px;border-left:4px solid #b7791f;background:#fffaf0}
+.banner.paused{border-color:#718096;background:#f7fafc} .banner ol{margin:4px 0 0 18px;padding:0}
+.refusal b{color:#c53030} .hint{color:#4a5568;font-size:13px;margin:4px 0}
+.card .context{color:#4a5568;font-size:12px;max-width:220px}
+.loading{color:#4a5568;font-style:italic;padding:6px 0}
+.already_registered{color:#2b6cb0;font-weight:600} .decision{font-size:15px}
 """
 
 
@@ -119,9 +129,34 @@ def _live_line(airflow: dict[str, Any] | None, at: dt.datetime | None = None) ->
 
 
 def _page(title: str, body: str, live: bool = False) -> str:
+    return _page_start(title, live) + body + PAGE_END
+
+
+def _page_start(title: str, live: bool = False) -> str:
     script = f"<script>{REFRESH_JS % REFRESH_S}</script>" if live else ""
     return (f'<!doctype html><html lang="en"><head><meta charset="utf-8"><title>{esc(title)}</title>'
-            f"<style>{CSS}</style>{script}</head><body>{body}</body></html>")
+            f"<style>{CSS}</style>{script}</head><body>")
+
+
+PAGE_END = "</body></html>"
+
+
+def streamed(dag_id: str, run_id: str, airflow: dict[str, Any] | None,
+             collect: Callable[[str, str], dict[str, Any] | None]) -> Iterator[str]:
+    """The page in two parts: at once its head and a line saying the run is being read, then,
+    once MLflow has answered (seconds on a busy store, where the tab used to stay blank), the
+    page itself, with a style that hides that line. A failure to read MLflow is said on the page."""
+    yield (_page_start(f"{dag_id} {run_id}", _is_live(airflow))
+           + f'<div id="loading" class="loading"><h1>{esc(dag_id)} · {esc(run_id)}</h1>'
+             f'Reading this run from MLflow…</div>')
+    try:
+        summary = collect(dag_id, run_id)
+        body = render_body(summary, airflow) if summary else _missing_body(dag_id, run_id, airflow)
+    except Exception as exc:  # noqa: BLE001 - the status line was sent: say it on the page
+        body = (f"{_head(dag_id, run_id, airflow)}{_live_line(airflow)}"
+                f'<div class="failure" data-key="read_error">Could not read this run from MLflow '
+                f'({esc(tracking.tracking_uri())}): {esc(type(exc).__name__)}: {esc(exc)}</div>')
+    yield "<style>#loading{display:none}</style>" + body + PAGE_END
 
 
 def _failure(airflow: dict[str, Any] | None) -> str:
@@ -131,14 +166,36 @@ def _failure(airflow: dict[str, Any] | None) -> str:
     return f'<div class="failure" data-key="failure">{esc(airflow["failure"])}</div>'
 
 
-def render_missing(dag_id: str, run_id: str, airflow: dict[str, Any] | None = None) -> str:
+def _refusal(airflow: dict[str, Any] | None) -> str:
+    """A run its first task refused: the task's own message (the Param and the fix)."""
+    refusal = (airflow or {}).get("refusal")
+    if not refusal:
+        return ""
+    return (f'<div class="failure refusal" data-key="refusal" data-value="{esc(refusal["message"])}">'
+            f'<b>Refused at {esc(refusal["task"])}</b>: {esc(refusal["message"])}</div>'
+            f'<p class="hint">{esc(refusal["task"])} checks every Param before any job starts, so '
+            f'nothing ran and MLflow has no run for this DAG run. Trigger again with the Param '
+            f'fixed.</p>')
+
+
+def _head(dag_id: str, run_id: str, airflow: dict[str, Any] | None) -> str:
+    """The page's title and the run's Airflow state: what it shows before MLflow is read."""
     state = (f"<div class='sub'>Airflow: <span class='state-{esc(airflow['state'])}' data-key='state'>"
              f"{esc(airflow['state'])}</span></div>") if airflow else ""
-    return _page(f"{dag_id} {run_id}",
-                 f"<h1>{esc(dag_id)} · {esc(run_id)}</h1>{state}{_live_line(airflow)}{_failure(airflow)}"
-                 f"<p class='empty'>MLflow has no lifecycle run for this DAG run"
-                 f"{'' if airflow and airflow.get('failure') else ' yet'}: it appears once the task "
-                 f"<code>start_run</code> has run.</p>", live=_is_live(airflow))
+    return f"<h1>{esc(dag_id)} · {esc(run_id)}</h1>{state}"
+
+
+def render_missing(dag_id: str, run_id: str, airflow: dict[str, Any] | None = None) -> str:
+    return _page(f"{dag_id} {run_id}", _missing_body(dag_id, run_id, airflow), live=_is_live(airflow))
+
+
+def _missing_body(dag_id: str, run_id: str, airflow: dict[str, Any] | None) -> str:
+    if (airflow or {}).get("refusal"):
+        return _head(dag_id, run_id, airflow) + _live_line(airflow) + _refusal(airflow)
+    return (f"{_head(dag_id, run_id, airflow)}{_live_line(airflow)}{_failure(airflow)}"
+            f"<p class='empty'>MLflow has no lifecycle run for this DAG run"
+            f"{'' if airflow and airflow.get('failure') else ' yet'}: it appears once the task "
+            f"<code>start_run</code> has run.</p>")
 
 
 def now_cards(live: list[dict[str, Any]], airflow: dict[str, Any] | None) -> str:
@@ -177,18 +234,247 @@ def now_cards(live: list[dict[str, Any]], airflow: dict[str, Any] | None) -> str
     return "".join(out)
 
 
+def _task(stage: dict[str, Any]) -> str:
+    return stage["task_id"] + (f"[{stage['map_index']}]" if stage["map_index"] >= 0 else "")
+
+
+def airflow_run_href(dag_id: str, run_id: str) -> str:
+    """The DAG run's page in the Airflow UI, relative to this page (/llmops/runs/<dag>/<run>), so
+    it works behind a proxy's prefix too; opened in the whole window (target _top)."""
+    return f"../../../dags/{quote(dag_id, safe='')}/runs/{quote(run_id, safe='')}"
+
+
+def _run_link(dag_id: str, run_id: str) -> str:
+    return (f'<a href="{esc(airflow_run_href(dag_id, run_id))}" target="_top" data-run="{esc(run_id)}">'
+            f'{esc(run_id)}</a>')
+
+
+def _mlflow_link(run_id: str, experiment_id: str, text: str | None = None) -> str:
+    return (f'<a href="{esc(tracking.ui_route(tracking.mlflow_ui_url(), experiment_id, run_id))}" '
+            f'target="_blank" rel="noopener"><code>{esc(text or run_id)}</code></a>')
+
+
+def banners(s: dict[str, Any], airflow: dict[str, Any] | None) -> str:
+    """What a reader must see first: a paused pretraining and how to resume it, a job waiting
+    for capacity (the service's own words, the time queued), a chain of attempts."""
+    out = []
+    paused = s.get("paused")
+    if paused:
+        r = paused["resume"]
+        conf = json.dumps({"from_run": r.get("from_run"), "start_at": r.get("start_at"),
+                           "fork_step": r.get("fork_step")})
+        out.append(f'<div class="banner paused" data-key="paused_at_step" data-value="{esc(paused["step"])}">'
+                   f'<b>Paused</b>: {esc(paused["task"])} checkpointed step {esc(paused["step"])} and '
+                   f'stopped on request; the stages after it were skipped. To resume from that step, '
+                   f'trigger {esc(s["dag_id"])} with <code data-key="resume" data-value="{esc(conf)}">'
+                   f'{esc(conf)}</code> and nothing else changed.</div>')
+    now_ms = s.get("as_of_ms") or 0
+    for st in s["stages"]:
+        w = st.get("waiting")
+        if w and w["queued_s"] is None and w["reason"] and st["status"] == "RUNNING":
+            queued = max(0.0, now_ms / 1000 - w["since_s"]) if now_ms else None
+            out.append(f'<div class="banner waiting" data-key="waiting.{esc(_task(st))}" '
+                       f'data-value="{esc(w["reason"])}"><b>{esc(_task(st))} is waiting</b> in its '
+                       f'service\'s queue: <q>{esc(w["reason"])}</q>; queued '
+                       f'{figure(f"waiting.{_task(st)}.queued_s", queued, shown=duration(queued))} '
+                       f'(since {esc(utc_time(int(w["since_s"] * 1000)))}). Nothing is billed while '
+                       f'it waits; the stage\'s max_queue_seconds bounds the wait.</div>')
+    for st in s["stages"]:
+        if st.get("attempts"):
+            items = "".join(
+                f'<li data-attempt="{esc(a.get("attempt"))}">attempt {esc(a.get("attempt"))} '
+                f'(<code>{esc(a.get("job"))}</code>) {esc(a.get("state") or "ended")}'
+                + (f', ended by <b>{esc(a["why"])}</b>' if a.get("why") else "")
+                + (f": {esc(a['message'])}" if a.get("message") else "")
+                + (f' <i>The chain stopped: {esc(a["stopped_chain"])}</i>' if a.get("stopped_chain") else "")
+                + "</li>" for a in st["attempts"])
+            last = st["attempts"][-1]
+            after = ("" if last.get("stopped_chain") else
+                     f'<li>attempt {esc(int(last.get("attempt") or 0) + 1)}: {esc(st["status"]).lower()}, '
+                     f'from the newest checkpoint</li>')
+            out.append(f'<div class="banner attempts" data-key="attempts.{esc(_task(st))}" '
+                       f'data-value="{len(st["attempts"])}"><b>{esc(_task(st))}: a chain of '
+                       f'{len(st["attempts"]) + (0 if last.get("stopped_chain") else 1)} attempts</b>'
+                       f'<ol>{items}{after}</ol></div>')
+    return "".join(out)
+
+
+def stages_section(s: dict[str, Any]) -> str:
+    """The timeline (a running stage's bar grows to now), a row per stage task with its state,
+    where a reused stage's outputs come from (linked) and a waiting one's queue time; how much
+    time the reused stages saved."""
+    rows = []
+    for st in s["stages"]:
+        name = _task(st)
+        state = f'<span class="state-{esc(st["status"])}">{esc(st["status"])}</span>'
+        reused, waited = st.get("reused"), st.get("waiting")
+        if reused:
+            then = reused["source_duration_s"]
+            state = (f'<span class="reused" data-key="stage.{esc(name)}.reused_from" '
+                     f'data-value="{esc(reused["run_id"])}">reused</span> from run '
+                     + (_run_link(s["dag_id"], reused["run_id"]) if reused["run_id"] else "?")
+                     + (f" (took {esc(duration(then))} there)" if then is not None else ""))
+        elif waited and waited["queued_s"] is None and st["status"] == "RUNNING":
+            state = '<span class="waiting">waiting in the queue</span>'
+        if waited and waited["queued_s"] is not None:
+            state += f', queued {figure(f"stage.{name}.queued_s", waited["queued_s"], shown=duration(waited["queued_s"]))} first'
+        if st.get("paused_at_step") is not None:
+            state += f', paused at step {esc(st["paused_at_step"])}'
+        if st.get("attempts"):
+            state += f', {len(st["attempts"])} earlier attempt{"s" if len(st["attempts"]) > 1 else ""}'
+        mlflow = _mlflow_link(st["mlflow_run_id"], s["experiment_id"])
+        if reused and reused["mlflow_run_id"]:
+            mlflow += " ← " + _mlflow_link(reused["mlflow_run_id"], s["experiment_id"], "its job's")
+        rows.append([esc(st["stage"]), esc(name), state,
+                     figure(f"stage.{name}.duration_s", st["duration_s"]), esc(st["try_number"]), mlflow])
+    out = ['<section id="stages"><h2>Stages</h2>', timeline_chart(s["stages"], now_ms=s.get("as_of_ms")),
+           _table(["stage", "task", "state", "seconds", "try", "MLflow run"], rows, "stages")]
+    reuse = s.get("reuse")
+    if reuse:
+        runs = ", ".join(_run_link(s["dag_id"], r) for r in reuse["runs"]) or "earlier runs"
+        saved = (f"; those jobs took {esc(duration(reuse['then_s']))} when they ran, these stages "
+                 f"{esc(duration(reuse['here_s']))} here: the cache saved "
+                 f"{figure('reuse.saved_s', reuse['saved_s'], shown=duration(reuse['saved_s']))}"
+                 if reuse["saved_s"] is not None else "")
+        out.append(f'<p class="reuse" data-key="reuse.stages" data-value="{reuse["stages"]}">'
+                   f'{reuse["stages"]} of {len(s["stages"])} stage tasks ran no job: their inputs, '
+                   f'config and code were unchanged, so they reused the outputs of run {runs}{saved}.</p>')
+    return "".join(out) + "</section>"
+
+
+THRESHOLD_WORDS = {"min_task_accuracy": ("task accuracy", "≥", "task_accuracy"),
+                   "max_perplexity": ("perplexity", "≤", "perplexity")}
+
+
+def _threshold_source(name: str, t: dict[str, Any], recipe: str | None) -> str:
+    if recipe and t["recipe"] is not None and t["recipe"] == t["value"]:
+        return f"recipe {recipe}'s value"
+    return "this run's Param" if recipe else ""
+
+
+def gate_section(s: dict[str, Any]) -> str:
+    """The decision, then what it was decided on: each threshold (and where its value comes
+    from) against the candidate's figure, and each comparison with the champion: its policy,
+    test, interval, p-value and the smallest difference it could detect."""
+    gate, evaluation = s["gate"], s.get("evaluation")
+    out = ['<section id="gate"><h2>Promotion gate</h2>']
+    if not (gate.get("outcome") or gate.get("version")):
+        out.append('<div class="empty">' + ("the gate did not run: pretraining was paused"
+                                           if s.get("paused") else "the gate has not decided yet")
+                   + "</div></section>")
+        return "".join(out)
+    outcome = gate.get("outcome") or "undecided"
+    name, version = gate.get("model_name"), gate.get("version")
+    if gate.get("already_registered"):
+        said = (f"same weights as {esc(name or 'the model')} version "
+                f"{figure('gate.version', version)}; nothing registered")
+    elif version:
+        alias = "champion" if "champion" in (gate.get("aliases") or []) else "challenger"
+        said = (f"{esc(outcome)}: {figure('gate.model_name', name)} version {figure('gate.version', version)} "
+                f"registered, alias <b>{alias}</b>")
+    else:
+        said = esc(outcome)
+    compared = gate.get("compared_to")
+    out.append(f'<p class="decision"><span class="{esc(outcome)}" data-key="gate.outcome" '
+               f'data-value="{esc(outcome)}">{said}</span> · candidate '
+               f'{figure("gate.candidate", gate.get("candidate"))}'
+               + (f' · compared with {esc(compared)}' if compared else "") + "</p>")
+    # thresholds against the candidate's figures
+    row = ((evaluation or {}).get("table") or {}).get(gate.get("candidate") or "", {})
+    rows = []
+    for key, t in (gate.get("thresholds") or {}).items():
+        label, sign, metric = THRESHOLD_WORDS.get(key, (key.replace("_", " "), "", ""))
+        got = row.get(metric) if metric else None
+        met = "" if got is None else ("✓" if (got >= t["value"] if sign == "≥" else got <= t["value"]) else "✗")
+        value = percent(t["value"]) if key == "max_contaminated_share" else \
+            ("yes" if t["value"] is True else "no" if t["value"] is False else fmt(t["value"]))
+        rows.append([esc(f"{label} {sign}".strip()), figure(f"gate.threshold.{key}", t["value"], shown=value),
+                     esc(_threshold_source(key, t, s.get("recipe"))),
+                     figure(f"gate.candidate.{metric or key}", got) + f" {met}" if metric else "–"])
+    if rows:
+        out.append(_table(["threshold", "value", "set by", f"{gate.get('candidate') or 'candidate'}"], rows, "thresholds"))
+    if any(t["value"] == 0 for k, t in (gate.get("thresholds") or {}).items() if k == "min_task_accuracy"):
+        out.append(f'<p class="hint">A task accuracy of 0 passes: the {esc(s.get("recipe") or "run")} '
+                   f'setting refuses only what is far worse than guessing (a tiny model that trained '
+                   f'for seconds cannot answer). Set <code>min_task_accuracy</code> to demand more.</p>')
+    # against the champion
+    comparisons, paired = gate.get("comparisons") or {}, gate.get("paired") or {}
+    rules = gate.get("rules") or {}
+    if comparisons:
+        rows = []
+        for metric, c in comparisons.items():
+            scale = 100.0 if c.get("unit") == "points" else 1.0
+            unit = " pts" if c.get("unit") == "points" else ""
+            interval = (f"{c['diff'] * scale:+.3g} [{c['low'] * scale:+.3g}, {c['high'] * scale:+.3g}]{unit}"
+                        f" at {percent(c.get('confidence'))}")
+            rows.append([esc(metric), esc(f"{c.get('policy')}" + (f" (margin {c.get('margin'):g})" if c.get("margin") else "")),
+                         esc(c.get("test")), esc(f"{c.get('n')} ({c.get('clusters')} clusters)"
+                                                if c.get("clusters") not in (None, c.get("n")) else c.get("n")),
+                         f"{fmt(c.get('challenger'))} vs {fmt(c.get('champion'))}",
+                         figure(f"gate.diff.{metric}", c.get("diff"), shown=interval),
+                         esc(f"{c['p_value']:.3g}" if c.get("p_value") is not None else "–"),
+                         figure(f"gate.mde.{metric}", c.get("mde"),
+                                shown=f"{c['mde'] * scale:.3g}{unit}" if c.get("mde") is not None else "–"),
+                         f'<span data-key="gate.verdict.{esc(metric)}" data-value="{esc(c.get("verdict"))}">'
+                         f'{esc(c.get("verdict"))}</span>' + (f" — {esc(c['reason'])}" if c.get("reason") else "")])
+        out.append(_table(["metric", "policy", "test", "n", "challenger vs champion", "difference [interval]",
+                           "p", "smallest detectable", "verdict"], rows, "comparisons"))
+    elif paired:
+        out.append(_table(["metric", "difference [interval] n p policy: verdict"],
+                          [[esc(m), figure(f"gate.paired.{m}", v)] for m, v in paired.items()], "comparisons"))
+    elif rules:
+        out.append(f'<p class="hint">Rules against a champion: '
+                   + esc("; ".join(f"{m} {r.get('policy', '')}"
+                                  + (f" (margin {r['margin']:g})" if r.get("margin") is not None else "")
+                                  for m, r in rules.items()))
+                   + (". There was no champion to compare with: only the thresholds applied."
+                      if "no champion" in str(compared) else ".")
+                   + "</p>")
+    contamination = gate.get("contamination") or {}
+    if contamination:
+        out.append(_table(["metric", "items seen in training"], [
+            [esc(m), esc(f"{c.get('contaminated')} of {c.get('items')}")] for m, c in contamination.items()],
+            "contamination"))
+    extra = [["reasons", esc(gate.get("reasons") or "none")],
+             ["aliases", esc(", ".join(gate.get("aliases") or []) or "none")]]
+    if (gate.get("fork") or {}).get("step"):
+        extra.append(["forked from", f"run {figure('gate.fork.from_run', gate['fork'].get('from_run'))} "
+                                     f"at step {figure('gate.fork.step', gate['fork'].get('step'))}"])
+    out.append(_table(["", ""], extra, "gate"))
+    return "".join(out) + "</section>"
+
+
+def goodput_card(goodput: dict[str, Any]) -> str:
+    """Goodput with its context: a tiny run's seconds of training against its start-up read
+    as a small share that is no fault."""
+    productive = goodput["productive_s"] or 0.0
+    total = productive + sum(goodput["badput_s"].values())
+    biggest = max(goodput["badput_s"].items(), key=lambda kv: kv[1], default=None)
+    context = (f"{duration(productive)} of {duration(total)} trained"
+               + (f"; {biggest[0].replace('_', ' ')} {duration(biggest[1])}" if biggest and biggest[1] > 0 else ""))
+    return (f'<div class="card"><div class="label">pretrain goodput</div><div class="value">'
+            f'{figure("goodput", goodput["goodput"], shown=percent(goodput["goodput"]))}</div>'
+            f'<div class="context" data-key="goodput.context">{esc(context)}</div></div>')
+
+
 def render(summary: dict[str, Any], airflow: dict[str, Any] | None = None) -> str:
+    return _page(f"{summary['dag_id']} {summary['run_id']}", render_body(summary, airflow),
+                 live=_is_live(airflow))
+
+
+def render_body(summary: dict[str, Any], airflow: dict[str, Any] | None = None) -> str:
     s = summary
     gate, data, goodput, evaluation = s["gate"], s.get("data"), s.get("goodput"), s.get("evaluation")
     body = [f'<h1>{esc(s["dag_id"])} · {esc(s["run_id"])}</h1>',
             f'<div class="sub">MLflow run <code data-key="mlflow_run_id" data-value="{esc(s["mlflow_run_id"])}">'
-            f'{esc(s["mlflow_run_id"])}</code> (experiment {esc(s["experiment_id"])}) · '
+            f'{esc(s["mlflow_run_id"])}</code> (experiment {esc(s["experiment_id"])}, '
+            f'{_mlflow_link(s["mlflow_run_id"], s["experiment_id"], "open in MLflow")}) · '
             f'<span class="state-{esc(s["status"])}">{esc(s["status"])}</span> · started {esc(utc_time(s["start_ms"]))}'
             f' · {esc(duration(s["duration_s"]))}</div>',
             _live_line(airflow, dt.datetime.fromtimestamp(s["as_of_ms"] / 1000, dt.timezone.utc)
                        if s.get("as_of_ms") else None),
             f'<div class="note" data-key="note">{esc(s.get("note") or run_summary_text.note_line(s))}</div>',
-            _failure(airflow)]
+            _failure(airflow), banners(s, airflow)]
 
     # headline cards
     cards = []
@@ -202,22 +488,12 @@ def render(summary: dict[str, Any], airflow: dict[str, Any] | None = None) -> st
     if "pretrain" in s["curves"] and s["curves"]["pretrain"]["val"]:
         cards.append(_card("pretrain val loss", "pretrain.val_loss", s["curves"]["pretrain"]["val"][-1][1]))
     if goodput:
-        cards.append(f'<div class="card"><div class="label">pretrain goodput</div><div class="value">'
-                     f'{figure("goodput", goodput["goodput"], shown=percent(goodput["goodput"]))}</div></div>')
+        cards.append(goodput_card(goodput))
     if gate.get("version"):
         cards.append(_card(f"{gate['model_name']} version", "gate.version", gate["version"]))
     body.append('<div class="cards">' + "".join(cards) + "</div>")
     body.append(now_cards(s.get("live") or [], airflow))
-
-    # stage timeline
-    body.append("<h2>Stages</h2>" + timeline_chart(s["stages"]))
-    rows = []
-    for st in s["stages"]:
-        name = st["task_id"] + (f"[{st['map_index']}]" if st["map_index"] >= 0 else "")
-        rows.append([esc(st["stage"]), esc(name), f'<span class="state-{esc(st["status"])}">{esc(st["status"])}</span>',
-                     figure(f"stage.{name}.duration_s", st["duration_s"]), esc(st["try_number"]),
-                     f"<code>{esc(st['mlflow_run_id'])}</code>"])
-    body.append(_table(["stage", "task", "state", "seconds", "try", "MLflow run"], rows, "stages"))
+    body.append(stages_section(s))
 
     # data prep
     body.append("<h2>Data prep</h2>")
@@ -278,27 +554,8 @@ def render(summary: dict[str, Any], airflow: dict[str, Any] | None = None) -> st
     else:
         body.append('<div class="empty">not evaluated yet</div>')
 
-    # gate
-    body.append("<h2>Promotion gate</h2>")
-    if gate.get("outcome") or gate.get("version"):
-        outcome = gate.get("outcome") or "undecided"
-        body.append(_table(["", ""], [
-            ["decision", f'<span class="{esc(outcome)}" data-key="gate.outcome" data-value="{esc(outcome)}">{esc(outcome)}</span>'],
-            ["candidate", figure("gate.candidate", gate.get("candidate"))],
-            ["registered model", f"{figure('gate.model_name', gate.get('model_name'))} version "
-                                 f"{figure('gate.version', gate.get('version'))}"],
-            ["aliases", esc(", ".join(gate.get("aliases") or []) or "none")],
-            ["reasons", esc(gate.get("reasons") or "none")],
-            ["compared to", esc(gate.get("compared_to") or "–")],
-            *([["forked from", f"run {figure('gate.fork.from_run', gate['fork'].get('from_run'))} "
-                               f"at step {figure('gate.fork.step', gate['fork'].get('step'))}"]]
-              if (gate.get("fork") or {}).get("step") else []),
-            # paired against the champion: difference [interval] items p policy: verdict
-            *[[f"paired: {esc(metric)}", figure(f"gate.paired.{metric}", verdict)]
-              for metric, verdict in (gate.get("paired") or {}).items()]], "gate"))
-    else:
-        body.append('<div class="empty">the gate has not decided yet</div>')
-    return _page(f"{s['dag_id']} {s['run_id']}", "".join(body), live=_is_live(airflow))
+    body.append(gate_section(s))
+    return "".join(body)
 
 
 # -- the FastAPI app, built on first request -------------------------------------------------
@@ -309,7 +566,7 @@ def make_app(authorize: Callable | None = None,
     the caller may read this DAG's runs (the UI's JWT cookie or a bearer token). `airflow_run`
     reads the run's state and failure line; by default from the API server's metadata DB."""
     from fastapi import Depends, FastAPI
-    from fastapi.responses import HTMLResponse, JSONResponse
+    from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 
     if airflow_run is None:
         airflow_run = run_note.airflow_run
@@ -333,11 +590,14 @@ def make_app(authorize: Callable | None = None,
     @api.get("/runs/{dag_id}/{run_id:path}", response_class=HTMLResponse, dependencies=[Depends(authorize)])
     def page(dag_id: str, run_id: str):
         airflow = airflow_run(dag_id, run_id)
+        if airflow is not None:
+            # A run Airflow knows has a page to show (its state, why it failed), streamed: its
+            # head at once, MLflow's figures when read.
+            return StreamingResponse(streamed(dag_id, run_id, airflow, run_summary.collect),
+                                     media_type="text/html; charset=utf-8")
         summary = run_summary.collect(dag_id, run_id)
-        if summary is None:
-            # A run Airflow knows has a page to show (its state, why it failed); 404 only for neither.
-            return HTMLResponse(render_missing(dag_id, run_id, airflow),
-                                status_code=200 if airflow else 404)
+        if summary is None:   # 404 only for a run neither Airflow nor MLflow knows
+            return HTMLResponse(render_missing(dag_id, run_id, airflow), status_code=404)
         return HTMLResponse(render(summary, airflow))
 
     return api

@@ -11,7 +11,9 @@ from typing import Any
 
 
 def note_line(summary: dict[str, Any]) -> str:
-    """'recipe tiny | student: task accuracy 0.000, perplexity 229 | gate passed: llm-lifecycle v1 champion'"""
+    """'recipe tiny | student: task accuracy 0.000, perplexity 229 | gate passed (task accuracy
+    >= 0, perplexity <= 600): llm-lifecycle v1 champion', plus what else a reader must know: a
+    pause, reused stages, a wait for capacity, a chain of attempts."""
     parts = [f"recipe {summary.get('recipe') or '?'}"]
     gate, evaluation = summary["gate"], summary.get("evaluation")
     candidate = gate.get("candidate")
@@ -23,15 +25,60 @@ def note_line(summary: dict[str, Any]) -> str:
         parts.append(f"{candidate}: " + ", ".join(figures))
     elif summary["sweep"].get("best_val_loss") is not None:
         parts.append(f"sweep best val loss {summary['sweep']['best_val_loss']:.4g}")
-    outcome = gate.get("outcome")
-    if outcome and gate.get("version"):
-        alias = "champion" if "champion" in gate.get("aliases", []) else "challenger"
-        parts.append(f"gate {outcome}: {gate['model_name']} v{gate['version']} {alias}")
-    elif outcome:
-        parts.append(f"gate {outcome}")
-    else:
-        parts.append("no gate decision")
+    parts.append(gate_words(summary))
+    paused = summary.get("paused")
+    if paused:
+        parts.append(f"paused at step {paused['step']} ({paused['task']})")
+    reuse = summary.get("reuse")
+    if reuse:
+        saved = f", saved {duration(reuse['saved_s'])}" if reuse.get("saved_s") is not None else ""
+        parts.append(f"{reuse['stages']} stages reused from {', '.join(reuse['runs']) or 'earlier runs'}{saved}")
+    for stage in summary["stages"]:
+        waited, attempts = stage.get("waiting"), stage.get("attempts")
+        if waited and waited.get("queued_s"):
+            parts.append(f"{_task_label(stage)} queued {duration(waited['queued_s'])} ({waited['reason'] or 'for capacity'})"
+                         if waited.get("reason") else f"{_task_label(stage)} queued {duration(waited['queued_s'])}")
+        if attempts:
+            parts.append(f"{_task_label(stage)}: {len(attempts) + 1} attempts ("
+                         + ", ".join(a.get("why") or a.get("state") or "ended" for a in attempts) + ", then "
+                         + stage["status"].lower() + ")")
     return " | ".join(parts)
+
+
+def gate_words(summary: dict[str, Any]) -> str:
+    """The gate's decision in a few words, with the thresholds it applied."""
+    gate = summary["gate"]
+    outcome, version, name = gate.get("outcome"), gate.get("version"), gate.get("model_name")
+    if gate.get("already_registered"):
+        return f"gate: same weights as {name or 'the model'} v{version}, nothing registered"
+    limits = thresholds_words(gate.get("thresholds") or {})
+    limits = f" ({limits})" if limits else ""
+    if outcome and version:
+        alias = "champion" if "champion" in gate.get("aliases", []) else "challenger"
+        return f"gate {outcome}{limits}: {name} v{version} {alias}"
+    if outcome:
+        return f"gate {outcome}{limits}"
+    if summary.get("paused"):
+        return "no gate decision (pretraining paused)"
+    return "gate not reached yet" if summary.get("status") == "RUNNING" else "no gate decision"
+
+
+def thresholds_words(thresholds: dict[str, dict[str, Any]]) -> str:
+    """'task accuracy >= 0, perplexity <= 600'"""
+    words = []
+    for key, label, sign in (("min_task_accuracy", "task accuracy", ">="), ("max_perplexity", "perplexity", "<=")):
+        if key in thresholds and thresholds[key]["value"] is not None:
+            words.append(f"{label} {sign} {thresholds[key]['value']:g}")
+    return ", ".join(words)
+
+
+def duration(seconds: float | None) -> str:
+    """'12.3 s', '4.2 min', '3.1 h'; '–' for unknown."""
+    if seconds is None:
+        return "–"
+    if seconds >= 7200:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds:.1f} s" if seconds < 120 else f"{seconds / 60:.1f} min"
 
 
 def _task_label(stage: dict[str, Any]) -> str:
