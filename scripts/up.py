@@ -105,40 +105,43 @@ def main() -> int:
     airflow = subprocess.Popen(["airflow", "standalone"], env=env, stdout=log,
                                stderr=subprocess.STDOUT, preexec_fn=_default_sigint,
                                start_new_session=True)
-    print(f"Starting Airflow and MLflow (their output: {log_path}) ...", flush=True)
-    password_file = airflow_home / "simple_auth_manager_passwords.json.generated"
-    deadline = time.time() + 180
-    while time.time() < deadline and airflow.poll() is None and not _ready(base, password_file):
-        time.sleep(1)
-    creds = json.loads(password_file.read_text()) if password_file.exists() else {}
-    users = ", ".join(f"{u} / {p}" for u, p in creds.items()) or f"see {password_file}"
-    # Ready for a trigger means the DAG is parsed: until then a CLI trigger says "not found".
-    dags = _wait_for_dags(base, creds, airflow, time.time() + 180)
-    print("\n" + "\n".join([
-        "-" * 72,
-        f"Airflow UI   http://localhost:{port}   user / password: {users}",
-        f"MLflow UI    http://localhost:{mlflow_port}{MLFLOW_UI_PATH}",
-        f"Listening    {host}" + (" (this machine only; BIND_HOST=0.0.0.0 make up serves others)"
-                                  if host == DEFAULT_HOST else ""),
-        f"Trigger      '{DAG_ID}' -> Trigger -> fill in the Params form, or from a shell:",
-        f"             scripts/airflow dags trigger {DAG_ID} -c '{{\"recipe\": \"demo\"}}'",
-        *_dag_lines(dags),
-        f"Logs         {log_path}",
-        "Stop         Ctrl-C (stops both)",
-        "-" * 72]) + "\n", flush=True)
+    # Ctrl-C at any moment, start-up included, stops both servers: they run in sessions of their
+    # own, so nothing else would, and an early Ctrl-C used to leave them running.
     try:
+        print(f"Starting Airflow and MLflow (their output: {log_path}) ...", flush=True)
+        password_file = airflow_home / "simple_auth_manager_passwords.json.generated"
+        deadline = time.time() + 180
+        while time.time() < deadline and airflow.poll() is None and not _ready(base, password_file):
+            time.sleep(1)
+        creds = json.loads(password_file.read_text()) if password_file.exists() else {}
+        users = ", ".join(f"{u} / {p}" for u, p in creds.items()) or f"see {password_file}"
+        # Ready for a trigger means the DAG is parsed: until then a CLI trigger says "not found".
+        dags = _wait_for_dags(base, creds, airflow, time.time() + 180)
+        print("\n" + "\n".join([
+            "-" * 72,
+            f"Airflow UI   http://localhost:{port}   user / password: {users}",
+            f"MLflow UI    http://localhost:{mlflow_port}{MLFLOW_UI_PATH}",
+            f"Listening    {host}" + (" (this machine only; BIND_HOST=0.0.0.0 make up serves others)"
+                                      if host == DEFAULT_HOST else ""),
+            f"Trigger      '{DAG_ID}' -> Trigger -> fill in the Params form, or from a shell:",
+            f"             scripts/airflow dags trigger {DAG_ID} -c '{{\"recipe\": \"demo\"}}'",
+            *_dag_lines(dags),
+            f"Logs         {log_path}",
+            "Stop         Ctrl-C (stops both)",
+            "-" * 72]) + "\n", flush=True)
         while airflow.poll() is None and mlflow.poll() is None:
             time.sleep(1)
     except KeyboardInterrupt:
         pass
-    for proc in (airflow, mlflow):
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-    for proc in (airflow, mlflow):
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+    finally:
+        for proc in (airflow, mlflow):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGINT)
+        for proc in (airflow, mlflow):
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
     log.close()
     return 0
 
