@@ -26,16 +26,17 @@ LOCAL_ENV := LLMOPS_HOME AIRFLOW_HOME MLFLOW_TRACKING_URI AIRFLOW__CORE__DAGS_FO
   AIRFLOW__SCHEDULER__MIN_FILE_PROCESS_INTERVAL PYTHONPATH PATH RAY_AUTH_MODE MPLBACKEND
 
 .PHONY: help install browser demo test test-slow test-matrix chaos up shell-env airflow-db clean bench-data \
-  mwaa-bundle mwaa-check
+  mwaa-bundle mwaa-check screenshots
 
 help:
 	@echo "make demo   - run the whole LLM lifecycle DAG locally (sets everything up first)"
 	@echo "make test   - run the test suite, then the slow runs (make test-slow), then the fault matrix (make test-matrix)"
 	@echo "make chaos  - only the fault matrix; writes benchmarks/results/fault_matrix.json"
-	@echo "make up     - Airflow UI on :8080 and MLflow UI on :5000, to trigger runs with Params"
+	@echo "make up     - Airflow UI on :8080 and MLflow UI on :5000 (AIRFLOW_PORT, MLFLOW_PORT; 127.0.0.1 unless BIND_HOST), to trigger runs with Params"
 	@echo "make clean  - remove local state (.llmops); keeps the venv"
 	@echo "make bench-data - data prep throughput against datatrove (creates .llmops/bench-venv)"
 	@echo "make mwaa-bundle - dags/, plugins.zip, requirements.txt, startup.sh for Amazon MWAA in dist/mwaa"
+	@echo "make screenshots - the run page's pictures in docs/images/, from real runs in Chromium (~8 min)"
 
 $(VENV)/.installed: requirements.txt requirements-dev.txt docker/requirements-job.txt
 	@test -n "$(PYTHON)" || { echo "Python 3.11 or 3.12 is required"; exit 1; }
@@ -94,6 +95,11 @@ chaos: install
 
 up: airflow-db
 	$(PY) scripts/up.py
+
+# The run page's pictures in docs/images/ (finished, gate, refused, cached, running, paused), from
+# real tiny runs on a `make up` of their own (free ports, a temp LLMOPS_HOME), in Chromium.
+screenshots: install browser
+	$(PY) scripts/screenshots.py
 
 # The settings above as shell `export` lines. A plain shell has none of them, so `.venv/bin/airflow`
 # there talks to ~/airflow, not this deployment: scripts/airflow evaluates these first.
