@@ -352,6 +352,19 @@ def _threshold_source(name: str, t: dict[str, Any], recipe: str | None) -> str:
     return "this run's Param" if recipe else ""
 
 
+def _change(value: float, unit: str | None) -> str:
+    """A comparison's change in its unit: relative as a percentage, accuracy points as a number."""
+    return f"{value:+.2%}" if unit == "relative" else f"{value:+.3f}"
+
+
+def _size(c: dict[str, Any]) -> str:
+    """What a comparison was made on: documents and their tokens, or items (in passages)."""
+    n, clusters = c.get("n"), c.get("clusters")
+    if c.get("kind") == "continuous":
+        return f"{clusters} documents" + (f" ({c['tokens']:,} tokens)" if c.get("tokens") else "")
+    return f"{n} items" + (f" in {clusters} passages" if clusters and n and clusters < n else "")
+
+
 def gate_section(s: dict[str, Any]) -> str:
     """The decision, then what it was decided on: each threshold (and where its value comes
     from) against the candidate's figure, and each comparison with the champion: its policy,
@@ -367,7 +380,8 @@ def gate_section(s: dict[str, Any]) -> str:
     name, version = gate.get("model_name"), gate.get("version")
     if gate.get("already_registered"):
         said = (f"same weights as {esc(name or 'the model')} version "
-                f"{figure('gate.version', version)}; nothing registered")
+                f"{figure('gate.version', version)}; nothing registered"
+                + (", and that version is the champion already" if gate.get("already_champion") else ""))
     elif version:
         alias = "champion" if "champion" in (gate.get("aliases") or []) else "challenger"
         said = (f"{esc(outcome)}: {figure('gate.model_name', name)} version {figure('gate.version', version)} "
@@ -403,22 +417,22 @@ def gate_section(s: dict[str, Any]) -> str:
     if comparisons:
         rows = []
         for metric, c in comparisons.items():
-            scale = 100.0 if c.get("unit") == "points" else 1.0
-            unit = " pts" if c.get("unit") == "points" else ""
-            interval = (f"{c['diff'] * scale:+.3g} [{c['low'] * scale:+.3g}, {c['high'] * scale:+.3g}]{unit}"
-                        f" at {percent(c.get('confidence'))}")
-            rows.append([esc(metric), esc(f"{c.get('policy')}" + (f" (margin {c.get('margin'):g})" if c.get("margin") else "")),
-                         esc(c.get("test")), esc(f"{c.get('n')} ({c.get('clusters')} clusters)"
-                                                if c.get("clusters") not in (None, c.get("n")) else c.get("n")),
-                         f"{fmt(c.get('challenger'))} vs {fmt(c.get('champion'))}",
-                         figure(f"gate.diff.{metric}", c.get("diff"), shown=interval),
-                         esc(f"{c['p_value']:.3g}" if c.get("p_value") is not None else "–"),
-                         figure(f"gate.mde.{metric}", c.get("mde"),
-                                shown=f"{c['mde'] * scale:.3g}{unit}" if c.get("mde") is not None else "–"),
-                         f'<span data-key="gate.verdict.{esc(metric)}" data-value="{esc(c.get("verdict"))}">'
-                         f'{esc(c.get("verdict"))}</span>' + (f" — {esc(c['reason'])}" if c.get("reason") else "")])
-        out.append(_table(["metric", "policy", "test", "n", "challenger vs champion", "difference [interval]",
-                           "p", "smallest detectable", "verdict"], rows, "comparisons"))
+            unit = c.get("unit")
+            policy = c.get("policy") if c.get("decides", True) else "guard"
+            rows.append([
+                esc(metric), esc(policy + (f" (margin {_change(c['margin'], unit)[1:]})" if c.get("margin") else "")),
+                esc(c.get("test")), esc(_size(c)), f"{fmt(c.get('challenger'))} vs {fmt(c.get('champion'))}",
+                figure(f"gate.diff.{metric}", c.get("diff"),
+                       shown=f"{_change(c['diff'], unit)} [{_change(c['low'], unit)}, {_change(c['high'], unit)}] at "
+                             f"{percent(c.get('confidence'))}"),
+                esc(f"{c['p_value']:.3g}" if c.get("p_value") is not None else "–"),
+                figure(f"gate.mde.{metric}", c.get("mde"),
+                       shown=(_change(c["mde"], unit)[1:] + (f" ({percent(c['power'])} power)" if c.get("power") else ""))
+                       if c.get("mde") is not None else "–"),
+                f'<span data-key="gate.verdict.{esc(metric)}" data-value="{esc(c.get("verdict"))}">'
+                f'{esc(c.get("verdict"))}</span>' + (f" — {esc(c['reason'])}" if c.get("reason") else "")])
+        out.append(_table(["metric", "policy", "test", "compared on", "challenger vs champion",
+                           "change [interval]", "p", "smallest detectable", "verdict"], rows, "comparisons"))
     elif paired:
         out.append(_table(["metric", "difference [interval] n p policy: verdict"],
                           [[esc(m), figure(f"gate.paired.{m}", v)] for m, v in paired.items()], "comparisons"))

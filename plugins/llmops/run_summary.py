@@ -31,7 +31,7 @@ import time
 from typing import Any
 
 from tasks import configs  # stdlib only: the recipes' gate thresholds
-from llmops import tracking
+from llmops import promotion, tracking
 from llmops.run_summary_text import markdown, note_line, text
 
 log = logging.getLogger(__name__)
@@ -298,7 +298,7 @@ ALREADY_REGISTERED = re.compile(r"already registered as version (?P<version>\S+)
 # What the gate's thresholds are called in its config (tasks/configs/gate.py; the parent run's
 # params `gate.<name>`), in the order the page lists them.
 THRESHOLDS = ("min_task_accuracy", "max_perplexity", "max_contaminated_share", "exclude_contaminated",
-              "confidence")
+              "confidence", "power")
 
 
 def _gate(client: Any, parent: Any) -> dict[str, Any]:
@@ -311,7 +311,7 @@ def _gate(client: Any, parent: Any) -> dict[str, Any]:
                             "model_name": None, "version": None, "candidate": None,
                             "reasons": None, "compared_to": None, "aliases": [], "paired": {},
                             "comparisons": {}, "contamination": {}, "already_registered": False}
-    decision = tracking.read_json_artifact(parent.info.run_id, tracking.GATE_DECISION) \
+    decision = tracking.read_json_artifact(parent.info.run_id, promotion.DECISION_ARTIFACT) \
         if tags.get("gate") else None
     if decision:
         chosen = decision.get("candidate")
@@ -320,7 +320,8 @@ def _gate(client: Any, parent: Any) -> dict[str, Any]:
                     model_name=decision.get("model_name"), version=decision.get("version"),
                     compared_to=decision.get("champion_before") or "no champion yet",
                     already_registered=bool(decision.get("already_registered")),
-                    reasons="; ".join(model.get("reasons") or []) or "none",
+                    already_champion=bool(decision.get("already_champion")),
+                    reasons=decision.get("reasons") or "; ".join(model.get("reasons") or []) or "none",
                     comparisons=model.get("comparisons") or {},
                     contamination=decision.get("contamination") or {},
                     rules=decision.get("rules") or {}, decision=True)

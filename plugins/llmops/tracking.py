@@ -30,8 +30,6 @@ EXPERIMENT_KIND = "custom_model_development"
 # user switched), and a link's `workflowType` query parameter overrides it. So every link to the
 # MLflow UI carries it; the experiment's classic training view opens, stage runs listed as runs.
 UI_VIEW_QUERY = "?workflowType=machine_learning"
-# The promotion gate's whole decision, a JSON artifact of the parent run (llmops.promotion).
-GATE_DECISION = "gate/decision.json"
 # A job's wait in its service's queue and its chain of attempts, as tags of its stage's child run
 # (mark_waiting, record_attempt): what the run page shows while the job waits and after.
 WAITING_TAG = "waiting"                # the service's own reason, "" once the job started
