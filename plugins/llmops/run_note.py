@@ -11,11 +11,13 @@ A run its first task refused (a misspelled Param, an impossible combination: sta
 every input before any job) quotes the refusal, which that task leaves as the XCom `refusal`
 (llmops.run_summary.REFUSAL_XCOM) before it fails: "refused at start_run: Unknown Param
 'pretrain_step' ... (did you mean 'pretrain_steps'?)", the Param and the fix, not only the
-task's name. Any other failure names the task that failed first (by end time: the others mostly failed because of it) and, when the
-scheduler failed it itself, what the scheduler reported. That report is the only trace of a task
-whose process died before the task ran: its own log stops after "Pre Execute" with no error, and
-the scheduler records the executor's "finished with state failed, but the task instance's state
-attribute is queued" only in its output and the audit log. The run page shows the same line.
+task's name. Any other failure names the task that failed first (by end time: the others
+mostly failed because of it) and, when the scheduler failed it itself, what the scheduler
+reported. That report is the only trace of a task whose process died before the task ran: its
+own log stops after "Pre Execute" with no error, and the scheduler records the executor's
+"finished with state failed, but the task instance's state attribute is queued" only in its
+output and the audit log. A job task whose chain ran several attempts left them as its XCom
+(llmops.tracking.ATTEMPTS_XCOM): the line says why each ended. The run page shows the same line.
 """
 
 from __future__ import annotations

@@ -238,20 +238,21 @@ def _task(stage: dict[str, Any]) -> str:
     return stage["task_id"] + (f"[{stage['map_index']}]" if stage["map_index"] >= 0 else "")
 
 
-def airflow_run_href(dag_id: str, run_id: str) -> str:
-    """The DAG run's page in the Airflow UI, relative to this page (/llmops/runs/<dag>/<run>), so
-    it works behind a proxy's prefix too; opened in the whole window (target _top)."""
-    return f"../../../dags/{quote(dag_id, safe='')}/runs/{quote(run_id, safe='')}"
+def _run_link(run_id: str) -> str:
+    """Another run of the same DAG: its page, in this frame (the Airflow UI's tab is a sandboxed
+    iframe that may not navigate the window around it), next to this one's URL."""
+    return f'<a href="./{esc(quote(run_id, safe=""))}" data-run="{esc(run_id)}">{esc(run_id)}</a>'
 
 
-def _run_link(dag_id: str, run_id: str) -> str:
-    return (f'<a href="{esc(airflow_run_href(dag_id, run_id))}" target="_top" data-run="{esc(run_id)}">'
-            f'{esc(run_id)}</a>')
+# The Airflow UI shows this page in an iframe sandboxed without allow-popups or
+# allow-top-navigation: a plain target=_blank link does nothing there. The frame may script its
+# same-origin parent, whose window.open opens the tab; on its own the page needs no script.
+OPEN_OUTSIDE = "if(window.top!==window){window.top.open(this.href,'_blank');return false}"
 
 
 def _mlflow_link(run_id: str, experiment_id: str, text: str | None = None) -> str:
     return (f'<a href="{esc(tracking.ui_route(tracking.mlflow_ui_url(), experiment_id, run_id))}" '
-            f'target="_blank" rel="noopener"><code>{esc(text or run_id)}</code></a>')
+            f'target="_blank" rel="noopener" onclick="{esc(OPEN_OUTSIDE)}"><code>{esc(text or run_id)}</code></a>')
 
 
 def banners(s: dict[str, Any], airflow: dict[str, Any] | None) -> str:
@@ -312,12 +313,13 @@ def stages_section(s: dict[str, Any]) -> str:
             then = reused["source_duration_s"]
             state = (f'<span class="reused" data-key="stage.{esc(name)}.reused_from" '
                      f'data-value="{esc(reused["run_id"])}">reused</span> from run '
-                     + (_run_link(s["dag_id"], reused["run_id"]) if reused["run_id"] else "?")
+                     + (_run_link(reused["run_id"]) if reused["run_id"] else "?")
                      + (f" (took {esc(duration(then))} there)" if then is not None else ""))
         elif waited and waited["queued_s"] is None and st["status"] == "RUNNING":
             state = '<span class="waiting">waiting in the queue</span>'
         if waited and waited["queued_s"] is not None:
-            state += f', queued {figure(f"stage.{name}.queued_s", waited["queued_s"], shown=duration(waited["queued_s"]))} first'
+            queued = figure(f"stage.{name}.queued_s", waited["queued_s"], shown=duration(waited["queued_s"]))
+            state += f", queued {queued} first"
         if st.get("paused_at_step") is not None:
             state += f', paused at step {esc(st["paused_at_step"])}'
         if st.get("attempts"):
@@ -331,7 +333,7 @@ def stages_section(s: dict[str, Any]) -> str:
            _table(["stage", "task", "state", "seconds", "try", "MLflow run"], rows, "stages")]
     reuse = s.get("reuse")
     if reuse:
-        runs = ", ".join(_run_link(s["dag_id"], r) for r in reuse["runs"]) or "earlier runs"
+        runs = ", ".join(_run_link(r) for r in reuse["runs"]) or "earlier runs"
         saved = (f"; those jobs took {esc(duration(reuse['then_s']))} when they ran, these stages "
                  f"{esc(duration(reuse['here_s']))} here: the cache saved "
                  f"{figure('reuse.saved_s', reuse['saved_s'], shown=duration(reuse['saved_s']))}"
@@ -399,14 +401,16 @@ def gate_section(s: dict[str, Any]) -> str:
     for key, t in (gate.get("thresholds") or {}).items():
         label, sign, metric = THRESHOLD_WORDS.get(key, (key.replace("_", " "), "", ""))
         got = row.get(metric) if metric else None
-        met = "" if got is None else ("✓" if (got >= t["value"] if sign == "≥" else got <= t["value"]) else "✗")
+        met = "" if got is None else \
+            "✓" if (got >= t["value"] if sign == "≥" else got <= t["value"]) else "✗"
         value = percent(t["value"]) if key == "max_contaminated_share" else \
             ("yes" if t["value"] is True else "no" if t["value"] is False else fmt(t["value"]))
         rows.append([esc(f"{label} {sign}".strip()), figure(f"gate.threshold.{key}", t["value"], shown=value),
                      esc(_threshold_source(key, t, s.get("recipe"))),
                      figure(f"gate.candidate.{metric or key}", got) + f" {met}" if metric else "–"])
     if rows:
-        out.append(_table(["threshold", "value", "set by", f"{gate.get('candidate') or 'candidate'}"], rows, "thresholds"))
+        out.append(_table(["threshold", "value", "set by", gate.get("candidate") or "candidate"], rows,
+                          "thresholds"))
     if any(t["value"] == 0 for k, t in (gate.get("thresholds") or {}).items() if k == "min_task_accuracy"):
         out.append(f'<p class="hint">A task accuracy of 0 passes: the {esc(s.get("recipe") or "run")} '
                    f'setting refuses only what is far worse than guessing (a tiny model that trained '
@@ -420,14 +424,16 @@ def gate_section(s: dict[str, Any]) -> str:
             unit = c.get("unit")
             policy = c.get("policy") if c.get("decides", True) else "guard"
             rows.append([
-                esc(metric), esc(policy + (f" (margin {_change(c['margin'], unit)[1:]})" if c.get("margin") else "")),
+                esc(metric),
+                esc(policy + (f" (margin {_change(c['margin'], unit)[1:]})" if c.get("margin") else "")),
                 esc(c.get("test")), esc(_size(c)), f"{fmt(c.get('challenger'))} vs {fmt(c.get('champion'))}",
                 figure(f"gate.diff.{metric}", c.get("diff"),
-                       shown=f"{_change(c['diff'], unit)} [{_change(c['low'], unit)}, {_change(c['high'], unit)}] at "
-                             f"{percent(c.get('confidence'))}"),
+                       shown=f"{_change(c['diff'], unit)} [{_change(c['low'], unit)}, "
+                             f"{_change(c['high'], unit)}] at {percent(c.get('confidence'))}"),
                 esc(f"{c['p_value']:.3g}" if c.get("p_value") is not None else "–"),
                 figure(f"gate.mde.{metric}", c.get("mde"),
-                       shown=(_change(c["mde"], unit)[1:] + (f" ({percent(c['power'])} power)" if c.get("power") else ""))
+                       shown=(_change(c["mde"], unit)[1:]
+                              + (f" ({percent(c['power'])} power)" if c.get("power") else ""))
                        if c.get("mde") is not None else "–"),
                 f'<span data-key="gate.verdict.{esc(metric)}" data-value="{esc(c.get("verdict"))}">'
                 f'{esc(c.get("verdict"))}</span>' + (f" — {esc(c['reason'])}" if c.get("reason") else "")])
@@ -465,7 +471,8 @@ def goodput_card(goodput: dict[str, Any]) -> str:
     total = productive + sum(goodput["badput_s"].values())
     biggest = max(goodput["badput_s"].items(), key=lambda kv: kv[1], default=None)
     context = (f"{duration(productive)} of {duration(total)} trained"
-               + (f"; {biggest[0].replace('_', ' ')} {duration(biggest[1])}" if biggest and biggest[1] > 0 else ""))
+               + (f"; {biggest[0].replace('_', ' ')} {duration(biggest[1])}"
+                  if biggest and biggest[1] > 0 else ""))
     return (f'<div class="card"><div class="label">pretrain goodput</div><div class="value">'
             f'{figure("goodput", goodput["goodput"], shown=percent(goodput["goodput"]))}</div>'
             f'<div class="context" data-key="goodput.context">{esc(context)}</div></div>')

@@ -32,12 +32,12 @@ def note_line(summary: dict[str, Any]) -> str:
     reuse = summary.get("reuse")
     if reuse:
         saved = f", saved {duration(reuse['saved_s'])}" if reuse.get("saved_s") is not None else ""
-        parts.append(f"{reuse['stages']} stages reused from {', '.join(reuse['runs']) or 'earlier runs'}{saved}")
+        runs = ", ".join(reuse["runs"]) or "earlier runs"
+        parts.append(f"{reuse['stages']} stages reused from {runs}{saved}")
     for stage in summary["stages"]:
         waited, attempts = stage.get("waiting"), stage.get("attempts")
         if waited and waited.get("queued_s"):
-            parts.append(f"{_task_label(stage)} queued {duration(waited['queued_s'])} ({waited['reason'] or 'for capacity'})"
-                         if waited.get("reason") else f"{_task_label(stage)} queued {duration(waited['queued_s'])}")
+            parts.append(f"{_task_label(stage)} queued {duration(waited['queued_s'])}")
         if attempts:
             parts.append(f"{_task_label(stage)}: {len(attempts) + 1} attempts ("
                          + ", ".join(a.get("why") or a.get("state") or "ended" for a in attempts) + ", then "
@@ -66,7 +66,8 @@ def gate_words(summary: dict[str, Any]) -> str:
 def thresholds_words(thresholds: dict[str, dict[str, Any]]) -> str:
     """'task accuracy >= 0, perplexity <= 600'"""
     words = []
-    for key, label, sign in (("min_task_accuracy", "task accuracy", ">="), ("max_perplexity", "perplexity", "<=")):
+    for key, label, sign in (("min_task_accuracy", "task accuracy", ">="),
+                             ("max_perplexity", "perplexity", "<=")):
         if key in thresholds and thresholds[key]["value"] is not None:
             words.append(f"{label} {sign} {thresholds[key]['value']:g}")
     return ", ".join(words)
