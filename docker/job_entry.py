@@ -8,7 +8,9 @@ and does around it what a container needs and a local process does not:
 
 1. reads the stage config (a file, an s3:// object, or mounted input channel);
 2. maps the config's input URIs to where the platform mounted them (SageMaker channels,
-   Processing inputs: `--input-map`) and downloads any other s3:// input into the work dir;
+   Processing inputs: `--input-map`) and downloads any other s3:// input into the work dir,
+   except those the stage streams itself (tasks.uris.STREAMED_INPUTS: pretraining's token
+   shards), which it passes on as s3:// URIs;
 3. gives the stage a local output_dir when the real one is an s3:// URI, and puts its
    checkpoints where a new attempt on a fresh machine finds them: linked to the platform's synced
    checkpoint dir (SageMaker's /opt/ml/checkpoints comes back on restart), or, where nothing syncs
@@ -53,7 +55,7 @@ from pathlib import Path
 from typing import Any
 
 from tasks.configs import CHECKPOINTED_STAGES   # the image puts tasks/ on PYTHONPATH (/opt/llmops)
-from tasks.uris import split_s3
+from tasks.uris import STREAMED_INPUTS, split_s3
 
 log = logging.getLogger("llmops.entry")
 FAILURE_FILE = "/opt/ml/output/failure"   # SageMaker reports its content as FailureReason
@@ -325,9 +327,12 @@ def rewrite(data: Any, mapping: dict[str, str]) -> Any:
     return data
 
 
-def map_inputs(config: dict[str, Any], input_map: dict[str, str], workdir: Path) -> dict[str, Any]:
-    """Mounted inputs to their mount points; any other s3:// input downloaded into the work dir."""
+def map_inputs(config: dict[str, Any], input_map: dict[str, str], workdir: Path,
+               streamed: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Mounted inputs to their mount points; any other s3:// input downloaded into the work dir,
+    but for the top-level keys in `streamed`: the stage reads those from S3 as it goes."""
     config = rewrite(config, input_map)
+    kept = {k: config.pop(k) for k in streamed if k in config}
     downloads: dict[str, str] = {}
 
     def find(value: Any, key: str = "") -> None:
@@ -354,7 +359,7 @@ def map_inputs(config: dict[str, Any], input_map: dict[str, str], workdir: Path)
                 downloads[base] = str(single[0] if is_object else target)
 
     find(config)
-    return rewrite(config, downloads)
+    return {**rewrite(config, downloads), **kept}
 
 
 def keeps_checkpoints(entrypoint: str, config: dict[str, Any]) -> bool:
@@ -428,7 +433,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.input_map_file:
         input_map.update(json.loads(read_text(os.path.expandvars(args.input_map_file))))
     input_map = {k: os.path.expandvars(v) for k, v in input_map.items()}
-    config = map_inputs(config, input_map, workdir)
+    config = map_inputs(config, input_map, workdir, STREAMED_INPUTS.get(args.entrypoint, ()))
 
     host, n_hosts = hosts()
     output_uri = args.output_uri

@@ -119,7 +119,8 @@ SLOWEST_FIRST = [  # by their seconds on 2 cores (--durations), the slowest firs
     "test_backend_sagemaker_lifecycle",
     "test_resilience", "test_pause", "test_pause_ui", "test_fork", "test_run_failure", "test_mwaa",
     "test_notify",
-    "test_training_scale", "test_retrain", "test_training", "test_links", "test_sweep_dag",
+    "test_training_scale", "test_streaming", "test_retrain", "test_training", "test_links",
+    "test_sweep_dag",
     "test_processing_two_phase", "test_jobs", "test_secrets", "test_start_run_validation",
     "test_fake_aws", "test_data_prep", "test_hf_models", "test_eval",
 ]

@@ -142,6 +142,14 @@ def test_a_data_file_symlinked_out_of_the_data_roots_is_refused(refused, tmp_pat
     ({"lr_min": 0.1, "lr_max": 0.01}, [r"Param 'lr_min'", r"sweep\.lr_min \(0\.1\) must be <= lr_max"]),
     ({"sweep_sampler": "grid", "sweep_search_space": {"optim.weight_decay": {"low": 0, "high": 1}}},
      [r"Param 'sweep_sampler'", r"sweep\.sampler 'grid' needs"]),
+    # keep_every must fall on saved steps: both Params named, whichever of them the run set
+    ({"checkpoint_interval": 5, "keep_every": 7},
+     [r"Param 'keep_every' \(pretrain\.keep_every\), Param 'checkpoint_interval' "
+      r"\(pretrain\.checkpoint_interval\)", r"pretrain\.keep_every \(7\) must be 0 or a multiple "
+      r"of pretrain\.checkpoint_interval \(5\).*Set keep_every to 5"]),
+    ({"recipe": "tiny", "keep_every": 15}, [r"Param 'keep_every'.*Param 'checkpoint_interval'",
+                                            r"multiple of pretrain\.checkpoint_interval \(10\)"]),
+    ({"recipe": "tiny", "checkpoint_interval": 5, "keep_checkpoints": 1, "keep_every": 10}, []),
     ({"finetune_replay_fraction": 0.5, "recipe": "tiny", "sft_inputs": []}, []),  # valid: control
 ])
 def test_cross_field_rules_name_the_field_path_and_the_param(refused, params, patterns):

@@ -24,6 +24,7 @@ from llmops.jobs.backends import remote_settings
 from llmops.jobs.backends import settings as backend_settings
 # the path checks start_run makes, named here too for the DAGs and scripts that call them
 from llmops.paths import LifecycleParamError, check_data_path, check_storage_root  # noqa: F401
+from llmops.paths import run_root
 from llmops.run import Run
 from llmops.sweep import budget as sweep_budget
 from tasks import configs
@@ -306,7 +307,7 @@ def start_run(params: dict[str, Any], *, dag_id: str, run_id: str,
     check_backends(backends, params, storage_root, network=False)  # the settings, naming the Param
     team = check_lane(params, cfg, backends, storage_root, user)
     check_backends(backends, params, storage_root)
-    root = os.path.join(storage_root, dag_id, re.sub(r"[^A-Za-z0-9_.-]+", "_", run_id))
+    root = run_root(storage_root, dag_id, run_id)
     config = configs.to_dict(cfg)
     earlier = reuse.check(params, config, dag_id)   # from_run + start_at: its outputs, checked
     check_fork(config, earlier)

@@ -41,6 +41,12 @@ KNOBS: dict[str, str] = {
     "pretrain_steps": "pretrain.max_steps",
     "pretrain_lr": "pretrain_lr",
     "pretrain_seed": "pretrain.seed",
+    "sample_order": "pretrain.sample_order",
+    "stream_cache_gb": "pretrain.stream_cache_gb",
+    # which steps a pause, a retry or a fork can start from (the sweep's trials keep their own)
+    "checkpoint_interval": "pretrain.checkpoint_interval",
+    "keep_checkpoints": "pretrain.keep_checkpoints",
+    "keep_every": "pretrain.keep_every",
     "sweep_trials": "sweep.trials",
     "lr_min": "sweep.lr_min",
     "lr_max": "sweep.lr_max",

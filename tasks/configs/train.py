@@ -26,13 +26,19 @@ FORK_PLACES = ("data_dir", "output_dir", "checkpoint_uri", "fork_from", "fork_st
                "max_restarts", "hot_spare", "hang_timeout_s", "save_timeout_s",
                "restore_timeout_s", "upload_timeout_s", "compile_timeout_s", "burn_in",
                "burn_in_min_gbps", "straggler_check_every", "straggler_factor", "straggler_steps",
-               "straggler_action", "sdc_check", "sdc_check_every")
+               "straggler_action", "sdc_check", "sdc_check_every", "stream_cache_gb")
+# What a parent config written before a setting existed ran with: the global permutation, the
+# only sample order then (the block sizes mean nothing to it, so any are the same to a fork).
+BEFORE_SETTING = {"sample_order": "global_permutation"}
 
 
 def fork_refusals(parent: dict[str, Any], fork: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
     """The settings of `fork` (a TrainConfig as a dict) that differ from `parent`'s and may not
     change at a fork: dotted name -> (the parent's value, the fork's)."""
-    was, now = flatten(parent), flatten(fork)
+    was, now = {**BEFORE_SETTING, **flatten(parent)}, flatten(fork)
+    if was.get("sample_order") == now.get("sample_order") == "global_permutation":
+        for key in ("shuffle_block_rows", "shuffle_window_blocks"):
+            was.pop(key, None), now.pop(key, None)
     return {key: (was.get(key), now.get(key)) for key in sorted(set(was) | set(now))
             if key not in FORK_KNOBS + FORK_PLACES and was.get(key) != now.get(key)}
 
@@ -72,7 +78,8 @@ class TrainConfig:
     eval_interval: int = bounded(50, minimum=1, maximum=10_000_000, help="Steps between val evals.")
     eval_batches: int = bounded(8, minimum=1, maximum=100_000, help="Batches per val eval.")
     checkpoint_interval: int = bounded(50, minimum=1, maximum=10_000_000,
-                                       help="Steps between checkpoints.")
+                                       help="Steps between checkpoints: the steps a retry "
+                                            "resumes from and a pause or fork can start at.")
     keep_checkpoints: int = bounded(2, minimum=1, maximum=1000,
                                     help="The newest checkpoints kept, on disk and under "
                                          "checkpoint_uri (besides those keep_every keeps).")
@@ -84,6 +91,25 @@ class TrainConfig:
     seed: int = bounded(1337, minimum=0, maximum=2**31 - 1,
                         help="Seed of the initial weights and the batch order; a run with only "
                              "the seeds changed shows the run-to-run noise.")
+    # The order rows are read in (tasks/train/data.py) and how they stream from S3
+    # (tasks/train/stream.py)
+    sample_order: str = bounded("block_shuffle", choices=("block_shuffle", "global_permutation"),
+                                help="block_shuffle: shuffle blocks of rows, then rows within "
+                                     "windows of blocks, so token shards stream from S3 block by "
+                                     "block; global_permutation: one permutation of all rows per "
+                                     "epoch (runs made before block shuffling; replays them "
+                                     "bitwise; streaming it fetches the whole split first).")
+    shuffle_block_rows: int = bounded(1024, minimum=1, maximum=1 << 24,
+                                      help="Rows per block (consecutive rows of one shard): one "
+                                           "sequential S3 read; 1024 rows of 2048 uint32 tokens = "
+                                           "8 MiB.")
+    shuffle_window_blocks: int = bounded(16, minimum=1, maximum=1 << 16,
+                                         help="Blocks whose rows are shuffled together: a batch "
+                                              "draws from window_blocks x block_rows rows.")
+    stream_cache_gb: float = bounded(8.0, minimum=0.001, maximum=1e6,
+                                     help="An s3:// data_dir streams through a cache on each "
+                                          "node's disk of at most this size (two windows at "
+                                          "least; the whole split for global_permutation).")
     # Scale-out and resilience (tasks/train/supervisor.py, loop.py, checkpoint.py)
     checkpoint_uri: str = checkpoint_uri_field()
     async_checkpoint: bool = bounded(True, help="Snapshot to CPU and write in the background, at "
@@ -165,11 +191,13 @@ class TrainConfig:
         check(bool(self.fork_from) or not (self.fork_step or self.fork_parent_run_id),
                "TrainConfig.fork_step and fork_parent_run_id need fork_from: the checkpoints "
                "directory of the pretraining to fork.")
+        # Both fields named with their class, so the lifecycle's refusal names both Params.
         check(self.keep_every % self.checkpoint_interval == 0,
                f"TrainConfig.keep_every ({self.keep_every}) must be 0 or a multiple of "
-               f"checkpoint_interval ({self.checkpoint_interval}): only those steps are saved. Set "
-               f"keep_every to "
-               f"{max(1, round(self.keep_every / self.checkpoint_interval)) * self.checkpoint_interval}.")
+               f"TrainConfig.checkpoint_interval ({self.checkpoint_interval}): only those steps are "
+               f"saved. Set keep_every to "
+               f"{max(1, round(self.keep_every / self.checkpoint_interval)) * self.checkpoint_interval}"
+               f" or 0, or checkpoint_interval to a divisor of it.")
         check(bool(self.output_dir), "TrainConfig.output_dir is required: where checkpoints go.")
         check_checkpoint_uri(self)
 

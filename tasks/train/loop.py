@@ -411,10 +411,13 @@ class _Trainer:
     def _load(self, path: Path) -> None:
         assert self.optimizer is not None
         if self.fsdp and ckpt.is_sharded(path):
-            # this rank's shards only, resharded by DCP when another world size wrote them
-            load_sharded_state(self.model, self.optimizer, path)
+            # this rank's shards only, resharded by DCP when another world size wrote them, and
+            # fetched from the mirror as DCP plans to read them (a fresh node has none of them)
+            load_sharded_state(self.model, self.optimizer, path,
+                               fetch=lambda names: self.checkpointer.fetch_files(path, names))
             trainer = ckpt.read_part(path, "trainer")
         else:
+            self.checkpointer.fetch_files(path)   # a copy fetched for shard reads: all of it
             # onto the CPU first: RNG states must stay CPU tensors, and load_state_dict copies the
             # weights and optimizer moments onto the parameters' device anyway
             state = ckpt.load_checkpoint(path, map_location="cpu")
@@ -424,6 +427,9 @@ class _Trainer:
                 self.model.load_state_dict(state["model"])
                 self.optimizer.load_state_dict(state["optimizer"])
             trainer = state["trainer"]
+        check_resume = getattr(self.get_batch, "check_resume", None)
+        if check_resume is not None:   # the same sample order, or the cursor means other rows
+            check_resume(trainer.get("data_seen"))
         self.step = int(trainer["step"])
         self.cursor = int(trainer.get("data_cursor", self.step))
         self.skipped |= set(trainer.get("skipped_batches", []))

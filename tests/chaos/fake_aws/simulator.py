@@ -29,7 +29,11 @@ DEFAULT_CONFIG = {"pending_seconds": 2.0,      # Starting / RUNNABLE before a co
                   "fail_after_seconds": 1.0,   # ... this long after it started running
                   "capacity_wait_seconds": 0.0,  # queued this long first, held for capacity
                   "consistency_seconds": 0.0,  # Describe*/List* do not see a new job this long
-                  "log_delay_seconds": 0.0}  # a log line reaches CloudWatch this long after it was printed
+                  "log_delay_seconds": 0.0,  # a log line reaches CloudWatch this long after it was printed
+                  # S3's link as one connection sees it (the proxy, tests/chaos/fake_aws/proxy.py):
+                  # object bytes move at most this fast each way, 0 = as fast as the proxy goes
+                  "s3_mb_per_s_per_connection": 0.0,
+                  "s3_first_byte_ms": 0.0}  # an S3 answer's first byte leaves this long after its request
 
 
 class Simulator(SageMakerApi, BatchApi):
