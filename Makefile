@@ -26,16 +26,17 @@ LOCAL_ENV := LLMOPS_HOME AIRFLOW_HOME MLFLOW_TRACKING_URI AIRFLOW__CORE__DAGS_FO
   AIRFLOW__SCHEDULER__MIN_FILE_PROCESS_INTERVAL PYTHONPATH PATH RAY_AUTH_MODE MPLBACKEND
 
 .PHONY: help install browser demo test test-slow test-matrix chaos up shell-env airflow-db clean bench-data \
-  mwaa-bundle mwaa-check
+  mwaa-bundle mwaa-check screenshots
 
 help:
 	@echo "make demo   - run the whole LLM lifecycle DAG locally (sets everything up first)"
 	@echo "make test   - run the test suite, then the slow runs (make test-slow), then the fault matrix (make test-matrix)"
 	@echo "make chaos  - only the fault matrix; writes benchmarks/results/fault_matrix.json"
-	@echo "make up     - Airflow UI on :8080 and MLflow UI on :5000, to trigger runs with Params"
+	@echo "make up     - Airflow UI on :8080 and MLflow UI on :5000 (AIRFLOW_PORT, MLFLOW_PORT; 127.0.0.1 unless BIND_HOST), to trigger runs with Params"
 	@echo "make clean  - remove local state (.llmops); keeps the venv"
 	@echo "make bench-data - data prep throughput against datatrove (creates .llmops/bench-venv)"
 	@echo "make mwaa-bundle - dags/, plugins.zip, requirements.txt, startup.sh for Amazon MWAA in dist/mwaa"
+	@echo "make screenshots - the run page's pictures in docs/images/, from real runs in Chromium (~8 min)"
 
 $(VENV)/.installed: requirements.txt requirements-dev.txt docker/requirements-job.txt
 	@test -n "$(PYTHON)" || { echo "Python 3.11 or 3.12 is required"; exit 1; }
@@ -98,6 +99,11 @@ chaos: install
 up: airflow-db
 	$(PY) scripts/up.py
 
+# The run page's pictures in docs/images/ (finished, gate, refused, cached, running, paused), from
+# real tiny runs on a `make up` of their own (free ports, a temp LLMOPS_HOME), in Chromium.
+screenshots: install browser
+	$(PY) scripts/screenshots.py
+
 # The settings above as shell `export` lines. A plain shell has none of them, so `.venv/bin/airflow`
 # there talks to ~/airflow, not this deployment: scripts/airflow evaluates these first.
 shell-env:
@@ -116,10 +122,13 @@ $(BENCH_VENV)/.installed:
 bench-data: install $(BENCH_VENV)/.installed
 	$(PY) benchmarks/data_prep_bench.py --datatrove-python $(BENCH_VENV)/bin/python --out benchmarks/results/data_prep_throughput.json
 
-# Amazon MWAA: what the environment takes, in dist/mwaa/. Optional: MWAA_TRACKING_URI=...
-# STORAGE_ROOT=s3://... are written into startup.sh.
+# Amazon MWAA: what the environment takes, in $(MWAA_OUT). MWAA_TRACKING_URI=... (not
+# MLFLOW_TRACKING_URI, which is this checkout's local store above) and STORAGE_ROOT=s3://... are
+# written into startup.sh; the build warns when either is missing and refuses a local store.
+MWAA_OUT ?= $(CURDIR)/dist/mwaa
 mwaa-bundle: install
-	$(PY) scripts/mwaa_bundle.py --tracking-uri "$(MWAA_TRACKING_URI)" --storage-root "$(STORAGE_ROOT)"
+	$(PY) scripts/mwaa_bundle.py --tracking-uri "$(MWAA_TRACKING_URI)" --storage-root "$(STORAGE_ROOT)" \
+	  --out "$(MWAA_OUT)"
 
 # The bundle's DAGs import with only its requirements.txt (MWAA's constraints, no torch, no
 # ray): a venv of its own in ~/.cache/llmops/, ~1-2 min to create the first time, then cached.

@@ -40,13 +40,15 @@ def llm_lifecycle():
     @task
     def start_run() -> dict:
         """Check every input (before any job starts) and open the MLflow parent run. A refusal
-        fails the task at once: no retry can fix the run's own Params."""
+        fails the task at once: no retry can fix the run's own Params. Its message (the Param
+        and the fix) is left as an XCom for the run's note and its page to quote."""
         ctx = get_current_context()
         try:
             return lifecycle.start_run(ctx["params"], dag_id=ctx["dag"].dag_id, run_id=ctx["run_id"],
                                        conf=ctx["dag_run"].conf,
                                        user=getattr(ctx["dag_run"], "triggering_user_name", None))
         except lifecycle.validation_errors() as exc:
+            ctx["ti"].xcom_push(run_summary.REFUSAL_XCOM, str(exc))
             raise AirflowFailException(str(exc)) from None
 
     @task(trigger_rule="all_done", inlets=[LADDER_RECOMMENDATION], outlets=[SWEEP_BEST])

@@ -47,10 +47,14 @@ export LLMOPS_STORAGE_ROOT="{storage_root}"
 # Scratch space of the Airflow side (job records of the local backend, not used by remote jobs).
 export LLMOPS_HOME="/usr/local/airflow/llmops"
 if [ -z "$MLFLOW_TRACKING_URI" ] || [ -z "$LLMOPS_STORAGE_ROOT" ]; then
-  echo "llmops: set MLFLOW_TRACKING_URI and LLMOPS_STORAGE_ROOT in startup.sh (make mwaa-bundle" \\
-       "MLFLOW_TRACKING_URI=... STORAGE_ROOT=s3://...)" >&2
+  echo "llmops: set MLFLOW_TRACKING_URI and LLMOPS_STORAGE_ROOT in startup.sh ({hint})" >&2
 fi
 """
+# What startup.sh and the build's warnings tell a user to run: the variables the Makefile's
+# mwaa-bundle target reads (not MLFLOW_TRACKING_URI: the Makefile sets that to the local store).
+HINT = "make mwaa-bundle MWAA_TRACKING_URI=... STORAGE_ROOT=s3://..."
+# Tracking URIs no MWAA worker can share (each has its own disk): refused at build time.
+LOCAL_TRACKING = ("sqlite:", "file:", "./", "/")
 
 
 # A worker's calls to the API server (its heartbeat, its XCom push, its final state) retried
@@ -138,7 +142,29 @@ def requirements() -> str:
     return "\n".join(lines) + "\n"
 
 
+def check_settings(tracking_uri: str, storage_root: str) -> list[str]:
+    """Warnings about what startup.sh will export: an empty tracking URI or storage root (the
+    jobs would log nowhere, or write beside a worker's scratch). A local tracking store is
+    refused (BundleError): MWAA workers share no disk."""
+    if tracking_uri.startswith(LOCAL_TRACKING) or (tracking_uri and "://" not in tracking_uri
+                                                   and not tracking_uri.startswith("arn:")):
+        raise BundleError(f"MWAA_TRACKING_URI={tracking_uri!r} is a local store, which MWAA's "
+                          f"workers do not share: give an MLflow server URL (https://...) or a "
+                          f"SageMaker managed MLflow ARN ({HINT}).")
+    warnings = []
+    if not tracking_uri:
+        warnings.append(f"no tracking URI: startup.sh exports MLFLOW_TRACKING_URI=\"\" and nothing "
+                        f"will reach MLflow. Build with {HINT}")
+    if not storage_root:
+        warnings.append(f"no storage root: startup.sh exports LLMOPS_STORAGE_ROOT=\"\". Build with {HINT}")
+    elif not storage_root.startswith("s3://"):
+        warnings.append(f"STORAGE_ROOT={storage_root!r} is not an s3:// prefix: MWAA workers and "
+                        f"remote jobs share no local disk")
+    return warnings
+
+
 def build(out: Path, tracking_uri: str = "", storage_root: str = "") -> Path:
+    check_settings(tracking_uri, storage_root)
     if out.exists():
         shutil.rmtree(out)
     (out / "dags").mkdir(parents=True)
@@ -153,7 +179,7 @@ def build(out: Path, tracking_uri: str = "", storage_root: str = "") -> Path:
             zf.writestr(info, path.read_bytes())
     (out / "requirements.txt").write_text(requirements())
     startup = out / "startup.sh"
-    startup.write_text(STARTUP.format(tracking_uri=tracking_uri, storage_root=storage_root))
+    startup.write_text(STARTUP.format(tracking_uri=tracking_uri, storage_root=storage_root, hint=HINT))
     startup.chmod(0o755)
     (out / "airflow_configuration_options.json").write_text(
         json.dumps(AIRFLOW_CONFIGURATION_OPTIONS, indent=2, sort_keys=True) + "\n")
@@ -166,7 +192,13 @@ def main() -> None:
     parser.add_argument("--tracking-uri", default="", help="MLFLOW_TRACKING_URI for startup.sh")
     parser.add_argument("--storage-root", default="", help="LLMOPS_STORAGE_ROOT (s3://...) for startup.sh")
     args = parser.parse_args()
-    out = build(Path(args.out), args.tracking_uri, args.storage_root)
+    try:
+        warnings = check_settings(args.tracking_uri, args.storage_root)
+        out = build(Path(args.out), args.tracking_uri, args.storage_root)
+    except BundleError as exc:
+        raise SystemExit(f"make mwaa-bundle: {exc}") from None
+    for warning in warnings:
+        print(f"WARNING: {warning}", file=sys.stderr)
     for path in sorted(p for p in out.rglob("*") if p.is_file()):
         print(f"{path.relative_to(out.parent)}  {path.stat().st_size:>9,d} bytes")
     print("Upload: aws s3 sync dist/mwaa/dags s3://<bucket>/dags; aws s3 cp dist/mwaa/plugins.zip "

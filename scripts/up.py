@@ -1,6 +1,13 @@
 """`make up`: the Airflow UI and the MLflow UI, on ports from the environment.
 
     AIRFLOW_PORT=8080 MLFLOW_PORT=5000 make up      # the defaults
+    BIND_HOST=0.0.0.0 make up                       # serve other machines too
+
+Both servers listen on 127.0.0.1 (this machine only) unless BIND_HOST says otherwise (or an
+AIRFLOW__API__HOST the user set, which must then agree with it). Airflow 3.3 binds the log
+servers of its scheduler and triggerer to every interface whatever is set (they answer only
+requests signed with this deployment's secret key); their ports are
+AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT and ..._TRIGGER_LOG_SERVER_PORT.
 
 Trigger `llm_lifecycle` from the Airflow UI ("Trigger" -> the Params form), or from the command
 line with `scripts/airflow dags trigger llm_lifecycle -c '{...}'`. Ctrl-C stops both.
@@ -23,7 +30,11 @@ from pathlib import Path
 
 DEFAULT_AIRFLOW_PORT = 8080
 DEFAULT_MLFLOW_PORT = 5000
+DEFAULT_HOST = "127.0.0.1"
 DAG_ID = "llm_lifecycle"
+# The MLflow UI's experiments in its training view (MLflow 3.17 opens its GenAI view unless the
+# link says otherwise: llmops.tracking.UI_VIEW_QUERY).
+MLFLOW_UI_PATH = "/#/experiments?workflowType=machine_learning"
 
 
 def airflow_port(environ: Mapping[str, str]) -> int:
@@ -33,6 +44,15 @@ def airflow_port(environ: Mapping[str, str]) -> int:
     if ours and theirs and int(ours) != int(theirs):
         raise SystemExit(f"AIRFLOW_PORT={ours} and AIRFLOW__API__PORT={theirs} disagree: set one.")
     return int(ours or theirs or DEFAULT_AIRFLOW_PORT)
+
+
+def bind_host(environ: Mapping[str, str]) -> str:
+    """Where both servers listen: BIND_HOST, else an AIRFLOW__API__HOST the user set, else
+    127.0.0.1. Both set and different is refused: one server would listen elsewhere."""
+    ours, theirs = environ.get("BIND_HOST"), environ.get("AIRFLOW__API__HOST")
+    if ours and theirs and ours != theirs:
+        raise SystemExit(f"BIND_HOST={ours} and AIRFLOW__API__HOST={theirs} disagree: set one.")
+    return ours or theirs or DEFAULT_HOST
 
 
 def airflow_server_env(environ: Mapping[str, str], port: int) -> dict[str, str]:
@@ -45,7 +65,7 @@ def airflow_server_env(environ: Mapping[str, str], port: int) -> dict[str, str]:
     port as well, and the execution API address follows it; links in task logs and notifications
     use it too. A base URL or execution API address the user set is kept (a proxy, another host).
     """
-    env = {**environ, "AIRFLOW__API__PORT": str(port)}
+    env = {**environ, "AIRFLOW__API__PORT": str(port), "AIRFLOW__API__HOST": bind_host(environ)}
     env.setdefault("AIRFLOW__API__BASE_URL", f"http://localhost:{port}")
     return env
 
@@ -66,8 +86,10 @@ def main() -> int:
     home = Path(os.environ["LLMOPS_HOME"])
     airflow_home = Path(os.environ["AIRFLOW_HOME"])
     port = airflow_port(os.environ)
+    host = bind_host(os.environ)
     mlflow_port = int(os.environ.get("MLFLOW_PORT") or DEFAULT_MLFLOW_PORT)
-    base = f"http://127.0.0.1:{port}"
+    # where this script reaches the API server: the host it listens on, or loopback for "any"
+    base = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::', '') else host}:{port}"
     # The pool sweep trials and ladder rungs run in (their accelerator quota), before any run.
     subprocess.run([sys.executable, "-m", "llmops.sweep.pool"], check=True)
     env = {**airflow_server_env(os.environ, port), "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
@@ -77,44 +99,49 @@ def main() -> int:
     mlflow = subprocess.Popen(
         ["mlflow", "server", "--backend-store-uri", os.environ["MLFLOW_TRACKING_URI"],
          "--default-artifact-root", (home / "mlartifacts").as_uri(),
-         "--host", "127.0.0.1", "--port", str(mlflow_port), "--workers", "1"],
+         "--host", host, "--port", str(mlflow_port), "--workers", "1"],
         env=env, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_default_sigint,
         start_new_session=True)
     airflow = subprocess.Popen(["airflow", "standalone"], env=env, stdout=log,
                                stderr=subprocess.STDOUT, preexec_fn=_default_sigint,
                                start_new_session=True)
-    print(f"Starting Airflow and MLflow (their output: {log_path}) ...", flush=True)
-    password_file = airflow_home / "simple_auth_manager_passwords.json.generated"
-    deadline = time.time() + 180
-    while time.time() < deadline and airflow.poll() is None and not _ready(base, password_file):
-        time.sleep(1)
-    creds = json.loads(password_file.read_text()) if password_file.exists() else {}
-    users = ", ".join(f"{u} / {p}" for u, p in creds.items()) or f"see {password_file}"
-    # Ready for a trigger means the DAG is parsed: until then a CLI trigger says "not found".
-    dags = _wait_for_dags(base, creds, airflow, time.time() + 180)
-    print("\n" + "\n".join([
-        "-" * 72,
-        f"Airflow UI   http://localhost:{port}   user / password: {users}",
-        f"MLflow UI    http://localhost:{mlflow_port}",
-        f"Trigger      '{DAG_ID}' -> Trigger -> fill in the Params form, or from a shell:",
-        f"             scripts/airflow dags trigger {DAG_ID} -c '{{\"recipe\": \"demo\"}}'",
-        *_dag_lines(dags),
-        f"Logs         {log_path}",
-        "Stop         Ctrl-C (stops both)",
-        "-" * 72]) + "\n", flush=True)
+    # Ctrl-C at any moment, start-up included, stops both servers: they run in sessions of their
+    # own, so nothing else would, and an early Ctrl-C used to leave them running.
     try:
+        print(f"Starting Airflow and MLflow (their output: {log_path}) ...", flush=True)
+        password_file = airflow_home / "simple_auth_manager_passwords.json.generated"
+        deadline = time.time() + 180
+        while time.time() < deadline and airflow.poll() is None and not _ready(base, password_file):
+            time.sleep(1)
+        creds = json.loads(password_file.read_text()) if password_file.exists() else {}
+        users = ", ".join(f"{u} / {p}" for u, p in creds.items()) or f"see {password_file}"
+        # Ready for a trigger means the DAG is parsed: until then a CLI trigger says "not found".
+        dags = _wait_for_dags(base, creds, airflow, time.time() + 180)
+        print("\n" + "\n".join([
+            "-" * 72,
+            f"Airflow UI   http://localhost:{port}   user / password: {users}",
+            f"MLflow UI    http://localhost:{mlflow_port}{MLFLOW_UI_PATH}",
+            f"Listening    {host}" + (" (this machine only; BIND_HOST=0.0.0.0 make up serves others)"
+                                      if host == DEFAULT_HOST else ""),
+            f"Trigger      '{DAG_ID}' -> Trigger -> fill in the Params form, or from a shell:",
+            f"             scripts/airflow dags trigger {DAG_ID} -c '{{\"recipe\": \"demo\"}}'",
+            *_dag_lines(dags),
+            f"Logs         {log_path}",
+            "Stop         Ctrl-C (stops both)",
+            "-" * 72]) + "\n", flush=True)
         while airflow.poll() is None and mlflow.poll() is None:
             time.sleep(1)
     except KeyboardInterrupt:
         pass
-    for proc in (airflow, mlflow):
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-    for proc in (airflow, mlflow):
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+    finally:
+        for proc in (airflow, mlflow):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGINT)
+        for proc in (airflow, mlflow):
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
     log.close()
     return 0
 

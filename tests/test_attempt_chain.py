@@ -10,6 +10,7 @@ attempt, status answers from a script); the operator's wait and its deferrals ru
 
 from __future__ import annotations
 
+import json
 from datetime import datetime, timezone
 
 import pytest
@@ -18,7 +19,7 @@ from airflow.sdk.exceptions import TaskDeferred
 import llmops.operators.job as job_op
 from llmops.jobs import continuation
 from llmops.jobs.backends import JobState, JobStatus
-from tests.test_wait_faults import (RUNNING, SUCCEEDED, Clock, FakeStore, ScriptedBackend, context,
+from tests.test_wait_faults import (RUNNING, SUCCEEDED, Clock, FakeStore, FakeTI, ScriptedBackend, context,
                                     operator, use_backend)  # noqa: F401 - fixtures
 
 MAX_RUNTIME = JobStatus(JobState.STOPPED, "SageMaker job pretrain-1 was stopped: MaxRuntimeExceeded: "
@@ -152,3 +153,56 @@ def test_deferred_the_chain_goes_on_through_the_trigger_and_a_deferred_backoff(u
     result = op.execute_complete(context(store=store), {**third.value.trigger.context,
                                                         "state": "succeeded", "handle": op._handle})
     assert result["metrics"] == {"answer": 42}
+
+
+class XComTI(FakeTI):
+    def __init__(self):
+        super().__init__()
+        self.xcoms: dict[str, object] = {}
+
+    def xcom_push(self, key, value):
+        self.xcoms[key] = value
+
+
+def test_the_wait_and_the_attempts_reach_the_run_page_and_the_note(use_backend, clock, ledger_rows):
+    """Issue 48: a chain of attempts and a wait for capacity were in the task log only. Each wait
+    (the service's words) and each attempt that ended (why) is tagged on the stage's MLflow run,
+    which the run page reads, and the attempts are the task's XCom, which the run's note quotes.
+    The backend is scripted (each attempt first queued for capacity, the first one's host lost);
+    the operator, MLflow, the summary and the page are real."""
+    from llmops import run_note, run_page, run_summary, tracking
+
+    client = tracking.client()
+    experiment = tracking.ensure_experiment("llm_lifecycle")
+    dag_run = f"manual__chain_{clock.now:.0f}"
+    parent = tracking.start_parent_run(experiment="llm_lifecycle", dag_id="llm_lifecycle",
+                                       run_id=dag_run, config={}, tags={"recipe": "tiny"})
+    child = tracking.start_child_run(experiment="llm_lifecycle", parent_run_id=parent, stage="pretrain",
+                                     tags={}, identity={"dag_id": "llm_lifecycle", "run_id": dag_run,
+                                                        "task_id": "pretrain", "map_index": "-1"})
+    queued = JobStatus(JobState.PENDING, "Starting: Insufficient capacity error from EC2 while "
+                                         "launching instances, retrying!")
+    use_backend(Attempts([[queued, RUNNING, HOST], [queued, queued, RUNNING, SUCCEEDED]]))
+    op = operator()
+    op.spec["env"] = {"MLFLOW_RUN_ID": child}
+    ti = XComTI()
+    assert op.execute(context(ti=ti, store=FakeStore()))["metrics"] == {"answer": 42}
+
+    tags = client.get_run(child).data.tags
+    (attempt,) = json.loads(tags[tracking.ATTEMPTS_TAG])
+    assert (attempt["attempt"], attempt["why"], attempt["state"]) == (1, "host", "failed")
+    assert "Host EC2 (instance i-0fa4e00000000000) terminated" in attempt["message"]
+    assert ti.xcoms[tracking.ATTEMPTS_XCOM] == [attempt]
+    # attempt 2 waited two polls (60 s of this test's clock) before it started
+    assert tags[tracking.WAITING_TAG] == "" and float(tags[tracking.QUEUED_TAG]) == 60.0
+
+    summary = run_summary.collect("llm_lifecycle", dag_run, now_ms=int(clock.now * 1000))
+    (stage,) = summary["stages"]
+    assert stage["attempts"] == [attempt] and stage["waiting"]["queued_s"] == 60.0
+    html = run_page.render(summary, {"state": "running", "note": None, "failure": None, "refusal": None})
+    assert "pretrain: a chain of 2 attempts" in html and "ended by <b>host</b>" in html
+    assert "queued" in html and 'data-key="stage.pretrain.queued_s" data-value="60.0"' in html
+    assert "pretrain: 2 attempts (host, then running)" in run_summary.note_line(summary)
+    line = run_note.Failure(task="pretrain", try_number=1, attempts=ti.xcoms[tracking.ATTEMPTS_XCOM]).line()
+    assert line.startswith("failed at pretrain after 1 attempt: 1 ended by host (Batch job pretrain-1 "
+                           "failed"), line

@@ -49,11 +49,13 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
                        "llmops.paired")),
     # a run: its checks and stage specs, reuse, replay, retraining, the sweep and the ladder
     ("llmops.stages", ("llmops.lifecycle", "llmops.specs", "llmops.retraining", "llmops.reuse", "llmops.replay",
-                       "llmops.run_summary", "llmops.sweep.stage",
+                       "llmops.run_summary", "llmops.run_summary_text", "llmops.sweep.stage",
                        "llmops.sweep.ladder", "llmops.sweep.tuning")),
-    # Airflow's side: operators, triggers, the run page and note, the pause page, the sweep's pool
+    # Airflow's side: operators, triggers, the run page (its charts) and note, the pause page,
+    # the sweep's pool
     ("llmops.airflow", ("llmops.operators", "llmops.triggers", "llmops.run_note", "llmops.run_page",
-                        "llmops.pause_api", "llmops.sweep.trial_operator", "llmops.sweep.pool")),
+                        "llmops.run_charts", "llmops.pause_api", "llmops.sweep.trial_operator",
+                        "llmops.sweep.pool")),
     # wiring only
     ("dags", ("dags", "scripts")),
 ]

@@ -60,6 +60,39 @@ def test_bundle_has_what_mwaa_takes(bundle):
         "the same sources must give the same plugins.zip (MWAA updates on a new object version)"
 
 
+def _make_mwaa_bundle(out: Path, *assignments: str) -> subprocess.CompletedProcess:
+    """`make mwaa-bundle VAR=value...` as a user runs it (the venv is installed: -o skips it)."""
+    return subprocess.run(["make", "--no-print-directory", "-C", str(ROOT), "-o",
+                           str(ROOT / ".venv" / ".installed"), "mwaa-bundle", f"MWAA_OUT={out}",
+                           *assignments], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "MLFLOW_TRACKING_URI": "sqlite:////tmp/not-for-mwaa.db"})
+
+
+def test_make_mwaa_bundle_with_the_variables_its_hint_names_ships_the_uri(bundle, tmp_path):
+    """Issue 48: startup.sh told users to set MLFLOW_TRACKING_URI on `make mwaa-bundle`, which
+    the Makefile does not read (it is the checkout's own local store there): following the hint
+    shipped `export MLFLOW_TRACKING_URI=""`. Run exactly what the hint says."""
+    import re
+
+    hint = re.search(r"\((make mwaa-bundle [^)]*)\)", (bundle / "startup.sh").read_text())[1]
+    names = re.findall(r"(\w+)=(\S+)", hint)
+    assert [n for n, _ in names] == ["MWAA_TRACKING_URI", "STORAGE_ROOT"], hint
+    values = {"MWAA_TRACKING_URI": "https://mlflow.example.com", "STORAGE_ROOT": "s3://my-bucket/llmops"}
+    made = _make_mwaa_bundle(tmp_path / "mwaa", *(f"{n}={values[n]}" for n, _ in names))
+    assert made.returncode == 0, made.stdout + made.stderr
+    startup = (tmp_path / "mwaa" / "startup.sh").read_text()
+    assert 'export MLFLOW_TRACKING_URI="https://mlflow.example.com"' in startup
+    assert 'export LLMOPS_STORAGE_ROOT="s3://my-bucket/llmops"' in startup
+    assert "WARNING" not in made.stderr
+    # without them the build says so, naming the fix; a local store is refused
+    bare = _make_mwaa_bundle(tmp_path / "bare")
+    assert bare.returncode == 0 and "WARNING: no tracking URI" in bare.stderr and hint in bare.stderr, bare.stderr
+    local = _make_mwaa_bundle(tmp_path / "local", "MWAA_TRACKING_URI=sqlite:///mlflow.db",
+                              "STORAGE_ROOT=s3://my-bucket/llmops")
+    assert local.returncode != 0 and "local store" in local.stderr, local.stdout + local.stderr
+    assert not (tmp_path / "local").exists()
+
+
 def test_requirements_fit_mwaa_constraints_and_essentials(bundle):
     from packaging.requirements import Requirement
 

@@ -102,6 +102,6 @@ def test_the_run_page_shows_the_failure_without_an_mlflow_run(dying_runs):
     assert "data-key='state'>failed<" in resp.text
     as_json = api.get(f"/runs/{DAG_ID}/{run_id}/summary.json")
     assert as_json.status_code == 404 and as_json.json()["airflow"] == {
-        "state": "failed", "note": note, "failure": note}
+        "state": "failed", "note": note, "failure": note, "refusal": None}   # it died: no refusal
     # a run neither Airflow nor MLflow knows is still a 404
     assert api.get(f"/runs/{DAG_ID}/manual__never").status_code == 404

@@ -184,8 +184,11 @@ def test_the_page_shows_mlflows_numbers(lifecycle_run, airflow_db):
     assert figures["gate.paired.task_accuracy"] == ("+0.1250 [+0.0875, +0.1650] n=400 p=8e-10 "
                                                     "superior: pass")   # as the version's tag says
     assert resp.text.count("<svg") >= 6  # timeline, drops, trials, two loss charts, goodput
-    assert "<script" not in resp.text and "http://" not in resp.text.replace(
-        'xmlns="http://www.w3.org/2000/svg"', "")  # nothing for the browser to fetch
+    # nothing for the browser to fetch (links to MLflow are only followed when clicked)
+    assert "<script" not in resp.text and " src=" not in resp.text and "<link" not in resp.text
+    # and each of those opens MLflow's training view, not its GenAI view (issue 48)
+    mlflow_links = re.findall(r'href="(http://localhost:\d+/#/experiments/[^"]+)"', resp.text)
+    assert mlflow_links and all(link.endswith("?workflowType=machine_learning") for link in mlflow_links)
     as_json = api.get(f"/runs/{DAG_ID}/{run_id}/summary.json").json()
     assert as_json["gate"]["version"] == ids["version"]
     assert 'data-key="failure"' not in resp.text and as_json["airflow"] is None
@@ -351,7 +354,7 @@ def test_a_running_pretraining_has_a_now_card_with_an_eta(running_run):
     assert "<script>" in html and "setTimeout" in html and "DOMParser" in html
     assert re.search(r"live: updated \d\d:\d\d:\d\d UTC · refreshes every 20 s while the run is running",
                      text)
-    assert "http://" not in html.replace('xmlns="http://www.w3.org/2000/svg"', "")  # no library fetched
+    assert " src=" not in html and "<link" not in html  # no library fetched
     # the same figures in summary.json; a run that finished has no "Now"
     s = run_summary.collect(DAG_ID, run_id, now_ms=ids["started"] + 120_000)
     (live,) = s["live"]

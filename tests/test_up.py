@@ -36,6 +36,18 @@ def _execution_api_url(env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> 
     return get_execution_api_server_url()
 
 
+def test_both_servers_listen_on_this_machine_only_unless_the_user_asks():
+    """Issue 48: the API server listened on 0.0.0.0 (Airflow's default) beside MLflow on
+    127.0.0.1. Now both take BIND_HOST, 127.0.0.1 by default; a user's own AIRFLOW__API__HOST
+    counts as asking, and two that disagree are refused."""
+    assert up.bind_host({}) == "127.0.0.1"
+    assert up.airflow_server_env({}, 8080)["AIRFLOW__API__HOST"] == "127.0.0.1"
+    assert up.airflow_server_env({"BIND_HOST": "0.0.0.0"}, 8080)["AIRFLOW__API__HOST"] == "0.0.0.0"
+    assert up.bind_host({"AIRFLOW__API__HOST": "0.0.0.0"}) == "0.0.0.0"
+    with pytest.raises(SystemExit, match="disagree"):
+        up.bind_host({"BIND_HOST": "127.0.0.1", "AIRFLOW__API__HOST": "0.0.0.0"})
+
+
 def test_task_processes_reach_the_execution_api_on_the_chosen_port(monkeypatch):
     # Before: only AIRFLOW__API__PORT moved, and Airflow sent every task to localhost:8080.
     assert _execution_api_url({"AIRFLOW__API__PORT": "8391"}, monkeypatch) == \

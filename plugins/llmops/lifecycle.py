@@ -314,7 +314,9 @@ def start_run(params: dict[str, Any], *, dag_id: str, run_id: str,
     if earlier and earlier.get("fork"):
         earlier["fork"].pop("config")   # checked; the run dict travels through XCom
     parent = tracking.start_parent_run(experiment=dag_id, dag_id=dag_id, run_id=run_id,
-                                       config={**config, "backends": backends, "root": root})
+                                       config={**config, "backends": backends, "root": root},
+                                       # named on the run page from the start, not at promote
+                                       tags={"recipe": params.get("recipe") or "demo"})
     try:
         reuse.tag_parent(parent, earlier, conf)
         model_name = params.get("registered_model_name") or "llm-lifecycle"

@@ -2,17 +2,23 @@
 
 A task cannot write its DAG run's note (the Task SDK has no setter, and the REST API would need
 a user's credentials in every task). So the promote task leaves the line as the XCom `run_note`
-(llmops.run_summary.note_line), or a pretraining paused on request leaves "paused at step N of M"
-with the resume (llmops.operators.job_pause), and this listener, loaded by the scheduler with the
-project's plugins, copies it onto the run when the run finishes, in the scheduler's own
-transaction. A note someone already wrote is kept.
+(llmops.run_summary_text.note_line), or a pretraining paused on request leaves "paused at step N
+of M" with the conf that resumes it (llmops.operators.job_pause), and this listener, loaded by the
+scheduler with the project's plugins, copies it onto the run when the run finishes, in the
+scheduler's own transaction. A note someone already wrote is kept.
 
-A run of such a DAG that failed before promote gets the failure line instead (`failure_line`):
-the task that failed first (by end time: the others mostly failed because of it) and, when the
-scheduler failed it itself, what the scheduler reported. That report is the only trace of a task
-whose process died before the task ran: its own log stops after "Pre Execute" with no error, and
-the scheduler records the executor's "finished with state failed, but the task instance's state
-attribute is queued" only in its output and the audit log. The run page shows the same line.
+A run of such a DAG that failed before promote gets the failure line instead (`Failure.line`).
+A run its first task refused (a misspelled Param, an impossible combination: start_run checks
+every input before any job) quotes the refusal, which that task leaves as the XCom `refusal`
+(llmops.run_summary.REFUSAL_XCOM) before it fails: "refused at start_run: Unknown Param
+'pretrain_step' ... (did you mean 'pretrain_steps'?)", the Param and the fix, not only the
+task's name. Any other failure names the task that failed first (by end time: the others
+mostly failed because of it) and, when the scheduler failed it itself, what the scheduler
+reported. That report is the only trace of a task whose process died before the task ran: its
+own log stops after "Pre Execute" with no error, and the scheduler records the executor's
+"finished with state failed, but the task instance's state attribute is queued" only in its
+output and the audit log. A job task whose chain ran several attempts left them as its XCom
+(llmops.tracking.ATTEMPTS_XCOM): the line says why each ended. The run page shows the same line.
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from llmops.run_summary import NOTE_XCOM as NOTE_KEY
+from llmops.run_summary import REFUSAL_XCOM
+from llmops.tracking import ATTEMPTS_XCOM
 
 log = logging.getLogger(__name__)
 
@@ -51,15 +59,35 @@ class Failure:
     event: str | None = None       # the scheduler's audit-log event, when it failed the task itself
     reported: str | None = None    # and its own words
     others: list[str] = field(default_factory=list)
+    refusal: str | None = None     # the task refused the run's input: its message (XCom `refusal`)
+    attempts: list[dict[str, Any]] = field(default_factory=list)  # its chain's ended attempts
 
     def line(self) -> str:
+        if self.refusal:
+            # The message names the Param and the fix; the tasks downstream were only skipped.
+            return f"refused at {self.task}: {self.refusal}"[:NOTE_LIMIT]
         text = f"failed at {self.task}"
         if self.reported:
             text += f" (try {self.try_number}): {_plainly(self.event, self.reported)}; " \
                     f"the scheduler reported: {self.reported}"
+        if self.attempts:
+            text += f" after {len(self.attempts)} attempt{'s' if len(self.attempts) > 1 else ''}: " \
+                    + attempts_line(self.attempts)
         if self.others:
             text += f"; later failed: {', '.join(self.others)}"
         return text[:NOTE_LIMIT]
+
+
+def attempts_line(attempts: list[dict[str, Any]]) -> str:
+    """'1 ended by capacity (CapacityError: ...), 2 failed (AlgorithmError: ...)'"""
+    return ", ".join(f"{a.get('attempt', '?')} "
+                     + (f"ended by {a['why']}" if a.get("why") else str(a.get("state") or "ended"))
+                     + (f" ({_short(a['message'])})" if a.get("message") else "") for a in attempts)
+
+
+def _short(text: str, limit: int = 90) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else text[:limit - 1] + "…"
 
 
 def _plainly(event: str | None, reported: str) -> str:
@@ -74,17 +102,26 @@ def _plainly(event: str | None, reported: str) -> str:
 
 def pending_note(dag_run, session) -> str | None:
     """The line the promote task (or a paused pretrain task) left for this run, if any."""
+    for task_id in NOTE_TASKS:
+        value = _xcom(dag_run, session, task_id, NOTE_KEY)
+        if value:
+            return str(value)
+    return None
+
+
+def _xcom(dag_run, session, task_id: str, key: str, map_index: int | None = None) -> Any:
     from airflow.models.xcom import XComModel
 
-    query = XComModel.get_many(run_id=dag_run.run_id, dag_ids=dag_run.dag_id,
-                               task_ids=list(NOTE_TASKS), key=NOTE_KEY)
-    rows = session.scalars(query).all() if query is not None else []
-    for task_id in NOTE_TASKS:
-        for row in rows:
-            value = XComModel.deserialize_value(row) if row.task_id == task_id else None
-            if value:
-                return str(value)
-    return None
+    query = XComModel.get_many(run_id=dag_run.run_id, dag_ids=dag_run.dag_id, task_ids=task_id,
+                               key=key, map_indexes=map_index, limit=1)
+    row = session.scalars(query).first() if query is not None else None
+    return XComModel.deserialize_value(row) if row is not None else None
+
+
+def refusal(dag_run, session, task_id: str) -> str | None:
+    """What the task refused the run for (its XCom `refusal`), if it refused it."""
+    value = _xcom(dag_run, session, task_id, REFUSAL_XCOM)
+    return " ".join(str(value).split()) if value else None
 
 
 def _label(ti: Any) -> str:
@@ -115,12 +152,15 @@ def first_failure(dag_run, session) -> Failure | None:
     event, message = report if report else (None, None)
     return Failure(task=_label(first), try_number=first.try_number, event=event,
                    reported=" ".join(message.split()) if message else None,
-                   others=[_label(ti) for ti in failed[1:]])
+                   others=[_label(ti) for ti in failed[1:]],
+                   refusal=refusal(dag_run, session, first.task_id) if not report else None,
+                   attempts=list(_xcom(dag_run, session, first.task_id, ATTEMPTS_XCOM,
+                                       first.map_index) or []))
 
 
 def airflow_run(dag_id: str, run_id: str) -> dict[str, Any] | None:
-    """The DAG run as Airflow's metadata DB has it, for the run page: {state, note, failure}, or
-    None when Airflow has no such run. Read from the API server's own DB session."""
+    """The DAG run as Airflow's metadata DB has it, for the run page: {state, note, failure,
+    refusal}, or None when Airflow has no such run. Read from the API server's own DB session."""
     from sqlalchemy import select
 
     from airflow.models.dagrun import DagRun
@@ -133,7 +173,9 @@ def airflow_run(dag_id: str, run_id: str) -> dict[str, Any] | None:
             return None
         failure = first_failure(dag_run, session)
         return {"state": str(dag_run.state), "note": dag_run.note,
-                "failure": failure.line() if failure else None}
+                "failure": failure.line() if failure else None,
+                "refusal": {"task": failure.task, "message": failure.refusal}
+                if failure and failure.refusal else None}
 
 
 def set_note(dag_run, failed: bool) -> None:

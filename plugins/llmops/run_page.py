@@ -7,8 +7,8 @@ The figures are MLflow's; the run's state and, for a failed run, the task that f
 what the scheduler reported (llmops.run_note, the same line as the run's note) are Airflow's. A
 run whose first task died before it ran has no MLflow run at all: the page then shows only that.
 
-Rendered on the server with inline SVG charts: no JavaScript build, no CDN, nothing fetched by the
-browser but the page itself. While Airflow has the run queued or running, a few lines of inline
+Rendered on the server with inline SVG charts (llmops.run_charts): no JavaScript build, no CDN,
+nothing fetched by the browser but the page itself. While Airflow has the run queued or running, a few lines of inline
 script fetch the page again every REFRESH_S seconds and swap its body in (the page says when it
 was drawn: "live: updated HH:MM:SS UTC"); the first page drawn after the run ended has no script,
 so the refreshing stops. A training run MLflow marks RUNNING gets a "Now" card: its latest step
@@ -23,238 +23,14 @@ should pay for FastAPI and Airflow's security module.
 from __future__ import annotations
 
 import datetime as dt
-import html
-import math
-from typing import Any, Callable
+import json
+from typing import Any, Callable, Iterator
+from urllib.parse import quote
 
-from llmops import run_note, run_summary
-
-PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2",
-           "#7f7f7f", "#bcbd22", "#17becf")
-STATE_COLOURS = {"FINISHED": "#2ca02c", "RUNNING": "#1f77b4", "FAILED": "#d62728",
-                 "KILLED": "#7f7f7f", "SCHEDULED": "#bcbd22"}
-
-
-# -- formatting --------------------------------------------------------------------------------
-
-def _e(text: Any) -> str:
-    return html.escape(str(text), quote=True)
-
-
-def fmt(value: Any, digits: int = 4) -> str:
-    if value is None:
-        return "–"
-    if isinstance(value, float):
-        if not math.isfinite(value):
-            return str(value)
-        if value.is_integer() and abs(value) < 1e12:
-            return f"{int(value):,}"
-        return f"{value:.{digits}g}"
-    return str(value)
-
-
-def _raw(value: Any) -> str:
-    return "" if value is None else repr(float(value)) if isinstance(value, (int, float)) else str(value)
-
-
-def figure(key: str, value: Any, digits: int = 4, shown: str | None = None) -> str:
-    """A number with its exact value attached for machines: <span data-key data-value>."""
-    text = shown if shown is not None else fmt(value, digits)
-    return f'<span data-key="{_e(key)}" data-value="{_e(_raw(value))}">{_e(text)}</span>'
-
-
-def percent(value: float | None) -> str:
-    return "–" if value is None else f"{100 * value:.1f}%"
-
-
-def _duration(seconds: float | None) -> str:
-    if seconds is None:
-        return "–"
-    if seconds >= 7200:
-        return f"{seconds / 3600:.1f} h"
-    return f"{seconds:.1f} s" if seconds < 120 else f"{seconds / 60:.1f} min"
-
-
-def _time(ms: int | None) -> str:
-    if not ms:
-        return "–"
-    return dt.datetime.fromtimestamp(ms / 1000, dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
-
-
-# -- SVG charts -------------------------------------------------------------------------------
-
-def _ticks(lo: float, hi: float, n: int = 5) -> list[float]:
-    if hi <= lo:
-        return [lo]
-    raw = (hi - lo) / n
-    step = 10 ** math.floor(math.log10(raw))
-    step *= next(m for m in (1, 2, 2.5, 5, 10) if raw <= step * m)
-    start = math.ceil(lo / step) * step
-    return [start + i * step for i in range(int((hi - start) / step + 1e-9) + 1)]
-
-
-def _legend_rows(names: list[str], width: int, left: int) -> list[list[tuple[str, float]]]:
-    """Long legend labels in rows under the chart: [(name, x)] per row, wrapped at `width`."""
-    rows: list[list[tuple[str, float]]] = [[]]
-    x = float(left)
-    for name in names:
-        w = 14 + 6.5 * len(name) + 16
-        if rows[-1] and x + w > width:
-            rows.append([])
-            x = float(left)
-        rows[-1].append((name, x))
-        x += w
-    return rows
-
-
-def line_chart(series: dict[str, list[list[float]]], *, title: str, x_label: str = "step",
-               y_label: str = "loss", width: int = 460, height: int = 260,
-               style: dict[str, tuple[str, bool]] | None = None,
-               marks: dict[float, str] | None = None) -> str:
-    """Lines (with a dot per point) sharing one pair of axes, and a legend. `style` gives a
-    series its colour and whether it is dashed; `marks` draws a labelled vertical line at a
-    step. Each series is a <g data-series data-first-step data-last-step> for machines."""
-    points = [p for pts in series.values() for p in pts]
-    if not points:
-        return f'<div class="empty">{_e(title)}: no points logged</div>'
-    style, marks = style or {}, marks or {}
-    left, right, top, bottom = 56, 12, 28, 40
-    # short labels sit on the title's line; long ones in rows under the chart
-    legend = _legend_rows(list(series), width - right, left) \
-        if any(len(name) > 8 for name in series) else None
-    extra = 18 * len(legend) if legend else 0
-    height += extra
-    xs, ys = [p[0] for p in points], [p[1] for p in points]
-    x0, x1 = min(xs), max(xs)
-    y0, y1 = min(ys), max(ys)
-    pad = (y1 - y0) * 0.08 or abs(y1) * 0.05 or 1.0
-    y0, y1 = y0 - pad, y1 + pad
-    if x1 == x0:
-        x0, x1 = x0 - 1, x1 + 1
-    pw, ph = width - left - right, height - top - bottom - extra
-
-    def sx(x: float) -> float:
-        return left + (x - x0) / (x1 - x0) * pw
-
-    def sy(y: float) -> float:
-        return top + (1 - (y - y0) / (y1 - y0)) * ph
-
-    out = [f'<svg class="chart" role="img" aria-label="{_e(title)}" width="{width}" height="{height}" '
-           f'viewBox="0 0 {width} {height}" xmlns="http://www.w3.org/2000/svg">',
-           f'<text x="{left}" y="16" class="title">{_e(title)}</text>']
-    for t in _ticks(y0, y1):
-        out.append(f'<line x1="{left}" x2="{width - right}" y1="{sy(t):.1f}" y2="{sy(t):.1f}" class="grid"/>'
-                   f'<text x="{left - 6}" y="{sy(t) + 4:.1f}" class="tick" text-anchor="end">{t:.3g}</text>')
-    for t in _ticks(x0, x1):
-        out.append(f'<text x="{sx(t):.1f}" y="{top + ph + 16}" class="tick" text-anchor="middle">{t:g}</text>')
-    out.append(f'<rect x="{left}" y="{top}" width="{pw}" height="{ph}" class="frame"/>')
-    out.append(f'<text x="{left + pw / 2}" y="{height - 6 - extra}" class="axis" text-anchor="middle">{_e(x_label)}</text>')
-    out.append(f'<text transform="translate(14 {top + ph / 2}) rotate(-90)" class="axis" '
-               f'text-anchor="middle">{_e(y_label)}</text>')
-    for step, label in marks.items():
-        if x0 <= step <= x1:
-            out.append(f'<line x1="{sx(step):.1f}" x2="{sx(step):.1f}" y1="{top}" y2="{top + ph}" '
-                       f'class="mark" data-mark-step="{_e(_raw(step))}"/>'
-                       f'<text x="{sx(step) + 3:.1f}" y="{top + 11}" class="tick">{_e(label)}</text>')
-    at = {name: (x, top + ph + bottom + 12 + 18 * r) for r, row in enumerate(legend or []) for name, x in row}
-    for i, (name, pts) in enumerate(series.items()):
-        colour, dashed = style.get(name, (PALETTE[i % len(PALETTE)], False))
-        path = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in pts)
-        first, last = (_raw(pts[0][0]), _raw(pts[-1][0])) if pts else ("", "")
-        out.append(f'<g class="series" data-series="{_e(name)}" data-first-step="{_e(first)}" '
-                   f'data-last-step="{_e(last)}">')
-        if len(pts) > 1:
-            dash = ' stroke-dasharray="6 4"' if dashed else ""
-            out.append(f'<polyline points="{path}" fill="none" stroke="{colour}" stroke-width="2"{dash}/>')
-        out += [f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="2.5" fill="{colour}"/>' for x, y in pts]
-        lx, ly = at.get(name, (width - right - 70 * (len(series) - i), 16))  # on the title's line
-        swatch = (f'<line x1="{lx}" x2="{lx + 11}" y1="{ly - 4}" y2="{ly - 4}" stroke="{colour}" '
-                  f'stroke-width="2" stroke-dasharray="3 2"/>') if dashed else \
-            f'<rect x="{lx}" y="{ly - 9}" width="10" height="10" fill="{colour}"/>'
-        out.append(f'{swatch}<text x="{lx + 14}" y="{ly}" class="legend">{_e(name)}</text></g>')
-    out.append("</svg>")
-    return "".join(out)
-
-
-def bar_chart(values: dict[str, float], *, title: str, unit: str = "", width: int = 460,
-              colour: str = "#1f77b4", key_prefix: str = "") -> str:
-    """Horizontal bars, largest first, each labelled with its value."""
-    if not values:
-        return f'<div class="empty">{_e(title)}: nothing recorded</div>'
-    label_w, row, top = 170, 20, 26
-    height = top + row * len(values) + 8
-    top_value = max(values.values()) or 1.0
-    bar_w = width - label_w - 70
-    out = [f'<svg class="chart" role="img" aria-label="{_e(title)}" width="{width}" height="{height}" '
-           f'viewBox="0 0 {width} {height}" xmlns="http://www.w3.org/2000/svg">',
-           f'<text x="4" y="16" class="title">{_e(title)}</text>']
-    for i, (name, value) in enumerate(values.items()):
-        y = top + i * row
-        w = max(1.0, value / top_value * bar_w) if value > 0 else 0
-        out.append(f'<text x="{label_w - 6}" y="{y + 13}" class="tick" text-anchor="end">{_e(name)}</text>'
-                   f'<rect x="{label_w}" y="{y + 2}" width="{w:.1f}" height="{row - 6}" fill="{colour}"/>'
-                   f'<text x="{label_w + w + 4:.1f}" y="{y + 13}" class="tick" data-key="{_e(key_prefix + name)}" '
-                   f'data-value="{_e(_raw(value))}">{_e(fmt(value, 3))}{unit}</text>')
-    out.append("</svg>")
-    return "".join(out)
-
-
-def timeline_chart(stages: list[dict[str, Any]], *, width: int = 940) -> str:
-    """A Gantt chart of the stage runs: one bar per task (mapped trials included), coloured by state."""
-    rows = [s for s in stages if s["start_ms"]]
-    if not rows:
-        return '<div class="empty">No stage has started yet.</div>'
-    t0 = min(s["start_ms"] for s in rows)
-    t1 = max((s["end_ms"] or s["start_ms"]) for s in rows)
-    span = max(t1 - t0, 1)
-    label_w, row, top = 150, 22, 8
-    bar_w = width - label_w - 90
-    height = top + row * len(rows) + 26
-    out = [f'<svg class="chart" role="img" aria-label="stage timeline" width="{width}" height="{height}" '
-           f'viewBox="0 0 {width} {height}" xmlns="http://www.w3.org/2000/svg">']
-    for i, s in enumerate(rows):
-        y = top + i * row
-        x = label_w + (s["start_ms"] - t0) / span * bar_w
-        w = max(2.0, ((s["end_ms"] or t1) - s["start_ms"]) / span * bar_w)
-        name = s["task_id"] + (f"[{s['map_index']}]" if s["map_index"] >= 0 else "")
-        colour = STATE_COLOURS.get(s["status"], "#7f7f7f")
-        out.append(f'<text x="{label_w - 6}" y="{y + 15}" class="tick" text-anchor="end">{_e(name)}</text>'
-                   f'<rect x="{x:.1f}" y="{y + 3}" width="{w:.1f}" height="{row - 6}" rx="3" fill="{colour}">'
-                   f'<title>{_e(name)}: {_e(s["status"])}, {_e(_duration(s["duration_s"]))}</title></rect>'
-                   f'<text x="{x + w + 4:.1f}" y="{y + 15}" class="tick">{_e(_duration(s["duration_s"]))}</text>')
-    for t in _ticks(0, span / 1000):
-        x = label_w + t * 1000 / span * bar_w
-        out.append(f'<text x="{x:.1f}" y="{height - 8}" class="tick" text-anchor="middle">{t:g} s</text>')
-    out.append("</svg>")
-    return "".join(out)
-
-
-def fork_series(fork: dict[str, Any]) -> tuple[dict[str, list[list[float]]], dict[str, tuple[str, bool]]]:
-    """A fork's curves as chart series: its parent's up to the fork step (dashed), this run's
-    from that step on; train in one colour, val in another."""
-    parent = f"parent {fork['parent']} to step {fork['step']}"
-    series: dict[str, list[list[float]]] = {}
-    style: dict[str, tuple[str, bool]] = {}
-    for who, label, dashed in (("parent", parent, True), ("fork", "this run", False)):
-        for i, name in enumerate(("train", "val")):
-            points = (fork["segments"].get(name) or {}).get(who) or []
-            if points:
-                series[f"{label} · {name}"] = points
-                style[f"{label} · {name}"] = (PALETTE[i], dashed)
-    return series, style
-
-
-def fork_chart(stage: str, curve: dict[str, Any]) -> str:
-    """One chart: the parent's loss to the fork step, and this run's continuing from it."""
-    fork = curve["fork"]
-    series, style = fork_series(fork)
-    if not series:  # the parent is gone from MLflow: this run's own curves, said so
-        series = {"this run · train": curve["train"], "this run · val": curve["val"]}
-    title = f"{stage}: loss, forked from {fork['parent']} at step {fork['step']}"
-    return (f'<div class="fork" data-key="{_e(stage)}.fork_step" data-value="{_e(fork["step"])}" '
-            f'data-parent-run-id="{_e(fork["parent_run_id"])}">'
-            + line_chart(series, title=title, width=620, style=style,
-                         marks={float(fork["step"]): f"fork at step {fork['step']}"}) + "</div>")
+from llmops import run_note, run_summary, run_summary_text, tracking
+from llmops.run_charts import (bar_chart, esc, figure, fmt, fork_chart, line_chart, percent,
+                               timeline_chart, utc_time)
+from llmops.run_summary_text import duration
 
 
 def kept_checkpoints(checkpoints: dict[str, Any] | None) -> str:
@@ -300,17 +76,24 @@ table.stages td:nth-child(-n+3),table.stages th:nth-child(-n+3){text-align:left}
 .live{color:#2b6cb0;font-size:12px;margin:2px 0 6px} .now{border-left:4px solid #1f77b4;padding:2px 10px;margin:8px 0}
 .now .stale{color:#c05621}
 .state-FINISHED{color:#276749} .state-FAILED{color:#c53030} .state-RUNNING{color:#2b6cb0}
-code{font-size:12px;color:#4a5568}
+.state-KILLED{color:#718096} .reused{color:#6b46c1;font-weight:600} .waiting{color:#b7791f;font-weight:600}
+code{font-size:12px;color:#4a5568} a code{color:#2b6cb0}
+.banner{padding:8px 12px;margin:8px 0 4px;border-left:4px solid #b7791f;background:#fffaf0}
+.banner.paused{border-color:#718096;background:#f7fafc} .banner ol{margin:4px 0 0 18px;padding:0}
+.refusal b{color:#c53030} .hint{color:#4a5568;font-size:13px;margin:4px 0}
+.card .context{color:#4a5568;font-size:12px;max-width:220px}
+.loading{color:#4a5568;font-style:italic;padding:6px 0}
+.already_registered{color:#2b6cb0;font-weight:600} .decision{font-size:15px}
 """
 
 
 def _card(label: str, key: str, value: Any, digits: int = 4) -> str:
-    return (f'<div class="card"><div class="label">{_e(label)}</div>'
+    return (f'<div class="card"><div class="label">{esc(label)}</div>'
             f'<div class="value">{figure(key, value, digits)}</div></div>')
 
 
 def _table(head: list[str], rows: list[list[str]], cls: str = "") -> str:
-    out = [f'<table class="{cls}"><thead><tr>' + "".join(f"<th>{_e(h)}</th>" for h in head) + "</tr></thead><tbody>"]
+    out = [f'<table class="{cls}"><thead><tr>' + "".join(f"<th>{esc(h)}</th>" for h in head) + "</tr></thead><tbody>"]
     out += ["<tr>" + "".join(f"<td>{c}</td>" for c in r) + "</tr>" for r in rows]
     return "".join(out) + "</tbody></table>"
 
@@ -342,30 +125,77 @@ def _live_line(airflow: dict[str, Any] | None, at: dt.datetime | None = None) ->
     at = at or dt.datetime.now(dt.timezone.utc)
     return (f'<div class="live" data-key="live" data-value="{REFRESH_S}">live: updated '
             f'{at.strftime("%H:%M:%S")} UTC · refreshes every {REFRESH_S} s while the run is '
-            f'{_e(airflow["state"])}</div>')
+            f'{esc(airflow["state"])}</div>')
 
 
 def _page(title: str, body: str, live: bool = False) -> str:
+    return _page_start(title, live) + body + PAGE_END
+
+
+def _page_start(title: str, live: bool = False) -> str:
     script = f"<script>{REFRESH_JS % REFRESH_S}</script>" if live else ""
-    return (f'<!doctype html><html lang="en"><head><meta charset="utf-8"><title>{_e(title)}</title>'
-            f"<style>{CSS}</style>{script}</head><body>{body}</body></html>")
+    return (f'<!doctype html><html lang="en"><head><meta charset="utf-8"><title>{esc(title)}</title>'
+            f"<style>{CSS}</style>{script}</head><body>")
+
+
+PAGE_END = "</body></html>"
+
+
+def streamed(dag_id: str, run_id: str, airflow: dict[str, Any] | None,
+             collect: Callable[[str, str], dict[str, Any] | None]) -> Iterator[str]:
+    """The page in two parts: at once its head and a line saying the run is being read, then,
+    once MLflow has answered (seconds on a busy store, where the tab used to stay blank), the
+    page itself, with a style that hides that line. A failure to read MLflow is said on the page."""
+    yield (_page_start(f"{dag_id} {run_id}", _is_live(airflow))
+           + f'<div id="loading" class="loading"><h1>{esc(dag_id)} · {esc(run_id)}</h1>'
+             f'Reading this run from MLflow…</div>')
+    try:
+        summary = collect(dag_id, run_id)
+        body = render_body(summary, airflow) if summary else _missing_body(dag_id, run_id, airflow)
+    except Exception as exc:  # noqa: BLE001 - the status line was sent: say it on the page
+        body = (f"{_head(dag_id, run_id, airflow)}{_live_line(airflow)}"
+                f'<div class="failure" data-key="read_error">Could not read this run from MLflow '
+                f'({esc(tracking.tracking_uri())}): {esc(type(exc).__name__)}: {esc(exc)}</div>')
+    yield "<style>#loading{display:none}</style>" + body + PAGE_END
 
 
 def _failure(airflow: dict[str, Any] | None) -> str:
     """The run's failure line (llmops.run_note), when Airflow has one."""
     if not airflow or not airflow.get("failure"):
         return ""
-    return f'<div class="failure" data-key="failure">{_e(airflow["failure"])}</div>'
+    return f'<div class="failure" data-key="failure">{esc(airflow["failure"])}</div>'
+
+
+def _refusal(airflow: dict[str, Any] | None) -> str:
+    """A run its first task refused: the task's own message (the Param and the fix)."""
+    refusal = (airflow or {}).get("refusal")
+    if not refusal:
+        return ""
+    return (f'<div class="failure refusal" data-key="refusal" data-value="{esc(refusal["message"])}">'
+            f'<b>Refused at {esc(refusal["task"])}</b>: {esc(refusal["message"])}</div>'
+            f'<p class="hint">{esc(refusal["task"])} checks every Param before any job starts, so '
+            f'nothing ran and MLflow has no run for this DAG run. Trigger again with the Param '
+            f'fixed.</p>')
+
+
+def _head(dag_id: str, run_id: str, airflow: dict[str, Any] | None) -> str:
+    """The page's title and the run's Airflow state: what it shows before MLflow is read."""
+    state = (f"<div class='sub'>Airflow: <span class='state-{esc(airflow['state'])}' data-key='state'>"
+             f"{esc(airflow['state'])}</span></div>") if airflow else ""
+    return f"<h1>{esc(dag_id)} · {esc(run_id)}</h1>{state}"
 
 
 def render_missing(dag_id: str, run_id: str, airflow: dict[str, Any] | None = None) -> str:
-    state = (f"<div class='sub'>Airflow: <span class='state-{_e(airflow['state'])}' data-key='state'>"
-             f"{_e(airflow['state'])}</span></div>") if airflow else ""
-    return _page(f"{dag_id} {run_id}",
-                 f"<h1>{_e(dag_id)} · {_e(run_id)}</h1>{state}{_live_line(airflow)}{_failure(airflow)}"
-                 f"<p class='empty'>MLflow has no lifecycle run for this DAG run"
-                 f"{'' if airflow and airflow.get('failure') else ' yet'}: it appears once the task "
-                 f"<code>start_run</code> has run.</p>", live=_is_live(airflow))
+    return _page(f"{dag_id} {run_id}", _missing_body(dag_id, run_id, airflow), live=_is_live(airflow))
+
+
+def _missing_body(dag_id: str, run_id: str, airflow: dict[str, Any] | None) -> str:
+    if (airflow or {}).get("refusal"):
+        return _head(dag_id, run_id, airflow) + _live_line(airflow) + _refusal(airflow)
+    return (f"{_head(dag_id, run_id, airflow)}{_live_line(airflow)}{_failure(airflow)}"
+            f"<p class='empty'>MLflow has no lifecycle run for this DAG run"
+            f"{'' if airflow and airflow.get('failure') else ' yet'}: it appears once the task "
+            f"<code>start_run</code> has run.</p>")
 
 
 def now_cards(live: list[dict[str, Any]], airflow: dict[str, Any] | None) -> str:
@@ -388,34 +218,284 @@ def now_cards(live: list[dict[str, Any]], airflow: dict[str, Any] | None) -> str
             cards.append(f'<div class="card"><div class="label">goodput so far</div><div class="value">'
                          f'{figure(f"{key}.goodput", r["goodput"], shown=percent(r["goodput"]))}</div></div>')
         if ended:
-            head = (f'<span class="stale">MLflow still marks {_e(name)} RUNNING, but the Airflow run is '
-                    f'{_e(airflow["state"])}: its last logged figures</span>')
+            head = (f'<span class="stale">MLflow still marks {esc(name)} RUNNING, but the Airflow run is '
+                    f'{esc(airflow["state"])}: its last logged figures</span>')
         else:
             eta = r["eta_s"]
-            shown = (f"{_duration(eta)} (about {_time(r['eta_ms'])[11:]})" if eta is not None
+            shown = (f"{duration(eta)} (about {utc_time(r['eta_ms'])[11:]})" if eta is not None
                      else "–")
             cards.append(f'<div class="card"><div class="label">ETA</div><div class="value">'
                          f'{figure(f"{key}.eta_s", eta, shown=shown)}</div></div>')
             rate = (f", {fmt(r['steps_per_s'], 2)} steps/s since it started "
-                    f"{_duration(r['elapsed_s'])} ago (the ETA's rate)" if r["steps_per_s"] else "")
-            head = f"{_e(name)} is running{rate}"
-        out.append(f'<div class="now" data-stage="{_e(name)}"><div>{head}</div>'
+                    f"{duration(r['elapsed_s'])} ago (the ETA's rate)" if r["steps_per_s"] else "")
+            head = f"{esc(name)} is running{rate}"
+        out.append(f'<div class="now" data-stage="{esc(name)}"><div>{head}</div>'
                    f'<div class="cards">{"".join(cards)}</div></div>')
     return "".join(out)
 
 
+def _task(stage: dict[str, Any]) -> str:
+    return stage["task_id"] + (f"[{stage['map_index']}]" if stage["map_index"] >= 0 else "")
+
+
+def _run_link(run_id: str) -> str:
+    """Another run of the same DAG: its page, in this frame (the Airflow UI's tab is a sandboxed
+    iframe that may not navigate the window around it), next to this one's URL."""
+    return f'<a href="./{esc(quote(run_id, safe=""))}" data-run="{esc(run_id)}">{esc(run_id)}</a>'
+
+
+# The Airflow UI shows this page in an iframe sandboxed without allow-popups or
+# allow-top-navigation: a plain target=_blank link does nothing there. The frame may script its
+# same-origin parent, whose window.open opens the tab; on its own the page needs no script.
+OPEN_OUTSIDE = "if(window.top!==window){window.top.open(this.href,'_blank');return false}"
+
+
+def _mlflow_link(run_id: str, experiment_id: str, text: str | None = None) -> str:
+    return (f'<a href="{esc(tracking.ui_route(tracking.mlflow_ui_url(), experiment_id, run_id))}" '
+            f'target="_blank" rel="noopener" onclick="{esc(OPEN_OUTSIDE)}"><code>{esc(text or run_id)}</code></a>')
+
+
+def banners(s: dict[str, Any], airflow: dict[str, Any] | None) -> str:
+    """What a reader must see first: a paused pretraining and how to resume it, a job waiting
+    for capacity (the service's own words, the time queued), a chain of attempts."""
+    out = []
+    paused = s.get("paused")
+    if paused:
+        r = paused["resume"]
+        conf = json.dumps({"from_run": r.get("from_run"), "start_at": r.get("start_at"),
+                           "fork_step": r.get("fork_step")})
+        out.append(f'<div class="banner paused" data-key="paused_at_step" data-value="{esc(paused["step"])}">'
+                   f'<b>Paused</b>: {esc(paused["task"])} checkpointed step {esc(paused["step"])} and '
+                   f'stopped on request; the stages after it were skipped. To resume from that step, '
+                   f'trigger {esc(s["dag_id"])} with <code data-key="resume" data-value="{esc(conf)}">'
+                   f'{esc(conf)}</code> and nothing else changed.</div>')
+    now_ms = s.get("as_of_ms") or 0
+    for st in s["stages"]:
+        w = st.get("waiting")
+        if w and w["queued_s"] is None and w["reason"] and st["status"] == "RUNNING":
+            queued = max(0.0, now_ms / 1000 - w["since_s"]) if now_ms else None
+            out.append(f'<div class="banner waiting" data-key="waiting.{esc(_task(st))}" '
+                       f'data-value="{esc(w["reason"])}"><b>{esc(_task(st))} is waiting</b> in its '
+                       f'service\'s queue: <q>{esc(w["reason"])}</q>; queued '
+                       f'{figure(f"waiting.{_task(st)}.queued_s", queued, shown=duration(queued))} '
+                       f'(since {esc(utc_time(int(w["since_s"] * 1000)))}). Nothing is billed while '
+                       f'it waits; the stage\'s max_queue_seconds bounds the wait.</div>')
+    for st in s["stages"]:
+        if st.get("attempts"):
+            items = "".join(
+                f'<li data-attempt="{esc(a.get("attempt"))}">attempt {esc(a.get("attempt"))} '
+                f'(<code>{esc(a.get("job"))}</code>) {esc(a.get("state") or "ended")}'
+                + (f', ended by <b>{esc(a["why"])}</b>' if a.get("why") else "")
+                + (f": {esc(a['message'])}" if a.get("message") else "")
+                + (f' <i>The chain stopped: {esc(a["stopped_chain"])}</i>' if a.get("stopped_chain") else "")
+                + "</li>" for a in st["attempts"])
+            last = st["attempts"][-1]
+            after = ("" if last.get("stopped_chain") else
+                     f'<li>attempt {esc(int(last.get("attempt") or 0) + 1)}: {esc(st["status"]).lower()}, '
+                     f'from the newest checkpoint</li>')
+            out.append(f'<div class="banner attempts" data-key="attempts.{esc(_task(st))}" '
+                       f'data-value="{len(st["attempts"])}"><b>{esc(_task(st))}: a chain of '
+                       f'{len(st["attempts"]) + (0 if last.get("stopped_chain") else 1)} attempts</b>'
+                       f'<ol>{items}{after}</ol></div>')
+    return "".join(out)
+
+
+def stages_section(s: dict[str, Any]) -> str:
+    """The timeline (a running stage's bar grows to now), a row per stage task with its state,
+    where a reused stage's outputs come from (linked) and a waiting one's queue time; how much
+    time the reused stages saved."""
+    rows = []
+    for st in s["stages"]:
+        name = _task(st)
+        state = f'<span class="state-{esc(st["status"])}">{esc(st["status"])}</span>'
+        reused, waited = st.get("reused"), st.get("waiting")
+        if reused:
+            then = reused["source_duration_s"]
+            state = (f'<span class="reused" data-key="stage.{esc(name)}.reused_from" '
+                     f'data-value="{esc(reused["run_id"])}">reused</span> from run '
+                     + (_run_link(reused["run_id"]) if reused["run_id"] else "?")
+                     + (f" (took {esc(duration(then))} there)" if then is not None else ""))
+        elif waited and waited["queued_s"] is None and st["status"] == "RUNNING":
+            state = '<span class="waiting">waiting in the queue</span>'
+        if waited and waited["queued_s"] is not None:
+            queued = figure(f"stage.{name}.queued_s", waited["queued_s"], shown=duration(waited["queued_s"]))
+            state += f", queued {queued} first"
+        if st.get("paused_at_step") is not None:
+            state += f', paused at step {esc(st["paused_at_step"])}'
+        if st.get("attempts"):
+            state += f', {len(st["attempts"])} earlier attempt{"s" if len(st["attempts"]) > 1 else ""}'
+        mlflow = _mlflow_link(st["mlflow_run_id"], s["experiment_id"])
+        if reused and reused["mlflow_run_id"]:
+            mlflow += " ← " + _mlflow_link(reused["mlflow_run_id"], s["experiment_id"], "its job's")
+        rows.append([esc(st["stage"]), esc(name), state,
+                     figure(f"stage.{name}.duration_s", st["duration_s"]), esc(st["try_number"]), mlflow])
+    out = ['<section id="stages"><h2>Stages</h2>', timeline_chart(s["stages"], now_ms=s.get("as_of_ms")),
+           _table(["stage", "task", "state", "seconds", "try", "MLflow run"], rows, "stages")]
+    reuse = s.get("reuse")
+    if reuse:
+        runs = ", ".join(_run_link(r) for r in reuse["runs"]) or "earlier runs"
+        saved = (f"; those jobs took {esc(duration(reuse['then_s']))} when they ran, these stages "
+                 f"{esc(duration(reuse['here_s']))} here: the cache saved "
+                 f"{figure('reuse.saved_s', reuse['saved_s'], shown=duration(reuse['saved_s']))}"
+                 if reuse["saved_s"] is not None else "")
+        out.append(f'<p class="reuse" data-key="reuse.stages" data-value="{reuse["stages"]}">'
+                   f'{reuse["stages"]} of {len(s["stages"])} stage tasks ran no job: their inputs, '
+                   f'config and code were unchanged, so they reused the outputs of run {runs}{saved}.</p>')
+    return "".join(out) + "</section>"
+
+
+THRESHOLD_WORDS = {"min_task_accuracy": ("task accuracy", "≥", "task_accuracy"),
+                   "max_perplexity": ("perplexity", "≤", "perplexity")}
+
+
+def _threshold_source(name: str, t: dict[str, Any], recipe: str | None) -> str:
+    if recipe and t["recipe"] is not None and t["recipe"] == t["value"]:
+        return f"recipe {recipe}'s value"
+    return "this run's Param" if recipe else ""
+
+
+def _change(value: float, unit: str | None) -> str:
+    """A comparison's change in its unit: relative as a percentage, accuracy points as a number."""
+    return f"{value:+.2%}" if unit == "relative" else f"{value:+.3f}"
+
+
+def _size(c: dict[str, Any]) -> str:
+    """What a comparison was made on: documents and their tokens, or items (in passages)."""
+    n, clusters = c.get("n"), c.get("clusters")
+    if c.get("kind") == "continuous":
+        return f"{clusters} documents" + (f" ({c['tokens']:,} tokens)" if c.get("tokens") else "")
+    return f"{n} items" + (f" in {clusters} passages" if clusters and n and clusters < n else "")
+
+
+def gate_section(s: dict[str, Any]) -> str:
+    """The decision, then what it was decided on: each threshold (and where its value comes
+    from) against the candidate's figure, and each comparison with the champion: its policy,
+    test, interval, p-value and the smallest difference it could detect."""
+    gate, evaluation = s["gate"], s.get("evaluation")
+    out = ['<section id="gate"><h2>Promotion gate</h2>']
+    if not (gate.get("outcome") or gate.get("version")):
+        out.append('<div class="empty">' + ("the gate did not run: pretraining was paused"
+                                           if s.get("paused") else "the gate has not decided yet")
+                   + "</div></section>")
+        return "".join(out)
+    outcome = gate.get("outcome") or "undecided"
+    name, version = gate.get("model_name"), gate.get("version")
+    if gate.get("already_registered"):
+        said = (f"same weights as {esc(name or 'the model')} version "
+                f"{figure('gate.version', version)}; nothing registered"
+                + (", and that version is the champion already" if gate.get("already_champion") else ""))
+    elif version:
+        alias = "champion" if "champion" in (gate.get("aliases") or []) else "challenger"
+        said = (f"{esc(outcome)}: {figure('gate.model_name', name)} version {figure('gate.version', version)} "
+                f"registered, alias <b>{alias}</b>")
+    else:
+        said = esc(outcome)
+    compared = gate.get("compared_to")
+    out.append(f'<p class="decision"><span class="{esc(outcome)}" data-key="gate.outcome" '
+               f'data-value="{esc(outcome)}">{said}</span> · candidate '
+               f'{figure("gate.candidate", gate.get("candidate"))}'
+               + (f' · compared with {esc(compared)}' if compared else "") + "</p>")
+    # thresholds against the candidate's figures
+    row = ((evaluation or {}).get("table") or {}).get(gate.get("candidate") or "", {})
+    rows = []
+    for key, t in (gate.get("thresholds") or {}).items():
+        label, sign, metric = THRESHOLD_WORDS.get(key, (key.replace("_", " "), "", ""))
+        got = row.get(metric) if metric else None
+        met = "" if got is None else \
+            "✓" if (got >= t["value"] if sign == "≥" else got <= t["value"]) else "✗"
+        value = percent(t["value"]) if key == "max_contaminated_share" else \
+            ("yes" if t["value"] is True else "no" if t["value"] is False else fmt(t["value"]))
+        rows.append([esc(f"{label} {sign}".strip()), figure(f"gate.threshold.{key}", t["value"], shown=value),
+                     esc(_threshold_source(key, t, s.get("recipe"))),
+                     figure(f"gate.candidate.{metric or key}", got) + f" {met}" if metric else "–"])
+    if rows:
+        out.append(_table(["threshold", "value", "set by", gate.get("candidate") or "candidate"], rows,
+                          "thresholds"))
+    if any(t["value"] == 0 for k, t in (gate.get("thresholds") or {}).items() if k == "min_task_accuracy"):
+        out.append(f'<p class="hint">A task accuracy of 0 passes: the {esc(s.get("recipe") or "run")} '
+                   f'setting refuses only what is far worse than guessing (a tiny model that trained '
+                   f'for seconds cannot answer). Set <code>min_task_accuracy</code> to demand more.</p>')
+    # against the champion
+    comparisons, paired = gate.get("comparisons") or {}, gate.get("paired") or {}
+    rules = gate.get("rules") or {}
+    if comparisons:
+        rows = []
+        for metric, c in comparisons.items():
+            unit = c.get("unit")
+            policy = c.get("policy") if c.get("decides", True) else "guard"
+            rows.append([
+                esc(metric),
+                esc(policy + (f" (margin {_change(c['margin'], unit)[1:]})" if c.get("margin") else "")),
+                esc(c.get("test")), esc(_size(c)), f"{fmt(c.get('challenger'))} vs {fmt(c.get('champion'))}",
+                figure(f"gate.diff.{metric}", c.get("diff"),
+                       shown=f"{_change(c['diff'], unit)} [{_change(c['low'], unit)}, "
+                             f"{_change(c['high'], unit)}] at {percent(c.get('confidence'))}"),
+                esc(f"{c['p_value']:.3g}" if c.get("p_value") is not None else "–"),
+                figure(f"gate.mde.{metric}", c.get("mde"),
+                       shown=(_change(c["mde"], unit)[1:]
+                              + (f" ({percent(c['power'])} power)" if c.get("power") else ""))
+                       if c.get("mde") is not None else "–"),
+                f'<span data-key="gate.verdict.{esc(metric)}" data-value="{esc(c.get("verdict"))}">'
+                f'{esc(c.get("verdict"))}</span>' + (f" — {esc(c['reason'])}" if c.get("reason") else "")])
+        out.append(_table(["metric", "policy", "test", "compared on", "challenger vs champion",
+                           "change [interval]", "p", "smallest detectable", "verdict"], rows, "comparisons"))
+    elif paired:
+        out.append(_table(["metric", "difference [interval] n p policy: verdict"],
+                          [[esc(m), figure(f"gate.paired.{m}", v)] for m, v in paired.items()], "comparisons"))
+    elif rules:
+        out.append(f'<p class="hint">Rules against a champion: '
+                   + esc("; ".join(f"{m} {r.get('policy', '')}"
+                                  + (f" (margin {r['margin']:g})" if r.get("margin") is not None else "")
+                                  for m, r in rules.items()))
+                   + (". There was no champion to compare with: only the thresholds applied."
+                      if "no champion" in str(compared) else ".")
+                   + "</p>")
+    contamination = gate.get("contamination") or {}
+    if contamination:
+        out.append(_table(["metric", "items seen in training"], [
+            [esc(m), esc(f"{c.get('contaminated')} of {c.get('items')}")] for m, c in contamination.items()],
+            "contamination"))
+    extra = [["reasons", esc(gate.get("reasons") or "none")],
+             ["aliases", esc(", ".join(gate.get("aliases") or []) or "none")]]
+    if (gate.get("fork") or {}).get("step"):
+        extra.append(["forked from", f"run {figure('gate.fork.from_run', gate['fork'].get('from_run'))} "
+                                     f"at step {figure('gate.fork.step', gate['fork'].get('step'))}"])
+    out.append(_table(["", ""], extra, "gate"))
+    return "".join(out) + "</section>"
+
+
+def goodput_card(goodput: dict[str, Any]) -> str:
+    """Goodput with its context: a tiny run's seconds of training against its start-up read
+    as a small share that is no fault."""
+    productive = goodput["productive_s"] or 0.0
+    total = productive + sum(goodput["badput_s"].values())
+    biggest = max(goodput["badput_s"].items(), key=lambda kv: kv[1], default=None)
+    context = (f"{duration(productive)} of {duration(total)} trained"
+               + (f"; {biggest[0].replace('_', ' ')} {duration(biggest[1])}"
+                  if biggest and biggest[1] > 0 else ""))
+    return (f'<div class="card"><div class="label">pretrain goodput</div><div class="value">'
+            f'{figure("goodput", goodput["goodput"], shown=percent(goodput["goodput"]))}</div>'
+            f'<div class="context" data-key="goodput.context">{esc(context)}</div></div>')
+
+
 def render(summary: dict[str, Any], airflow: dict[str, Any] | None = None) -> str:
+    return _page(f"{summary['dag_id']} {summary['run_id']}", render_body(summary, airflow),
+                 live=_is_live(airflow))
+
+
+def render_body(summary: dict[str, Any], airflow: dict[str, Any] | None = None) -> str:
     s = summary
     gate, data, goodput, evaluation = s["gate"], s.get("data"), s.get("goodput"), s.get("evaluation")
-    body = [f'<h1>{_e(s["dag_id"])} · {_e(s["run_id"])}</h1>',
-            f'<div class="sub">MLflow run <code data-key="mlflow_run_id" data-value="{_e(s["mlflow_run_id"])}">'
-            f'{_e(s["mlflow_run_id"])}</code> (experiment {_e(s["experiment_id"])}) · '
-            f'<span class="state-{_e(s["status"])}">{_e(s["status"])}</span> · started {_e(_time(s["start_ms"]))}'
-            f' · {_e(_duration(s["duration_s"]))}</div>',
+    body = [f'<h1>{esc(s["dag_id"])} · {esc(s["run_id"])}</h1>',
+            f'<div class="sub">MLflow run <code data-key="mlflow_run_id" data-value="{esc(s["mlflow_run_id"])}">'
+            f'{esc(s["mlflow_run_id"])}</code> (experiment {esc(s["experiment_id"])}, '
+            f'{_mlflow_link(s["mlflow_run_id"], s["experiment_id"], "open in MLflow")}) · '
+            f'<span class="state-{esc(s["status"])}">{esc(s["status"])}</span> · started {esc(utc_time(s["start_ms"]))}'
+            f' · {esc(duration(s["duration_s"]))}</div>',
             _live_line(airflow, dt.datetime.fromtimestamp(s["as_of_ms"] / 1000, dt.timezone.utc)
                        if s.get("as_of_ms") else None),
-            f'<div class="note" data-key="note">{_e(s.get("note") or run_summary.note_line(s))}</div>',
-            _failure(airflow)]
+            f'<div class="note" data-key="note">{esc(s.get("note") or run_summary_text.note_line(s))}</div>',
+            _failure(airflow), banners(s, airflow)]
 
     # headline cards
     cards = []
@@ -429,28 +509,18 @@ def render(summary: dict[str, Any], airflow: dict[str, Any] | None = None) -> st
     if "pretrain" in s["curves"] and s["curves"]["pretrain"]["val"]:
         cards.append(_card("pretrain val loss", "pretrain.val_loss", s["curves"]["pretrain"]["val"][-1][1]))
     if goodput:
-        cards.append(f'<div class="card"><div class="label">pretrain goodput</div><div class="value">'
-                     f'{figure("goodput", goodput["goodput"], shown=percent(goodput["goodput"]))}</div></div>')
+        cards.append(goodput_card(goodput))
     if gate.get("version"):
         cards.append(_card(f"{gate['model_name']} version", "gate.version", gate["version"]))
     body.append('<div class="cards">' + "".join(cards) + "</div>")
     body.append(now_cards(s.get("live") or [], airflow))
-
-    # stage timeline
-    body.append("<h2>Stages</h2>" + timeline_chart(s["stages"]))
-    rows = []
-    for st in s["stages"]:
-        name = st["task_id"] + (f"[{st['map_index']}]" if st["map_index"] >= 0 else "")
-        rows.append([_e(st["stage"]), _e(name), f'<span class="state-{_e(st["status"])}">{_e(st["status"])}</span>',
-                     figure(f"stage.{name}.duration_s", st["duration_s"]), _e(st["try_number"]),
-                     f"<code>{_e(st['mlflow_run_id'])}</code>"])
-    body.append(_table(["stage", "task", "state", "seconds", "try", "MLflow run"], rows, "stages"))
+    body.append(stages_section(s))
 
     # data prep
     body.append("<h2>Data prep</h2>")
     if data:
         body.append('<div class="charts">' + _table(
-            ["count", "value"], [[_e(k.replace("_", " ")), figure(f"data.{k}", v)] for k, v in data["counts"].items()],
+            ["count", "value"], [[esc(k.replace("_", " ")), figure(f"data.{k}", v)] for k, v in data["counts"].items()],
             "data-counts") + bar_chart(data["drop_reasons"], title="documents dropped, by reason",
                                       colour="#dd6b20", key_prefix="data.dropped.") + "</div>")
     else:
@@ -460,7 +530,7 @@ def render(summary: dict[str, Any], airflow: dict[str, Any] | None = None) -> st
     body.append("<h2>Sweep</h2>")
     if s["trials"]:
         rows = [[figure(f"trial.{t['number']}.number", t["number"]), figure(f"trial.{t['number']}.lr", t["lr"]),
-                 _e(t["state"]) + (" ★" if str(t["number"]) == str(s["sweep"].get("best_trial")) else ""),
+                 esc(t["state"]) + (" ★" if str(t["number"]) == str(s["sweep"].get("best_trial")) else ""),
                  figure(f"trial.{t['number']}.val_loss", t["val_loss"]), figure(f"trial.{t['number']}.steps", t["steps"])]
                 for t in s["trials"]]
         curves = {f"trial {t['number']}": t["curve"] for t in s["trials"] if t.get("curve")}
@@ -485,11 +555,11 @@ def render(summary: dict[str, Any], airflow: dict[str, Any] | None = None) -> st
     if goodput:
         buckets = {"productive": goodput["productive_s"], **goodput["badput_s"]}
         excl = goodput["goodput_excluding_hang_wait"]
-        body.append(f'<p>Goodput {_e(percent(goodput["goodput"]))} '
+        body.append(f'<p>Goodput {esc(percent(goodput["goodput"]))} '
                     f'({figure("goodput_excluding_hang_wait", excl, shown=percent(excl))} '
                     f'without the hang wait): the share of wall time spent on steps whose progress survived.</p>')
         body.append('<div class="charts">' + bar_chart(buckets, title="time by bucket", unit=" s", colour="#805ad5")
-                    + _table(["bucket", "seconds"], [[_e(k), figure(f"badput.{k}", v)] for k, v in buckets.items()],
+                    + _table(["bucket", "seconds"], [[esc(k), figure(f"badput.{k}", v)] for k, v in buckets.items()],
                              "badput") + "</div>")
     else:
         body.append('<div class="empty">pretraining has not reported goodput yet</div>')
@@ -497,7 +567,7 @@ def render(summary: dict[str, Any], airflow: dict[str, Any] | None = None) -> st
     # evaluation
     body.append("<h2>Evaluation</h2>")
     if evaluation:
-        rows = [[_e(m)] + [figure(f"eval.{m}.{c}", evaluation["table"][m].get(c)) for c in evaluation["columns"]]
+        rows = [[esc(m)] + [figure(f"eval.{m}.{c}", evaluation["table"][m].get(c)) for c in evaluation["columns"]]
                 for m in evaluation["models"]]
         head = ["model"] + [c.removeprefix("suite.").replace(".accuracy", " accuracy").replace("_", " ")
                             for c in evaluation["columns"]]
@@ -505,27 +575,8 @@ def render(summary: dict[str, Any], airflow: dict[str, Any] | None = None) -> st
     else:
         body.append('<div class="empty">not evaluated yet</div>')
 
-    # gate
-    body.append("<h2>Promotion gate</h2>")
-    if gate.get("outcome") or gate.get("version"):
-        outcome = gate.get("outcome") or "undecided"
-        body.append(_table(["", ""], [
-            ["decision", f'<span class="{_e(outcome)}" data-key="gate.outcome" data-value="{_e(outcome)}">{_e(outcome)}</span>'],
-            ["candidate", figure("gate.candidate", gate.get("candidate"))],
-            ["registered model", f"{figure('gate.model_name', gate.get('model_name'))} version "
-                                 f"{figure('gate.version', gate.get('version'))}"],
-            ["aliases", _e(", ".join(gate.get("aliases") or []) or "none")],
-            ["reasons", _e(gate.get("reasons") or "none")],
-            ["compared to", _e(gate.get("compared_to") or "–")],
-            *([["forked from", f"run {figure('gate.fork.from_run', gate['fork'].get('from_run'))} "
-                               f"at step {figure('gate.fork.step', gate['fork'].get('step'))}"]]
-              if (gate.get("fork") or {}).get("step") else []),
-            # paired against the champion: difference [interval] items p policy: verdict
-            *[[f"paired: {_e(metric)}", figure(f"gate.paired.{metric}", verdict)]
-              for metric, verdict in (gate.get("paired") or {}).items()]], "gate"))
-    else:
-        body.append('<div class="empty">the gate has not decided yet</div>')
-    return _page(f"{s['dag_id']} {s['run_id']}", "".join(body), live=_is_live(airflow))
+    body.append(gate_section(s))
+    return "".join(body)
 
 
 # -- the FastAPI app, built on first request -------------------------------------------------
@@ -536,7 +587,7 @@ def make_app(authorize: Callable | None = None,
     the caller may read this DAG's runs (the UI's JWT cookie or a bearer token). `airflow_run`
     reads the run's state and failure line; by default from the API server's metadata DB."""
     from fastapi import Depends, FastAPI
-    from fastapi.responses import HTMLResponse, JSONResponse
+    from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 
     if airflow_run is None:
         airflow_run = run_note.airflow_run
@@ -560,11 +611,14 @@ def make_app(authorize: Callable | None = None,
     @api.get("/runs/{dag_id}/{run_id:path}", response_class=HTMLResponse, dependencies=[Depends(authorize)])
     def page(dag_id: str, run_id: str):
         airflow = airflow_run(dag_id, run_id)
+        if airflow is not None:
+            # A run Airflow knows has a page to show (its state, why it failed), streamed: its
+            # head at once, MLflow's figures when read.
+            return StreamingResponse(streamed(dag_id, run_id, airflow, run_summary.collect),
+                                     media_type="text/html; charset=utf-8")
         summary = run_summary.collect(dag_id, run_id)
-        if summary is None:
-            # A run Airflow knows has a page to show (its state, why it failed); 404 only for neither.
-            return HTMLResponse(render_missing(dag_id, run_id, airflow),
-                                status_code=200 if airflow else 404)
+        if summary is None:   # 404 only for a run neither Airflow nor MLflow knows
+            return HTMLResponse(render_missing(dag_id, run_id, airflow), status_code=404)
         return HTMLResponse(render(summary, airflow))
 
     return api

@@ -9,11 +9,12 @@
                               training run MLflow still marks RUNNING, its latest figures and an
                               ETA (`live`)
     headline(summary)         the few figures a reader wants first (`summary/*` metrics)
-    note_line(summary)        one line for the Airflow DAG run's note
     publish(dag_id, run_id)   headline metrics + summary.json + summary.md on the parent run
     latest(dag_id)            the newest lifecycle DAG run's id (what `make demo` just ran)
-    text(summary)             the plain-text account a terminal shows; latest_text(dag_id) the
-                              newest run's (`python -m llmops.run_summary [dag_id]`, make demo)
+    latest_text(dag_id)       the newest run's plain-text account (`python -m llmops.run_summary
+                              [dag_id]`, make demo)
+
+The summary in words (the note line, Markdown, the terminal's text) is llmops.run_summary_text.
 
 MLflow client only (no torch, no Airflow), so it runs in a task, the API server and tests alike.
 """
@@ -24,15 +25,21 @@ import json
 import logging
 import math
 import os
+import re
 import tempfile
 import time
 from typing import Any
 
-from llmops import tracking
+from tasks import configs  # stdlib only: the recipes' gate thresholds
+from llmops import promotion, tracking
+from llmops.run_summary_text import markdown, note_line, text
 
 log = logging.getLogger(__name__)
 # The XCom the promote task leaves its note line under (llmops.run_note copies it onto the run).
 NOTE_XCOM = "run_note"
+# The XCom a task that refuses the run's input leaves its message under before it fails
+# (start_run: a misspelled Param, an impossible combination); the note and the page quote it.
+REFUSAL_XCOM = "refusal"
 
 TRAINING_STAGES = ("pretrain", "finetune", "distill")
 # Metrics are being renamed from `val_loss`, `goodput`, `dropped.<reason>`, `<model>.<metric>` to
@@ -183,7 +190,46 @@ def _stage_row(run: Any) -> dict[str, Any]:
             "start_ms": run.info.start_time, "end_ms": run.info.end_time,
             "duration_s": _seconds(run.info.start_time, run.info.end_time),
             "try_number": int(tags.get("try_number", "1") or 1),
-            "mlflow_run_id": run.info.run_id}
+            "mlflow_run_id": run.info.run_id, "reused": _reused(tags),
+            "waiting": _waiting(tags), "attempts": _json_tag(tags, tracking.ATTEMPTS_TAG) or [],
+            "paused_at_step": _int(tags.get("paused_at_step"))}
+
+
+def _int(value: Any) -> int | None:
+    return int(value) if str(value or "").strip().lstrip("-").isdigit() else None
+
+
+def _float(value: Any) -> float | None:
+    try:
+        return float(value) if value not in (None, "") else None
+    except (TypeError, ValueError):
+        return None
+
+
+def _json_tag(tags: dict[str, str], name: str) -> Any:
+    try:
+        return json.loads(tags[name]) if tags.get(name) else None
+    except ValueError:
+        return None
+
+
+def _reused(tags: dict[str, str]) -> dict[str, Any] | None:
+    """A stage whose job was not run (llmops.tracking.mark_reused): which run computed its outputs."""
+    if not tags.get("cached_from") and not tags.get("cached_from_job"):
+        return None
+    return {"mlflow_run_id": tags.get("cached_from", ""), "run_id": tags.get("cached_from_run", ""),
+            "job": tags.get("cached_from_job", ""), "how": tags.get("reuse", "cache"),
+            "source_duration_s": None}
+
+
+def _waiting(tags: dict[str, str]) -> dict[str, Any] | None:
+    """The job's wait in the service's queue (llmops.tracking.mark_waiting): the service's reason
+    while it waits, how long it waited once it started."""
+    since = _float(tags.get(tracking.WAITING_SINCE_TAG))
+    if since is None:
+        return None
+    return {"reason": tags.get(tracking.WAITING_TAG, ""), "since_s": since,
+            "queued_s": _float(tags.get(tracking.QUEUED_TAG))}
 
 
 def _trial(run: Any) -> dict[str, Any]:
@@ -247,27 +293,157 @@ def _evaluation(run: Any) -> dict[str, Any]:
             "mlflow_run_id": run.info.run_id}
 
 
+DEFAULT_MODEL_NAME = "llm-lifecycle"   # the registered model of a run without registered_model_name
+ALREADY_REGISTERED = re.compile(r"already registered as version (?P<version>\S+)")
+# What the gate's thresholds are called in its config (tasks/configs/gate.py; the parent run's
+# params `gate.<name>`), in the order the page lists them.
+THRESHOLDS = ("min_task_accuracy", "max_perplexity", "max_contaminated_share", "exclude_contaminated",
+              "confidence", "power")
+
+
 def _gate(client: Any, parent: Any) -> dict[str, Any]:
-    tags = parent.data.tags
+    """The gate's decision: its whole record (`gate/decision.json` on the parent run) when the
+    gate wrote one, else what older runs hold (the parent's `gate` tag, the registered version's
+    `gate.*` tags); the thresholds and rules it applied (else the run's config, its params
+    `gate.*`), and, per threshold, whether it is the recipe's value or the run's own."""
+    tags, params = parent.data.tags, parent.data.params
     gate: dict[str, Any] = {"outcome": tags.get("gate"), "champion": tags.get("champion"),
                             "model_name": None, "version": None, "candidate": None,
-                            "reasons": None, "compared_to": None, "aliases": []}
-    versions = client.search_model_versions(f"tags.lifecycle_run_id = '{parent.info.run_id}'")
-    if not versions:
-        return gate
-    mv = max(versions, key=lambda v: int(v.version))
-    aliases = list(getattr(client.get_model_version(mv.name, mv.version), "aliases", []) or [])
-    gate.update(model_name=mv.name, version=str(mv.version), candidate=mv.tags.get("candidate"),
-                reasons=mv.tags.get("gate.reasons"), compared_to=mv.tags.get("gate.compared_to"),
-                aliases=sorted(aliases),
-                paired={k.removeprefix("gate.paired."): v for k, v in sorted(mv.tags.items())
-                        if k.startswith("gate.paired.")},
-                # lineage of a version whose pretraining forked another's (llmops.promotion)
-                fork={k.removeprefix("fork."): v for k, v in sorted(mv.tags.items())
-                      if k.startswith("fork.")})
-    if gate["outcome"] is None and "gate.passed" in mv.tags:
-        gate["outcome"] = "passed" if mv.tags["gate.passed"] == "true" else "refused"
+                            "reasons": None, "compared_to": None, "aliases": [], "paired": {},
+                            "comparisons": {}, "contamination": {}, "already_registered": False}
+    decision = tracking.read_json_artifact(parent.info.run_id, promotion.DECISION_ARTIFACT) \
+        if tags.get("gate") else None
+    if decision:
+        chosen = decision.get("candidate")
+        model = (decision.get("models") or {}).get(chosen) or {}
+        gate.update(outcome=decision.get("outcome"), candidate=chosen,
+                    model_name=decision.get("model_name"), version=decision.get("version"),
+                    compared_to=decision.get("champion_before") or "no champion yet",
+                    already_registered=bool(decision.get("already_registered")),
+                    already_champion=bool(decision.get("already_champion")),
+                    reasons=decision.get("reasons") or "; ".join(model.get("reasons") or []) or "none",
+                    comparisons=model.get("comparisons") or {},
+                    contamination=decision.get("contamination") or {},
+                    rules=decision.get("rules") or {}, decision=True)
+    same = ALREADY_REGISTERED.match(str(tags.get("gate") or ""))
+    if same:   # an older run whose model was registered before: nothing registered now
+        gate.update(outcome="already_registered", version=same["version"], already_registered=True)
+    versions = [] if gate["already_registered"] else client.search_model_versions(
+        f"tags.lifecycle_run_id = '{parent.info.run_id}'")
+    if versions:
+        mv = max(versions, key=lambda v: int(v.version))
+        aliases = list(getattr(client.get_model_version(mv.name, mv.version), "aliases", []) or [])
+        gate.update(model_name=mv.name, version=str(mv.version),
+                    candidate=gate["candidate"] or mv.tags.get("candidate"),
+                    reasons=gate["reasons"] or mv.tags.get("gate.reasons"),
+                    compared_to=gate["compared_to"] or mv.tags.get("gate.compared_to"),
+                    aliases=sorted(aliases),
+                    paired={k.removeprefix("gate.paired."): v for k, v in sorted(mv.tags.items())
+                            if k.startswith("gate.paired.")},
+                    # lineage of a version whose pretraining forked another's (llmops.promotion)
+                    fork={k.removeprefix("fork."): v for k, v in sorted(mv.tags.items())
+                          if k.startswith("fork.")})
+        if gate["outcome"] is None and "gate.passed" in mv.tags:
+            gate["outcome"] = "passed" if mv.tags["gate.passed"] == "true" else "refused"
+    if gate["already_registered"] and not gate["model_name"]:
+        gate["model_name"] = (tags.get("champion") or "").rpartition("/")[0] or \
+            params.get("registered_model_name") or DEFAULT_MODEL_NAME
+    if gate["already_registered"] and not gate["candidate"] and gate["model_name"]:
+        # An older run did not record which model it was: the one holding these weights is.
+        from mlflow.exceptions import MlflowException
+
+        try:
+            same_version = client.get_model_version(gate["model_name"], gate["version"])
+            gate["candidate"] = same_version.tags.get("candidate")
+        except MlflowException:   # the version was deleted since
+            pass
+    gate["thresholds"] = _thresholds(decision, params, tags.get("recipe"))
+    if not gate.get("rules"):
+        gate["rules"] = _rules(params)
     return gate
+
+
+def _thresholds(decision: dict[str, Any] | None, params: dict[str, str],
+                recipe: str | None) -> dict[str, dict[str, Any]]:
+    """{name: {"value", "recipe"}}: each threshold the gate applied and the recipe's own value
+    (None when the recipe is unknown), so a page can say where a surprising one comes from."""
+    applied = (decision or {}).get("thresholds") or {}
+    from_recipe: dict[str, Any] = {}
+    if recipe:
+        try:
+            from_recipe = configs.to_dict(configs.recipe(recipe))["gate"]
+        except configs.ConfigError:   # a recipe this code no longer has
+            from_recipe = {}
+    out = {}
+    for name in THRESHOLDS:
+        value = applied.get(name, params.get(f"gate.{name}"))
+        if value is None:
+            continue
+        if isinstance(value, str):
+            value = value == "True" if value in ("True", "False") else _float(value)
+        out[name] = {"value": value, "recipe": from_recipe.get(name)}
+    return out
+
+
+def _rules(params: dict[str, str]) -> dict[str, dict[str, Any]]:
+    """The gate's rules against the champion as the run's config had them (params
+    `gate.paired.<metric>.policy|margin`, `gate.champion_margins.<metric>`), for runs from before
+    the gate recorded its decision."""
+    rules: dict[str, dict[str, Any]] = {}
+    for key, value in params.items():
+        if key.startswith("gate.champion_margins."):
+            rules.setdefault(key.removeprefix("gate.champion_margins."),
+                             {"policy": "margin", "margin": _float(value), "decides": True})
+    for key, value in params.items():
+        if key.startswith("gate.paired.") and key.count(".") >= 3:
+            metric, _, field = key.removeprefix("gate.paired.").rpartition(".")
+            rule = rules.setdefault(metric, {"decides": True})
+            rule[field] = _float(value) if field == "margin" else value
+    return dict(sorted(rules.items()))
+
+
+def _reused_sources(client: Any, experiment_id: str, stages: list[dict[str, Any]]) -> None:
+    """Each reused stage's `source_duration_s`: how long the job whose outputs it took ran (one
+    search for all of them)."""
+    ids = sorted({s["reused"]["mlflow_run_id"] for s in stages
+                  if s["reused"] and s["reused"]["mlflow_run_id"]})
+    if not ids:
+        return
+    quoted = ", ".join(f"'{i}'" for i in ids)
+    sources = {r.info.run_id: r for r in client.search_runs(
+        [experiment_id], f"attributes.run_id IN ({quoted})", max_results=len(ids))}
+    for s in stages:
+        source = sources.get((s["reused"] or {}).get("mlflow_run_id", ""))
+        if source is not None:
+            s["reused"]["source_duration_s"] = _seconds(source.info.start_time, source.info.end_time)
+            s["reused"]["run_id"] = s["reused"]["run_id"] or source.data.tags.get("run_id", "")
+
+
+def reuse_saving(stages: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """What the reused stages cost here against what their jobs took when they ran."""
+    reused = [s for s in stages if s["reused"]]
+    if not reused:
+        return None
+    then = [s["reused"]["source_duration_s"] for s in reused if s["reused"]["source_duration_s"] is not None]
+    here = sum(s["duration_s"] or 0.0 for s in reused)
+    return {"stages": len(reused), "then_s": sum(then) if then else None, "here_s": here,
+            "saved_s": max(0.0, sum(then) - here) if then else None,
+            "runs": sorted({s["reused"]["run_id"] for s in reused if s["reused"]["run_id"]})}
+
+
+def _paused(parent: Any, stages: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """A pretraining paused on request: its step and how to resume. The parent run's tags
+    `paused_at_step` and `resume` when the run has them, else the stage run's `paused_at_step`."""
+    tags = parent.data.tags
+    step = _int(tags.get("paused_at_step"))
+    stage = next((s for s in stages if s["paused_at_step"] is not None), None)
+    if step is None and stage is None:
+        return None
+    if step is None:
+        step = stage["paused_at_step"]
+    resume = _json_tag(tags, "resume") or {"from_run": tags.get("run_id", ""), "start_at": "pretrain",
+                                          "fork_step": step}
+    return {"step": step, "task": stage["task_id"] if stage else "pretrain", "resume": resume}
 
 
 def collect(dag_id: str, run_id: str, client: Any = None,
@@ -286,6 +462,7 @@ def collect(dag_id: str, run_id: str, client: Any = None,
     for run in children:
         by_stage.setdefault(run.data.tags.get("stage", ""), []).append(run)
     stages = sorted((_stage_row(r) for r in children), key=lambda s: (s["start_ms"] or 0, s["map_index"]))
+    _reused_sources(client, parent.info.experiment_id, stages)
     curves = {}
     for stage in TRAINING_STAGES:
         for run in by_stage.get(stage, [])[-1:]:  # one run per stage task (a retry reuses it)
@@ -326,7 +503,8 @@ def collect(dag_id: str, run_id: str, client: Any = None,
         "goodput": _goodput(pretrain[0]) if pretrain else None, "data": data,
         "checkpoints": _checkpoints(client, pretrain[0]) if pretrain else None,
         "evaluation": evaluation, "gate": _gate(client, parent),
-        "live": live, "as_of_ms": now_ms,
+        "live": live, "as_of_ms": now_ms, "reuse": reuse_saving(stages),
+        "paused": _paused(parent, stages),
     }
     summary["headline"] = headline(summary)
     return summary
@@ -362,46 +540,6 @@ def headline(summary: dict[str, Any]) -> dict[str, float]:
     return out
 
 
-def note_line(summary: dict[str, Any]) -> str:
-    """'recipe tiny | student: task accuracy 0.000, perplexity 229 | gate passed: llm-lifecycle v1 champion'"""
-    parts = [f"recipe {summary.get('recipe') or '?'}"]
-    gate, evaluation = summary["gate"], summary.get("evaluation")
-    candidate = gate.get("candidate")
-    if evaluation and candidate in evaluation["table"]:
-        row = evaluation["table"][candidate]
-        figures = [f"{name.replace('_', ' ')} {row[key]:{fmt}}"
-                   for key, name, fmt in (("task_accuracy", "task_accuracy", ".3f"),
-                                          ("perplexity", "perplexity", ".4g")) if key in row]
-        parts.append(f"{candidate}: " + ", ".join(figures))
-    elif summary["sweep"].get("best_val_loss") is not None:
-        parts.append(f"sweep best val loss {summary['sweep']['best_val_loss']:.4g}")
-    outcome = gate.get("outcome")
-    if outcome and gate.get("version"):
-        alias = "champion" if "champion" in gate.get("aliases", []) else "challenger"
-        parts.append(f"gate {outcome}: {gate['model_name']} v{gate['version']} {alias}")
-    elif outcome:
-        parts.append(f"gate {outcome}")
-    else:
-        parts.append("no gate decision")
-    return " | ".join(parts)
-
-
-def _task_label(stage: dict[str, Any]) -> str:
-    """A stage row's task: `sweep_trial[1]` for a mapped one."""
-    return stage["task_id"] + (f"[{stage['map_index']}]" if stage["map_index"] >= 0 else "")
-
-
-def markdown(summary: dict[str, Any]) -> str:
-    lines = [f"# {summary['dag_id']} {summary['run_id']}", "", note_line(summary), "",
-             "| figure | value |", "| --- | --- |"]
-    lines += [f"| {k.removeprefix('summary/')} | {v:.6g} |" for k, v in summary["headline"].items()]
-    lines += ["", "| stage | task | status | seconds |", "| --- | --- | --- | --- |"]
-    for s in summary["stages"]:
-        secs = f"{s['duration_s']:.1f}" if s["duration_s"] is not None else ""
-        lines.append(f"| {s['stage']} | {_task_label(s)} | {s['status']} | {secs} |")
-    return "\n".join(lines) + "\n"
-
-
 def latest(dag_id: str, client: Any = None) -> str | None:
     """The DAG run id of the newest lifecycle parent run in the DAG's experiment, or None."""
     client = client or tracking.client()
@@ -420,44 +558,6 @@ def latest_text(dag_id: str) -> str:
     return text(summary) if summary else f"No lifecycle run of {dag_id!r} in {tracking.tracking_uri()}."
 
 
-def text(summary: dict[str, Any]) -> str:
-    """The run for a terminal: its note line, each stage task's status and time, the headline
-    figures, the checkpoints its pretraining kept, a fork's parent, and where the model went."""
-    lines = [f"Lifecycle run {summary['run_id']}: {summary['status']} "
-             f"(MLflow run {summary['mlflow_run_id']})", f"  {note_line(summary)}", ""]
-    for s in summary["stages"]:
-        secs = f"{s['duration_s']:7.1f} s" if s["duration_s"] is not None else ""
-        lines.append(f"  {s['stage']:<10} {_task_label(s):<16} {s['status']:<9} {secs}")
-    if summary["headline"]:
-        lines += [""] + [f"  {k.removeprefix('summary/'):<24} {v:.6g}"
-                         for k, v in summary["headline"].items()]
-    evaluation = summary.get("evaluation")
-    if evaluation:
-        names = {c: c.removeprefix("suite.") for c in evaluation["columns"]}
-        widths = {c: max(10, len(name) + 2) for c, name in names.items()}
-        lines += ["", "  " + f"{'model':<12}" + "".join(f"{names[c]:>{widths[c]}}" for c in names)]
-        for model in evaluation["models"]:
-            row = evaluation["table"][model]
-            lines.append("  " + f"{model:<12}" + "".join(
-                f"{row[c]:>{widths[c]}.4g}" if c in row else " " * widths[c] for c in names))
-    fork = (summary["curves"].get("pretrain") or {}).get("fork")
-    if fork:
-        lines.append(f"  pretraining forked from run {fork['parent']} at step {fork['step']}")
-    checkpoints = summary.get("checkpoints")
-    if checkpoints:
-        lines.append("  pretraining kept checkpoints at steps "
-                     + ", ".join(str(step) for step in checkpoints["kept"]))
-    gate = summary["gate"]
-    if gate.get("version"):
-        alias = "champion" if "champion" in gate["aliases"] else "challenger"
-        lines.append(f"Registered model: {gate['model_name']} version {gate['version']} "
-                     f"(alias '{alias}'), the {gate['candidate']}: "
-                     f"models:/{gate['model_name']}@{alias}")
-    else:
-        lines.append("No model was registered in this run.")
-    return "\n".join(lines)
-
-
 def publish(dag_id: str, run_id: str, *, recipe: str | None = None) -> dict[str, Any] | None:
     """Mirror the run's headline figures onto its MLflow parent run (metrics, summary.json,
     summary.md, tag `summary`) and return the summary; None when there is no parent run."""
@@ -473,11 +573,11 @@ def publish(dag_id: str, run_id: str, *, recipe: str | None = None) -> dict[str,
         client.log_metric(parent.info.run_id, key, value)
     client.set_tag(parent.info.run_id, "summary", summary["note"])
     with tempfile.TemporaryDirectory() as tmp:
-        for name, text in (("summary.json", json.dumps(summary, indent=2, sort_keys=True, default=str)),
-                           ("summary.md", markdown(summary))):
+        for name, content in (("summary.json", json.dumps(summary, indent=2, sort_keys=True, default=str)),
+                              ("summary.md", markdown(summary))):
             path = os.path.join(tmp, name)
             with open(path, "w") as fh:
-                fh.write(text)
+                fh.write(content)
             client.log_artifact(parent.info.run_id, path)
     return summary
 

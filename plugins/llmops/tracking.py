@@ -21,10 +21,23 @@ from llmops.step_cache import RECORD_ARTIFACT
 from tasks.configs import flatten  # stdlib only; shipped in plugins.zip beside llmops
 
 PARENT_KIND = "lifecycle"
-# MLflow 3 opens an experiment without this tag in its GenAI view, where training runs are listed
-# as "evaluation runs"; this value selects the view for model training (runs, charts, models).
+# The experiment's kind: what MLflow 3's API and older UIs read to pick the view for model
+# training (runs, charts, models) over the GenAI one.
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 EXPERIMENT_KIND = "custom_model_development"
+# MLflow 3.17's UI no longer reads that tag to pick the view: a global "workflow type" does (the
+# sidebar's GenAI / Machine learning switch, kept in the browser's localStorage, GenAI unless the
+# user switched), and a link's `workflowType` query parameter overrides it. So every link to the
+# MLflow UI carries it; the experiment's classic training view opens, stage runs listed as runs.
+UI_VIEW_QUERY = "?workflowType=machine_learning"
+# A job's wait in its service's queue and its chain of attempts, as tags of its stage's child run
+# (mark_waiting, record_attempt): what the run page shows while the job waits and after.
+WAITING_TAG = "waiting"                # the service's own reason, "" once the job started
+WAITING_SINCE_TAG = "waiting.since"    # when the job was submitted (epoch seconds)
+QUEUED_TAG = "queued_s"                # how long it waited before it started
+ATTEMPTS_TAG = "attempts"              # JSON: the attempts that ended, and why
+ATTEMPTS_XCOM = "llmops_attempts"      # the same list, the job task's XCom (for the run's note)
+ATTEMPTS_KEPT = 20                     # the newest this many (a tag holds at most 8000 characters)
 # Where the MLflow UI is, for links and the task log: this environment variable, else this
 # Airflow Variable, else the tracking URI when it is a server, else `make up`'s local server.
 MLFLOW_UI_ENV = "LLMOPS_MLFLOW_UI_URL"
@@ -92,10 +105,17 @@ def mlflow_ui_url() -> str:
 
 
 def run_url(run_id: str, experiment_id: str | None = None) -> str:
-    """The run's page in the MLflow UI."""
+    """The run's page in the MLflow UI (its training view: UI_VIEW_QUERY)."""
     if experiment_id is None:
         experiment_id = client().get_run(run_id).info.experiment_id
-    return f"{mlflow_ui_url()}/#/experiments/{experiment_id}/runs/{run_id}"
+    return ui_route(mlflow_ui_url(), experiment_id, run_id)
+
+
+def ui_route(base: str, experiment_id: str, run_id: str = "") -> str:
+    """An experiment's (or one of its runs') page under the MLflow UI at `base`, in the training
+    view (UI_VIEW_QUERY: the query goes inside the hash, where the UI's router reads it)."""
+    run = f"/runs/{run_id}" if run_id else ""
+    return f"{base.rstrip('/')}/#/experiments/{experiment_id}{run}{UI_VIEW_QUERY}"
 
 
 def airflow_run_url(dag_id: str, run_id: str) -> str:
@@ -121,20 +141,23 @@ def _find_run(experiment_id: str, tags: dict[str, str]):
     return runs[0] if runs else None
 
 
-def start_parent_run(*, experiment: str, dag_id: str, run_id: str, config: dict[str, Any]) -> str:
-    """The DAG run's parent run (the same one on a rerun), with the resolved config logged."""
+def start_parent_run(*, experiment: str, dag_id: str, run_id: str, config: dict[str, Any],
+                     tags: dict[str, str] | None = None) -> str:
+    """The DAG run's parent run (the same one on a rerun), with the resolved config logged and
+    `tags` (the recipe: the run page's headline names it from the start)."""
     exp_id = ensure_experiment(experiment)
     key = {"kind": PARENT_KIND, "dag_id": dag_id, "run_id": run_id}
     found = _find_run(exp_id, key)
     c = client()
     url = airflow_run_url(dag_id, run_id)
+    wanted = {"airflow_run_url": url, **(tags or {})}
     if found:
-        if found.data.tags.get("airflow_run_url") != url:  # a parent made before the tag existed
-            c.set_tag(found.info.run_id, "airflow_run_url", url)
+        for name, value in wanted.items():  # a parent made before the tag existed
+            if found.data.tags.get(name) != value:
+                c.set_tag(found.info.run_id, name, value)
         return found.info.run_id
     run = c.create_run(exp_id, run_name=f"{dag_id} {run_id}",
-                       tags={**key, "git_commit": source_commit(),
-                             "airflow_run_url": url})
+                       tags={**key, "git_commit": source_commit(), **wanted})
     for k, v in sorted(flatten(config).items()):
         c.log_param(run.info.run_id, k, str(v)[:6000])
     log_json(run.info.run_id, config, "lifecycle_config.json")
@@ -220,6 +243,39 @@ def mark_reused(run_id: str, source: dict[str, str], record: dict[str, Any]) -> 
 
     log_json(run_id, record, RECORD_ARTIFACT)
     end_run(run_id, "FINISHED")
+
+
+def mark_waiting(run_id: str, reason: str, submitted_at: float | None,
+                 started_at: float | None) -> None:
+    """The job of child run `run_id` waits in its service's queue for `reason` (the service's own
+    words), submitted at `submitted_at`; once it started (`started_at`), how long it waited."""
+    if not run_id or submitted_at is None:
+        return
+    tags = {WAITING_TAG: "" if started_at is not None else reason[:5000],
+            WAITING_SINCE_TAG: f"{submitted_at:.3f}",
+            # a later attempt waits anew: its queue time is unknown until it starts
+            QUEUED_TAG: f"{max(0.0, started_at - submitted_at):.3f}" if started_at is not None else ""}
+    from mlflow.entities import RunTag
+
+    client().log_batch(run_id, tags=[RunTag(k, v) for k, v in tags.items()])
+
+
+def record_attempt(run_id: str, attempt: dict[str, Any]) -> None:
+    """Add an attempt that ended (`attempt`: its number, job, why it ended, the service's words)
+    to child run `run_id`'s ATTEMPTS_TAG, the newest ATTEMPTS_KEPT of them."""
+    if not run_id:
+        return
+    c = client()
+    try:
+        earlier = json.loads(c.get_run(run_id).data.tags.get(ATTEMPTS_TAG) or "[]")
+    except ValueError:
+        earlier = []
+    attempts = [*earlier, {k: (v[:400] if isinstance(v, str) else v) for k, v in attempt.items()}]
+    text = json.dumps(attempts[-ATTEMPTS_KEPT:])
+    while len(text) > 7900 and len(attempts) > 1:   # MLflow's limit on a tag's value
+        attempts = attempts[1:]
+        text = json.dumps(attempts[-ATTEMPTS_KEPT:])
+    c.set_tag(run_id, ATTEMPTS_TAG, text)
 
 
 def read_json_artifact(run_id: str, path: str) -> Any | None:

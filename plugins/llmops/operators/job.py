@@ -365,6 +365,8 @@ class JobOperator(JobCache, JobChain, JobWait, JobBooks, JobPause, BaseOperator)
         stop = self._chain_exhausted(why) if why else ""   # reads the job's newest checkpoint
         self._record_end(dataclasses.replace(status, message=f"{status.message} (the chain of "
                                              f"attempts stopped: {stop})") if stop else status)
+        if status.state is not JobState.SUCCEEDED and (why or int(self._chain.get("attempts", 1)) > 1):
+            self._record_attempt(status, why, stop)   # a chain's attempt ended: say why
         if status.state is JobState.SUCCEEDED:
             result = dict(status.result or {})
             result.update(job_name=name, backend=self._handle["backend"], mlflow_run_id=mlflow_run_id)

@@ -7,6 +7,7 @@ JobBooks is mixed into llmops.operators.job.JobOperator.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from llmops import ledger, tracking
@@ -19,7 +20,7 @@ from llmops.operators.job_identity import JobIdentity
 
 class JobBooks:
     """Mixed into JobOperator: needs its `_handle`, `_ti`, `_run_id`, `_parent_run_id`,
-    `_ledger_job`, `_started_at` and `retries`."""
+    `_ledger_job`, `_started_at`, `_chain` and `retries`."""
 
     # -- the job ledger: best effort (llmops.ledger never raises) ----------------------------
     def _record_start(self, backend: Backend, spec: JobSpec, record: dict[str, Any],
@@ -64,6 +65,31 @@ class JobBooks:
             self.log.warning("Could not store the task's links: %s", exc)
 
     # -- the MLflow child run (and the lifecycle's parent run on the last try) --------------
+    def _mark_waiting(self, watch: Any) -> None:
+        """The job's wait in its service's queue (or its start after one) on its MLflow run."""
+        try:
+            tracking.mark_waiting(self._run_id, watch.waiting, watch.submitted_at, watch.started_at)
+        except Exception as exc:  # noqa: BLE001 - MLflow being down must not decide the task
+            self.log.warning("Could not record the job's wait on MLflow run %s: %s", self._run_id, exc)
+
+    def _record_attempt(self, status: JobStatus, why: str | None, stop: str) -> None:
+        """An attempt of the chain ended: on the MLflow run (the run page lists them) and in the
+        chain, which the task leaves as its XCom tracking.ATTEMPTS_XCOM (the run's note quotes it)."""
+        handle = self._handle or {}
+        attempt = {"attempt": int(self._chain.get("attempts", 1)),
+                   "job": str(handle.get("job_name") or handle.get("name") or ""),
+                   "state": status.state.value, "why": why or "", "message": _words(status),
+                   "stopped_chain": stop, "ended_at": round(time.time(), 3)}
+        self._chain["ended"] = [*self._chain.get("ended", []), attempt][-tracking.ATTEMPTS_KEPT:]
+        try:
+            self._ti.xcom_push(tracking.ATTEMPTS_XCOM, self._chain["ended"])
+        except Exception as exc:  # noqa: BLE001
+            self.log.warning("Could not leave the attempts as an XCom: %s", exc)
+        try:
+            tracking.record_attempt(self._run_id, attempt)
+        except Exception as exc:  # noqa: BLE001
+            self.log.warning("Could not record the attempt on MLflow run %s: %s", self._run_id, exc)
+
     def _end_run(self, run_id: str, status: str) -> None:
         if not run_id:
             return
@@ -76,3 +102,12 @@ class JobBooks:
         if self._parent_run_id and ti.try_number > self.retries:
             # The last try failed: the lifecycle run as a whole has failed, say so in MLflow.
             self._end_run(self._parent_run_id, "FAILED")
+
+
+def _words(status: JobStatus) -> str:
+    """Everything the service said about the end: the message, and the reason and secondary
+    status it gives apart (Batch's statusReason: `Host EC2 (instance ...) terminated.`)."""
+    details = status.details or {}
+    extra = [str(details[k]) for k in ("reason", "secondary")
+             if details.get(k) and str(details[k]) not in status.message]
+    return ": ".join([status.message, *extra])

@@ -113,6 +113,8 @@ class JobWait:
         while True:
             step = watch.poll()
             self._show(step)
+            if step.waiting:
+                self._mark_waiting(watch)
             if step.started or (watch.log_cursor != saved_cursor
                                 and time.monotonic() - saved_at > CHECKPOINT_SECONDS):
                 self._remember(store, log_cursor=watch.log_cursor, started_at=watch.started_at)

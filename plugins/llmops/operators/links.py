@@ -144,10 +144,6 @@ def backend_links(handle: dict[str, Any], *, region: str = "",
     return links
 
 
-def mlflow_run_url(ui_url: str, experiment_id: str, run_id: str) -> str:
-    return f"{ui_url.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
-
-
 # -- the worker side -------------------------------------------------------------------------------
 
 

@@ -10,6 +10,7 @@ from typing import Any, AsyncIterator
 
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
+from llmops import tracking
 from llmops.jobs import env_secrets
 from llmops.jobs.alerts import JobAlerts, where_of
 from llmops.jobs.backends import get_backend
@@ -130,6 +131,7 @@ class JobTrigger(BaseTrigger):
                 self.log.warning("[%s] %s", self.handle["name"], warning)
             if step.waiting:
                 self.log.info("[%s] %s", self.handle["name"], step.waiting)
+                await asyncio.to_thread(self._mark_waiting, watch)
             for line in env_secrets.redact_lines(step.lines):
                 self.log.info("[%s] %s", self.handle["name"], line)
             if not cursor_is_saved:
@@ -166,6 +168,15 @@ class JobTrigger(BaseTrigger):
                     yield self._event(watch, "stopped", f"the task was set to {state}")
                     return
             await asyncio.sleep(step.delay)
+
+    def _mark_waiting(self, watch: JobWatch) -> None:
+        """The job's wait in its service's queue (or its start after one) on its MLflow run,
+        where the run page shows it while the task is deferred."""
+        run_id = self.context.get("mlflow_run_id") or ""
+        try:
+            tracking.mark_waiting(run_id, watch.waiting, watch.submitted_at, watch.started_at)
+        except Exception as exc:  # noqa: BLE001 - MLflow being down must not end the wait
+            self.log.warning("Could not record the job's wait on MLflow run %s: %s", run_id, exc)
 
     def _event(self, watch: JobWatch, state: str, message: str, **extra: Any) -> TriggerEvent:
         return TriggerEvent({"state": state, "message": message, "handle": self.handle,
