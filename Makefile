@@ -75,13 +75,14 @@ test: install browser
 
 # The slow runs alone, two at a time (each is mostly waits): the promotion gate and a lifecycle
 # run paused, resumed and forked, through the DAG (one worker, sharing the tiny lifecycle run they
-# build on, started first: six DAG runs in all), a multi-week pretraining compressed to minutes on
+# build on, started first: six DAG runs in all), every page a researcher reads on `make up`, in
+# Chromium (tests/test_browser.py, ~15 min), a multi-week pretraining compressed to minutes on
 # SageMaker, Batch and HyperPod (against the simulators), a node lost mid-run on each of them for
 # pretraining, fine-tuning and distillation, and the scaling-ladder DAG end to end on the tiny
 # recipe (the suite skips them: LLMOPS_SLOW_TESTS).
-test-slow: install
+test-slow: install browser
 	LLMOPS_SLOW_TESTS=1 $(PY) -m pytest tests/test_lifecycle_gate.py tests/test_pause_resume_dag.py \
-	  tests/test_multiweek.py tests/test_node_loss_every_stage.py \
+	  tests/test_browser.py tests/test_multiweek.py tests/test_node_loss_every_stage.py \
 	  tests/test_ladder.py::test_the_ladder_dag_publishes_a_recommendation \
 	  -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder --durations=8
 

@@ -114,6 +114,10 @@ SHARED_RUN_GROUPS = {
     "test_lifecycle_gate": "tiny_lifecycle_run",
     "test_pause_resume_dag": "tiny_lifecycle_run",   # make test-slow: one tiny run for both
 }
+# Slow modules whose cases share only cheap fixtures (a fake AWS, one reference run): each case
+# is a unit of its own, so `make test-slow`'s two workers split them (as one group, the eight
+# node-loss cases ran one after another on one worker while the other idled).
+SPREAD_CASES = {"test_node_loss_every_stage", "test_multiweek"}
 SLOWEST_FIRST = [  # by their seconds on 2 cores (--durations), the slowest first
     # test-slow: the gate's DAG test before the pause/resume one, while the session's first
     # tiny run is still the champion it is compared with
@@ -138,4 +142,5 @@ def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
     items.sort(key=lambda item: rank.get(module(item), len(rank)))  # stable: file order kept
     for item in items:
-        item.add_marker(pytest.mark.xdist_group(SHARED_RUN_GROUPS.get(module(item), module(item))))
+        group = item.nodeid if module(item) in SPREAD_CASES else module(item)
+        item.add_marker(pytest.mark.xdist_group(SHARED_RUN_GROUPS.get(module(item), group)))
