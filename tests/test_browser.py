@@ -380,7 +380,7 @@ def test_watch_a_pretraining_then_pause_it_from_the_pause_page(airflow, cli_run,
     assert bar.count() == 1 and float(bar.get_attribute("width")) > 2
     # text_content: an SVG element has no inner_text (not an HTMLElement)
     assert "running" in frame.locator('svg[aria-label="stage timeline"]').text_content()
-    assert int(figures["now.pretrain.step"]) >= 5 and figures["now.pretrain.max_steps"] == "4000.0"
+    assert float(figures["now.pretrain.step"]) >= 5 and figures["now.pretrain.max_steps"] == "4000.0"
 
     page.goto(f"{airflow.base}/llmops-pause/runs/{DAG_ID}/{run_id}")
     page.get_by_role("button", name="Pause pretraining").click()
