@@ -4,8 +4,8 @@
 
 `--target test` (the default): runs `make test` in this checkout (run it on a clean clone, as CI
 does: `.ci/run` is exactly `make test`), its output streamed to the terminal and kept; then reads
-each pytest run's summary line (the suite on two xdist workers, `make test-slow`, `make
-test-matrix`, in that order) and writes their counts and seconds to
+each pytest run's summary line (the suite on two xdist workers, then `make test-slow` and `make
+test-matrix` side by side, each told apart by the command make echoed before it) and writes their counts and seconds to
 benchmarks/results/make_test.json. `--target demo`: runs `make demo` (the whole lifecycle DAG
 under `airflow standalone`) and writes benchmarks/results/make_demo.json. Either file has the
 command's wall time, whether its set-up (the venv's installs) was already done, and the
@@ -35,21 +35,38 @@ from tasks.common.io import write_json  # noqa: E402
 # what `make test` runs beside the benchmarked code (a clone's untracked .venv link is not it)
 TESTED = (*CODE, "dags", "tests", "scripts", "Makefile", "requirements.txt",
           "requirements-dev.txt")
-PARTS = ("suite", "test_slow", "test_matrix")   # the pytest runs `make test` makes, in order
+PARTS = ("suite", "test_slow", "test_matrix")   # the pytest runs `make test` makes
 # "==== 1107 passed, 1 skipped in 1455.12s (0:24:15) ====" (pytest's last line; bare with -q)
 SUMMARY = re.compile(r"^(=+ )?(?P<counts>\d+ [^=]*?) in (?P<seconds>[\d.]+)s\b[^=]*( =+)?$")
 COUNT = re.compile(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed|deselected|warnings?)")
 
 
 def summaries(output: str) -> list[dict[str, Any]]:
-    """Each pytest run's summary: {"seconds": s, "passed": n, ...}, in the order they ran."""
-    found = []
+    """Each pytest run's summary: {"seconds": s, "passed": n, ...}, in the order they printed."""
+    return [summary for _, summary in labelled(output)]
+
+
+def part_of(command: str) -> str:
+    """Which part of `make test` a pytest command line (as make echoes it) is."""
+    if re.search(r"-m pytest tests/test_fault_matrix\.py", command):   # the suite --ignores it
+        return "test_matrix"
+    return "test_slow" if "LLMOPS_SLOW_TESTS" in command else "suite"
+
+
+def labelled(output: str) -> list[tuple[str, dict[str, Any]]]:
+    """(part, summary) for each pytest run: the part from the last pytest command make echoed
+    before the summary. test-slow and test-matrix run side by side and make prints each one's
+    output whole when it ends (--output-sync), so they come in either order."""
+    found, command = [], ""
     for line in output.splitlines():
+        if " -m pytest " in line:
+            command = line
         m = SUMMARY.match(line.strip())
         if m and COUNT.search(m["counts"]):
-            found.append({"seconds": float(m["seconds"]),
-                          **{kind.rstrip("s") if kind.startswith(("error", "warning")) else kind: int(n)
-                             for n, kind in COUNT.findall(m["counts"])}})
+            found.append((part_of(command), {
+                "seconds": float(m["seconds"]),
+                **{kind.rstrip("s") if kind.startswith(("error", "warning")) else kind: int(n)
+                   for n, kind in COUNT.findall(m["counts"])}}))
     return found
 
 
@@ -57,8 +74,16 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--target", choices=("test", "demo"), default="test")
     ap.add_argument("--out", type=Path, help="default: benchmarks/results/make_<target>.json")
+    ap.add_argument("--log", type=Path,
+                    help="read a finished run instead of running one: the output of "
+                         "`/usr/bin/time -v make test` on a clean clone (its wall time and exit "
+                         "status from time's lines), with --commit and --started-utc")
+    ap.add_argument("--commit", default="", help="with --log: the commit the clone ran")
+    ap.add_argument("--started-utc", default="", help="with --log: when it started")
     args = ap.parse_args(argv)
     out = args.out or ROOT / "benchmarks" / "results" / f"make_{args.target}.json"
+    if args.log:
+        return from_log(args.log, args.commit, args.started_utc, out)
     start = {"started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
              "load_avg_1_5_15_at_start": [round(x, 2) for x in os.getloadavg()],
              "git_commit": git_commit(TESTED),
@@ -81,12 +106,12 @@ def main(argv: list[str] | None = None) -> int:
         return proc.returncode
     result: dict[str, Any] = {f"make_{args.target}_wall_s": round(wall, 1)}
     if args.target == "test":
-        runs = summaries("".join(lines))
-        if len(runs) != len(PARTS):
-            print(f"expected {len(PARTS)} pytest summaries, found {len(runs)}: nothing written",
+        runs = dict(labelled("".join(lines)))
+        if sorted(runs) != sorted(PARTS):
+            print(f"expected the pytest summaries of {PARTS}, found {sorted(runs)}: nothing written",
                   file=sys.stderr)
             return 1
-        result["parts"] = dict(zip(PARTS, runs))
+        result["parts"] = {part: runs[part] for part in PARTS}
     else:   # the demo's own last words: its stages' key figures and the registered model
         result["last_lines"] = [line.rstrip() for line in lines[-15:]]
     result["machine"] = {"platform": platform.platform(), "cpus": os.cpu_count(),
@@ -95,6 +120,30 @@ def main(argv: list[str] | None = None) -> int:
                          "finished_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     write_json(out, result)   # atomically: a file is there whole or not at all
     print(json.dumps(result.get("parts") or result[f"make_{args.target}_wall_s"]))
+    print(f"wrote {out}")
+    return 0
+
+
+def from_log(log: Path, commit: str, started_utc: str, out: Path) -> int:
+    """make_test.json from a saved `/usr/bin/time -v make test` output (a run made by hand, e.g.
+    with other work kept off the machine); written only when it passed."""
+    text = log.read_text()
+    status = re.search(r"^\s*Exit status: (\d+)$", text, re.M)
+    wall = re.search(r"Elapsed \(wall clock\) time \(h:mm:ss or m:ss\): (?:(\d+):)?(\d+):([\d.]+)", text)
+    if not status or status[1] != "0" or not wall or not commit:
+        print(f"{log}: not a passed run under /usr/bin/time -v, or no --commit: nothing written",
+              file=sys.stderr)
+        return 1
+    runs = dict(labelled(text))
+    if sorted(runs) != sorted(PARTS):
+        print(f"expected the pytest summaries of {PARTS}, found {sorted(runs)}", file=sys.stderr)
+        return 1
+    seconds = int(wall[1] or 0) * 3600 + int(wall[2]) * 60 + float(wall[3])
+    write_json(out, {"make_test_wall_s": round(seconds, 1), "parts": {p: runs[p] for p in PARTS},
+                     "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
+                                 "python": platform.python_version(), "git_commit": commit,
+                                 "started_utc": started_utc, "from_log": log.name,
+                                 "installed_before": True}})
     print(f"wrote {out}")
     return 0
 
