@@ -92,7 +92,9 @@ def test_mlflow_ui_url_prefers_the_setting_then_a_server_then_make_up(monkeypatc
     assert tracking.mlflow_ui_url() == "https://mlflow.example.com"
     monkeypatch.setenv("LLMOPS_MLFLOW_UI_URL", "https://ui.example.com/mlflow/")
     assert tracking.mlflow_ui_url() == "https://ui.example.com/mlflow"
-    assert tracking.run_url("abc", "7") == "https://ui.example.com/mlflow/#/experiments/7/runs/abc"
+    # MLflow 3's classic training view, not its GenAI one (issue 48)
+    assert tracking.run_url("abc", "7") == \
+        "https://ui.example.com/mlflow/#/experiments/7/runs/abc?workflowType=machine_learning"
 
 
 def test_get_link_reads_its_entry_of_the_pushed_links():

@@ -364,10 +364,21 @@ def test_a_refusal_fails_start_run_without_a_retry(monkeypatch):
     class Dag:
         dag_id = DAG_ID
 
-    context = {"params": {"recipe": "tiny"}, "dag": Dag(), "run_id": "manual__x", "dag_run": DagRun()}
+    class TaskInstance:
+        pushed: dict = {}
+
+        def xcom_push(self, key, value):
+            self.pushed[key] = value
+
+    ti = TaskInstance()
+    context = {"params": {"recipe": "tiny"}, "dag": Dag(), "run_id": "manual__x", "dag_run": DagRun(),
+               "ti": ti}
     monkeypatch.setitem(task.python_callable.__globals__, "get_current_context", lambda: context)
     with pytest.raises(AirflowFailException, match="did you mean 'pretrain_steps'"):
         task.python_callable()
+    # the refusal is left where the run's note and page read it
+    (refusal,) = ti.pushed.values()
+    assert "Unknown Param in the run's conf: 'pretrain_step' (did you mean 'pretrain_steps'?)" in refusal
 
 
 def test_an_unknown_conf_key_fails_the_dag_run_at_start_run(airflow_db):
