@@ -78,7 +78,7 @@ test: install browser
 # The slow runs alone, three at a time (each is mostly waits): the promotion gate and a lifecycle
 # run paused, resumed and forked, through the DAG (one worker, sharing the tiny lifecycle run they
 # build on, started first: six DAG runs in all), every page a researcher reads on `make up`, in
-# Chromium (tests/test_browser.py, ~15 min), a multi-week pretraining compressed to minutes on
+# Chromium (tests/test_browser.py, ~10 min), a multi-week pretraining compressed to minutes on
 # SageMaker, Batch and HyperPod (against the simulators), a node lost mid-run on each of them for
 # pretraining, fine-tuning and distillation, and the scaling-ladder DAG end to end on the tiny
 # recipe (the suite skips them: LLMOPS_SLOW_TESTS).

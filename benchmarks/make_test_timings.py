@@ -4,9 +4,9 @@
 
 `--target test` (the default): runs `make test` in this checkout (run it on a clean clone, as CI
 does: `.ci/run` is exactly `make test`), its output streamed to the terminal and kept; then reads
-each pytest run's summary line (the suite on two xdist workers, then `make test-slow` and `make
-test-matrix` side by side, each told apart by the command make echoed before it) and writes their counts and seconds to
-benchmarks/results/make_test.json. `--target demo`: runs `make demo` (the whole lifecycle DAG
+each pytest run's summary line (the suite on two xdist workers, `make test-slow`, `make
+test-matrix`, each told apart by the command make echoed before it) and writes their counts and
+seconds to benchmarks/results/make_test.json. `--target demo`: runs `make demo` (the whole lifecycle DAG
 under `airflow standalone`) and writes benchmarks/results/make_demo.json. Either file has the
 command's wall time, whether its set-up (the venv's installs) was already done, and the
 machine, commit and load at the start and the end; it is written only when the command passed:
@@ -55,8 +55,7 @@ def part_of(command: str) -> str:
 
 def labelled(output: str) -> list[tuple[str, dict[str, Any]]]:
     """(part, summary) for each pytest run: the part from the last pytest command make echoed
-    before the summary. test-slow and test-matrix run side by side and make prints each one's
-    output whole when it ends (--output-sync), so they come in either order."""
+    before the summary, so the parts read right in whatever order the Makefile runs them."""
     found, command = [], ""
     for line in output.splitlines():
         if " -m pytest " in line:
@@ -74,16 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--target", choices=("test", "demo"), default="test")
     ap.add_argument("--out", type=Path, help="default: benchmarks/results/make_<target>.json")
-    ap.add_argument("--log", type=Path,
-                    help="read a finished run instead of running one: the output of "
-                         "`/usr/bin/time -v make test` on a clean clone (its wall time and exit "
-                         "status from time's lines), with --commit and --started-utc")
-    ap.add_argument("--commit", default="", help="with --log: the commit the clone ran")
-    ap.add_argument("--started-utc", default="", help="with --log: when it started")
     args = ap.parse_args(argv)
     out = args.out or ROOT / "benchmarks" / "results" / f"make_{args.target}.json"
-    if args.log:
-        return from_log(args.log, args.commit, args.started_utc, out)
     start = {"started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
              "load_avg_1_5_15_at_start": [round(x, 2) for x in os.getloadavg()],
              "git_commit": git_commit(TESTED),
@@ -120,30 +111,6 @@ def main(argv: list[str] | None = None) -> int:
                          "finished_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     write_json(out, result)   # atomically: a file is there whole or not at all
     print(json.dumps(result.get("parts") or result[f"make_{args.target}_wall_s"]))
-    print(f"wrote {out}")
-    return 0
-
-
-def from_log(log: Path, commit: str, started_utc: str, out: Path) -> int:
-    """make_test.json from a saved `/usr/bin/time -v make test` output (a run made by hand, e.g.
-    with other work kept off the machine); written only when it passed."""
-    text = log.read_text()
-    status = re.search(r"^\s*Exit status: (\d+)$", text, re.M)
-    wall = re.search(r"Elapsed \(wall clock\) time \(h:mm:ss or m:ss\): (?:(\d+):)?(\d+):([\d.]+)", text)
-    if not status or status[1] != "0" or not wall or not commit:
-        print(f"{log}: not a passed run under /usr/bin/time -v, or no --commit: nothing written",
-              file=sys.stderr)
-        return 1
-    runs = dict(labelled(text))
-    if sorted(runs) != sorted(PARTS):
-        print(f"expected the pytest summaries of {PARTS}, found {sorted(runs)}", file=sys.stderr)
-        return 1
-    seconds = int(wall[1] or 0) * 3600 + int(wall[2]) * 60 + float(wall[3])
-    write_json(out, {"make_test_wall_s": round(seconds, 1), "parts": {p: runs[p] for p in PARTS},
-                     "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
-                                 "python": platform.python_version(), "git_commit": commit,
-                                 "started_utc": started_utc, "from_log": log.name,
-                                 "installed_before": True}})
     print(f"wrote {out}")
     return 0
 

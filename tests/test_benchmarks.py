@@ -136,7 +136,7 @@ def test_make_test_timings_tells_each_pytest_run_apart():
     sys.path.insert(0, str(ROOT))
     from benchmarks.make_test_timings import labelled, summaries
 
-    # test-slow and test-matrix run side by side: the matrix may print first
+    # the parts are told apart by their commands, not their order: here the matrix prints first
     output = "\n".join([
         ".venv/bin/python -m pytest tests --ignore=tests/test_fault_matrix.py -n 2",
         "tests/test_x.py::test_a PASSED",
