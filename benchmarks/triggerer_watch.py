@@ -174,20 +174,22 @@ def child(code: str, handles_file: str, out_file: str, poll: float, timeout: flo
     started: dict[int, float] = {}
     events: dict[int, list[dict[str, Any]]] = collections.defaultdict(list)
     rss_samples: list[float] = []
+    cpu_samples: list[tuple[float, float]] = []   # (time, CPU seconds so far)
 
     async def watch(index: int, handle: dict, delay: float) -> None:
         await asyncio.sleep(delay)   # the task's defer, a moment after its submit
         started[index] = time.time()
         await watch_job(handle, poll, events[index].append)
 
-    async def sample_rss() -> None:
-        while True:
-            rss_samples.append(_rss_mib())
-            await asyncio.sleep(SAMPLE_SECONDS)
-
     def cpu() -> float:
         usage = resource.getrusage(resource.RUSAGE_SELF)
         return usage.ru_utime + usage.ru_stime
+
+    async def sample_rss() -> None:
+        while True:
+            rss_samples.append(_rss_mib())
+            cpu_samples.append((time.time(), cpu()))
+            await asyncio.sleep(SAMPLE_SECONDS)
 
     async def main() -> None:
         """A trigger for each handle as the parent submits its job (one JSON line each in
@@ -229,6 +231,7 @@ def child(code: str, handles_file: str, out_file: str, poll: float, timeout: flo
     Path(out_file).write_text(json.dumps({
         "cpu_seconds": cpu1 - cpu0, "wall_start": wall0, "wall_end": wall1, "polls": dict(polls),
         "rss_mib_before": rss_before, "rss_mib_peak": max(rss_samples or [rss_before]),
+        "cpu_samples": cpu_samples,
         "started": {str(k): v for k, v in started.items()},
         "events": {str(k): v for k, v in events.items()},
         "warnings": len(warnings), "first_warnings": warnings[:8], "client_builds": builds}))
@@ -473,6 +476,14 @@ def run_side(label: str, code: str, count: int, args: argparse.Namespace, work: 
         world.stop()
 
 
+def _cores(samples: list, window: tuple[float, float] | None) -> float | None:
+    """CPU cores busy over `window` from (time, CPU seconds) samples."""
+    inside = [(t, c) for t, c in samples if window and window[0] <= t <= window[1]]
+    if len(inside) < 2:
+        return None
+    return round((inside[-1][1] - inside[0][1]) / (inside[-1][0] - inside[0][0]), 3)
+
+
 def _percentile(values: list[float], q: float) -> float | None:
     if not values:
         return None
@@ -550,6 +561,10 @@ def summarize(world: World, handles: list[dict], child_result: dict, count: int,
     watch_window = (child_result["wall_start"], child_result["wall_end"])
     polls = sum(child_result["polls"].values())
     wall = child_result["wall_end"] - child_result["wall_start"]
+    # How often each trigger really polled: its watched time over the polls made (a side whose
+    # calls saturate the simulators, or its own process, polls less often than asked).
+    watched = sum((evs[0]["at"] if evs else child_result["wall_end"]) - child_result["started"][k]
+                  for k, evs in ((k, child_result["events"].get(k, [])) for k in child_result["started"]))
     measured_all = rates(world.samples, *watch_window)
     return {
         "jobs": count, "by_backend": dict(collections.Counter(h["backend"] for h in handles)),
@@ -557,8 +572,11 @@ def summarize(world: World, handles: list[dict], child_result: dict, count: int,
         "cpu_seconds": round(child_result["cpu_seconds"], 2),
         "watch_seconds": round(wall, 1),
         "cpu_cores_busy": round(child_result["cpu_seconds"] / wall, 3),
-        "cpu_ms_per_job_per_poll_interval": round(1000 * child_result["cpu_seconds"] / (count * wall / poll), 2),
+        "cpu_cores_busy_steady": _cores(child_result["cpu_samples"], steady),
+        "cpu_ms_per_job_per_poll_interval": round(1000 * child_result["cpu_seconds"] / (watched / poll), 2)
+        if watched else None,
         "polls": polls, "polls_by_backend": child_result["polls"],
+        "achieved_poll_interval_s": round(watched / polls, 1) if polls else None,
         "rss_mib_before": round(child_result["rss_mib_before"], 1),
         "rss_mib_peak": round(child_result["rss_mib_peak"], 1),
         "rss_kib_per_job": round(1024 * (child_result["rss_mib_peak"] - child_result["rss_mib_before"]) / count, 1),
@@ -675,8 +693,9 @@ def main(argv: list[str] | None = None) -> None:
 
 def _print_table(by_side: dict[str, dict], poll: float) -> None:
     labels = list(by_side)
-    rows = [("CPU cores busy", "cpu_cores_busy"), ("CPU ms / job / poll interval", "cpu_ms_per_job_per_poll_interval"),
-            ("RSS KiB / job", "rss_kib_per_job")]
+    rows = [("CPU cores busy (all N watched)", "cpu_cores_busy_steady"),
+            ("CPU ms / job / poll interval", "cpu_ms_per_job_per_poll_interval"),
+            ("RSS KiB / job", "rss_kib_per_job"), ("achieved poll interval (s)", "achieved_poll_interval_s")]
     print(f"  {'':34}" + "".join(f"{label:>14}" for label in labels))
     for title, key in rows:
         print(f"  {title:34}" + "".join(f"{by_side[label][key]!s:>14}" for label in labels))

@@ -316,14 +316,14 @@ class FakeEks:
             raise _connection_dropped(method)
         return answer
 
-    def _hit(self, method: str, about: tuple[str, str], before: bool) -> str:
+    def _hit(self, method: str, about: tuple[str, set[str]], before: bool) -> str:
         """The kind of the first armed rule that hits this call ("" when none): those that
         answer instead of the call (`before`), or "lost", which drops the answer after it."""
         now = time.time()
         with self.lock:
             for rule in self.rules:
                 if ((rule["kind"] != "lost") != before or method not in rule["methods"]
-                        or (rule["run_id"] and rule["run_id"] != about[1])
+                        or (rule["run_id"] and rule["run_id"] not in about[1])
                         or (rule["count"] is not None and rule["hits"] >= rule["count"])
                         or (rule["until"] is not None and now >= rule["until"])
                         or self.random.random() >= rule["rate"]):
@@ -332,25 +332,34 @@ class FakeEks:
                     rule["until"] = now + rule["seconds"]
                 rule["hits"] += 1
                 self.injections.append({"kind": rule["kind"], "operation": method, "at": now,
-                                        "about": about[0], "run_id": about[1]})
+                                        "about": about[0],
+                                        "run_id": rule["run_id"] or next(iter(sorted(about[1])), "")})
                 return rule["kind"]
         return ""
 
-    def _about(self, method: str, kw: dict[str, Any]) -> tuple[str, str]:
-        """(job name, its DAG run id) the call is about, ("", "") when none."""
+    def _about(self, method: str, kw: dict[str, Any]) -> tuple[str, set[str]]:
+        """(the job names, comma-separated, and their DAG run ids) the call is about: the job it
+        names, or every job (or pod's job) a list's label selector selects; ("", set()) when none."""
         with self.lock:
             if method == "create_namespaced_custom_object":
                 meta = (kw.get("body") or {}).get("metadata") or {}
-                return meta.get("name", ""), (meta.get("annotations") or {}).get(RUN_ID, "")
-            if method == "list_namespaced_pod":
-                name = (kw.get("label_selector") or "").partition("=")[2]
-            elif method == "read_namespaced_pod_log":
+                return meta.get("name", ""), {(meta.get("annotations") or {}).get(RUN_ID, "")}
+            if method in ("list_namespaced_pod", "list_namespaced_custom_object"):
+                selector = kw.get("label_selector") or ""
+                jobs = [j for (ns, _), j in self.jobs.items() if ns == kw.get("namespace") and (
+                    selects(selector, j.workload["metadata"]["labels"]) if (
+                        kw.get("group"), kw.get("version"), kw.get("plural")) == KUEUE and j.workload
+                    else selects(selector, (self._replicas(j)[0][1].get("metadata") or {}).get("labels") or {})
+                    if method == "list_namespaced_pod"
+                    else selects(selector, j.body["metadata"].get("labels") or {}))]
+                return ",".join(j.name for j in jobs), {j.run_id for j in jobs}
+            if method == "read_namespaced_pod_log":
                 name = next((j.name for j in self.history for p in j.finished_pods + j.pods
                              if p.name == kw.get("name")), "")
             else:
                 name = kw.get("name") or ""
             job = self._newest(name)
-        return name, job.run_id if job else ""
+        return name, {job.run_id} if job else set()
 
     def _answer(self, api: str, method: str, **kw: Any) -> Any:
         self.calls.append((method, kw))
