@@ -63,7 +63,8 @@ browser:
 
 # The suite on TEST_WORKERS processes (pytest-xdist; 0 runs it in this process), then the slow runs
 # and the fault matrix as targets of their own: the compressed multi-week run per backend and the
-# whole scaling-ladder DAG (~11 min on 2 cores), the fault matrix (~18 min).
+# whole scaling-ladder DAG (~11 min on 2 cores, measured before the pause/resume DAG test joined
+# them), the fault matrix (~18 min).
 TEST_WORKERS ?= 2
 SLOW_MATRICES := tests/test_multiweek.py tests/test_fault_matrix.py
 test: install browser
@@ -72,11 +73,15 @@ test: install browser
 	$(MAKE) --no-print-directory test-slow
 	$(MAKE) --no-print-directory test-matrix
 
-# The slow runs alone, two at a time (each is mostly waits): a multi-week pretraining compressed to
-# minutes on SageMaker, Batch and HyperPod (against the simulators), and the scaling-ladder DAG end
-# to end on the tiny recipe (the suite skips it: LLMOPS_SLOW_TESTS).
+# The slow runs alone, two at a time (each is mostly waits): a lifecycle run paused, resumed and
+# forked through the DAG (listed first so that a worker starts it at once: with the tiny lifecycle
+# run it builds on, five DAG runs in one test), a multi-week pretraining compressed to minutes on
+# SageMaker, Batch and HyperPod (against the simulators), a node lost mid-run on each of them for
+# pretraining, fine-tuning and distillation, and the scaling-ladder DAG end to end on the tiny
+# recipe (the suite skips them: LLMOPS_SLOW_TESTS).
 test-slow: install
-	LLMOPS_SLOW_TESTS=1 $(PY) -m pytest tests/test_multiweek.py \
+	LLMOPS_SLOW_TESTS=1 $(PY) -m pytest tests/test_pause_resume_dag.py tests/test_multiweek.py \
+	  tests/test_node_loss_every_stage.py \
 	  tests/test_ladder.py::test_the_ladder_dag_publishes_a_recommendation \
 	  -n $(TEST_WORKERS) --dist load --durations=5
 

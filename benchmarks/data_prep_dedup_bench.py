@@ -77,7 +77,8 @@ def one_process_step(out: Path, shards: list[dict], bands: int):
 
 def sharded_step(out: Path, shards: list[dict], bands: int, buckets: int) -> dict:
     from tasks.data.dedup import resolve_pairs
-    from tasks.data.prep import dedup_bucket, write_dedup_plan
+    from tasks.data.planning import write_dedup_plan
+    from tasks.data.prep import dedup_bucket
 
     offsets = write_dedup_plan(out, shards, bands)
     peaks, seconds = [], []

@@ -8,13 +8,17 @@ and does around it what a container needs and a local process does not:
 
 1. reads the stage config (a file, an s3:// object, or mounted input channel);
 2. maps the config's input URIs to where the platform mounted them (SageMaker channels,
-   Processing inputs: `--input-map`) and downloads any other s3:// input into the work dir;
+   Processing inputs: `--input-map`) and downloads any other s3:// input into the work dir,
+   except those the stage streams itself (tasks.uris.STREAMED_INPUTS: pretraining's token
+   shards), which it passes on as s3:// URIs;
 3. gives the stage a local output_dir when the real one is an s3:// URI, and puts its
    checkpoints where a new attempt on a fresh machine finds them: linked to the platform's synced
    checkpoint dir (SageMaker's /opt/ml/checkpoints comes back on restart), or, where nothing syncs
    (Batch, HyperPod), the stage's own `checkpoint_uri` set to `--checkpoint-uri` so that every
    checkpoint is written through to S3 as it commits and restored from there before the first
-   step (a shared mount given as a path is linked like a synced dir);
+   step (a shared mount given as a path is linked like a synced dir). Which stages checkpoint is
+   the stage's to say (tasks.configs.CHECKPOINTED_STAGES), not whether its config names the key;
+   one with nowhere off the node to put them is refused (exit 2) before it runs;
 4. launches the processes: none (the platform already did: SageMaker's toolkit runs torchrun or
    mpirun around this script), `torchrun` (Batch multi-node, Kubeflow PyTorchJob) or
    `hyperpodrun` (HyperPod's elastic agent), with nodes and ranks from the platform's variables;
@@ -50,7 +54,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from tasks.uris import split_s3   # the image puts tasks/ on PYTHONPATH (/opt/llmops)
+from tasks.configs import CHECKPOINTED_STAGES   # the image puts tasks/ on PYTHONPATH (/opt/llmops)
+from tasks.uris import STREAMED_INPUTS, split_s3
 
 log = logging.getLogger("llmops.entry")
 FAILURE_FILE = "/opt/ml/output/failure"   # SageMaker reports its content as FailureReason
@@ -322,9 +327,12 @@ def rewrite(data: Any, mapping: dict[str, str]) -> Any:
     return data
 
 
-def map_inputs(config: dict[str, Any], input_map: dict[str, str], workdir: Path) -> dict[str, Any]:
-    """Mounted inputs to their mount points; any other s3:// input downloaded into the work dir."""
+def map_inputs(config: dict[str, Any], input_map: dict[str, str], workdir: Path,
+               streamed: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Mounted inputs to their mount points; any other s3:// input downloaded into the work dir,
+    but for the top-level keys in `streamed`: the stage reads those from S3 as it goes."""
     config = rewrite(config, input_map)
+    kept = {k: config.pop(k) for k in streamed if k in config}
     downloads: dict[str, str] = {}
 
     def find(value: Any, key: str = "") -> None:
@@ -351,7 +359,14 @@ def map_inputs(config: dict[str, Any], input_map: dict[str, str], workdir: Path)
                 downloads[base] = str(single[0] if is_object else target)
 
     find(config)
-    return rewrite(config, downloads)
+    return {**rewrite(config, downloads), **kept}
+
+
+def keeps_checkpoints(entrypoint: str, config: dict[str, Any]) -> bool:
+    """Whether the stage's progress is checkpoints that must leave the node. Ours say so in
+    CHECKPOINTED_STAGES, whatever their config names; a stage of someone else's by the
+    `checkpoint_uri` key of its config."""
+    return entrypoint in CHECKPOINTED_STAGES or "checkpoint_uri" in config
 
 
 def merge_hosts(source: Path, target: Path) -> None:
@@ -418,7 +433,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.input_map_file:
         input_map.update(json.loads(read_text(os.path.expandvars(args.input_map_file))))
     input_map = {k: os.path.expandvars(v) for k, v in input_map.items()}
-    config = map_inputs(config, input_map, workdir)
+    config = map_inputs(config, input_map, workdir, STREAMED_INPUTS.get(args.entrypoint, ()))
 
     host, n_hosts = hosts()
     output_uri = args.output_uri
@@ -435,14 +450,24 @@ def main(argv: list[str] | None = None) -> int:
     local_out.mkdir(parents=True, exist_ok=True)
     if args.merge_output:
         merge_hosts(Path(os.path.expandvars(args.merge_output)), local_out)
-    checkpoint_uri = args.checkpoint_uri
-    if checkpoint_uri and not checkpoint_dir and "checkpoint_uri" in config:
+    checkpoint_uri = os.path.expandvars(args.checkpoint_uri)   # a tuning job's trial: its name
+    mirrored = keeps_checkpoints(args.entrypoint, config)
+    if checkpoint_uri and not checkpoint_dir and mirrored:
         if checkpoint_uri.startswith("s3://"):
             # Nothing syncs this node's disk (Batch, HyperPod): the stage writes every checkpoint
-            # through to S3 as it commits, and restores from there on a fresh node.
-            config["checkpoint_uri"] = config["checkpoint_uri"] or checkpoint_uri
+            # through to S3 as it commits, and restores from there on a fresh node. Set whether
+            # or not the config names the key: the stage decides, not the config's author.
+            config["checkpoint_uri"] = config.get("checkpoint_uri") or checkpoint_uri
         else:
             checkpoint_dir = checkpoint_uri   # a shared mount (FSx, EFS), linked like a synced dir
+    node_local = upload_outputs or bool(args.output_local)   # uploaded only once the stage ends
+    if mirrored and node_local and not checkpoint_dir and not config.get("checkpoint_uri"):
+        log.error("%s keeps its progress in checkpoints, and nothing would take them off this "
+                  "node: its output_dir %s is uploaded only when it ends, this job has no "
+                  "--checkpoint-uri and no synced checkpoint dir. Set the config's checkpoint_uri "
+                  "to an s3:// prefix, or pass --checkpoint-uri (the backends pass the run's "
+                  "checkpoint storage).", args.entrypoint, target or "(none)")
+        return 2
     if checkpoint_dir:
         Path(checkpoint_dir).mkdir(parents=True, exist_ok=True)
         link = local_out / "checkpoints"

@@ -13,7 +13,8 @@ architectures (a transformers Llama teacher and our GPT student, say) as long as
 tokenizer: a student built from cfg.student takes the teacher's vocab_size and context whatever
 cfg.student says; one given as cfg.student_model must have the teacher's tokenizer (refused
 otherwise, naming both). With quantize_int8 the trained student is also quantized and measured
-against its float self.
+against its float self. Checkpoints and resume are the shared loop's, written through to
+checkpoint_uri when set, as fine-tuning's are.
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ def main(cfg: DistillConfig) -> dict[str, Any]:
     from tasks.posttrain.sources import resolve_model_dir
     from tasks.posttrain.teacher_cache import TeacherCache, cache_key, replayed_rows
     from tasks.train.export import load_model, publish_model, published, read_meta
-    from tasks.train.loop import train
+    from tasks.train.loop import one_process_options, train
     from tasks.train.runtime import pick_device, seed_everything
     from tasks.train.scoring import answer_budget, completion_loss, exact_match, shard_loss
 
@@ -135,7 +136,8 @@ def main(cfg: DistillConfig) -> dict[str, Any]:
         result = train(
             model=student, cfg=cfg, device=device, resolved_config=to_dict(cfg),
             get_batch=SFTSteps(sft.train, teacher_cache=cache, **steps_kwargs),
-            loss_fn=with_replay(loss, cfg.replay_fraction), evaluate=held_out)
+            loss_fn=with_replay(loss, cfg.replay_fraction), evaluate=held_out,
+            options=one_process_options(cfg))
 
         budget = answer_budget(sft.eval)
         student_task = exact_match(student, sft.tokenizer, sft.eval, sft.eos_id, budget, device)

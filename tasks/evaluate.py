@@ -33,6 +33,19 @@ LINEAGE_KEYS = ("stage", "step", "source_checkpoint", "data_content_hash", "sft_
                 "registered_model", "registered_version", "content_sha256")
 
 
+# The held-out text scored document by document: the gate's primary paired metric (thousands of
+# tokens in whole documents even on the tiny recipe, where a task suite has 20 items).
+HELD_OUT = "heldout.bits_per_byte"
+
+
+def held_out_documents(documents: dict[str, Any]) -> dict[str, Any]:
+    """language_scores' documents as a per_item entry: each whole held-out document's name, bits
+    and scored bytes (its bits per byte is bits / bytes)."""
+    return {"kind": "continuous", "n": len(documents["keys"]), "keys": documents["keys"],
+            "bits": [round(b, 6) for b in documents["bits"]], "bytes": documents["bytes"],
+            "tokens": documents["tokens"]}
+
+
 def item_texts(examples: list, suite=None) -> list[str]:
     """Each item's text as the contamination audit reads it: the question with its gold answer."""
     if suite is None:
@@ -46,9 +59,10 @@ def evaluate_model(name: str, ref: str, cfg: EvalConfig, suites: list, device,
     import torch
 
     from tasks.eval.harness import run_harness
-    from tasks.eval.language import (eos_id_of, held_out_batches, language_scores,
-                                     token_byte_lengths)
-    from tasks.eval.suites import item_id, item_results, score_suite_items, suite_item_ids
+    from tasks.eval.language import (document_keys, eos_id_of, held_out_batches,
+                                     language_scores, token_byte_lengths)
+    from tasks.eval.suites import (item_id, item_results, score_suite_items, suite_item_ids,
+                                   suite_passages)
     from tasks.posttrain.sources import resolve_model_dir
     from tasks.train.data import DataDir, load_sft, load_tokenizer
     from tasks.train.export import load_model
@@ -71,7 +85,8 @@ def evaluate_model(name: str, ref: str, cfg: EvalConfig, suites: list, device,
                                cfg.batch_size, cfg.eval_batches)
     metrics: dict[str, float] = {"params": model.num_params()}
     language = language_scores(model, batches, token_byte_lengths(tokenizer_path, tokenizer),
-                               device)
+                               device, eos_id=eos_id,
+                               doc_keys=document_keys(data, cfg.batch_size, cfg.eval_batches))
     metrics.update({k: language[k] for k in ("val_loss", "perplexity", "bits_per_byte")})
     examples = load_sft(data.sft_path("eval"), tokenizer, eos_id, limit=cfg.max_task_examples)
     task = exact_match(model, tokenizer, examples, eos_id, cfg.max_new_tokens, device)
@@ -79,14 +94,17 @@ def evaluate_model(name: str, ref: str, cfg: EvalConfig, suites: list, device,
     metrics.update({f"task_accuracy.{skill}": acc for skill, acc in task["per_skill"].items()})
     # Per-item results of every item-level metric: the gate compares two models item by item
     # (plugins/llmops/paired.py), which needs both scored on the same items.
-    per_item = {"task_accuracy": item_results(
+    per_item = {HELD_OUT: held_out_documents(language["documents"]),
+                "task_accuracy": item_results(
         [item_id(ex.prompt + "\x00" + ex.completion) for ex in examples], task["correct"])}
     texts = {"task_accuracy": item_texts(examples)}
     for suite in suites:
         scores, correct = score_suite_items(model, tokenizer, eos_id, suite, device)
         for key, value in scores.items():
             metrics[f"suite.{suite.name}.{key}"] = value
-        per_item[f"suite.{suite.name}.accuracy"] = item_results(suite_item_ids(suite), correct)
+        per_item[f"suite.{suite.name}.accuracy"] = item_results(
+            suite_item_ids(suite), correct,
+            suite_passages([*suite.choice_items, *suite.generation_items]))
         texts[f"suite.{suite.name}.accuracy"] = item_texts([], suite)
     contamination = {}
     if ngrams is not None:   # which items the training data holds: the gate leaves them out
@@ -107,6 +125,9 @@ def evaluate_model(name: str, ref: str, cfg: EvalConfig, suites: list, device,
             mask = (per_item.get(suite_metric) or {}).get("seen")
             if mask:
                 result["seen"] = "".join(mask[i] for i in positions)
+            clusters = (per_item.get(suite_metric) or {}).get("clusters")
+            if clusters:   # the passages of the items that fit, as the suite's own result has them
+                result["clusters"] = [clusters[i] for i in positions]
             per_item[metric] = result
     log.info("%s: perplexity %.2f, %.3f bits/byte, task accuracy %.3f (%d examples), %d "
              "parameters%s", name, metrics["perplexity"], metrics["bits_per_byte"],
@@ -146,7 +167,7 @@ def contamination_summary(models: dict[str, Any]) -> dict[str, Any]:
 def load_suites(cfg: EvalConfig) -> list:
     from tasks.eval.suites import load_suite, suite_files, write_demo_suites
 
-    paths = suite_files(cfg.suites)
+    paths = suite_files(cfg.suites, cfg.output_dir)
     if cfg.demo_suites:
         paths += write_demo_suites(cfg.data_dir, Path(cfg.output_dir) / "suites",
                                    cfg.suite_examples)

@@ -9,7 +9,9 @@ packed. A share of every step replays pretraining rows with plain LM loss, so th
 prose (without it the demo model's held-out perplexity goes from ~56 to millions). Before and
 after, the held-out examples are scored by completion loss and exact-match accuracy, and the held-
 out pretraining rows by perplexity, so both the gain and any forgetting show in the result and in
-MLflow side by side. Checkpoints and resume are the shared loop's, as in pretraining.
+MLflow side by side. Checkpoints and resume are the shared loop's, as in pretraining: with
+checkpoint_uri set (on Batch and HyperPod the job's entry sets it), every checkpoint is written
+through to S3 as it commits and a new attempt on a fresh node resumes from there.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ def main(cfg: FinetuneConfig) -> dict[str, Any]:
     from tasks.posttrain.objectives import next_token_loss, with_replay
     from tasks.posttrain.sources import resolve_model_dir
     from tasks.train.export import load_model, publish_model, published
-    from tasks.train.loop import train
+    from tasks.train.loop import one_process_options, train
     from tasks.train.runtime import pick_device, seed_everything
     from tasks.train.scoring import answer_budget, completion_loss, exact_match, shard_loss
 
@@ -85,7 +87,7 @@ def main(cfg: FinetuneConfig) -> dict[str, Any]:
                                replay_rows=sft.replay_rows() if cfg.replay_fraction else None,
                                replay_fraction=cfg.replay_fraction),
             loss_fn=with_replay(next_token_loss, cfg.replay_fraction),
-            evaluate=held_out)
+            evaluate=held_out, options=one_process_options(cfg))
         adapter_dir = None
         if adapters is not None:
             # peft's own format, for serving the base with adapters (vLLM, TGI, PeftModel)

@@ -8,6 +8,12 @@ from __future__ import annotations
 
 SCHEME = "s3://"
 
+# Inputs a stage reads from S3 itself while it runs, by entrypoint: the config keys whose
+# s3:// prefix docker/job_entry.py leaves as it is instead of downloading it before the stage
+# starts (pretraining's token shards stream block by block: tasks/train/stream.py), and which a
+# SageMaker job mounts FastFile, not File (llmops.jobs.backends.sagemaker.requests).
+STREAMED_INPUTS: dict[str, tuple[str, ...]] = {"tasks.pretrain": ("data_dir",)}
+
 
 def is_s3(uri: str) -> bool:
     return isinstance(uri, str) and uri.startswith(SCHEME)

@@ -121,14 +121,16 @@ def tiny_llama_dir(tiny_data_dir: Path, tmp_path_factory: pytest.TempPathFactory
 SHARED_RUN_GROUPS = {
     "test_lifecycle_e2e": "tiny_lifecycle_run",
     "test_lifecycle_reuse": "tiny_lifecycle_run",
+    "test_lifecycle_gate": "tiny_lifecycle_run",
 }
 SLOWEST_FIRST = [  # by their seconds on 2 cores (--durations), the slowest first
-    "test_lifecycle_e2e", "test_lifecycle_reuse", "test_browser",
+    "test_lifecycle_e2e", "test_lifecycle_reuse", "test_lifecycle_gate", "test_browser",
     "test_post_training", "test_lifecycle_hf", "test_multinode_no_shared_disk",
     "test_backend_sagemaker_lifecycle",
     "test_resilience", "test_pause", "test_pause_ui", "test_fork", "test_run_failure", "test_mwaa",
     "test_notify",
-    "test_training_scale", "test_retrain", "test_training", "test_links", "test_sweep_dag",
+    "test_training_scale", "test_streaming", "test_retrain", "test_training", "test_links",
+    "test_sweep_dag",
     "test_processing_two_phase", "test_jobs", "test_secrets", "test_start_run_validation",
     "test_fake_aws", "test_data_prep", "test_hf_models", "test_eval",
 ]

@@ -50,6 +50,33 @@ def decode(hyperparameters: dict[str, str]) -> dict:
 
 # -- rendering ------------------------------------------------------------------------------
 
+def test_pretraining_streams_its_token_shards_fastfile_and_the_rest_is_copied():
+    """input_mode auto (the default): pretraining's data_dir channel is FastFile (streamed from S3
+    as read: a new attempt does not copy the corpus before its first step), any other input is
+    File; the request is valid for botocore's model. An explicit mode applies to every channel,
+    and a mode SageMaker does not have is refused before any request."""
+    from llmops.jobs.backends.settings import BackendSettingsError
+
+    spec = pretrain_spec(config={**pretrain_spec().config, "fork_from": "s3://data-bucket/runs/r0/ckpt"})
+    request, _ = render(spec)
+    validate_request("sagemaker", "CreateTrainingJob", request)
+    modes = {c["ChannelName"]: c["InputMode"] for c in request["InputDataConfig"]}
+    assert modes["data_dir"] == "FastFile"
+    assert modes["fork_from"] == "File" and modes["llmops_config"] == "File"
+    finetune = JobSpec(stage="finetune", entrypoint="tasks.finetune", name="ft-1",
+                       config={"data_dir": "s3://data-bucket/runs/r1/data_prep",
+                               "base_model": "s3://data-bucket/runs/r1/pretrain/model",
+                               "output_dir": "s3://data-bucket/runs/r1/finetune"},
+                       instance_type="ml.g5.2xlarge")
+    request, _ = render(finetune)
+    validate_request("sagemaker", "CreateTrainingJob", request)
+    assert {c["InputMode"] for c in request["InputDataConfig"]} == {"File"}  # SFT files: read whole
+    request, _ = render(spec, input_mode="File")
+    assert {c["InputMode"] for c in request["InputDataConfig"][1:]} == {"File"}
+    with pytest.raises(BackendSettingsError, match="input_mode must be one of"):
+        SageMakerSettings(role_arn=ROLE, staging_uri=STAGING, image=IMAGE, input_mode="Pipe")
+
+
 def test_multi_node_training_request_is_valid_and_complete():
     request, mapping = render(pretrain_spec(), spot=True, retry_attempts=2, subnets=["subnet-0abc1234"],
                               security_group_ids=["sg-0abc1234"], input_mode="FastFile")

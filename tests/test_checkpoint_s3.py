@@ -252,3 +252,54 @@ def test_every_object_a_job_writes_carries_the_kms_key(s3, tmp_path, monkeypatch
         head = client.head_object(Bucket="ckpts", Key=key)
         assert head.get("ServerSideEncryption") == "aws:kms", key
         assert head.get("SSEKMSKeyId") == key_id, key
+
+
+def test_a_sharded_restore_fetches_the_shared_files_then_each_rank_only_its_own_shards(s3, tmp_path):
+    """An FSDP job on a fresh node restores a sharded checkpoint from S3 without fetching every
+    rank's shards: rank 0's choice fetches the files every rank reads (manifest, DCP's index,
+    trainer state, config), and each rank's load fetches the shard files its own DCP load plan
+    reads, verified before they appear. Here the checkpoint holds this rank's shard and another
+    rank's (__1_0.distcp, which this rank's plan does not read): the fresh node never fetches the
+    other one. A shard whose S3 copy is damaged is refused, and no file is left under its name."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    from tasks.train.checkpoint_io import save_tensor_file
+    from tasks.train.distributed import _fetching_reader
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        weights = torch.arange(1000, dtype=torch.float32)
+        tmp = tmp_path / "local" / ".tmp-step_000005-sharded"
+        dcp.save({"model": {"w": weights}}, checkpoint_id=str(tmp))
+        (tmp / "__1_0.distcp").write_bytes(os.urandom(4096))   # another rank's part
+        save_tensor_file({"step": 5, "data_cursor": 5}, tmp / "trainer.pt")
+        files = {f.name: ckpt._file_entry(f) for f in tmp.iterdir()}
+        saved = ckpt._commit(tmp, tmp_path / "local" / "step_000005", 5, files, {}, keep=2,
+                             layout=ckpt.SHARDED)
+        mirror = S3Mirror("s3://ckpts/run-sharded/checkpoints", base_delay=0.01)
+        mirror.upload_checkpoint(saved)
+
+        fresh = ckpt.Checkpointer(tmp_path / "node2", keep=2, config={}, mirror=mirror)
+        fresh.shard_with(dist.group.WORLD, 0)
+        path = fresh.find_resume()
+        assert path == tmp_path / "node2" / "step_000005"
+        assert sorted(p.name for p in path.iterdir()) == [".metadata", "config.json", "manifest.json",
+                                                          "trainer.pt"]
+        assert fresh.ensure_local(path) == path   # another rank of this node: nothing more to fetch
+        state = {"model": {"w": torch.zeros(1000)}}
+        dcp.load(state, storage_reader=_fetching_reader(path, lambda names: fresh.fetch_files(path, names)))
+        assert torch.equal(state["model"]["w"], weights)
+        assert (path / "__0_0.distcp").is_file() and not (path / "__1_0.distcp").exists()
+
+        mirror.client.put_object(Bucket="ckpts", Key="run-sharded/checkpoints/step_000005/__0_0.distcp",
+                                 Body=b"damaged")
+        third = ckpt.Checkpointer(tmp_path / "node3", keep=2, config={}, mirror=mirror)
+        third.shard_with(dist.group.WORLD, 0)
+        path = third.find_resume()
+        with pytest.raises(ValueError, match="does not match its manifest"):
+            third.fetch_files(path, ["__0_0.distcp"])
+        assert sorted(p.name for p in path.iterdir()) == [".metadata", "config.json", "manifest.json",
+                                                          "trainer.pt"]
+    finally:
+        dist.destroy_process_group()

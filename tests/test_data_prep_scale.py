@@ -17,7 +17,9 @@ import pytest
 from tasks.configs import DataPrepConfig
 from tasks.data.dedup import (MinHasher, bucket_pairs, content_hash, find_duplicates, hashes_to_array,
                               resolve_pairs, shard_index)
-from tasks.data.prep import choose_engine, prepare
+from tasks.data import planning
+from tasks.data.planning import choose_engine
+from tasks.data.prep import prepare
 from tasks.data.readers import plan_splits
 from tasks.data.pipeline import build_pipeline
 from tasks.data.steps import Doc, run_steps
@@ -235,6 +237,37 @@ def test_split_file_keeps_file_lines_and_default_ids(tmp_path, fmt):
         assert {r["id"]: r["reason"] for r in split_set["dropped"]} == {
             f"notes.jsonl:{n}": "malformed_json" for n in
             [i + 1 + sum(1 for j in range(i) if j % 11 == 0) for i in range(150) if i % 17 == 0]}
+
+
+def test_a_file_below_split_bytes_is_cut_so_that_every_worker_gets_some():
+    """Up to 16 splits of at least MIN_SPLIT_BYTES a file, split_bytes the most: by the file's
+    size alone, never by the workers."""
+    mb = 1_000_000
+    assert planning.MIN_SPLIT_BYTES == 4 << 20 and planning.SPLITS_PER_FILE == 16
+    cut = {size: -(-size // planning.split_bytes_for(size, 64 << 20)) for size in (46 * mb, 100 * mb, 3 * mb)}
+    assert cut == {46 * mb: 11, 100 * mb: 16, 3 * mb: 1}   # the 46 MB file: 11 splits of 4.2 MB
+    assert planning.split_bytes_for(10_000 * mb, 64 << 20) == 64 << 20   # a big file: split_bytes
+    assert planning.split_bytes_for(46 * mb, 4096) == 4096   # a smaller split_bytes still wins
+
+
+def test_one_file_makes_the_same_data_set_on_one_worker_and_on_two(tmp_path, monkeypatch):
+    """One JSONL file under split_bytes, cut into splits (the rule at a small scale: a split of at
+    least 4 KiB here, 4 MiB in use); one worker in this process, and two (this process and a pool
+    of one): the same shards, documents, dedup decisions, train/val split, token rows and
+    manifest content_hash."""
+    monkeypatch.setattr(planning, "MIN_SPLIT_BYTES", 4096)
+    records = _records(400)
+    path = write_jsonl(tmp_path / "one.jsonl", records)
+    assert path.stat().st_size < DataPrepConfig(output_dir="x").split_bytes
+    configs = (small_config(tmp_path / "one", [path], workers=1, engine="auto"),
+               small_config(tmp_path / "two", [path], workers=2, engine="auto", processes_above_bytes=0))
+    one, two = (prepare(config) for config in configs)
+    assert (one.engine, two.engine) == ("local", "processes")
+    assert len(one.manifest["documents"]["files"]) == 16   # not one shard, one worker's
+    assert _data_set(configs[0].output_dir) == _data_set(configs[1].output_dir)
+    assert one.manifest["content_hash"] == two.manifest["content_hash"]
+    dropped = one.manifest["counts"]["dropped"]   # decided across the splits, alike on both
+    assert dropped["exact_duplicate"] == 2 and dropped["near_duplicate"] > 0
 
 
 def test_two_hosts_then_finalize_with_a_split_file_and_near_dedup(tmp_path, monkeypatch):

@@ -107,6 +107,48 @@ def test_no_rules_is_moto_unchanged(fake, chaos):
     assert report["operations"]["GetCallerIdentity"] == 1
 
 
+def test_s3s_bandwidth_cap_and_first_byte_latency_apply_per_connection(fake, chaos):
+    """The simulated S3 link (s3_mb_per_s_per_connection, s3_first_byte_ms): an 8 MB download at
+    20 MB/s with 150 ms to the first byte takes at least 0.55 s, an upload as long, two downloads
+    on two connections at once each get the whole cap (it is per connection, as S3's is: a
+    shared cap would hold each to 0.95 s), a small request pays the latency, and with both at 0
+    the same download is several times faster. Other services are untouched."""
+    import concurrent.futures
+
+    s3 = client(fake, "s3")
+    body = os.urandom(8_000_000)
+    s3.put_object(Bucket=BUCKET, Key="link/obj", Body=body)
+
+    def get() -> float:
+        t0 = time.perf_counter()
+        assert s3.get_object(Bucket=BUCKET, Key="link/obj")["Body"].read() == body
+        return time.perf_counter() - t0
+
+    free = min(get() for _ in range(2))
+    chaos.config(s3_mb_per_s_per_connection=20, s3_first_byte_ms=150)
+    try:
+        capped = get()
+        assert 0.15 + 8 / 20 <= capped < 0.55 + 2.0, capped
+        assert capped > 3 * free, (capped, free)
+        t0 = time.perf_counter()
+        s3.put_object(Bucket=BUCKET, Key="link/up", Body=body)
+        assert time.perf_counter() - t0 >= 0.55
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            t0 = time.perf_counter()
+            both = list(pool.map(lambda _: get(), range(2)))
+        # two connections at once: each at its own cap, not half of one
+        assert min(both) >= 0.55 and max(both) < 0.15 + 2 * 8 / 20, both
+        t0 = time.perf_counter()
+        s3.head_object(Bucket=BUCKET, Key="link/obj")
+        assert time.perf_counter() - t0 >= 0.15
+        t0 = time.perf_counter()
+        client(fake, "sts").get_caller_identity()
+        assert time.perf_counter() - t0 < 0.15
+    finally:
+        chaos.config(s3_mb_per_s_per_connection=0, s3_first_byte_ms=0)
+    assert get() < capped / 3
+
+
 @pytest.mark.parametrize("service, call, operation, code", [
     ("sagemaker", lambda c: c.describe_training_job(TrainingJobName="x"), "DescribeTrainingJob",
      "ThrottlingException"),

@@ -66,6 +66,48 @@ def test_a_paused_job_ends_its_task_skipped_with_how_to_resume(use_backend, cloc
     assert not [m for level, m in op.log.records if level == "error"]
 
 
+def test_a_paused_job_leaves_the_runs_note_with_the_conf_that_resumes_it(use_backend, clock,
+                                                                        runs_ended):
+    """The DAG run's note (the XCom llmops.run_note copies when the run ends): the step of how
+    many, and the run's own conf with the resume Params in place of any it had. Through the DAG:
+    tests/test_pause_resume_dag.py (make test-slow)."""
+    from types import SimpleNamespace
+
+    from llmops.run_summary import NOTE_XCOM
+
+    status = JobStatus(PAUSED_LOCAL.state, PAUSED_LOCAL.message, details=PAUSED_LOCAL.details,
+                       result={**PAUSED_LOCAL.result, "max_steps": 12})
+    use_backend(ScriptedBackend([RUNNING, status]))
+    op, ti = operator(), RecordingTI()
+    ctx = {**context(ti=ti, store=FakeStore()),
+           "dag_run": SimpleNamespace(conf={"recipe": "tiny", "from_run": "manual__0", "fork_step": 3})}
+    with pytest.raises(AirflowSkipException, match="paused at step 6"):
+        op.execute(ctx)
+    note = ti.xcoms[NOTE_XCOM]
+    assert note.startswith("paused at step 6 of 12: pretrain checkpointed that step and stopped on "
+                           "request; no model, so the later stages were skipped. Resume with "
+                           "from_run=manual__1, start_at=pretrain, fork_step=6"), note
+    resume = {"recipe": "tiny", "from_run": "manual__1", "start_at": "pretrain", "fork_step": 6}
+    assert json.loads(note[note.index("{"):]) == resume
+    assert f"nothing else changed: {json.dumps(resume)}" in " ".join(op.log.warnings())
+
+
+def test_a_remote_pause_is_recorded_with_its_s3_checkpoints_and_refused_as_such():
+    """A Batch or HyperPod job's checkpoints directory was the container's: its pause record
+    points at the S3 mirror, and a resume through from_run says that is not supported yet."""
+    from llmops import reuse
+
+    record = reuse.pause_record(
+        {"paused_at_step": 6, "kept_steps": [4, 6], "outputs": {
+            "checkpoint": "/opt/ml/checkpoints/step_000006", "checkpoints": "/opt/ml/checkpoints",
+            "checkpoint_uri": "s3://b/run/checkpoints"}}, identity={}, key="", where={})
+    assert (record["checkpoints"], record["kept"], record["kind"]) == ("s3://b/run/checkpoints", {}, "paused")
+    with pytest.raises(reuse.FromRunError, match="paused pretraining keeps its checkpoints at "
+                                                 "s3://b/run/checkpoints, not on a disk this worker "
+                                                 "reads"):
+        reuse._fork_point(record, 6, "manual__1")
+
+
 def test_a_pause_after_a_continued_attempt_ends_the_chain(use_backend, clock, runs_ended):
     from tests.test_attempt_chain import MAX_RUNTIME, Attempts
 

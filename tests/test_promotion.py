@@ -1,8 +1,12 @@
-"""The promotion gate against a real MLflow registry: thresholds and champion margins decide; a
-passing challenger is registered with its lineage and becomes `champion` (after an approval when
-asked); a worse one is kept as `challenger` with the reasons, and the champion does not move."""
+"""The promotion gate against a real MLflow registry: thresholds, then the paired comparison
+with the champion on the same items (the held-out text, document by document, decides; every other
+item-level metric is a guard); a passing challenger is registered with its lineage and becomes
+`champion` (after an approval when asked); a worse one, or one the evidence cannot tell from the
+champion, is kept as `challenger` with the reasons, and the champion does not move."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
@@ -11,11 +15,11 @@ from llmops import promotion, retraining, specs, tracking
 from tasks.configs import ConfigError, GateConfig, ModelConfig, to_dict
 
 NAME = "promotion-test"
+HELD_OUT = "heldout.bits_per_byte"
 
 
 def gate_cfg(**overrides) -> GateConfig:
-    return GateConfig(min_task_accuracy=0.5, max_perplexity=100.0,
-                      champion_margins={"task_accuracy": 0.02, "bits_per_byte": 0.02}, **overrides)
+    return GateConfig(min_task_accuracy=0.5, max_perplexity=100.0, **overrides)
 
 
 def metrics(name: str, accuracy: float, perplexity: float, bpb: float) -> dict[str, float]:
@@ -23,27 +27,14 @@ def metrics(name: str, accuracy: float, perplexity: float, bpb: float) -> dict[s
             f"{name}.bits_per_byte": bpb}
 
 
-def test_thresholds_and_champion_margins_name_each_reason():
-    gate = gate_cfg()
-    evaluation = {"metrics": {**metrics("champion", 0.80, 40.0, 1.50),
-                              **metrics("good", 0.79, 41.0, 1.51),      # within both margins
-                              **metrics("worse", 0.70, 40.0, 1.60),     # below the champion
-                              **metrics("broken", 0.90, 5e6, 9.0)}}     # forgot its prose
-    decisions = promotion.gate_decisions(gate, evaluation, ("good", "worse", "broken", "missing"))
-    assert decisions["good"] == []
-    assert decisions["worse"] == [
-        "task_accuracy 0.7 is worse than the champion's 0.8 (at most -0.02 allowed)",
-        "bits_per_byte 1.6 is worse than the champion's 1.5 (at most +0.02 allowed)"]
-    assert decisions["broken"][0] == "perplexity 5000000.00 > 100.0"
-    assert "bits_per_byte 9 is worse" in decisions["broken"][1]
-    assert decisions["missing"] == ["not evaluated", "task_accuracy not evaluated (the champion "
-                                    "has 0.8)", "bits_per_byte not evaluated (the champion has 1.5)"]
-    # a negative margin demands a real improvement; without a champion only thresholds count
-    strict = gate_cfg().__class__(**{**to_dict(gate), "champion_margins": {"task_accuracy": -0.05}})
-    assert promotion.gate_decisions(strict, evaluation, ("good",))["good"] == [
-        "task_accuracy 0.79 is worse than the champion's 0.8 (at most --0.05 allowed)"]
-    alone = {"metrics": metrics("good", 0.79, 41.0, 1.51)}
-    assert promotion.gate_decisions(gate, alone, ("good",)) == {"good": []}
+def documents(bpb: float, n: int = 40, wobble: float = 0.002) -> dict:
+    """Held-out documents as evaluation reports them (per_item["heldout.bits_per_byte"]): each
+    document's bits and bytes, documents of varying difficulty around `bpb`, and a per-document
+    wobble a real pair of models has."""
+    bits = [bpb * 1000 * (0.6 + 0.8 * (i % 7) / 6) * (1 + wobble * (-1) ** i) for i in range(n)]
+    scale = bpb * 1000 * n / sum(bits)   # so the pooled bits per byte is `bpb`
+    return {"kind": "continuous", "n": n, "keys": [f"doc{i}" for i in range(n)],
+            "bits": [b * scale for b in bits], "bytes": [1000] * n, "tokens": 300 * n}
 
 
 def per_item(correct: list[int], items: str = "sft-eval") -> dict:
@@ -54,12 +45,25 @@ def per_item(correct: list[int], items: str = "sft-eval") -> dict:
             "correct": "".join(map(str, correct))}
 
 
-def paired_evaluation(ours: list[int], theirs: list[int], items_theirs: str = "sft-eval") -> dict:
-    n = len(ours)
-    return {"metrics": {**metrics("champion", sum(theirs) / n, 40.0, 1.50),
-                        **metrics("challenger", sum(ours) / n, 40.0, 1.50)},
-            "models": {"challenger": {"per_item": {"task_accuracy": per_item(ours)}},
-                       "champion": {"per_item": {"task_accuracy": per_item(theirs, items_theirs)}}}}
+def scored(name: str, accuracy: float, perplexity: float, bpb: float,
+           correct: list[int] | None = None, wobble: float = 0.002) -> tuple[dict, dict]:
+    """(metrics, the model's entry) as evaluation returns them for one model."""
+    items = {HELD_OUT: documents(bpb, wobble=wobble)}
+    if correct is not None:
+        items["task_accuracy"] = per_item(correct)
+    return metrics(name, accuracy, perplexity, bpb), {"per_item": items}
+
+
+def two(ours: tuple, theirs: tuple | None) -> dict:
+    """An evaluation of a challenger (and a champion) scored on the same items."""
+    found, entry = scored("challenger", *ours)
+    out = {"metrics": found, "models": {"challenger": entry}}
+    if theirs is not None:   # its documents wobble the other way: a real pair is not equal per document
+        found, entry = scored("champion", *theirs) if len(theirs) > 4 else \
+            scored("champion", *theirs, *([None] if len(theirs) == 3 else []), -0.002)
+        out["metrics"].update(found)
+        out["models"]["champion"] = entry
+    return out
 
 
 def discordant(n: int, both: int, only_ours: int, only_theirs: int) -> tuple[list[int], list[int]]:
@@ -68,49 +72,86 @@ def discordant(n: int, both: int, only_ours: int, only_theirs: int) -> tuple[lis
     return ours + [0] * (n - len(ours)), theirs + [0] * (n - len(theirs))
 
 
-def test_paired_policies_judge_by_the_interval_not_the_point_estimate():
-    """0.812 against 0.809 on 1000 items is not a win a `superior` policy accepts; a student 0.3
-    points worse passes `non_inferior` within 0.02, where a zero margin on the point estimates
-    would refuse it; a champion scored on other items falls back to champion_margins."""
-    superior = gate_cfg(paired={"task_accuracy": {"policy": "superior"}})
-    noise = paired_evaluation(*discordant(1000, 792, 20, 17))
-    (reason,) = promotion.gate_decisions(superior, noise, ("challenger",))["challenger"]
-    assert reason.startswith("task_accuracy: challenger 0.812 vs champion 0.809, difference +0.003 "
-                             "with 95% interval [") and "on 1000 items does not lie above 0" in reason
-    clear = paired_evaluation(*discordant(1000, 700, 120, 20))
+def test_thresholds_name_each_reason_and_the_deciding_metric_needs_the_champion_s_items():
+    gate = gate_cfg()
+    evaluation = {"metrics": {**metrics("champion", 0.80, 40.0, 1.50),
+                              **metrics("broken", 0.90, 5e6, 9.0),      # forgot its prose
+                              **metrics("dull", 0.30, 40.0, 1.40)},
+                  "models": {"champion": {}, "broken": {}, "dull": {}}}
+    decisions = promotion.gate_decisions(gate, evaluation, ("broken", "dull", "missing"))
+    assert decisions["broken"][0] == "perplexity 5000000.00 > 100.0"
+    assert decisions["dull"][0] == "task accuracy 0.300 < 0.5"
+    assert decisions["missing"][0] == "not evaluated"
+    # a champion scored without per-document results: nothing can show the policy, so it stays,
+    # whatever the point estimates say (1.40 < 1.50)
+    assert decisions["dull"][1] == (f"{HELD_OUT}: not enough evidence: the champion was not "
+                                    "scored on the same items")
+    alone = {"metrics": metrics("good", 0.79, 41.0, 1.51), "models": {"good": {}}}
+    assert promotion.gate_decisions(gate, alone, ("good",)) == {"good": []}
+
+
+def test_the_held_out_text_decides_by_its_interval_not_the_point_estimate():
+    """Same config, other seeds (0.2% better on the held-out text): kept, "not better by 1%",
+    however surely the two models differ; 3% better: superior; a cheaper student 0.5% worse:
+    non-inferior within 2%; the interval, the size and the test are in the reason."""
+    superior = gate_cfg()
+    noise = two((0.80, 40.0, 1.497), (0.80, 40.0, 1.500))
+    reasons, compared = promotion.judge(superior, noise, ("challenger",))
+    (reason,) = reasons["challenger"]
+    assert reason.startswith(f"{HELD_OUT}: the challenger is not better by at least 1.00%: the "
+                             "change -0.20% [") and "40 documents (12,000 tokens)" in reason
+    c = compared["challenger"][HELD_OUT]
+    assert c.high < 0 and c.decides and c.verdict == "fail"
+    clear = two((0.80, 40.0, 1.455), (0.80, 40.0, 1.500))
     assert promotion.gate_decisions(superior, clear, ("challenger",)) == {"challenger": []}
-
-    worse_by_a_little = paired_evaluation(*discordant(1000, 792, 17, 20))   # 0.809 vs 0.812
-    point = GateConfig(champion_margins={"task_accuracy": 0.0})
-    assert promotion.gate_decisions(point, worse_by_a_little, ("challenger",))["challenger"]
-    cheaper = GateConfig(champion_margins={"task_accuracy": 0.0},
-                         paired={"task_accuracy": {"policy": "non_inferior", "margin": 0.02}})
-    reasons, compared = promotion.judge(cheaper, worse_by_a_little, ("challenger",))
+    cheaper = gate_cfg(policy="non_inferior", margin=0.02)
+    student = two((0.80, 40.0, 1.5075), (0.80, 40.0, 1.500))
+    reasons, compared = promotion.judge(cheaper, student, ("challenger",))
     assert reasons == {"challenger": []}
-    c = compared["challenger"]["task_accuracy"]
-    assert c.n == 1000 and c.low > -0.02 and c.diff == pytest.approx(-0.003) and c.passed
-
-    other_items = paired_evaluation(*discordant(1000, 792, 17, 20), items_theirs="older-suite")
-    reasons, compared = promotion.judge(cheaper, other_items, ("challenger",))
-    assert compared == {"challenger": {}}
-    assert reasons["challenger"] == ["task_accuracy 0.809 is worse than the champion's 0.812 "
-                                     "(at most -0 allowed)"]
+    assert compared["challenger"][HELD_OUT].diff == pytest.approx(0.005, abs=1e-4)
+    with pytest.raises(ConfigError, match="margin must be above 0 for policy non_inferior"):
+        gate_cfg(policy="non_inferior", margin=0.0)
 
 
-def test_the_harness_per_item_results_are_paired_like_our_own():
+def test_a_comparison_that_cannot_decide_keeps_the_champion_saying_why():
+    """Noisy per-document results: the interval straddles the 1% bound, and the reason says
+    "not enough evidence", with the smallest change this evaluation could detect."""
+    noisy = two((0.80, 40.0, 1.48, None, 0.05), (0.80, 40.0, 1.50))
+    (reason,) = promotion.gate_decisions(gate_cfg(), noisy, ("challenger",))["challenger"]
+    assert reason.startswith(f"{HELD_OUT}: not enough evidence that the challenger is better by "
+                             "at least 1.00%: the change -1.3") and "includes -1.00%" in reason
+    assert "the smallest change this comparison can detect is" in reason
+
+
+def test_every_other_item_level_metric_is_a_guard():
+    """task accuracy beside the held-out text: a drop shown on 400 items refuses a challenger
+    that the held-out text would promote; a 20-item suite's drop that nothing shows does not."""
+    ours, theirs = discordant(400, 250, 10, 60)
+    dropped = two((0.65, 40.0, 1.40, ours), (0.775, 40.0, 1.50, theirs))
+    reasons, compared = promotion.judge(gate_cfg(), dropped, ("challenger",))
+    assert compared["challenger"]["task_accuracy"].policy == "guard"
+    assert reasons["challenger"] == [compared["challenger"]["task_accuracy"].reason()]
+    assert reasons["challenger"][0].startswith("task_accuracy: the challenger is worse: the change -0.125")
+    ours, theirs = discordant(20, 10, 1, 3)
+    small = two((0.55, 40.0, 1.40, ours), (0.65, 40.0, 1.50, theirs))
+    assert promotion.gate_decisions(gate_cfg(), small, ("challenger",)) == {"challenger": []}
+
+
+def test_the_harness_per_item_results_can_decide_and_unknown_metrics_are_refused():
     """lm-evaluation-harness's per-item results (tasks/eval/harness.py) are item-level metrics
-    the gate compares item by item; its aggregate-only metrics are refused by name."""
+    the gate compares item by item; a metric that is not is refused by name."""
     ours, theirs = discordant(400, 250, 60, 10)
-    evaluation = paired_evaluation(ours, theirs)
+    evaluation = two((0.80, 40.0, 1.50), (0.80, 40.0, 1.50))
     for name, result in (("challenger", ours), ("champion", theirs)):
-        evaluation["models"][name]["per_item"] = {"harness.sft_choice.acc": per_item(result, "choice")}
-    gate = gate_cfg(paired={"harness.sft_choice.acc": {"policy": "superior"}})
+        evaluation["models"][name]["per_item"]["harness.sft_choice.acc"] = per_item(result, "choice")
+    gate = gate_cfg(metrics=["harness.sft_choice.acc"], margin=0.05)
     reasons, compared = promotion.judge(gate, evaluation, ("challenger",))
     assert reasons == {"challenger": []}
     c = compared["challenger"]["harness.sft_choice.acc"]
-    assert c.n == 400 and c.low > 0 and c.diff == pytest.approx(50 / 400)
-    with pytest.raises(ConfigError, match=r"harness.sft_choice.left_out.*only item-level metrics"):
-        gate_cfg(paired={"harness.sft_choice.left_out": {"policy": "superior"}})
+    assert c.decides and c.test == "exact McNemar" and c.low > 0.05 and c.diff == pytest.approx(50 / 400)
+    assert compared["challenger"][HELD_OUT].policy == "guard"
+    with pytest.raises(ConfigError, match=r"'harness.sft_choice.left_out' is not compared item by item"):
+        gate_cfg(metrics=["harness.sft_choice.left_out"])
 
 
 @pytest.fixture(scope="module")
@@ -146,16 +187,15 @@ def lifecycle_run(run_id: str, **gate) -> dict:
 
 def evaluation(model_uri: str, accuracy: float, perplexity: float, bpb: float,
                champion: tuple | None = None) -> dict:
-    models = {"challenger": {"model_uri": model_uri, "model_dir": "/out/finetune/model",
-                             "mlflow_run_id": "train-run",
-                             "lineage": {"source_checkpoint": "/out/finetune/checkpoints/step_10",
-                                         "data_content_hash": "d" * 64,
-                                         "parent_registered_version": f"{NAME}/1"}}}
-    found = metrics("challenger", accuracy, perplexity, bpb)
+    found = two((accuracy, perplexity, bpb), champion)
+    found["models"]["challenger"].update(
+        {"model_uri": model_uri, "model_dir": "/out/finetune/model", "mlflow_run_id": "train-run",
+         "lineage": {"source_checkpoint": "/out/finetune/checkpoints/step_10",
+                     "data_content_hash": "d" * 64, "parent_registered_version": f"{NAME}/1"}})
     if champion:
-        models["champion"] = {"model_ref": f"models:/{NAME}/1", "lineage": {"registered_version": "1"}}
-        found.update(metrics("champion", *champion))
-    return {"metrics": found, "models": models, "mlflow_run_id": "eval-run"}
+        found["models"]["champion"].update(model_ref=f"models:/{NAME}/1",
+                                           lineage={"registered_version": "1"})
+    return {**found, "mlflow_run_id": "eval-run"}
 
 
 def test_gate_registers_promotes_refuses_and_waits_for_approval(model_uri):
@@ -176,28 +216,29 @@ def test_gate_registers_promotes_refuses_and_waits_for_approval(model_uri):
 
     # a worse challenger: registered, kept as `challenger` with the reasons; champion stays
     run = lifecycle_run("r2")
-    worse = promotion.promote(run, evaluation(model_uri, 0.70, 40.0, 1.50, (0.80, 40.0, 1.50)),
+    worse = promotion.promote(run, evaluation(model_uri, 0.70, 40.0, 1.56, (0.80, 40.0, 1.50)),
                               data, candidates=("challenger",))
     assert not worse["promoted"] and worse["alias"] == "challenger"
     assert str(client.get_model_version_by_alias(NAME, "champion").version) == "1"
     kept = client.get_model_version_by_alias(NAME, "challenger")
     assert str(kept.version) == worse["version"] == "2"
     assert kept.tags["gate.passed"] == "false"
-    assert kept.tags["gate.reasons"] == ("task_accuracy 0.7 is worse than the champion's 0.8 "
-                                         "(at most -0.02 allowed)")
+    assert kept.tags["gate.reasons"].startswith(f"{HELD_OUT}: the challenger is not better by at "
+                                                "least 1.00%: the change +4.00% [")
+    assert kept.tags[f"gate.paired.{HELD_OUT}"].startswith("+4.00% [")
     assert kept.tags["gate.compared_to"] == "1"
     assert client.get_run(run["parent_run_id"]).data.tags["gate"] == "refused"
     assert "refused, kept as `challenger`" in promotion.summary(worse)
     with pytest.raises(promotion.LifecycleGateError, match="stays `challenger`"):
         promotion.crown(run, worse)
     # a retried task registers nothing new
-    again = promotion.gate(run, evaluation(model_uri, 0.70, 40.0, 1.50, (0.80, 40.0, 1.50)),
+    again = promotion.gate(run, evaluation(model_uri, 0.70, 40.0, 1.56, (0.80, 40.0, 1.50)),
                            data, candidates=("challenger",))
     assert again["version"] == "2"
 
     # a better one, with a human in the loop: gate, then crown with the approver's answer
     run = lifecycle_run("r3", require_approval=True)
-    decision = promotion.gate(run, evaluation(model_uri, 0.85, 38.0, 1.48, (0.80, 40.0, 1.50)),
+    decision = promotion.gate(run, evaluation(model_uri, 0.85, 38.0, 1.44, (0.80, 40.0, 1.50)),
                               data, candidates=("challenger",))
     assert decision["passed"] and retraining.next_step(run, decision) == "approve"
     assert str(client.get_model_version_by_alias(NAME, "champion").version) == "1"  # not yet
@@ -216,26 +257,46 @@ def test_gate_registers_promotes_refuses_and_waits_for_approval(model_uri):
     assert client.get_run(run["parent_run_id"]).info.status == "FINISHED"
 
 
-def test_the_paired_verdict_is_on_the_registered_version_and_before_the_approver(model_uri):
+def test_the_paired_verdict_is_on_the_version_the_run_page_and_before_the_approver(model_uri):
+    """The decision the gate made is where each reader looks: the version's tags, the approver's
+    request (every comparison with its role, interval, size, test, MDE and verdict) and the
+    DAG run's MLflow parent run (gate/decision.json: thresholds, rules, comparisons), which the
+    run page reads."""
     client = tracking.client()
     ours, theirs = discordant(400, 250, 60, 10)
-    found = evaluation(model_uri, sum(ours) / 400, 38.0, 1.48, (sum(theirs) / 400, 40.0, 1.50))
-    found["models"]["challenger"]["per_item"] = {"task_accuracy": per_item(ours)}
-    found["models"]["champion"]["per_item"] = {"task_accuracy": per_item(theirs)}
-    run = lifecycle_run("p1", require_approval=True, paired={"task_accuracy": {"policy": "superior"}})
+    found = evaluation(model_uri, sum(ours) / 400, 38.0, 1.44, (sum(theirs) / 400, 40.0, 1.50))
+    found["models"]["challenger"]["per_item"]["task_accuracy"] = per_item(ours)
+    found["models"]["champion"]["per_item"]["task_accuracy"] = per_item(theirs)
+    run = lifecycle_run("p1", require_approval=True)
     decision = promotion.gate(run, found, {"data_hash": "d" * 64}, candidates=("challenger",))
     assert decision["passed"]
-    tag = client.get_model_version(NAME, decision["version"]).tags["gate.paired.task_accuracy"]
+    tags = client.get_model_version(NAME, decision["version"]).tags
     # McNemar on 60 vs 10 discordant items: scipy.stats.binomtest(10, 70).pvalue = 8.0048e-10
-    assert tag.startswith("+0.1250 [") and tag.endswith("n=400 p=8e-10 superior: pass")
+    assert tags["gate.paired.task_accuracy"].startswith("+0.125 [") and \
+        "400 items p=8e-10 guard: pass (MDE 0.0" in tags["gate.paired.task_accuracy"]
+    assert tags[f"gate.paired.{HELD_OUT}"].startswith("-4.00% [") and \
+        "40 documents (12,000 tokens)" in tags[f"gate.paired.{HELD_OUT}"] and \
+        "superior(1.00%): pass" in tags[f"gate.paired.{HELD_OUT}"]
     body = promotion.approval_body(decision)
-    assert "| metric | difference | interval | items | p | policy | verdict |" in body
-    assert "| task_accuracy | +0.1250 | [+0.0" in body and "| 400 | 8e-10 | superior | pass |" in body
+    assert "| metric | role | change | interval | size | test | p | MDE | verdict |" in body
+    assert (f"| {HELD_OUT} | decides: superior by 1.00% | -4.00% | [" in body
+            and "| 40 documents, 12,000 tokens | cluster-robust t over documents |" in body)
+    assert "| task_accuracy | guard (0.000) | +0.125 | [+0.0" in body and "| 400 items | exact McNemar | 8e-10 |" in body
     assert "Contamination audit" not in body   # this evaluation ran no audit
+    recorded = json.loads(open(client.download_artifacts(
+        run["parent_run_id"], promotion.DECISION_ARTIFACT)).read())
+    assert recorded["outcome"] == "passed" and recorded["version"] == decision["version"]
+    assert recorded["thresholds"] == {"min_task_accuracy": 0.5, "max_perplexity": 100.0,
+                                      "max_contaminated_share": 0.25, "exclude_contaminated": True,
+                                      "confidence": 0.95, "power": 0.8}
+    assert recorded["rules"] == {HELD_OUT: {"policy": "superior", "margin": 0.01, "decides": True},
+                                 "task_accuracy": {"policy": "guard", "margin": 0.0, "decides": False}}
+    held_out = recorded["models"]["challenger"]["comparisons"][HELD_OUT]
+    assert held_out["verdict"] == "pass" and held_out["mde"] >= 0 and held_out["clusters"] == 40
 
 
 def test_the_approver_sees_the_contamination_audit_beside_the_scores(model_uri):
-    found = evaluation(model_uri, 0.85, 38.0, 1.48, (0.80, 40.0, 1.50))
+    found = evaluation(model_uri, 0.85, 38.0, 1.44, (0.80, 40.0, 1.50))
     found["contamination"] = {"task_accuracy": {"contaminated": 3, "items": 28, "unchecked": 0}}
     run = lifecycle_run("c1", require_approval=True)
     decision = promotion.gate(run, found, {"data_hash": "d" * 64}, candidates=("challenger",))
@@ -279,10 +340,11 @@ def test_the_same_weights_are_never_registered_twice(model_uri):
                                      candidates=("challenger",))
         assert decision["already_registered"] and decision["version"] == "1"
         assert decision["champion_before"] == "1", "compared with the champion, by its version"
-        assert "the same weights as registered before" in promotion.summary(decision)
+        assert promotion.summary(decision) == (f"{name} (challenger): the same weights as version "
+                                               "1, the champion; nothing registered.")
     assert [str(mv.version) for mv in client.search_model_versions(f"name = '{name}'")] == ["1"]
     assert str(client.get_model_version_by_alias(name, "champion").version) == "1"
-    other = evaluation(model_uri, 0.85, 38.0, 1.48, (0.80, 40.0, 1.50))
+    other = evaluation(model_uri, 0.85, 38.0, 1.44, (0.80, 40.0, 1.50))
     other["models"]["challenger"]["lineage"]["content_sha256"] = "e" * 64   # new weights: registered
     assert promotion.promote({**lifecycle_run("c3"), "model_name": name}, other, {"data_hash": "d"},
                              candidates=("challenger",))["version"] == "2"
@@ -323,7 +385,6 @@ def test_the_champion_s_scores_come_with_this_run_s_reference_to_it():
            "experiment": "promotion-test", "parent_run_id": "", "model_name": NAME, "champion": champion}
     found = evaluation("runs:/x/model", 0.80, 40.0, 1.50)
     found["models"]["challenger"]["lineage"]["content_sha256"] = "c" * 64
-    found["models"]["challenger"]["per_item"] = {"task_accuracy": per_item([1, 0, 1])}
     same = promotion.with_champion(run, found)
     assert same["metrics"] == {**found["metrics"], **metrics("champion", 0.80, 40.0, 1.50)}
     entry = same["models"]["champion"]
@@ -332,7 +393,7 @@ def test_the_champion_s_scores_come_with_this_run_s_reference_to_it():
         found["models"]["challenger"]["per_item"]
     assert "champion" not in found["models"], "the evaluation handed in is not changed"
 
-    stale = evaluation("runs:/x/model", 0.85, 38.0, 1.48, (0.80, 40.0, 1.50))  # scored as version 1
+    stale = evaluation("runs:/x/model", 0.85, 38.0, 1.44, (0.80, 40.0, 1.50))  # scored as version 1
     stale["models"]["champion"]["lineage"]["content_sha256"] = "c" * 64
     fresh = promotion.with_champion(run, stale)["models"]["champion"]
     assert fresh["model_ref"] == f"models:/{NAME}/4" and fresh["lineage"]["registered_version"] == "4"
@@ -354,6 +415,24 @@ def test_lifecycle_promote_prefers_the_student_and_falls_back_to_the_teacher(mod
     assert result["promoted"] and result["candidate"] == "teacher"
     assert result["gate"]["student"] == ["task accuracy 0.400 < 0.5"]
     assert client.get_model_version_by_alias(name, "champion").tags["candidate"] == "teacher"
+
+
+def test_the_challenger_is_one_model_so_a_bigger_teacher_never_stands_in_for_noise():
+    """This run's student meets the thresholds but is only seed noise away from the champion; its
+    teacher beats the champion by far. The challenger is the preferred model that meets the
+    thresholds (the student): kept, and the teacher does not take the champion's place."""
+    gate = gate_cfg()
+    evaluation = two((0.80, 40.0, 1.498), (0.80, 40.0, 1.50))
+    evaluation["models"]["student"] = evaluation["models"].pop("challenger")
+    found, entry = scored("teacher", 0.90, 30.0, 1.30)
+    evaluation["metrics"].update(found)
+    evaluation["metrics"].update({k.replace("challenger.", "student."): v for k, v in
+                                  metrics("challenger", 0.80, 40.0, 1.498).items()})
+    evaluation["models"]["teacher"] = entry
+    reasons, _ = promotion.judge(gate, evaluation)
+    assert reasons["teacher"] == [] and reasons["student"]
+    assert promotion.challenger(gate, evaluation) == "student"
+    assert promotion.challenger(gate_cfg(prefer="teacher"), evaluation) == "teacher"
 
 
 def test_job_specs_wire_the_cache_the_champion_and_the_retrained_model(model_uri):

@@ -27,7 +27,7 @@ def test_keep_every_is_validated_against_the_checkpoint_interval(tmp_path):
     base = {"data_dir": "d", "output_dir": str(tmp_path), "checkpoint_interval": 50}
     assert from_dict(TrainConfig, {**base, "keep_every": 1000}).keep_every == 1000
     with pytest.raises(ConfigError, match=r"keep_every \(120\) must be 0 or a multiple of "
-                                          r"checkpoint_interval \(50\).*Set keep_every to 100"):
+                                          r"TrainConfig\.checkpoint_interval \(50\).*Set keep_every to 100"):
         from_dict(TrainConfig, {**base, "keep_every": 120})
     with pytest.raises(ConfigError, match="keep_every must be >= 0"):
         from_dict(TrainConfig, {**base, "keep_every": -50})

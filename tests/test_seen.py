@@ -29,8 +29,11 @@ STEPS = 8
 @pytest.fixture(scope="module")
 def run(tiny_data_dir, tmp_path_factory) -> dict:
     work = tmp_path_factory.mktemp("seen")
+    # in the global permutation, the order of every checkpoint older than block shuffling: its
+    # checkpoints, stripped of what older trainers did not record, are those older checkpoints
     cfg = tiny_cfg(tiny_data_dir, work / "job", max_steps=STEPS, checkpoint_interval=2,
-                   keep_checkpoints=10, eval_interval=STEPS, log_interval=4, hot_spare=False)
+                   keep_checkpoints=10, eval_interval=STEPS, log_interval=4, hot_spare=False,
+                   sample_order="global_permutation")
     proc, _ = run_pretrain(cfg, work)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     return {"cfg": cfg, "checkpoints": work / "job" / "checkpoints"}
@@ -72,7 +75,7 @@ def test_saw_follows_the_data_cursor(run, tiny_data_dir):
     assert ckpt.verify_checkpoint(early) is None and ckpt.verify_checkpoint(late) is None
 
     data = DataDir(tiny_data_dir)
-    reader = PretrainBatches(data.split("train"), cfg.batch_size, cfg.seed)
+    reader = PretrainBatches(data.split("train"), cfg.batch_size, cfg.seed, order=cfg.sample_order)
     g = reader.global_batch
     assert ckpt.read_part(late, "trainer")["data_seen"]["global_batch"] == g
     rows_by_step = {s: set(reader.sampler.at(np.arange(s * g, (s + 1) * g)).tolist())
@@ -194,7 +197,8 @@ def test_an_older_checkpoint_s_skipped_batches_are_not_counted(run, tiny_data_di
     cfg = run["cfg"]
     old = _older(run["checkpoints"] / "step_000008", tmp_path, trainer_has={"skipped_batches": [1, 5]})
     assert seen.record(old, tiny_data_dir)["batches"] == [[0, 1], [2, 5], [6, STEPS]]
-    reader = PretrainBatches(DataDir(tiny_data_dir).split("train"), cfg.batch_size, cfg.seed)
+    reader = PretrainBatches(DataDir(tiny_data_dir).split("train"), cfg.batch_size, cfg.seed,
+                             order=cfg.sample_order)
     g = reader.global_batch
     trained = set().union(*(set(reader.sampler.at(np.arange(s * g, (s + 1) * g)).tolist())
                             for s in range(STEPS) if s not in (1, 5)))

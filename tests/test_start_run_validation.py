@@ -142,6 +142,14 @@ def test_a_data_file_symlinked_out_of_the_data_roots_is_refused(refused, tmp_pat
     ({"lr_min": 0.1, "lr_max": 0.01}, [r"Param 'lr_min'", r"sweep\.lr_min \(0\.1\) must be <= lr_max"]),
     ({"sweep_sampler": "grid", "sweep_search_space": {"optim.weight_decay": {"low": 0, "high": 1}}},
      [r"Param 'sweep_sampler'", r"sweep\.sampler 'grid' needs"]),
+    # keep_every must fall on saved steps: both Params named, whichever of them the run set
+    ({"checkpoint_interval": 5, "keep_every": 7},
+     [r"Param 'keep_every' \(pretrain\.keep_every\), Param 'checkpoint_interval' "
+      r"\(pretrain\.checkpoint_interval\)", r"pretrain\.keep_every \(7\) must be 0 or a multiple "
+      r"of pretrain\.checkpoint_interval \(5\).*Set keep_every to 5"]),
+    ({"recipe": "tiny", "keep_every": 15}, [r"Param 'keep_every'.*Param 'checkpoint_interval'",
+                                            r"multiple of pretrain\.checkpoint_interval \(10\)"]),
+    ({"recipe": "tiny", "checkpoint_interval": 5, "keep_checkpoints": 1, "keep_every": 10}, []),
     ({"finetune_replay_fraction": 0.5, "recipe": "tiny", "sft_inputs": []}, []),  # valid: control
 ])
 def test_cross_field_rules_name_the_field_path_and_the_param(refused, params, patterns):
@@ -177,6 +185,78 @@ BAD = list(_schema_bad_values())
 @pytest.mark.parametrize("name, value", BAD, ids=[f"{n}={v!r}" for n, v in BAD])
 def test_schema_generated_bad_values_are_refused_by_start_run_too(refused, name, value):
     refused({name: value}, rf"Param '{name}'")
+
+
+@pytest.mark.parametrize("params, patterns", [
+    ({"gate_metrics": ["bits_per_byte"]},
+     [r"Param 'gate_metrics' \(gate\.metrics\)", r"'bits_per_byte' is not compared item by item",
+      r"heldout\.bits_per_byte"]),
+    ({"gate_metrics": []}, [r"Param 'gate_metrics'", r"must name at least one item-level metric"]),
+    ({"gate_policy": "non_inferior", "gate_margin": 0.0},
+     [r"Param 'gate_margin'", r"margin must be above 0 for policy non_inferior"]),
+    ({"gate_policy": "better"}, [r"Param 'gate_policy'", r"superior.*non_inferior"]),
+    ({"gate_confidence": 1.5}, [r"Param 'gate_confidence'"]),
+    ({"max_contaminated_share": -0.1}, [r"Param 'max_contaminated_share'"]),
+    ({"gate_metrics": ["suite.sft_choice.accuracy", "task_accuracy"], "gate_policy": "non_inferior",
+      "gate_margin": 0.05, "gate_confidence": 0.9, "max_contaminated_share": 0.1,
+      "exclude_contaminated": False, "pretrain_seed": 7, "finetune_seed": 8, "distill_seed": 9}, []),
+])
+def test_the_gate_s_params_are_checked_by_name(refused, params, patterns):
+    """The promotion policy a researcher sets on the form reaches the gate's config, and what it
+    cannot decide by is refused before any job, naming the Param."""
+    if not patterns:
+        cfg = lifecycle.resolve({"recipe": "tiny", **params})
+        assert (cfg.gate.metrics, cfg.gate.policy, cfg.gate.margin, cfg.gate.confidence) == (
+            ["suite.sft_choice.accuracy", "task_accuracy"], "non_inferior", 0.05, 0.9)
+        assert (cfg.gate.max_contaminated_share, cfg.gate.exclude_contaminated) == (0.1, False)
+        assert (cfg.pretrain.seed, cfg.finetune.seed, cfg.distill.seed) == (7, 8, 9)
+        return
+    refused(params, *patterns)
+
+
+GOOD_ITEM = {"query": "Q: What number comes after 41?\nA:", "choices": [" 42", " 40"], "gold": 0}
+
+
+def test_task_suites_are_checked_before_any_job(refused, tmp_path):
+    """Param eval_suites: files, directories or s3:// URIs in the documented formats; a bad line,
+    a missing file, a path outside the data roots or two suites of one name are refused with the
+    file, the line and the format, before any job (evaluation runs hours later)."""
+    good = tmp_path / "mine.jsonl"
+    good.write_text(json.dumps(GOOD_ITEM) + "\n" + json.dumps({"prompt": "1+1=", "answer": "2",
+                                                              "passage": 3}) + "\n")
+    folder = tmp_path / "more"
+    folder.mkdir()
+    (folder / "other.jsonl").write_text(json.dumps(GOOD_ITEM) + "\n")
+    lifecycle.check_params({"recipe": "tiny", "eval_suites": [str(good), str(folder)]})   # control
+    assert lifecycle.resolve({"recipe": "tiny", "eval_suites": [str(good)]}).evaluate.suites == [str(good)]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps(GOOD_ITEM) + "\n" + json.dumps({"query": "Q", "choices": ["a"], "gold": 0}) + "\n")
+    refused({"eval_suites": [str(bad)]}, r"Param 'eval_suites'", rf"{re.escape(str(bad))}:2: a "
+            r"multiple-choice item needs", r"The format: multiple choice")
+    wrong = tmp_path / "wrong.jsonl"
+    wrong.write_text('{"question": "Q", "label": 1}\n')
+    refused({"eval_suites": [str(wrong)]}, rf"{re.escape(str(wrong))}:1: expected multiple choice",
+            r"got \['label', 'question'\]")
+    refused({"eval_suites": [str(tmp_path / "nope.jsonl")]}, r"Param 'eval_suites'.*does not exist")
+    refused({"eval_suites": ["/etc/passwd"]}, r"Param 'eval_suites'.*outside the allowed data roots")
+    twin = tmp_path / "twin"
+    twin.mkdir()
+    (twin / "mine.jsonl").write_text(json.dumps(GOOD_ITEM) + "\n")
+    refused({"eval_suites": [str(good), str(twin)]}, r"\['mine'\] would be two suites of one name")
+
+
+def test_s3_task_suites_are_read_through_the_aws_connection(refused, aws, monkeypatch):
+    monkeypatch.setenv("LLMOPS_ALLOWED_DATA_ROOTS", "s3://llmops-validation/")
+    s3 = aws.client("s3")
+    s3.put_object(Bucket="llmops-validation", Key="suites/a.jsonl", Body=json.dumps(GOOD_ITEM) + "\n")
+    s3.put_object(Bucket="llmops-validation", Key="suites/b.jsonl", Body=json.dumps(GOOD_ITEM) + "\n")
+    s3.put_object(Bucket="llmops-validation", Key="broken/c.jsonl", Body="not json\n")
+    lifecycle.check_params({"recipe": "tiny", "eval_suites": ["s3://llmops-validation/suites/"]})
+    refused({"eval_suites": ["s3://llmops-validation/broken"]},
+            r"s3://llmops-validation/broken/c\.jsonl:1: not JSON")
+    refused({"eval_suites": ["s3://llmops-validation/none.jsonl"]},
+            r"s3://llmops-validation/none\.jsonl could not be read through AWS connection 'llmops_aws'")
+    refused({"eval_suites": ["s3://llmops-validation/empty"]}, r"holds no \.jsonl suite objects")
 
 
 def test_a_remote_backend_without_its_settings_is_refused_up_front(refused, monkeypatch):

@@ -52,6 +52,11 @@ def test_the_sweep_renders_as_a_valid_tuning_job():
     assert json.loads(definition["StaticHyperParameters"]["entrypoint"]) == "tasks.sweep"
     assert not any(k.startswith("tune.") for k in definition["StaticHyperParameters"])
     assert "CheckpointConfig" not in definition, "trials must not resume from each other"
+    # nothing syncs a trial's disk: each writes its checkpoints through to a prefix of its own,
+    # named by the job entry from the variable SageMaker sets, and links no unsynced dir
+    uri = json.loads(definition["StaticHyperParameters"]["checkpoint-uri"])
+    assert uri.startswith("s3://") and uri.endswith("/checkpoints/trials/${TRAINING_JOB_NAME}"), uri
+    assert "LLMOPS_CHECKPOINT_DIR" not in definition["Environment"]
     assert definition["ResourceConfig"]["InstanceType"] == "ml.g5.2xlarge"
 
 

@@ -138,6 +138,28 @@ def test_fsdp_writes_shards_per_rank_and_a_killed_rank_resumes_bitwise(tiny_data
     assert "model_uri" in result  # exported from the sharded checkpoint
 
 
+def test_fsdp_on_a_fresh_node_restores_each_ranks_shards_from_s3_and_ends_bitwise(
+        tiny_data_dir, tmp_path, fsdp_run, moto_s3):
+    """Issue 50: an FSDP job whose checkpoints are written through to S3 (moto) is killed after
+    its step-5 checkpoint; the next attempt starts on a fresh node (a new output dir: nothing on
+    disk) and restores from S3, every rank fetching the shared files and then the shards its own
+    load plan reads (tasks/train/checkpoint.py fetch_files), and ends bitwise equal to the
+    uninterrupted run."""
+    ref_cfg, _ = fsdp_run
+    moto_s3.create_bucket(Bucket="fsdp-mirror")
+    mirror = "s3://fsdp-mirror/run/checkpoints"
+    first = scale_cfg(tiny_data_dir, tmp_path / "node1", parallelism="fsdp", checkpoint_uri=mirror,
+                      max_restarts=0, async_checkpoint=False)   # step 5 is in S3 before step 6
+    proc, _ = run_job(first, tmp_path / "w1", nproc=2, faults="kill@7")
+    assert proc.returncode != 0
+    fresh = scale_cfg(tiny_data_dir, tmp_path / "node2", parallelism="fsdp", checkpoint_uri=mirror)
+    proc, result = run_job(fresh, tmp_path / "w2", nproc=2)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    assert result["resumed_from"].endswith("step_000005")
+    final, expected = ckpt.load_checkpoint(step_dir(fresh, 10)), ckpt.load_checkpoint(step_dir(ref_cfg, 10))
+    assert not [k for k, v in expected["model"].items() if not torch.equal(v, final["model"][k])]
+
+
 def test_fsdp_checkpoint_resumed_on_one_process_reads_the_same_samples(tiny_data_dir, tmp_path,
                                                                        fsdp_run):
     ref_cfg, ref = fsdp_run
@@ -231,8 +253,10 @@ def test_accumulation_reads_the_micro_batches_of_more_ranks_and_trains_like_a_bi
     got = [h["loss"] for h in history if "loss" in h]
     want = [h["loss"] for h in ref_history if "loss" in h]
     assert len(got) == 6 and got == pytest.approx(want, rel=1e-5)
+    # float rounding of 6 steps of sums taken in another order: at most 1.1e-6 on block-shuffled
+    # rows (4e-7 on the same steps in the global permutation)
     for name, value in reference.state_dict().items():
-        torch.testing.assert_close(model.state_dict()[name], value, rtol=1e-5, atol=1e-6, msg=name)
+        torch.testing.assert_close(model.state_dict()[name], value, rtol=1e-5, atol=2e-6, msg=name)
 
 
 def test_a_global_batch_the_world_size_cannot_divide_is_refused_at_start(tiny_data_dir, tmp_path):

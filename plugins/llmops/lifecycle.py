@@ -24,6 +24,7 @@ from llmops.jobs.backends import remote_settings
 from llmops.jobs.backends import settings as backend_settings
 # the path checks start_run makes, named here too for the DAGs and scripts that call them
 from llmops.paths import LifecycleParamError, check_data_path, check_storage_root  # noqa: F401
+from llmops.paths import run_root
 from llmops.run import Run
 from llmops.sweep import budget as sweep_budget
 from tasks import configs
@@ -122,7 +123,87 @@ def check_params(params: dict[str, Any], conf: dict[str, Any] | None = None) -> 
             raise LifecycleParamError(f"Param '{name}' must be a list of paths, got {value!r}.")
         for entry in value:
             check_data_path(name, entry)
+    check_suites(params.get("eval_suites"))
     return check_storage_root(params.get("storage_root"))
+
+
+def check_suites(value: Any, *, name: str = "eval_suites") -> None:
+    """Every task suite the run names exists, lies under the allowed data roots and is in the
+    documented format (tasks.configs.SUITE_FORMATS), local or on S3 (read through the AWS
+    connection): a bad line fails the run now, not after hours of training."""
+    if value is None:
+        return
+    if not isinstance(value, list):
+        raise LifecycleParamError(f"Param '{name}' must be a list of suite files, directories or "
+                                  f"s3:// URIs, got {value!r}.")
+    texts: dict[str, str] = {}   # where -> a suite file's text
+    for entry in value:
+        check_data_path(name, entry)
+        if entry.startswith("s3://"):
+            texts.update(_s3_suites(name, entry))
+        elif os.path.isdir(entry):
+            files = sorted(glob.glob(os.path.join(entry, "*.jsonl")))
+            if not files:
+                raise LifecycleParamError(f"Param '{name}': {entry!r} holds no *.jsonl suite files.")
+            texts.update({f: open(f, encoding="utf-8").read() for f in files})
+        elif os.path.isfile(entry):
+            texts[entry] = open(entry, encoding="utf-8").read()
+        else:
+            raise LifecycleParamError(f"Param '{name}': {entry!r} does not exist. Give suite files "
+                                      "(JSONL), directories of them, or s3:// URIs.")
+    stems = [os.path.splitext(os.path.basename(where))[0] for where in texts]
+    twice = sorted({s for s in stems if stems.count(s) > 1})
+    if twice:
+        raise LifecycleParamError(f"Param '{name}': suites are named by their file's stem, and "
+                                  f"{twice} would be two suites of one name. Rename one.")
+    for where, text in texts.items():
+        try:
+            configs.check_suite_text(text, where)
+        except configs.ConfigError as exc:
+            raise LifecycleParamError(f"Param '{name}': {exc} The format: {configs.SUITE_FORMATS}. "
+                                      "Nothing was started.") from None
+
+
+MAX_SUITE_BYTES = 64 << 20
+
+
+def _s3_suites(name: str, uri: str) -> dict[str, str]:
+    """The suite file(s) at `uri` (a .jsonl key, or the .jsonl objects under the prefix), read
+    through the AWS connection with a short timeout, as the evaluation job will find them."""
+    from botocore.config import Config
+
+    from airflow.providers.amazon.aws.hooks.base_aws import AwsBaseHook
+    from tasks.uris import split_s3
+
+    config = Config(connect_timeout=CHECK_TIMEOUT_SECONDS, read_timeout=CHECK_TIMEOUT_SECONDS,
+                    retries={"max_attempts": 2, "mode": "standard"})
+    bucket, key = split_s3(uri)
+    try:
+        s3 = AwsBaseHook(aws_conn_id=settings.aws_conn_id(), client_type="s3", config=config).conn
+        if key.endswith(".jsonl"):
+            keys = [key]
+        else:
+            prefix = key.rstrip("/") + "/" if key else ""
+            listed = s3.list_objects_v2(Bucket=bucket, Prefix=prefix).get("Contents", [])
+            keys = sorted(o["Key"] for o in listed
+                          if o["Key"].endswith(".jsonl") and "/" not in o["Key"][len(prefix):])
+        found = {}
+        for k in keys:
+            head = s3.head_object(Bucket=bucket, Key=k)
+            if head["ContentLength"] > MAX_SUITE_BYTES:
+                raise LifecycleParamError(f"Param '{name}': s3://{bucket}/{k} is "
+                                          f"{head['ContentLength']:,} bytes, over the "
+                                          f"{MAX_SUITE_BYTES >> 20} MiB a suite may hold.")
+            found[f"s3://{bucket}/{k}"] = s3.get_object(Bucket=bucket, Key=k)["Body"].read().decode()
+    except LifecycleParamError:
+        raise
+    except Exception as exc:  # ClientError (404, 403), BotoCoreError, a missing connection
+        raise LifecycleParamError(f"Param '{name}': {uri} could not be read through AWS connection "
+                                  f"'{settings.aws_conn_id()}' ({exc}). Check the URI and the "
+                                  "connection. Nothing was started.") from None
+    if not found:
+        raise LifecycleParamError(f"Param '{name}': {uri} holds no .jsonl suite objects.")
+    return found
 
 
 # The settings each remote backend cannot submit without, beyond what for_stage checks.
@@ -226,7 +307,7 @@ def start_run(params: dict[str, Any], *, dag_id: str, run_id: str,
     check_backends(backends, params, storage_root, network=False)  # the settings, naming the Param
     team = check_lane(params, cfg, backends, storage_root, user)
     check_backends(backends, params, storage_root)
-    root = os.path.join(storage_root, dag_id, re.sub(r"[^A-Za-z0-9_.-]+", "_", run_id))
+    root = run_root(storage_root, dag_id, run_id)
     config = configs.to_dict(cfg)
     earlier = reuse.check(params, config, dag_id)   # from_run + start_at: its outputs, checked
     check_fork(config, earlier)

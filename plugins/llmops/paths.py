@@ -19,6 +19,11 @@ class LifecycleParamError(ValueError):
     """A run's Params are wrong; the message names the Param and the fix."""
 
 
+def run_root(storage_root: str, dag_id: str, run_id: str) -> str:
+    """Where a DAG run's stage outputs go: <storage_root>/<dag_id>/<run_id, path-safe>."""
+    return os.path.join(storage_root, dag_id, re.sub(r"[^A-Za-z0-9_.-]+", "_", run_id))
+
+
 SHELL_META = re.compile(r"[;|&`$<>\\]|\$\(")
 S3_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 

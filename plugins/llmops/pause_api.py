@@ -215,9 +215,10 @@ def render_form(dag_id: str, run_id: str, task: dict[str, Any] | None, refusal: 
                     "min='1' placeholder='the next step'> (empty: after the next step).</p>"
                     f"<button type='submit'>{LINK_NAME}</button></form>"
                     "<p>The job saves a checkpoint of that step and exits; the task ends skipped "
-                    "with <i>paused at step N</i> in its log, and the later stages do not run. To "
+                    "with <i>paused at step N</i> in its log, the later stages do not run, and the "
+                    "DAG run's note says <i>paused at step N of M</i> with the resume. To "
                     "resume, trigger the DAG with from_run = this run, start_at = pretrain, "
-                    "fork_step = N.</p>")
+                    "fork_step = N and its other Params unchanged.</p>")
     return _page(f"{LINK_NAME}: {run_id}", "".join(rows))
 
 
@@ -277,8 +278,8 @@ def make_app(authorize_read: Callable | None = None, authorize_pause: Callable |
         return HTMLResponse(_page(f"Pause requested: {run_id}", (
             f"<p class='done' data-key='requested'>Marker written to <code>{_e(done['marker'])}"
             f"</code>: job <code>{_e(done['job_name'])}</code> pauses {when}, saves that step's "
-            "checkpoint and exits; the pretrain task then ends skipped, its log saying "
-            "<i>paused at step N</i> and how to resume.</p>")))
+            "checkpoint and exits; the pretrain task then ends skipped, its log and the DAG "
+            "run's note saying <i>paused at step N</i> and how to resume.</p>")))
 
     return api
 

@@ -1,18 +1,21 @@
 """The promotion gate: a challenger becomes `champion` only when it is good enough on its own and
 not worse than the champion it would replace.
 
-    gate_decisions   per candidate, the reasons it may not ship: the absolute thresholds
+    judge            per candidate, the reasons it may not ship: the absolute thresholds
                      (GateConfig.min_task_accuracy, max_perplexity) and, when the evaluation also
-                     scored the current champion, GateConfig.champion_margins: metric -> how much
-                     worse than the champion a challenger may be (0 = at least as good, negative
-                     = must beat it by that much). Metrics named *loss, *perplexity or
-                     *bits_per_byte are lower-is-better, every other one higher-is-better.
-                     GateConfig.paired replaces a metric's margin by a paired comparison on the
-                     items both models were scored on (plugins/llmops/paired.py): superior, or
-                     non-inferior within a margin, at GateConfig.confidence. Items the
-                     contamination audit found in the training data are left out of every
-                     item-level score (GateConfig.exclude_contaminated), and more than
-                     GateConfig.max_contaminated_share of them refuses every candidate.
+                     scored the current champion on the same items, paired comparisons with it
+                     (plugins/llmops/paired.py): every metric of GateConfig.metrics (by default
+                     the held-out text, document by document) must show GateConfig.policy
+                     (superior by at least GateConfig.margin, or non-inferior within it) at
+                     GateConfig.confidence; an interval that cannot decide keeps the champion
+                     with "not enough evidence". Every other item-level metric both were scored
+                     on is a guard, failing only when the challenger is shown worse beyond
+                     GateConfig.guard_margin. Items the contamination audit found in the training
+                     data are left out of every item-level score (GateConfig.exclude_contaminated),
+                     and more than GateConfig.max_contaminated_share of them refuses every
+                     candidate. The challenger is the preferred model (GateConfig.prefer) that
+                     meets the thresholds, else the other one: one model is compared, so a bigger
+                     teacher never replaces a student champion because this run's student did not.
     gate             registers the candidate as a model version with its lineage (data manifest,
                      checkpoint, parent runs, evaluation run; for a fork, fork.parent_run_id,
                      fork.step and fork.from_run) and the gate's verdict as tags; it
@@ -38,17 +41,12 @@ from tasks import configs
 log = logging.getLogger(__name__)
 
 CHAMPION, CHALLENGER = "champion", "challenger"
-LOWER_IS_BETTER = ("loss", "perplexity", "bits_per_byte")
 # the metrics copied onto a registered version as tags "<candidate>.<metric>"
 TAGGED_METRICS = ("task_accuracy", "perplexity", "bits_per_byte", "val_loss", "params")
 
 
 class LifecycleGateError(RuntimeError):
     """No candidate met the gate (kept for callers that want to fail instead of skip)."""
-
-
-def lower_is_better(metric: str) -> bool:
-    return metric.endswith(LOWER_IS_BETTER)
 
 
 # -- decisions ------------------------------------------------------------------------------------
@@ -67,49 +65,49 @@ def threshold_reasons(gate: configs.GateConfig, metrics: dict[str, float], name:
     return reasons
 
 
-def champion_reasons(gate: configs.GateConfig, metrics: dict[str, float], name: str,
-                     champion: str = CHAMPION, margins: dict[str, float] | None = None) -> list[str]:
-    """Why `name` is worse than `champion` beyond the allowed margins (GateConfig's, or
-    `margins`); empty when no champion was evaluated (the first model has nothing to beat)."""
-    reasons = []
-    for metric, margin in (gate.champion_margins if margins is None else margins).items():
-        theirs = metrics.get(f"{champion}.{metric}")
-        if theirs is None:
-            continue
-        ours = metrics.get(f"{name}.{metric}")
-        if ours is None:
-            reasons.append(f"{metric} not evaluated (the champion has {theirs:.4g})")
-        elif lower_is_better(metric) and ours > theirs + margin:
-            reasons.append(f"{metric} {ours:.4g} is worse than the champion's {theirs:.4g} "
-                           f"(at most +{margin:g} allowed)")
-        elif not lower_is_better(metric) and ours < theirs - margin:
-            reasons.append(f"{metric} {ours:.4g} is worse than the champion's {theirs:.4g} "
-                           f"(at most -{margin:g} allowed)")
-    return reasons
+def rules(gate: configs.GateConfig) -> dict[str, dict[str, Any]]:
+    """The deciding metrics' rules: {metric: {policy, margin, decides}} (guards: guard_margin)."""
+    return {m: {"policy": gate.policy, "margin": gate.margin, "decides": True} for m in gate.metrics}
 
 
 def paired_comparisons(gate: configs.GateConfig, evaluation: dict[str, Any], name: str,
                        champion: str = CHAMPION) -> dict[str, paired.Comparison]:
-    """GateConfig.paired's comparisons of `name` with `champion`, for each metric both were
-    scored on item by item on the same items (none when no champion was evaluated); items seen
-    in the training data are left out of both when GateConfig.exclude_contaminated."""
+    """`name` against `champion` on every item-level metric both were scored on, on the same
+    items: the deciding ones (GateConfig.metrics) by the policy, the rest as guards; items seen
+    in the training data are left out of both when GateConfig.exclude_contaminated. Empty when
+    no champion was evaluated."""
     models = evaluation.get("models", {})
     ours = (models.get(name) or {}).get("per_item") or {}
     theirs = (models.get(champion) or {}).get("per_item") or {}
     compared = {}
-    for metric, rule in gate.paired.items():
+    for metric in [*gate.metrics, *sorted(set(ours) - set(gate.metrics))]:
         a, b = ours.get(metric), theirs.get(metric)
         if not paired.same_items(a, b):
             continue
-        if gate.exclude_contaminated:
+        if gate.exclude_contaminated and paired.kind_of(a) == "binary":
             drop = paired.seen(a) | paired.seen(b)
             a, b = paired.without(a, drop), paired.without(b, drop)
         if a["n"]:
+            decides = metric in gate.metrics
             compared[metric] = paired.compare(
-                metric, a, b, policy=rule["policy"], margin=float(rule.get("margin", 0.0)),
-                confidence=gate.confidence, resamples=gate.bootstrap_resamples,
-                seed=gate.bootstrap_seed)
+                metric, a, b, policy=gate.policy if decides else "superior",
+                margin=gate.margin if decides else gate.guard_margin,
+                role="decides" if decides else "guard", confidence=gate.confidence,
+                power=gate.power)
     return compared
+
+
+def champion_reasons(gate: configs.GateConfig, evaluation: dict[str, Any],
+                     compared: dict[str, paired.Comparison], champion: str = CHAMPION) -> list[str]:
+    """Why a challenger may not replace the champion: a comparison that did not pass, and a
+    deciding metric that could not be compared (the champion scored on other items, or not item
+    by item): then nothing shows the policy, and the champion stays. Empty when no champion was
+    evaluated (the first model has nothing to beat)."""
+    if champion not in (evaluation.get("models") or {}):
+        return []
+    missing = [f"{m}: not enough evidence: the champion was not scored on the same items"
+               for m in gate.metrics if m not in compared]
+    return missing + [c.reason() for c in compared.values() if not c.passed]
 
 
 def clean_metrics(gate: configs.GateConfig, evaluation: dict[str, Any]) -> dict[str, float]:
@@ -142,19 +140,15 @@ def contamination_reasons(gate: configs.GateConfig, evaluation: dict[str, Any]) 
 def judge(gate: configs.GateConfig, evaluation: dict[str, Any],
           candidates: tuple[str, ...] = ("teacher", "student")
           ) -> tuple[dict[str, list[str]], dict[str, dict[str, paired.Comparison]]]:
-    """Per candidate, the reasons it may not ship and its paired comparisons. A metric compared
-    item by item is judged by its policy alone; one GateConfig.paired names that could not be
-    compared (an older champion's evaluation without per-item results, other items) falls back to
-    its champion_margins entry, if any."""
+    """Per candidate, the reasons it may not ship (thresholds, the comparisons with the
+    champion, contamination) and its paired comparisons."""
     metrics = clean_metrics(gate, evaluation)
     leaked = contamination_reasons(gate, evaluation)
     reasons, comparisons = {}, {}
     for name in candidates:
         compared = paired_comparisons(gate, evaluation, name)
-        margins = {m: v for m, v in gate.champion_margins.items() if m not in compared}
         reasons[name] = (threshold_reasons(gate, metrics, name)
-                         + champion_reasons(gate, metrics, name, margins=margins)
-                         + [c.reason() for c in compared.values() if not c.passed] + leaked)
+                         + champion_reasons(gate, evaluation, compared) + leaked)
         comparisons[name] = compared
     return reasons, comparisons
 
@@ -163,6 +157,16 @@ def gate_decisions(gate: configs.GateConfig, evaluation: dict[str, Any],
                    candidates: tuple[str, ...] = ("teacher", "student")) -> dict[str, list[str]]:
     """For each candidate, the reasons it may not ship (an empty list means it passes)."""
     return judge(gate, evaluation, candidates)[0]
+
+
+def challenger(gate: configs.GateConfig, evaluation: dict[str, Any],
+               candidates: tuple[str, ...] = ("teacher", "student")) -> str | None:
+    """The one model this run puts up against the champion: the preferred one that meets the
+    absolute thresholds, else the other that does, else the preferred one evaluated (refused)."""
+    metrics = clean_metrics(gate, evaluation)
+    evaluated = [n for n in _order(gate, candidates) if n in evaluation.get("models", {})]
+    fit = [n for n in evaluated if not threshold_reasons(gate, metrics, n)]
+    return (fit or evaluated or [None])[0]
 
 
 def _order(gate: configs.GateConfig, candidates: tuple[str, ...]) -> list[str]:
@@ -272,23 +276,32 @@ def fork_lineage(run: Run | dict[str, Any]) -> dict[str, str]:
             "fork.from_run": str(earlier.get("run_id") or "")}
 
 
+DECISION_ARTIFACT = "gate/decision.json"   # on the DAG run's MLflow parent run: the run page reads it
+
+
 def gate(run: Run | dict[str, Any], evaluation: dict[str, Any], data: dict[str, Any],
          candidates: tuple[str, ...] = ("teacher", "student")) -> dict[str, Any]:
-    """Decide, register the chosen candidate (the preferred passing one, else the preferred one)
-    with its lineage and verdict, and give it the alias `challenger`. Returns the decision."""
+    """Decide, register the challenger (promotion.challenger) with its lineage and verdict, and
+    give it the alias `challenger`. Returns the decision, also logged on the parent run as
+    DECISION_ARTIFACT with the thresholds and rules it applied."""
     run = Run.of(run)
     gate_cfg = configs.from_dict(configs.GateConfig, run.config["gate"])
     evaluation = with_champion(run, evaluation)
     decisions, comparisons = judge(gate_cfg, evaluation, candidates)
-    order = _order(gate_cfg, candidates)
-    passing = [n for n in order if not decisions[n]]
-    evaluated = [n for n in order if n in evaluation.get("models", {})]
-    chosen = passing[0] if passing else (evaluated[0] if evaluated else None)
-    decision: dict[str, Any] = {"passed": bool(passing), "candidate": chosen, "gate": decisions,
+    chosen = challenger(gate_cfg, evaluation, candidates)
+    passed = chosen is not None and not decisions[chosen]
+    decision: dict[str, Any] = {"passed": passed, "candidate": chosen, "gate": decisions,
                                 "comparisons": {n: {m: c.to_dict() for m, c in cs.items()}
                                                 for n, cs in comparisons.items()},
                                 "model_name": run.model_name, "version": None,
                                 "champion_before": _champion_version(evaluation),
+                                "thresholds": {k: getattr(gate_cfg, k) for k in (
+                                    "min_task_accuracy", "max_perplexity", "max_contaminated_share",
+                                    "exclude_contaminated", "confidence", "power")},
+                                "rules": {**{m: {"policy": "guard", "margin": gate_cfg.guard_margin,
+                                                 "decides": False}
+                                             for cs in comparisons.values() for m in cs},
+                                          **rules(gate_cfg)},
                                 # the audit's counts per metric, for the approver (the items are
                                 # in the evaluation run's contamination.json)
                                 "contamination": {m: {k: found.get(k) for k in ("contaminated", "items")}
@@ -297,10 +310,14 @@ def gate(run: Run | dict[str, Any], evaluation: dict[str, Any], data: dict[str, 
                                 "contamination_excluded": gate_cfg.exclude_contaminated}
     if chosen is None:
         decision["reasons"] = "no candidate was evaluated"
+        _log_decision(run, decision, "refused")
         return decision
     model = evaluation["models"][chosen]
     metrics = {k: v for k, v in evaluation["metrics"].items() if k.startswith(f"{chosen}.")}
     reasons = "; ".join(decisions[chosen])
+    decision.update(reasons=reasons, metrics=metrics,
+                    champion_metrics={k.split(".", 1)[1]: v for k, v in evaluation["metrics"].items()
+                                      if k.startswith(f"{CHAMPION}.")})
     lineage = {"run_id": run.run_id, "dag_id": run.dag_id, "candidate": chosen,
                "data_hash": data.get("data_hash", ""), "model_dir": model.get("model_dir", ""),
                "training_run_id": model.get("mlflow_run_id") or "",
@@ -314,29 +331,48 @@ def gate(run: Run | dict[str, Any], evaluation: dict[str, Any], data: dict[str, 
     if same is not None and same.tags.get("run_id") != run.run_id:
         # The same weights are registered already (an identical rerun, or the champion itself):
         # a second version would be a copy, and its verdict would overwrite nothing useful.
-        decision.update(version=str(same.version), reasons=reasons, metrics=metrics,
-                        uri=f"models:/{name}/{same.version}", already_registered=True)
+        decision.update(version=str(same.version), uri=f"models:/{name}/{same.version}",
+                        already_registered=True)
         client.set_tag(run.parent_run_id, "gate", f"already registered as version {same.version}")
+        if str(same.version) == str(decision["champion_before"] or ""):
+            # the challenger is the champion itself (an identical rerun): nothing to compare, and
+            # the run ends with its model as the champion it already is
+            decision.update(passed=False, already_champion=True,
+                            reasons=f"the same weights as version {same.version}, the champion")
+            client.set_tag(run.parent_run_id, CHAMPION, f"{name}/{same.version}")
+        _log_decision(run, decision, "already_registered")
         log.info("gate: %s (%s) is version %s already: nothing registered", name, chosen, same.version)
         return decision
     version = _register_once(client, name, model["model_uri"], lineage)
-    tags = {"gate.passed": str(bool(passing)).lower(), "gate.reasons": reasons or "none",
+    tags = {"gate.passed": str(passed).lower(), "gate.reasons": reasons or "none",
             "gate.compared_to": decision["champion_before"] or "no champion yet",
             **{k: str(v) for k, v in metrics.items()
                if k.split(".", 1)[1] in TAGGED_METRICS or ".suite." in k},
-            # the paired comparisons against the champion: difference [interval] n p policy: verdict
+            # the paired comparisons against the champion: change [interval] size p policy: verdict
             **{f"gate.paired.{m}": c.summary() for m, c in comparisons[chosen].items()}}
     for key, value in tags.items():
-        client.set_model_version_tag(name, version, key, value)
+        client.set_model_version_tag(name, version, key, value[:5000])
     client.set_registered_model_alias(name, CHALLENGER, version)
-    client.set_tag(run.parent_run_id, "gate", "passed" if passing else "refused")
-    decision.update(version=str(version), reasons=reasons, metrics=metrics,
-                    uri=f"models:/{name}/{version}",
-                    champion_metrics={k.split(".", 1)[1]: v for k, v in evaluation["metrics"].items()
-                                      if k.startswith(f"{CHAMPION}.")})
+    client.set_tag(run.parent_run_id, "gate", "passed" if passed else "refused")
+    decision.update(version=str(version), uri=f"models:/{name}/{version}")
+    _log_decision(run, decision, "passed" if passed else "refused")
     log.info("gate: %s version %s (%s) %s%s", name, version, chosen,
-             "passed" if passing else "refused: ", "" if passing else reasons)
+             "passed" if passed else "refused: ", "" if passed else reasons)
     return decision
+
+
+def _log_decision(run: Run, decision: dict[str, Any], outcome: str) -> None:
+    """The decision as the run page reads it: per model its reasons and comparisons."""
+    record = {"outcome": outcome, "already_registered": bool(decision.get("already_registered")),
+              "already_champion": bool(decision.get("already_champion")),
+              **{k: decision.get(k) for k in ("candidate", "model_name", "version", "champion_before",
+                                              "thresholds", "rules", "contamination", "reasons")},
+              "models": {n: {"reasons": r, "comparisons": decision["comparisons"].get(n, {})}
+                         for n, r in decision["gate"].items()}}
+    try:
+        tracking.log_json(run.parent_run_id, record, DECISION_ARTIFACT)
+    except Exception as exc:  # noqa: BLE001 - the decision stands; the page shows the tags
+        log.warning("Could not log the gate's decision on MLflow run %s: %s", run.parent_run_id, exc)
 
 
 def _champion_version(evaluation: dict[str, Any]) -> str | None:
@@ -384,14 +420,18 @@ def promote(run: Run | dict[str, Any], evaluation: dict[str, Any], data: dict[st
         decision = crown(run, decision)
     tracking.end_run(run.parent_run_id, "FINISHED")
     return {**decision, "promoted": decision["passed"],
-            "alias": CHAMPION if decision["passed"] else CHALLENGER}
+            "alias": CHAMPION if decision["passed"] or decision.get("already_champion") else CHALLENGER}
 
 
 def summary(decision: dict[str, Any]) -> str:
     """One line for logs, skip messages and the approval request."""
     who = f"{decision['model_name']} version {decision.get('version')} ({decision.get('candidate')})"
     if decision.get("already_registered"):
-        who += ", the same weights as registered before,"
+        champion = ", the champion" if decision.get("already_champion") else ""
+        refused = "" if decision.get("passed") or champion else \
+            f", and the gate refused it: {decision.get('reasons')}"
+        return (f"{decision['model_name']} ({decision.get('candidate')}): the same weights as "
+                f"version {decision.get('version')}{champion}; nothing registered{refused}.")
     if decision.get("passed"):
         return f"{who} passed the gate against {decision.get('champion_before') or 'no champion'}."
     return f"{who} refused, kept as `challenger`: {decision.get('reasons')}"
@@ -409,12 +449,13 @@ def approval_body(decision: dict[str, Any]) -> str:
     table = "\n".join(["| metric | challenger | champion |", "|---|---|---|", *rows])
     compared = (decision.get("comparisons") or {}).get(decision.get("candidate")) or {}
     if compared:   # the evidence: item by item against the champion, with its uncertainty
-        rows = [_comparison_row(m, c) for m, c in sorted(compared.items())]
+        rows = [_comparison_row(m, c) for m, c in sorted(compared.items(),
+                                                         key=lambda mc: (not mc[1]["decides"], mc[0]))]
         conf = next(iter(compared.values()))["confidence"]
         table += ("\n\nPaired against the champion on the same items "
-                  f"({conf:.0%} bootstrap interval, exact McNemar p):\n\n"
-                  "| metric | difference | interval | items | p | policy | verdict |\n"
-                  "|---|---|---|---|---|---|---|\n" + "\n".join(rows))
+                  f"({conf:.0%} intervals; MDE: the smallest change each comparison can detect):\n\n"
+                  "| metric | role | change | interval | size | test | p | MDE | verdict |\n"
+                  "|---|---|---|---|---|---|---|---|---|\n" + "\n".join(rows))
     audit = decision.get("contamination") or {}
     if audit:   # how far the scores above can be trusted: items the model may have trained on
         fate = "left out of" if decision.get("contamination_excluded", True) else "counted in"
@@ -427,9 +468,14 @@ def approval_body(decision: dict[str, Any]) -> str:
 
 
 def _comparison_row(metric: str, c: dict[str, Any]) -> str:
-    policy = "superior" if c["policy"] == "superior" else f"non-inferior (margin {c['margin']:g})"
-    return (f"| {metric} | {c['diff']:+.4f} | [{c['low']:+.4f}, {c['high']:+.4f}] | {c['n']} | "
-            f"{c['p_value']:.3g} | {policy} | {'pass' if c['passed'] else 'fail'} |")
+    fmt = (lambda v: f"{v:+.2%}") if c["unit"] == "relative" else (lambda v: f"{v:+.3f}")
+    margin = fmt(c["margin"])[1:]
+    role = {"superior": f"decides: superior by {margin}", "non_inferior": f"decides: non-inferior "
+            f"within {margin}", "guard": f"guard ({margin})"}[c["policy"]]
+    size = (f"{c['clusters']} documents, {c['tokens']:,} tokens" if c["kind"] == "continuous"
+            else f"{c['n']} items" + (f", {c['clusters']} passages" if c["clusters"] < c["n"] else ""))
+    return (f"| {metric} | {role} | {fmt(c['diff'])} | [{fmt(c['low'])}, {fmt(c['high'])}] | "
+            f"{size} | {c['test']} | {c['p_value']:.3g} | {fmt(c['mde'])[1:]} | {c['verdict']} |")
 
 
 def _fmt(value: Any) -> str:

@@ -8,11 +8,11 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 from typing import Any
 
 from llmops import lifecycle, promotion, specs, tracking
 from llmops.params import RETRAIN_KNOBS, set_path
+from llmops.paths import run_root
 from llmops.run import Run
 from tasks import configs
 
@@ -48,6 +48,7 @@ def start_retrain(params: dict[str, Any], *, dag_id: str, run_id: str,
     if not data["data_hash"] and os.path.isfile(manifest):
         with open(manifest) as fh:
             data["data_hash"] = json.load(fh)["content_hash"]
+    lifecycle.check_suites(params.get("eval_suites"))
     cfg = lifecycle.resolve({"recipe": params.get("recipe") or "demo"})
     for knob, path in RETRAIN_KNOBS.items():
         if params.get(knob) is not None:
@@ -57,7 +58,7 @@ def start_retrain(params: dict[str, Any], *, dag_id: str, run_id: str,
     except configs.ConfigError as exc:
         raise lifecycle.LifecycleParamError(f"Invalid retraining parameters: {exc}") from None
     storage_root = lifecycle.check_storage_root(params.get("storage_root"))
-    root = os.path.join(storage_root, dag_id, re.sub(r"[^A-Za-z0-9_.-]+", "_", run_id))
+    root = run_root(storage_root, dag_id, run_id)
     config = configs.to_dict(cfg)
     backend = params.get("backend") or "local"
     backends = {stage: backend for stage in ("finetune", "evaluate")}

@@ -2,9 +2,10 @@
 
 A task cannot write its DAG run's note (the Task SDK has no setter, and the REST API would need
 a user's credentials in every task). So the promote task leaves the line as the XCom `run_note`
-(llmops.run_summary.note_line) and this listener, loaded by the scheduler with the project's
-plugins, copies it onto the run when the run finishes, in the scheduler's own transaction. A note
-someone already wrote is kept.
+(llmops.run_summary.note_line), or a pretraining paused on request leaves "paused at step N of M"
+with the resume (llmops.operators.job_pause), and this listener, loaded by the scheduler with the
+project's plugins, copies it onto the run when the run finishes, in the scheduler's own
+transaction. A note someone already wrote is kept.
 
 A run of such a DAG that failed before promote gets the failure line instead (`failure_line`):
 the task that failed first (by end time: the others mostly failed because of it) and, when the
@@ -27,6 +28,8 @@ from llmops.run_summary import NOTE_XCOM as NOTE_KEY
 log = logging.getLogger(__name__)
 
 NOTE_TASK = "promote"
+# The tasks that may leave a note line, the first found wins: the gate's, or a paused pretraining's.
+NOTE_TASKS = (NOTE_TASK, "pretrain")
 NOTE_LIMIT = 1000  # Airflow's dag_run_note.content column
 # Audit-log events the scheduler writes when it fails (or gives up on) a task instance itself,
 # rather than the task reporting its own failure (airflow/jobs/scheduler_job_runner.py).
@@ -70,16 +73,18 @@ def _plainly(event: str | None, reported: str) -> str:
 
 
 def pending_note(dag_run, session) -> str | None:
-    """The line the promote task left for this run, if any."""
+    """The line the promote task (or a paused pretrain task) left for this run, if any."""
     from airflow.models.xcom import XComModel
 
-    query = XComModel.get_many(run_id=dag_run.run_id, dag_ids=dag_run.dag_id, task_ids=NOTE_TASK,
-                               key=NOTE_KEY, limit=1)
-    row = session.scalars(query).first() if query is not None else None
-    if row is None:
-        return None
-    value = XComModel.deserialize_value(row)
-    return str(value) if value else None
+    query = XComModel.get_many(run_id=dag_run.run_id, dag_ids=dag_run.dag_id,
+                               task_ids=list(NOTE_TASKS), key=NOTE_KEY)
+    rows = session.scalars(query).all() if query is not None else []
+    for task_id in NOTE_TASKS:
+        for row in rows:
+            value = XComModel.deserialize_value(row) if row.task_id == task_id else None
+            if value:
+                return str(value)
+    return None
 
 
 def _label(ti: Any) -> str:
@@ -132,13 +137,26 @@ def airflow_run(dag_id: str, run_id: str) -> dict[str, Any] | None:
 
 
 def set_note(dag_run, failed: bool) -> None:
+    from sqlalchemy import inspect
     from sqlalchemy.orm import object_session
 
+    dag = getattr(dag_run, "dag", None)
     session = object_session(dag_run)
-    if session is None or dag_run.note:
+    if session is None:
+        # `airflow dags test` hands the listener its run detached (its task runs close the
+        # thread's scoped session, which held it). That scoped session is the one dag.test
+        # commits right after, so the note goes on the run as stored, through it.
+        from airflow import settings
+        from airflow.models.dagrun import DagRun
+
+        identity = inspect(dag_run).identity
+        session = settings.Session()
+        dag_run = session.get(DagRun, identity[0]) if identity else None
+        if dag_run is None:
+            return
+    if dag_run.note:
         return
     note = pending_note(dag_run, session)
-    dag = getattr(dag_run, "dag", None)
     ours = dag is not None and NOTE_TASK in getattr(dag, "task_ids", ())
     if note is None and failed and ours:  # only runs of DAGs with a promote task
         failure = first_failure(dag_run, session)

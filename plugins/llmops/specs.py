@@ -9,6 +9,7 @@ Cheap work only (no torch): the heavy lifting happens in the jobs these specs de
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 from typing import Any
 
@@ -17,6 +18,7 @@ from llmops.jobs.spec import JobSpec, NothingToRun
 from llmops.run import Run
 from llmops.sweep import stage as sweep_stage
 from llmops.sweep import study as studies
+from tasks import configs
 
 ENTRYPOINTS = {
     "data_prep": "tasks.data.prep",
@@ -84,6 +86,11 @@ def sweep_trials(run: Run | dict[str, Any], data: dict[str, Any]) -> list[dict[s
     return sweep_stage.plan_trials(run, data)
 
 
+# A trial keeps TrainConfig's default retention whatever the run's keep_checkpoints/keep_every.
+TRIAL_RETENTION = {f.name: f.default for f in dataclasses.fields(configs.TrainConfig)
+                   if f.name in ("keep_checkpoints", "keep_every")}
+
+
 def trial_spec(run: Run | dict[str, Any], data: dict[str, Any], study: dict[str, Any], slot: int,
                trial: dict[str, Any]) -> dict[str, Any]:
     """One trial: a short pretraining run with the trial's hyperparameters, evaluated (and
@@ -93,7 +100,10 @@ def trial_spec(run: Run | dict[str, Any], data: dict[str, Any], study: dict[str,
     config = copy.deepcopy(run.config["pretrain"])
     config.update(data_dir=data["outputs"]["data_dir"],
                   output_dir=_out(run, "sweep", f"trial-{trial['number']}"),
-                  max_steps=steps, checkpoint_interval=every, eval_interval=every)
+                  max_steps=steps, checkpoint_interval=every, eval_interval=every,
+                  # pretraining's retention Params are pretraining's: a trial checkpoints only to
+                  # resume, so its identity (and the step cache's reuse of it) ignores them
+                  **TRIAL_RETENTION)
     config["optim"]["warmup_steps"] = min(config["optim"]["warmup_steps"], steps // 5)
     sweep_stage.apply_best(config, {"params": trial["params"]})
     spec = _spec(run, "sweep", config, data_hash=data["data_hash"],

@@ -178,11 +178,13 @@ def end_run(run_id: str, status: str) -> None:
 
 
 def log_json(run_id: str, data: Any, name: str) -> None:
+    """`data` as the JSON artifact `name` (a path: "gate/decision.json" lands in gate/)."""
+    folder, base = os.path.split(name)
     with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, name)
+        path = os.path.join(tmp, base)
         with open(path, "w") as fh:
             json.dump(data, fh, indent=2, sort_keys=True, default=str)
-        client().log_artifact(run_id, path)
+        client().log_artifact(run_id, path, artifact_path=folder or None)
 
 
 def mark_reused(run_id: str, source: dict[str, str], record: dict[str, Any]) -> None:

@@ -10,8 +10,9 @@ Where each part lives (each imports only the ones above it):
     fields.py     ConfigError, bounded, check, check_bounds, from_dict, to_dict, flatten, field_type
     model.py      the building blocks: ModelConfig, OptimConfig
     data.py       DataPrepConfig and DATA_QUALITY_FILTERS
-    train.py      TrainConfig (and what a fork may change), FinetuneConfig, DistillConfig
-    evaluate.py   EvalConfig
+    train.py      TrainConfig (and what a fork may change), FinetuneConfig, DistillConfig, and
+                  which stages keep their progress in checkpoints (CHECKPOINTED_STAGES)
+    evaluate.py   EvalConfig, the task suite format (SUITE_FORMATS, check_suite_text)
     sweep.py      SweepConfig, LadderConfig, LadderFitConfig
     gate.py       GateConfig and ITEM_METRIC
     lifecycle.py  LifecycleConfig: every stage's section of a run
@@ -22,7 +23,7 @@ Every public name is re-exported here: `from tasks import configs; configs.Train
 from __future__ import annotations
 
 from tasks.configs.data import DATA_QUALITY_FILTERS, DataPrepConfig
-from tasks.configs.evaluate import EvalConfig
+from tasks.configs.evaluate import SUITE_FORMATS, EvalConfig, check_suite_text, suite_item_kind
 from tasks.configs.fields import (
     ConfigError,
     T,
@@ -34,12 +35,13 @@ from tasks.configs.fields import (
     from_dict,
     to_dict,
 )
-from tasks.configs.gate import ITEM_METRIC, GateConfig
+from tasks.configs.gate import ITEM_METRIC, ITEM_METRIC_HELP, GateConfig
 from tasks.configs.lifecycle import LifecycleConfig
 from tasks.configs.model import MODEL_ARCHS, ModelConfig, OptimConfig
 from tasks.configs.recipes import RECIPES, base, demo, gpu, recipe, tiny
 from tasks.configs.sweep import SWEEP_PRUNERS, SWEEP_SAMPLERS, LadderConfig, LadderFitConfig, SweepConfig
 from tasks.configs.train import (
+    CHECKPOINTED_STAGES,
     FORK_KNOBS,
     FORK_PLACES,
     DistillConfig,
@@ -56,9 +58,10 @@ __all__ = [
     "MODEL_ARCHS", "ModelConfig", "OptimConfig",
     "DATA_QUALITY_FILTERS", "DataPrepConfig",
     "FORK_KNOBS", "FORK_PLACES", "fork_refusals", "TrainConfig", "FinetuneConfig", "DistillConfig",
-    "EvalConfig",
+    "CHECKPOINTED_STAGES",
+    "EvalConfig", "SUITE_FORMATS", "check_suite_text", "suite_item_kind",
     "SWEEP_SAMPLERS", "SWEEP_PRUNERS", "SweepConfig", "LadderConfig", "LadderFitConfig",
-    "ITEM_METRIC", "GateConfig",
+    "ITEM_METRIC", "ITEM_METRIC_HELP", "GateConfig",
     "LifecycleConfig",
     # recipes
     "base", "tiny", "demo", "gpu", "RECIPES", "recipe",

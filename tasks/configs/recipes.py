@@ -53,10 +53,12 @@ def tiny() -> LifecycleConfig:
     cfg.distill.student = ModelConfig(vocab_size=300, block_size=32, n_layer=1, n_head=2, n_embd=16)
     cfg.distill.max_steps, cfg.distill.batch_size = 10, 8
     cfg.distill.eval_interval = cfg.distill.checkpoint_interval = 5
-    cfg.evaluate.eval_batches, cfg.evaluate.max_task_examples, cfg.evaluate.max_new_tokens = 2, 20, 8
+    # every val row (118 of 32 tokens): the gate pairs the held-out text document by document
+    cfg.evaluate.eval_batches, cfg.evaluate.max_task_examples, cfg.evaluate.max_new_tokens = 8, 20, 8
     cfg.evaluate.suite_examples = 20
-    # ten steps teach nothing: only refuse what is far worse than guessing (uniform = 300)
-    cfg.gate = GateConfig(min_task_accuracy=0.0, max_perplexity=600.0)
+    # ten steps teach nothing: only refuse what is far worse than guessing (uniform = 300). A
+    # model this small moves by up to 0.8% with its seeds alone (benchmarks/results/gate_noise.json)
+    cfg.gate = GateConfig(min_task_accuracy=0.0, max_perplexity=600.0, margin=0.015)
     return cfg
 
 

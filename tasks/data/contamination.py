@@ -1,14 +1,15 @@
 """The contamination audit: which evaluation items also appear in the training data.
 
 A leaked benchmark inflates every score the gate reads. As the large evaluation reports do
-(GPT-3's and Llama's 13-gram overlap audits), an item counts as seen when any run of N words of
-it (13 by default) occurs in the training text.
+(GPT-3's and Llama 2's 13-gram overlap audits, lm-evaluation-harness's decontamination), an item
+counts as seen when any run of N words of it (13 by default) occurs in the training text.
 
     index   data_dir/ngrams/: per source, the sorted unique 64-bit hashes of every N-word run of
             its text, in `buckets` files by hash range (bucket-BBB.npy), and index.json (written
-            last: the index is complete once it exists). Sources: `pretrain` (the kept documents
-            of the train split, documents/*.parquet) and `sft` (sft/train.jsonl, prompt and
-            completion). Built map/reduce as the dedup index is: each documents file hashes its
+            last: the index is complete once it exists; it names its bucketing and its words, and
+            an index of another version is rebuilt, never read). Sources: `pretrain` (the kept
+            documents of the train split, documents/*.parquet) and `sft` (sft/train.jsonl, prompt
+            and completion). Built map/reduce as the dedup index is: each documents file hashes its
             words into one sorted part (`build_parts`, shared-nothing), then each bucket merges
             its range of every part (`merge_bucket`); a lookup reads only the buckets its hashes
             fall in. Buckets are ranges of the hash, not residues, so a bucket's share of a sorted
@@ -18,9 +19,16 @@ it (13 by default) occurs in the training text.
             Items shorter than N words cannot be checked this way: they are counted as
             `too_short`, never silently passed as clean.
 
-Words: lower-cased runs of letters and digits (`\\w+`), so case, punctuation and whitespace do not
-hide an overlap. Hashes: each word's blake2b (8 bytes), combined over the run with a polynomial
-hash mod 2**64 (vectorised with numpy; a false hit needs a 64-bit collision).
+Words: lm-evaluation-harness's definition (lm_eval/decontamination/janitor.py: Janitor's
+`normalize_string`, then `word_ngrams`' whitespace split): ASCII letters lower-cased, every
+character of string.punctuation deleted, then split on whitespace. So `I/O`, `i.e.`, `os.stat`,
+`test's` and `dbm-like` are one word each (`io`, `ie`, `osstat`, `tests`, `dbmlike`), and a run of
+12 whitespace words is never a 13-gram; case, punctuation and the amount of whitespace do not hide
+an overlap (ASCII only, as in theirs: `É` keeps its case, `—` and `’` are kept). Their two lines
+are mirrored here, not imported: importing their module prints a warning and a traceback whenever
+its C++ extension is missing (pip does not build it), and the index is built in every data-prep
+job. tests/test_contamination.py checks this copy against theirs item for item. Hashes: each word's blake2b (8 bytes), combined over the run with a
+polynomial hash mod 2**64 (vectorised with numpy; a false hit needs a 64-bit collision).
 """
 
 from __future__ import annotations
@@ -28,8 +36,8 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import re
 import shutil
+import string
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
@@ -42,12 +50,15 @@ log = logging.getLogger("tasks.data.contamination")
 
 N = 13
 BUCKETS = 16
-WORD = re.compile(r"\w+")
+# lm-evaluation-harness's Janitor.translation_table (its default delete_chars)
+_JANITOR_TABLE = str.maketrans(string.ascii_lowercase + string.ascii_uppercase,
+                               string.ascii_lowercase * 2, string.punctuation)
 _MULT = np.uint64(0x100000001B3)      # the FNV prime: odd, so the combination is invertible
 
 
 def words(text: str) -> list[str]:
-    return WORD.findall(text.lower())
+    """The text's words as lm-evaluation-harness counts them (module docstring)."""
+    return text.translate(_JANITOR_TABLE).split()
 
 
 def _word_hashes(tokens: list[str], cache: dict[str, int]) -> np.ndarray:
@@ -73,14 +84,16 @@ def gram_hashes(tokens: list[str], n: int, cache: dict[str, int] | None = None) 
     return acc
 
 
-# index.json's "bucketing": how hashes map to buckets. Indexes of older versions (residues mod
-# `buckets`) have none; they are rebuilt, never read with the wrong map.
+# index.json's "bucketing" (how hashes map to buckets) and "words" (how text is split into the
+# words hashed). Indexes of older versions lack them (residues mod `buckets`; lower-cased `\w+`
+# runs, which made `I/O` two words): they are rebuilt, never read with the wrong map or words.
 BUCKETING = "range"
+WORDS = "lm_eval-janitor"
 
 
 def _this_layout(meta: dict) -> bool:
     """Whether an index.json describes an index in this version's layout."""
-    return meta.get("bucketing") == BUCKETING
+    return meta.get("bucketing") == BUCKETING and meta.get("words") == WORDS
 
 
 _HALF = np.uint64(32)
@@ -156,7 +169,7 @@ def build_index(data_dir: str | Path, n: int = N, buckets: int = BUCKETS,
                         "runs": sum(h["runs"] for h in hashed if h["source"] == source),
                         "unique_runs": sum(m["unique"] for m in merged if m["source"] == source)}
                for source in files}
-    index = {"n": n, "buckets": buckets, "bucketing": BUCKETING,
+    index = {"n": n, "buckets": buckets, "bucketing": BUCKETING, "words": WORDS,
              "data_content_hash": manifest.get("content_hash"), "sources": sources}
     write_json(done, index)
     shutil.rmtree(root / "parts", ignore_errors=True)  # the merge's input: the buckets hold it all
@@ -208,7 +221,8 @@ class NgramIndex:
         meta = json.loads((self.root / "index.json").read_text())
         if not _this_layout(meta):
             raise ValueError(f"{self.root} was built by an older version (buckets by "
-                             f"{meta.get('bucketing', 'residue')}, not {BUCKETING}): rebuild it with build_index.")
+                             f"{meta.get('bucketing', 'residue')}, words by {meta.get('words', 'regex')}; "
+                             f"this version: {BUCKETING}, {WORDS}): rebuild it with build_index.")
         self.n, self.buckets, self.sources = int(meta["n"]), int(meta["buckets"]), list(meta["sources"])
         self._loaded: dict[tuple[str, int], np.ndarray] = {}
 

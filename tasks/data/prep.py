@@ -6,7 +6,9 @@
 Inputs (DataPrepConfig.inputs): JSONL, Parquet or text files, directories or globs, local or
 s3://; each entry is a *source* with an optional mix weight (input_weights). A shard, the unit of
 parallelism and of restart, is an input file, or one split of a file larger than split_bytes
-(readers.plan_splits: byte ranges of JSONL and text, row groups of Parquet).
+(readers.plan_splits: byte ranges of JSONL and text, row groups of Parquet). What a run will do,
+its shards, engine and dedup buckets, is planned in tasks/data/planning.py; this module is the
+driver (`prepare`), the per-shard and global steps it runs, and the command line.
 
 Stages (the order they run in; [shard] stages are shared-nothing, one task per shard):
 
@@ -60,7 +62,7 @@ shards in flight. A rerun after the manifest exists is a no-op; one with a diffe
 (engine and workers aside) is refused.
 
 Engines (DataPrepConfig.engine): `auto` (by input size: in this process, `workers`
-processes, or Ray Data on the cluster at RAY_ADDRESS; choose_engine, which logs why), `processes`,
+processes, or Ray Data on the cluster at RAY_ADDRESS; planning.choose_engine, which logs why), `processes`,
 `ray` (Ray Data, local with `workers` CPUs, or the cluster at RAY_ADDRESS) or `local` (in this
 process). Shards, dedup buckets and the documents-and-tokens step run on it.
 
@@ -106,8 +108,10 @@ from tasks.data import report
 from tasks.data.manifest import LENGTH_BINS, pack_and_write_manifest
 from tasks.data.markers import DROPPED_COLUMNS, digest, finished, mark_finished, read_table, schemas, \
     shard_files, write_table
+from tasks.data.planning import choose_engine, dedup_buckets, output_fields, set_line_bases, shard_jobs, \
+    write_dedup_plan
 from tasks.data.split import SplitCuts, SplitPlan, mix_repeats, plan_by_shard, shard_candidates, split_score
-from tasks.data.readers import InputFile, default_id, dropped_record, fingerprint, plan_splits, read_bytes, \
+from tasks.data.readers import InputFile, default_id, dropped_record, fingerprint, read_bytes, \
     read_shard, resolve_inputs
 from tasks.data.pipeline import build_pipeline
 from tasks.data.steps import normalize_text, run_batch
@@ -122,10 +126,6 @@ __all__ = ["EOS", "EOS_ID", "normalize_text", "prepare", "main", "Prepared"]
 
 log = logging.getLogger(__name__)
 
-# Config fields that change where and how the work is spread, not what is written: a data set
-# may be moved, or finished by another engine, without redoing anything.
-LAYOUT_ONLY_FIELDS = ("engine", "workers", "output_dir", "processes_above_bytes", "ray_above_bytes",
-                      "dedup_buckets")
 STAGES = ("all", "shards", "finalize")
 # The phases each stage reports progress by (prepare's `lap`).
 _ALL_PHASES = ("plan", "shards", "dedup", "tokenizer", "documents_and_tokens", "pack_and_manifest",
@@ -233,29 +233,6 @@ def _dropped_columns(records: list[dict], source: str) -> dict[str, list]:
 
 # --------------------------------------------------------------------------------------------
 # Stage 2 (global): exact and near duplicates across all shards.
-
-
-RECORDS_PER_BUCKET = 1 << 22  # hashes + band keys a dedup bucket holds at most (auto): ~100 MB
-
-
-def dedup_buckets(config: DataPrepConfig, shards: list[dict]) -> int:
-    """DataPrepConfig.dedup_buckets, or enough buckets that none holds more than
-    RECORDS_PER_BUCKET keys, and at least one per worker."""
-    if config.dedup_buckets:
-        return config.dedup_buckets
-    records = sum(s["kept"] + s["band_starts"][-1] for s in shards)
-    return max(config.workers, -(-records // RECORDS_PER_BUCKET), 1)
-
-
-def write_dedup_plan(out_dir: Path, shards: list[dict], bands: int) -> np.ndarray:
-    """staging/dedup/plan.npy, what every bucket reads first: per shard, the index of its first
-    document among all shards and where each band starts in its sorted keys. Returns the
-    offsets (with the total last)."""
-    offsets = np.cumsum([0] + [s["kept"] for s in shards]).astype(np.int64)
-    plan = np.array([[offsets[i], *(s["band_starts"] if bands else [0])] for i, s in enumerate(shards)],
-                    dtype=np.int64).reshape(len(shards), -1)
-    atomic_write(out_dir / "staging" / "dedup" / "plan.npy", lambda fh: np.save(fh, plan))
-    return offsets
 
 
 def dedup_bucket(job: dict) -> dict:
@@ -574,18 +551,14 @@ class Prepared:
     engine_reason: str = ""
 
 
-def _output_fields(config: dict) -> dict:
-    return {k: v for k, v in config.items() if k not in LAYOUT_ONLY_FIELDS}
-
-
 def _reuse_or_reset(out_dir: Path, config: DataPrepConfig) -> dict | None:
     """The existing manifest if this config already completed here. Otherwise clear the markers
     of a crashed run made with a different config, so none of its steps is mistaken for done."""
-    wanted = _output_fields(to_dict(config))
+    wanted = output_fields(to_dict(config))
     manifest_path = out_dir / "manifest.json"
     if manifest_path.exists():
         manifest = read_json(manifest_path)
-        if _output_fields(manifest["config"]) == wanted:
+        if output_fields(manifest["config"]) == wanted:
             return manifest
         differ = sorted(k for k in wanted if manifest["config"].get(k) != wanted[k])
         raise ValueError(f"{out_dir} already holds data prepared with a different config "
@@ -601,92 +574,6 @@ def _remove_temporaries(out_dir: Path) -> None:
     """Temporary files a killed run left behind (atomic_write's `.name.*.tmp`)."""
     for tmp in out_dir.rglob(".*.tmp"):
         tmp.unlink(missing_ok=True)
-
-
-def _shard_jobs(config: DataPrepConfig, out_dir: Path, files: list[InputFile],
-                trust_markers: bool = False) -> tuple[list[dict], list[dict]]:
-    """(every shard's job, the jobs whose output is missing or stale): one shard per file, or per
-    split of a large one (readers.plan_splits). With `trust_markers` (the finalize job) a marker
-    for the same input path and split counts as done without comparing fingerprints: that job
-    has copies of the inputs with new timestamps, or none (then the markers tell the splits)."""
-    cfg = to_dict(config)
-    jobs, todo = [], []
-    for file in files:
-        try:
-            fp = fingerprint(file.path)
-            splits = plan_splits(file.path, fp["size"], config.split_bytes)
-        except OSError:
-            if not trust_markers:
-                raise
-            fp, splits = None, _splits_in_markers(out_dir, len(jobs), file.path)
-        for split in splits:
-            index = len(jobs)
-            name = f"shard_{index:05d}"
-            marker = out_dir / "completions" / f"{name}.json"
-            done = read_json(marker) if trust_markers and marker.exists() else None
-            if done and done["input"]["path"] == file.path and done.get("split") == split \
-                    and finished(out_dir, name, done["key"]):
-                jobs.append(_job(index, file, split, done["input"], done["key"], out_dir, cfg, len(splits)))
-                continue
-            if fp is None:
-                fp = fingerprint(file.path)  # not there: the error names the file
-            job = _job(index, file, split, fp, digest(fp, split, _output_fields(cfg)), out_dir, cfg, len(splits))
-            jobs.append(job)
-            if not finished(out_dir, name, job["key"]):
-                todo.append(job)
-    return jobs, todo
-
-
-def _job(index: int, file: InputFile, split: dict | None, fp: dict, key: str, out_dir: Path, cfg: dict,
-         n_splits: int) -> dict:
-    size = split["end"] - split["start"] if split and "start" in split else fp["size"] // n_splits
-    return {"index": index, "file": file.__dict__, "split": split, "bytes": size, "fingerprint": fp,
-            "key": key, "out_dir": str(out_dir), "config": cfg}
-
-
-def _splits_in_markers(out_dir: Path, first: int, path: str) -> list[dict | None]:
-    """The splits of `path` as its shards' markers recorded them, from shard `first` on."""
-    splits = []
-    while (marker := out_dir / "completions" / f"shard_{first + len(splits):05d}.json").exists():
-        done = read_json(marker)
-        if done["input"]["path"] != path:
-            break
-        splits.append(done.get("split"))
-    if not splits:
-        raise FileNotFoundError(f"{path}: no such input file, and no shard marker for it in {out_dir}/completions.")
-    return splits
-
-
-def _set_line_bases(jobs: list[dict], shards: list[dict]) -> None:
-    """Each split's line_base: the lines (or rows) of the file's splits before it."""
-    base, path = 0, None
-    for job, shard in zip(jobs, shards):
-        if job["file"]["path"] != path:
-            base, path = 0, job["file"]["path"]
-        job["line_base"] = base
-        base += shard["lines"]
-
-
-def choose_engine(config: DataPrepConfig, input_bytes: int) -> tuple[str, str]:
-    """(engine, why): DataPrepConfig.engine, or with "auto", by input size:
-    - Ray Data when a Ray cluster is there to use (RAY_ADDRESS) and the input reaches
-      ray_above_bytes: other machines' cores are worth Ray's start-up;
-    - in this process with one worker, or below processes_above_bytes, where starting workers costs
-      more than they save;
-    - otherwise `workers` processes (this one and a pool). On one machine it spreads the same shards as a local
-      Ray would, without Ray's 5-10 s start-up (benchmarks/data_prep_bench.py measures both)."""
-    if config.engine != "auto":
-        return config.engine, f"engine={config.engine!r} in the config"
-    size = f"{input_bytes / 1e6:.1f} MB of input"
-    if os.environ.get("RAY_ADDRESS") and input_bytes >= config.ray_above_bytes:
-        return "ray", (f"{size} >= ray_above_bytes = {config.ray_above_bytes / 1e6:.1f} MB: Ray Data "
-                       "on the cluster at RAY_ADDRESS")
-    if config.workers == 1:
-        return "local", f"{size}, one worker: in-process"
-    limit = f"processes_above_bytes = {config.processes_above_bytes / 1e6:.1f} MB"
-    if input_bytes < config.processes_above_bytes:
-        return "local", f"{size} < {limit}: in-process, no workers to start"
-    return "processes", f"{size} >= {limit}: {config.workers} worker processes"
 
 
 def prepare(config: DataPrepConfig, stage: str = "all") -> Prepared:
@@ -728,7 +615,7 @@ def prepare(config: DataPrepConfig, stage: str = "all") -> Prepared:
     else:  # the demo corpus is one source, its files labelled by name
         files = [InputFile(p, 0, Path(p).name) for p in _demo_corpus(config, out_dir)]
     sft_train, sft_eval = _sft_set(config, out_dir)
-    jobs, todo = _shard_jobs(config, out_dir, files, trust_markers=stage == "finalize")
+    jobs, todo = shard_jobs(config, out_dir, files, trust_markers=stage == "finalize")
     if stage == "shards":
         rank, hosts = host_share()
         todo = [job for job in todo if job["index"] % hosts == rank]
@@ -754,7 +641,7 @@ def prepare(config: DataPrepConfig, stage: str = "all") -> Prepared:
         log.info("%d input shards, %d to process with engine=%s", len(jobs), len(todo), engine.name)
         engine.map(process_shard, todo)
         shards = [read_json(out_dir / "completions" / f"shard_{j['index']:05d}.json") for j in jobs]
-        _set_line_bases(jobs, shards)
+        set_line_bases(jobs, shards)
         lap("shards")
 
         dedup_key = digest([s["key"] for s in shards], config.exact_dedup, config.near_dedup)

@@ -9,6 +9,10 @@ A suite is a JSONL file; its name is the file's stem. Each line is one item, of 
     {"prompt": "Q: What number comes after 41?\\nA:", "answer": " 42"}
         generation, scored by exact match of the greedy answer (up to the first newline)
 
+Either kind may carry a `passage` (any string or number): items with the same passage share a
+text (several questions about one document), so the gate counts them as one cluster, not as
+independent items (plugins/llmops/paired.py).
+
 Nothing is downloaded: suites are files in the repo, made by data prep, or written by
 `write_demo_suites` from a prepared data dir (a multiple-choice version of the held-out SFT task
 and a prose cloze from the held-out documents, which shows lost general ability directly).
@@ -29,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from tasks.common.io import atomic_write
+from tasks.configs.evaluate import suite_item_kind
 from tasks.train.data import SFTExample, read_jsonl
 from tasks.train.runtime import autocast
 
@@ -47,10 +52,17 @@ class Suite:
         return len(self.choice_items) + len(self.generation_items)
 
 
-def suite_files(paths: list[str]) -> list[Path]:
-    """Suite files from files and directories (every *.jsonl inside), in a stable order."""
+def suite_files(paths: list[str], work_dir: str | Path | None = None) -> list[Path]:
+    """Suite files from files, directories (every *.jsonl inside) and s3:// URIs of either
+    (downloaded into work_dir/suites_in first), in a stable order."""
     found: list[Path] = []
-    for p in map(Path, paths):
+    for entry in paths:
+        if str(entry).startswith("s3://"):
+            if work_dir is None:
+                raise ValueError(f"suite {entry}: an s3:// suite needs a work dir to download into.")
+            found += _from_s3(str(entry), Path(work_dir) / "suites_in")
+            continue
+        p = Path(entry)
         if p.is_dir():
             found += sorted(p.glob("*.jsonl"))
         elif p.is_file():
@@ -64,24 +76,38 @@ def suite_files(paths: list[str]) -> list[Path]:
     return found
 
 
+def _from_s3(uri: str, into: Path) -> list[Path]:
+    """The object `uri` (a .jsonl key) or every .jsonl object under the prefix `uri`/."""
+    import boto3
+
+    from tasks.uris import split_s3
+
+    bucket, key = split_s3(uri)
+    client = boto3.client("s3")
+    if key.endswith(".jsonl"):
+        keys = [key]
+    else:
+        prefix = key.rstrip("/") + "/" if key else ""
+        pages = client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
+        keys = sorted(o["Key"] for page in pages for o in page.get("Contents", [])
+                      if o["Key"].endswith(".jsonl") and "/" not in o["Key"][len(prefix):])
+        if not keys:
+            raise FileNotFoundError(f"suite {uri} holds no .jsonl objects.")
+    out = []
+    for k in keys:
+        target = into / bucket / k
+        target.parent.mkdir(parents=True, exist_ok=True)
+        body = client.get_object(Bucket=bucket, Key=k)["Body"].read()
+        out.append(atomic_write(target, lambda fh, data=body: fh.write(data)))
+    return out
+
+
 def load_suite(path: str | Path, limit: int | None = None) -> Suite:
     path = Path(path)
     choice, generation = [], []
     for i, item in enumerate(read_jsonl(path)[:limit]):
-        where = f"{path}:{i + 1}"
-        if "choices" in item:
-            ok = (isinstance(item.get("query"), str) and isinstance(item["choices"], list)
-                  and len(item["choices"]) >= 2 and all(isinstance(c, str) and c for c in item["choices"])
-                  and isinstance(item.get("gold"), int) and 0 <= item["gold"] < len(item["choices"]))
-            if not ok:
-                raise ValueError(f"{where}: a multiple-choice item needs a string 'query', two or "
-                                 "more non-empty string 'choices' and an int 'gold' indexing them.")
-            choice.append(item)
-        elif isinstance(item.get("prompt"), str) and isinstance(item.get("answer"), str):
-            generation.append(item)
-        else:
-            raise ValueError(f"{where}: expected {{query, choices, gold}} or {{prompt, answer}}, "
-                             f"got keys {sorted(item)}.")
+        kind = suite_item_kind(item, f"{path}:{i + 1}")
+        (choice if kind == "choice" else generation).append(item)
     if not choice and not generation:
         raise ValueError(f"suite {path} holds no items.")
     return Suite(path.stem, path, choice, generation)
@@ -196,14 +222,23 @@ def item_id(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def item_results(ids: list[str], correct: list[bool]) -> dict[str, Any]:
+def item_results(ids: list[str], correct: list[bool],
+                 passages: list[Any] | None = None) -> dict[str, Any]:
     """Per-item results in a compact form for the job result and the gate: the items' digest (two
-    models were scored on the same items, in the same order, exactly when their digests match)
-    and one character per item."""
+    models were scored on the same items, in the same order, exactly when their digests match),
+    one character per item, and, when items share passages, each item's passage (`clusters`)."""
     if len(ids) != len(correct):
         raise ValueError(f"{len(ids)} item ids but {len(correct)} results")
-    return {"n": len(ids), "items": hashlib.sha256("\n".join(ids).encode()).hexdigest()[:16],
-            "correct": "".join("1" if ok else "0" for ok in correct)}
+    out = {"n": len(ids), "items": hashlib.sha256("\n".join(ids).encode()).hexdigest()[:16],
+           "correct": "".join("1" if ok else "0" for ok in correct)}
+    if passages and any(p is not None for p in passages):
+        out["clusters"] = [f"p:{p}" if p is not None else f"i:{i}" for i, p in enumerate(passages)]
+    return out
+
+
+def suite_passages(items: list[dict[str, Any]]) -> list[Any]:
+    """Each item's `passage` (None without one), in the order of the items given."""
+    return [item.get("passage") for item in items]
 
 
 # -- demo suites from a prepared data dir ---------------------------------------------------------
@@ -259,21 +294,23 @@ def write_demo_suites(data_dir: str | Path, out_dir: str | Path, n_items: int, s
         if end > start:
             docs.append(tokenizer.decode(stream[start:end].tolist()))
         start = end + 1
-    spans = []  # (context, continuation): 24 words, then the next 6, every 30 words of a doc
-    for text in docs:
+    spans = []  # (document, context, continuation): 24 words, then the next 6, every 30 words
+    for doc, text in enumerate(docs):
         words = text.split()
         for at in range(0, len(words) - 29, 30):
             context, truth = " ".join(words[at:at + 24]), " " + " ".join(words[at + 24:at + 30])
             if "\ufffd" not in context + truth:  # a token cut mid-character at a stream edge
-                spans.append((context, truth))
+                spans.append((doc, context, truth))
     items = []
-    for i, (context, truth) in enumerate(spans[:n_items]):
-        pool = [s[1] for j, s in enumerate(spans) if j != i and s[1] != truth]
+    for i, (doc, context, truth) in enumerate(spans[:n_items]):
+        pool = [s[2] for j, s in enumerate(spans) if j != i and s[2] != truth]
         if len(pool) < 3:
             break
         choices = [truth, *rng.sample(pool, 3)]
         rng.shuffle(choices)
-        items.append({"query": context, "choices": choices, "gold": choices.index(truth)})
+        # the spans of one document share its text: one cluster for the gate's interval
+        items.append({"query": context, "choices": choices, "gold": choices.index(truth),
+                      "passage": doc})
     if items:
         written.append(_write_jsonl(out_dir / "prose_cloze.jsonl", items))
     log.info("demo suites: %s", {p.stem: sum(1 for _ in open(p)) for p in written})

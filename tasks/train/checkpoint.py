@@ -17,6 +17,7 @@ the directory into place. The manifest's "layout" says which one a checkpoint is
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -39,6 +40,7 @@ log = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
 SHARDED = "dcp"  # manifest "layout" of a torch.distributed.checkpoint checkpoint
+SHARD_SUFFIX = ".distcp"  # a rank's shard file of a sharded checkpoint (the rest every rank reads)
 _STEP_DIR = re.compile(r"^step_(\d{6,})$")
 
 
@@ -415,7 +417,9 @@ class Checkpointer:
         """The newest checkpoint to resume from: valid (a corrupt or partial local copy is
         skipped, or replaced by the mirror's copy), at or before max_step, and not trained on
         any batch in `skipped` (batches marked bad after it was saved). A checkpoint only the
-        mirror has (a replaced node, a wiped disk) is downloaded first."""
+        mirror has (a replaced node, a wiped disk) is fetched first: whole, or, when the job
+        reads shards per rank (FSDP) and the checkpoint is sharded, only the files every rank
+        reads, each rank then fetching its own shards as it loads them (fetch_files)."""
         self.wait()
         if self.group is not None:
             # a sharded save that never committed; no rank writes until this choice is shared
@@ -427,7 +431,7 @@ class Checkpointer:
             if max_step is not None and step > max_step:
                 continue
             path = local.get(step)
-            problem = verify_checkpoint(path) if path is not None else "not on local disk"
+            problem = self._usable(path) if path is not None else "not on local disk"
             if problem is not None and step in remote:
                 log.warning("checkpoint step %d: %s; fetching it from %s", step, problem,
                             self.mirror.uri)
@@ -442,10 +446,23 @@ class Checkpointer:
             return path
         return None
 
+    def _per_rank_shards(self) -> bool:
+        """Whether each rank restores its own shards from the mirror (FSDP with a mirror)."""
+        return self.group is not None and self.mirror is not None
+
+    def _usable(self, path: Path) -> str | None:
+        """None if `path` can be restored from: whole and verified, or, where each rank fetches
+        its own shards, a sharded copy whose shared files are there and verified."""
+        problem = verify_checkpoint(path)
+        if problem is None or not self._per_rank_shards():
+            return problem
+        return _verify_shared(path) or None
+
     def ensure_local(self, path: str | Path) -> Path:
-        """`path` on this machine: another node's rank 0 chose it; fetch it from the mirror."""
+        """`path` on this machine: another node's rank 0 chose it; fetch it from the mirror
+        (for a sharded one read per rank, its shared files only: see fetch_files)."""
         path = Path(path)
-        if verify_checkpoint(path) is None:
+        if self._usable(path) is None:
             return path
         if self.mirror is None:
             raise FileNotFoundError(
@@ -458,23 +475,91 @@ class Checkpointer:
                                f"bad: {problem}")
         return fetched
 
+    def fetch_files(self, path: str | Path, names: list[str] | None = None) -> None:
+        """Have these files of checkpoint `path` (default: all it lists) on this node, fetching
+        the missing ones from the mirror, verified before they appear. A sharded restore calls
+        it with the shard files its rank's load plan reads (tasks/train/distributed.py), so the
+        ranks of a new attempt fetch their own parts in parallel instead of each node fetching
+        every rank's."""
+        path = Path(path)
+        files = read_json(path / MANIFEST)["files"]
+        names = sorted(files) if names is None else sorted(names)
+        missing = [n for n in names if not (path / n).is_file()
+                   or (path / n).stat().st_size != files[n]["bytes"]]
+        if not missing:
+            return
+        if self.mirror is None:
+            raise FileNotFoundError(f"checkpoint {path} lacks {missing[:5]} and has no mirror to "
+                                    "fetch them from.")
+        self.mirror.download_files(int(path.name[len("step_"):]), path, missing,
+                                   progress=self.on_progress, expected=files)
+
     def _fetch(self, step: int) -> tuple[Path, str | None]:
+        """Fetch a step from the mirror: whole, or its shared files (see find_resume). One rank
+        of a node fetches; the node's other ranks wait for it and find it there."""
         final = self.root / f"step_{step:06d}"
-        tmp = self.root / f".tmp-{final.name}-download-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
         self.root.mkdir(parents=True, exist_ok=True)
-        try:
-            self.mirror.download(step, tmp, progress=self.on_progress)
-            problem = verify_checkpoint(tmp)
-            if problem is not None:
-                return final, f"the mirror's copy is bad too: {problem}"
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-            fsync_dir(self.root)
-            return final, None
-        finally:
+        with _node_lock(self.root / f".fetch-{final.name}.lock"):
+            if final.is_dir() and self._usable(final) is None:   # another rank of this node
+                return final, None
+            tmp = self.root / f".tmp-{final.name}-download-{os.getpid()}"
             shutil.rmtree(tmp, ignore_errors=True)
+            try:
+                if self._per_rank_shards():
+                    self.mirror.download_files(step, tmp, [MANIFEST], progress=self.on_progress)
+                    manifest = read_json(tmp / MANIFEST)
+                    if manifest.get("layout") == SHARDED:
+                        shared = [n for n in manifest["files"] if not n.endswith(SHARD_SUFFIX)]
+                        self.mirror.download_files(step, tmp, shared, progress=self.on_progress,
+                                                   expected=manifest["files"])
+                    else:
+                        shutil.rmtree(tmp)
+                        self.mirror.download(step, tmp, progress=self.on_progress)
+                else:
+                    self.mirror.download(step, tmp, progress=self.on_progress)
+                problem = self._usable(tmp)
+                if problem is not None:
+                    return final, f"the mirror's copy is bad too: {problem}"
+                if final.exists():
+                    shutil.rmtree(final)
+                os.replace(tmp, final)
+                fsync_dir(self.root)
+                return final, None
+            except ValueError as exc:   # a file that does not match its manifest entry
+                return final, f"the mirror's copy is bad too: {exc}"
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _verify_shared(path: Path) -> str | None:
+    """None when a sharded checkpoint's files other than its shards (manifest, DCP's index, the
+    trainer state, the config) are there and match the manifest."""
+    try:
+        manifest = read_json(path / MANIFEST)
+    except (OSError, ValueError) as exc:
+        return f"unreadable manifest ({exc.__class__.__name__}: {exc})"
+    if manifest.get("layout") != SHARDED:
+        return "not a sharded checkpoint"
+    for name, info in manifest["files"].items():
+        if name.endswith(SHARD_SUFFIX):
+            continue
+        f = path / name
+        if not f.is_file() or f.stat().st_size != info["bytes"] or sha256_file(f) != info["sha256"]:
+            return f"{name} is missing or fails its sha256"
+    return None
+
+
+@contextlib.contextmanager
+def _node_lock(path: Path):
+    """An exclusive lock shared by the processes of this node (the ranks sharing `root`)."""
+    import fcntl
+
+    with open(path, "a+") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def _trained_on_skipped(path: Path, skipped: set[int] | frozenset[int]) -> str | None:

@@ -301,17 +301,34 @@ def sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[st
     return {"model": model_state, "optimizer": optim_state}
 
 
-def load_sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer, path: str | os.PathLike
-                       ) -> None:
+def load_sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer, path: str | os.PathLike,
+                       fetch: Callable[[list[str]], None] | None = None) -> None:
     """FSDP: read this rank's shards of a checkpoint written by torch.distributed.checkpoint,
-    whatever world size wrote it (DCP reshards), into the model and optimizer."""
+    whatever world size wrote it (DCP reshards), into the model and optimizer. fetch(names), if
+    given, is called with the files this rank's load plan reads before they are read: a rank
+    restoring on a fresh node fetches exactly its own part, in parallel with the other ranks."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
     state = sharded_state(model, optimizer)
-    dcp.load(state, checkpoint_id=os.fspath(path))
+    if fetch is None:
+        dcp.load(state, checkpoint_id=os.fspath(path))
+    else:
+        dcp.load(state, storage_reader=_fetching_reader(path, fetch))
     set_state_dict(model, optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optimizer"])
+
+
+def _fetching_reader(path: str | os.PathLike, fetch: Callable[[list[str]], None]) -> Any:
+    """DCP's file reader, calling fetch(files) with the files of the rank's plan first."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    class FetchingReader(FileSystemReader):
+        def read_data(self, plan: Any, planner: Any) -> Any:
+            fetch(sorted({self.storage_data[item.storage_index].relative_path for item in plan.items}))
+            return super().read_data(plan, planner)
+
+    return FetchingReader(os.fspath(path))
 
 
 def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict,

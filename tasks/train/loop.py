@@ -15,7 +15,9 @@ Pretraining adds, through LoopOptions:
     applying the update;
   - checkpoints written in the background, optionally mirrored to S3;
   - fault injection, events, step timestamps and a heartbeat for the supervisor and goodput.
-Without options the loop behaves as it always has: one process, NaN fails fast.
+Without options the loop behaves as it always has: one process, NaN fails fast. Fine-tuning and
+distillation take `one_process_options`: the S3 write-through of their checkpoints and the
+injected faults, nothing else.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from tasks.train.faults import FaultInjector
 from tasks.train.guard import DEFAULT_MIN_RATIO, Anomaly, SpikeGuard, UnrecoverableAnomaly
 from tasks.train.losses import LossFn
 from tasks.train.runtime import autocast, maybe_compile, rng_state, set_rng_state
+from tasks.train.s3 import mirror_for
 from tasks.train.schedule import lr_at
 
 log = logging.getLogger(__name__)
@@ -62,6 +65,7 @@ class LoopConfig(Protocol):
     eval_interval: int
     checkpoint_interval: int
     keep_checkpoints: int
+    checkpoint_uri: str  # "" or s3://...: every checkpoint written through there as it commits
     log_interval: int
 
 
@@ -126,6 +130,16 @@ class LoopResult:
     trained_at: float = 0.0  # wall time when the final checkpoint was committed (the end of training)
     paused_at: int | None = None  # the step the job paused after, on request (its checkpoint)
     pause_request: dict[str, Any] | None = None  # the marker's content (tasks/train/pause.py)
+
+
+def one_process_options(cfg: LoopConfig) -> LoopOptions:
+    """The options of a stage that trains in one process (fine-tuning, distillation): its
+    checkpoints written through to cfg.checkpoint_uri as pretraining's are, so a new attempt on
+    a fresh node resumes from there, and the faults LLMOPS_FAULTS asks for (tasks/train/faults.py;
+    with no event log here, a fault fires again in a process that inherits the variable)."""
+    faults = FaultInjector.from_env(0, None)
+    return LoopOptions(checkpoint_mirror=mirror_for(cfg.checkpoint_uri),
+                       faults=faults if faults else None)
 
 
 def build_optimizer(model: nn.Module, optim: OptimConfig, device: torch.device) -> torch.optim.AdamW:
@@ -397,10 +411,13 @@ class _Trainer:
     def _load(self, path: Path) -> None:
         assert self.optimizer is not None
         if self.fsdp and ckpt.is_sharded(path):
-            # this rank's shards only, resharded by DCP when another world size wrote them
-            load_sharded_state(self.model, self.optimizer, path)
+            # this rank's shards only, resharded by DCP when another world size wrote them, and
+            # fetched from the mirror as DCP plans to read them (a fresh node has none of them)
+            load_sharded_state(self.model, self.optimizer, path,
+                               fetch=lambda names: self.checkpointer.fetch_files(path, names))
             trainer = ckpt.read_part(path, "trainer")
         else:
+            self.checkpointer.fetch_files(path)   # a copy fetched for shard reads: all of it
             # onto the CPU first: RNG states must stay CPU tensors, and load_state_dict copies the
             # weights and optimizer moments onto the parameters' device anyway
             state = ckpt.load_checkpoint(path, map_location="cpu")
@@ -410,6 +427,9 @@ class _Trainer:
                 self.model.load_state_dict(state["model"])
                 self.optimizer.load_state_dict(state["optimizer"])
             trainer = state["trainer"]
+        check_resume = getattr(self.get_batch, "check_resume", None)
+        if check_resume is not None:   # the same sample order, or the cursor means other rows
+            check_resume(trainer.get("data_seen"))
         self.step = int(trainer["step"])
         self.cursor = int(trainer.get("data_cursor", self.step))
         self.skipped |= set(trainer.get("skipped_batches", []))

@@ -84,11 +84,11 @@ def _setup(cfg: TrainConfig, env: WorkerEnv, *, warm: bool = False) -> _Setup:
     from tasks.train.runtime import peak_flops, pick_device, seed_everything
 
     device = pick_device(env.local_rank if env.world_size > 1 else None)
-    data = DataDir(cfg.data_dir)
+    data = DataDir(cfg.data_dir, cache_gb=cfg.stream_cache_gb)   # an s3:// one streams its shards
     data.check_tokenizer()
     check_model_fits_data(cfg.model, data.vocab_size, data.seq_len)
     accumulation = cfg.accumulation_steps(data.seq_len, env.world_size)  # refused here, not later
-    train_rows, val_rows = data.split("train"), data.split("val")
+    train_rows, val_rows = data.split("train", cfg.shuffle_block_rows), data.split("val")
     if warm:
         import matplotlib.pyplot  # noqa: F401 - imported for its import time
         import mlflow
@@ -146,6 +146,7 @@ def _train(cfg: TrainConfig, setup: _Setup, env: WorkerEnv, *, stage: str, publi
     from tasks.train.loop import LoopOptions, train
     from tasks.causal_lm import position_params
     from tasks.train.runtime import gpt_flops_per_token
+    from tasks.train.s3 import mirror_for
     from tasks.train.scoring import shard_loss
 
     device, data, model = setup.device, setup.data, setup.model
@@ -159,11 +160,7 @@ def _train(cfg: TrainConfig, setup: _Setup, env: WorkerEnv, *, stage: str, publi
     dist = DistContext.from_env(device, parallelism=cfg.parallelism,
                                 timeout_s=collective_timeout_s(cfg))
     rank, world = (dist.rank, dist.world_size) if dist else (0, 1)
-    mirror = None
-    if cfg.checkpoint_uri:
-        from tasks.train.s3 import S3Mirror
-
-        mirror = S3Mirror(cfg.checkpoint_uri)
+    mirror = mirror_for(cfg.checkpoint_uri)
     faults = FaultInjector.from_env(rank, events)
     health = JobHealth(health_settings(cfg), state_file=run_dir / "health.json",
                        faults=faults if faults else None)
@@ -207,7 +204,8 @@ def _train(cfg: TrainConfig, setup: _Setup, env: WorkerEnv, *, stage: str, publi
         result = train(
             model=model, cfg=cfg, device=device, resolved_config=to_dict(cfg),
             get_batch=PretrainBatches(setup.train_rows, cfg.batch_size, cfg.seed, rank, world,
-                                      setup.accumulation),
+                                      setup.accumulation, order=cfg.sample_order,
+                                      window_blocks=cfg.shuffle_window_blocks),
             loss_fn=cross_entropy, on_eval=on_eval, options=options, tracking=run is not None,
             evaluate=lambda m: {"val_loss": shard_loss(m, val_rows, cfg.batch_size,
                                                        cfg.eval_batches, device)})
@@ -258,7 +256,7 @@ def _paused_result(run_dir: Path, result: Any, run: Any, cfg: TrainConfig) -> di
     report = _report(run_dir, result)
     checkpoints = str(Path(cfg.output_dir) / "checkpoints")
     out: dict[str, Any] = {
-        "paused": True, "paused_at_step": result.paused_at,
+        "paused": True, "paused_at_step": result.paused_at, "max_steps": cfg.max_steps,
         "pause_request": result.pause_request,
         "metrics": {"step": result.step, "paused_at_step": result.paused_at,
                     "train_loss": result.train_loss, "tokens_per_s": result.tokens_per_s,

@@ -24,12 +24,13 @@ from __future__ import annotations
 import logging
 import os
 import random
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Collection
 
-from tasks.common.io import read_json
+from tasks.common.io import read_json, sha256_file
 from tasks.train.retention import prunable
 from tasks.uris import split_s3
 
@@ -63,6 +64,11 @@ def _retryable(exc: Exception) -> bool:
         status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
         return error.get("Code") in _RETRY_CODES or status in (500, 502, 503, 504)
     return False
+
+
+def mirror_for(uri: str) -> "S3Mirror | None":
+    """The write-through of a stage's checkpoints to its `checkpoint_uri`; None without one."""
+    return S3Mirror(uri) if uri else None
 
 
 class S3Mirror:
@@ -215,6 +221,32 @@ class S3Mirror:
         for file in read_json(manifest)["files"]:
             self._get(self._key(name, file), dest / file, progress)
         return dest
+
+    def download_files(self, step: int, dest: Path, names: list[str],
+                       progress: BytesMoved | None = None,
+                       expected: dict[str, dict[str, Any]] | None = None) -> None:
+        """Fetch some files of a step into dest, several at once: one rank's shards of a sharded
+        checkpoint, or the small files every rank reads. Each goes to a temporary name and is
+        renamed into place only after it matches its `expected` manifest entry (size, sha256),
+        so a reader never sees a partial or corrupt file under its own name."""
+        name = f"step_{step:06d}"
+        dest.mkdir(parents=True, exist_ok=True)
+
+        def one(file: str) -> None:
+            tmp = dest / f".{file}.{os.getpid()}.{threading.get_ident()}.download"
+            try:
+                self._get(self._key(name, file), tmp, progress)
+                entry = (expected or {}).get(file)
+                if entry is not None and (tmp.stat().st_size != entry["bytes"]
+                                          or sha256_file(tmp) != entry["sha256"]):
+                    raise ValueError(f"{self.uri}/{name}/{file} does not match its manifest entry "
+                                     "(size or sha256): the mirror's copy is bad.")
+                os.replace(tmp, dest / file)
+            finally:
+                tmp.unlink(missing_ok=True)
+
+        with ThreadPoolExecutor(max(1, min(self.parallel_parts, len(names)))) as pool:
+            list(pool.map(one, names))
 
     def _get(self, key: str, path: Path, progress: BytesMoved | None = None) -> None:
         progress = progress or _no_progress

@@ -41,8 +41,8 @@ import numpy as np
 
 from tasks.common.io import read_json
 from tasks.train import checkpoint as ckpt
-from tasks.train.data import (DataDir, EpochSampler, PretrainBatches, TokenRows, content_hash,
-                              read_jsonl)
+from tasks.train.data import (BlockShuffleSampler, DataDir, EpochSampler, PretrainBatches,
+                              TokenRows, content_hash, read_jsonl, sampler_of)
 
 
 def record(checkpoint_dir: str | Path, data_dir: str | Path | None = None) -> dict[str, Any]:
@@ -95,8 +95,10 @@ def _derived(path: Path, trainer: dict[str, Any], data_dir: str | Path | None) -
                          f"and {data_dir} give {configured}: not the data it trained on, or a "
                          "config that is not its own; what it saw cannot be derived.")
     # the very reader the job trained with, so the record is the one it would have written
+    # checkpoints without data_seen were all trained in the global permutation (block shuffling
+    # came later, and records itself)
     reader = PretrainBatches(data.split("train"), batch, int(config["seed"]), world_size=world,
-                             accumulation=configured // (batch * world))
+                             accumulation=configured // (batch * world), order="global_permutation")
     seen = reader.seen(int(trainer["data_cursor"]), set(trainer.get("skipped_batches", [])))
     # the data it trained on, where readable here (rows_of checks data_dir's hash against it);
     # else the record vouches for no data and only the row count is checked
@@ -115,19 +117,15 @@ def _same_data(drawn: dict[str, Any], data: DataDir) -> None:
                          "data dir it trained on (its config.json's data_dir).")
 
 
-def _drawn(n: int, global_batch: int, seed: int, batches: list[list[int]]) -> np.ndarray:
-    """Sorted unique indices (of n items) that the epoch sampler gave the trained batches."""
+def _drawn(n: int, global_batch: int, seed: int, batches: list[list[int]],
+           sampler: EpochSampler | BlockShuffleSampler | None = None) -> np.ndarray:
+    """Sorted unique indices (of n items) that the sampler (the epoch sampler unless given) gave
+    the trained batches."""
     if not batches or not global_batch:
         return np.zeros(0, dtype=np.int64)
     positions = np.concatenate([np.arange(a * global_batch, b * global_batch, dtype=np.int64)
                                 for a, b in batches])
-    sampler = EpochSampler(n, global_batch, seed)
-    epochs = positions // n
-    out = np.empty_like(positions)
-    for e in np.unique(epochs).tolist():
-        mask = epochs == e
-        out[mask] = sampler._perm(e)[positions[mask] % n]
-    return np.unique(out)
+    return np.unique((sampler or EpochSampler(n, global_batch, seed)).at(positions))
 
 
 def consumed_rows(checkpoint_dir: str | Path, data_dir: str | Path) -> np.ndarray:
@@ -144,11 +142,12 @@ def rows_of(seen: dict[str, Any], data_dir: str | Path) -> np.ndarray:
         return np.zeros(0, dtype=np.int64)
     data = DataDir(data_dir)
     _same_data(drawn, data)
-    rows = data.split("train").rows
-    if rows != int(drawn["rows"]):
-        raise ValueError(f"{data_dir} has {rows} train rows; the checkpoint trained on data with "
-                         f"{drawn['rows']}: not the same data.")
-    return _drawn(rows, int(drawn["global_batch"]), int(drawn["seed"]), drawn["batches"])
+    split = data.split("train")
+    if split.rows != int(drawn["rows"]):
+        raise ValueError(f"{data_dir} has {split.rows} train rows; the checkpoint trained on data "
+                         f"with {drawn['rows']}: not the same data.")
+    return _drawn(split.rows, int(drawn["global_batch"]), int(drawn["seed"]), drawn["batches"],
+                  sampler_of(drawn, split))
 
 
 def example_ids(sft_files: list[str | Path]) -> list[str]:

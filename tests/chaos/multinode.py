@@ -1,8 +1,9 @@
 """Multi-node jobs in the simulators (tests/chaos/fake_aws/, fake_eks.py) through the project's
 own backends: one fake AWS with the data set in its S3, a Batch queue, and one Platform per backend
 (Batch, SageMaker, HyperPod with either job kind) that says how to read a job's log lines, when it
-ended, how to lose one of its nodes and how the run goes on after that. Shared by
-tests/test_multinode_no_shared_disk.py, tests/test_multiweek.py (a whole run of one spec across its
+ended, how to lose one of its nodes and how the run goes on after that, and one run that loses a
+node mid-run (lose_a_node_mid_run). Shared by tests/test_multinode_no_shared_disk.py,
+tests/test_node_loss_every_stage.py, tests/test_multiweek.py (a whole run of one spec across its
 attempts: Platform.attempts and what follows) and benchmarks/multinode_end_of_job.py.
 """
 
@@ -19,7 +20,7 @@ from typing import Any, Callable, Iterator
 
 import boto3
 
-from llmops.jobs.backends import JobState
+from llmops.jobs.backends import JobState, remote
 from llmops.jobs.spec import JobSpec, job_name
 from tasks.configs import tiny, to_dict
 from tests.aws_fixtures import DUMMY_CREDENTIALS, IMAGE, REGION, free_port, sagemaker_settings
@@ -89,16 +90,47 @@ def moto(server: FakeAws, service: str):
                         aws_access_key_id="testing", aws_secret_access_key="testing")
 
 
+def upload_dir(server: FakeAws, local: Path, key_prefix: str) -> str:
+    """Every file under `local` to s3://BUCKET/key_prefix/; that URI."""
+    s3 = moto(server, "s3")
+    for path in sorted(local.rglob("*")):
+        if path.is_file():
+            s3.upload_file(str(path), BUCKET, f"{key_prefix}/{path.relative_to(local).as_posix()}")
+    return f"s3://{BUCKET}/{key_prefix}"
+
+
 def pretrain_spec(prefix: str, *, max_steps: int, interval: int, faults: str = "",
                   **changes: Any) -> JobSpec:
     """A tiny 2-node pretraining job reading s3://BUCKET/data and writing under s3://BUCKET/prefix,
-    a log line per step and a checkpoint every `interval` steps."""
+    a log line per step and a checkpoint every `interval` steps. Its config does not name
+    checkpoint_uri, as a DAG author's spec relying on the defaults does not: the stage decides
+    that its checkpoints leave the node (tasks.configs.CHECKPOINTED_STAGES)."""
     config = to_dict(tiny().pretrain)
     config.update(data_dir=f"s3://{BUCKET}/data", output_dir=f"s3://{BUCKET}/{prefix}/pretrain",
                   max_steps=max_steps, checkpoint_interval=interval, eval_interval=30,
                   log_interval=1, hot_spare=False, max_restarts=0, hang_timeout_s=600.0)
+    del config["checkpoint_uri"]
     spec = JobSpec(stage="pretrain", entrypoint="tasks.pretrain", name=job_name(prefix, prefix=prefix),
                    config=config, instance_count=2, max_run_seconds=3600,
+                   env={"LLMOPS_FAULTS": faults} if faults else {})
+    return spec.replace(**changes)
+
+
+def post_training_spec(stage: str, prefix: str, model_uri: str, *, max_steps: int, interval: int,
+                       faults: str = "", **changes: Any) -> JobSpec:
+    """A tiny one-node fine-tuning or distillation job (`stage`) of the model at `model_uri` (the
+    base model or the teacher), on s3://BUCKET/data's SFT split, writing under
+    s3://BUCKET/prefix: a log line per step, a checkpoint every `interval` steps, and a config
+    that does not name checkpoint_uri."""
+    recipe = tiny()
+    config = to_dict(recipe.finetune if stage == "finetune" else recipe.distill)
+    config.update({"base_model" if stage == "finetune" else "teacher_model": model_uri},
+                  data_dir=f"s3://{BUCKET}/data", output_dir=f"s3://{BUCKET}/{prefix}/{stage}",
+                  max_steps=max_steps, checkpoint_interval=interval, eval_interval=max_steps,
+                  log_interval=1, eval_examples=16)
+    del config["checkpoint_uri"]
+    spec = JobSpec(stage=stage, entrypoint=f"tasks.{stage}", name=job_name(prefix, prefix=prefix),
+                   config=config, max_run_seconds=3600,
                    env={"LLMOPS_FAULTS": faults} if faults else {})
     return spec.replace(**changes)
 
@@ -146,7 +178,7 @@ class Platform:
     events: Callable[[dict], list[tuple[float, str]]]   # (time, line) of every node of an attempt
     ended_at: Callable[[dict], float | None]
     node_ends: Callable[[dict], list[float | None]]   # when each node's container exited
-    lose_node_1: Callable[[dict], None]
+    lose_node: Callable[[dict, int], None]   # that node's host of the attempt dies (its disk too)
     continue_after_loss: Callable[[JobSpec, dict], dict]   # the handle of the attempt that goes on
     instance_type: str = ""      # what its jobs ask for
     eks: FakeEks | None = None   # HyperPod's simulated cluster
@@ -158,6 +190,9 @@ class Platform:
     def close(self) -> None:
         if self.eks is not None:
             self.eks.shutdown()
+
+    def lose_node_1(self, handle: dict) -> None:
+        self.lose_node(handle, 1)
 
     # -- a whole run of one spec, across its attempts --------------------------------------------
     def attempts(self, name: str) -> list[dict[str, Any]]:
@@ -228,6 +263,85 @@ class Platform:
         return self.chaos
 
 
+def wait_for_line(platform: Platform, handle: dict, pattern: re.Pattern, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(pattern.search(line) for _, line in platform.events(handle)):
+            return
+        status = platform.backend.status(handle)
+        assert status.state in (JobState.PENDING, JobState.RUNNING), \
+            f"job {handle['job_name']} ended ({status.state}: {status.message}) before {pattern.pattern!r}"
+        time.sleep(1)
+    raise TimeoutError(f"no line {pattern.pattern!r} from {handle['job_name']} after {timeout} s")
+
+
+def lose_a_node_mid_run(platform: Platform, spec: JobSpec, server: FakeAws, *, node: int,
+                        hang_step: int, end_budget_s: float | None = None) -> tuple[dict, dict]:
+    """Run `spec` (its LLMOPS_FAULTS hangs node `node` in step `hang_step`) until that step, let
+    its newest checkpoint reach S3, then lose that node's host; the run goes on as the service
+    goes on (a new attempt on fresh disks, or HyperPod's restart on replaced nodes). Asserts:
+
+    1. the run that goes on restores a checkpoint from the run's storage in S3 before its first
+       step, and loses at most one checkpoint interval (the spec's checkpoint_interval);
+    2. with `end_budget_s`: the job ends, and every other node exits, within that of its last
+       step;
+    3. the result's checkpoint URI names a complete checkpoint (its manifest, written last) in S3:
+       the final step's, the newest there.
+    Returns the handle of the attempt that finished and what it lost (printed too)."""
+    backend, max_steps = platform.backend, spec.config["max_steps"]
+    interval = spec.config["checkpoint_interval"]
+    first = backend.submit(spec)
+    # the node stops in step hang_step (a pretraining's peers wait for it in that step's all-reduce)
+    wait_for_line(platform, first, re.compile(rf"\bstep {hang_step - 1}/{max_steps} \|"), timeout=300)
+    reached = hang_step - 1
+    uri = remote.plan(spec, first["job_name"], platform.staging).checkpoint_uri   # every attempt's
+    deadline = time.monotonic() + 60   # the last checkpoint's upload may still be under way
+    while newest_complete_step(server, uri) < reached - reached % interval and time.monotonic() < deadline:
+        time.sleep(0.5)
+    lost_at = time.time()
+    platform.lose_node(first, node)
+
+    # Fresh nodes, empty disks: a new attempt (Batch, SageMaker) or the same job restarted by
+    # HyperPod's auto-resume.
+    handle = platform.continue_after_loss(spec, first)
+    done = wait_state(backend, handle, {JobState.SUCCEEDED, JobState.FAILED, JobState.STOPPED}, 420)
+    events = [(t, line) for t, line in platform.events(handle) if t >= lost_at]
+    text = "\n".join(line for _, line in events)
+    assert done.state is JobState.SUCCEEDED, f"{done.message}\n{text[-4000:]}"
+
+    # 1. restored from the run's storage before the first step; lost at most one interval
+    resumed = [m for _, line in events if (m := RESUME_LINE.search(line))]
+    assert resumed, f"the next attempt did not restore a checkpoint:\n{text[-4000:]}"
+    restored_step = int(resumed[0].group(2))
+    first_step = min(int(m.group(1)) for _, line in events if (m := STEP_LINE.search(line)))
+    assert first_step == restored_step + 1, (first_step, restored_step)
+    assert reached - restored_step <= interval, \
+        f"lost {reached - restored_step} steps (reached {reached}, restored {restored_step})"
+
+    # 2. the job ends within seconds of its last step
+    last_step_at = max(t for t, line in events if STEP_LINE.search(line))
+    idle = platform.ended_at(handle) - last_step_at
+    others = max(platform.node_ends(handle)[1:], default=idle + last_step_at) - last_step_at
+    summary = {"stage": spec.stage, "backend": type(backend).__name__, "reached": reached,
+               "restored": restored_step, "lost_steps": reached - restored_step,
+               "end_after_last_step_s": round(idle, 1)}
+    print(f"{spec.stage} on {summary['backend']}: lost {reached - restored_step} steps (reached "
+          f"{reached}, restored {restored_step}); the job ended {idle:.1f} s after its last step, "
+          f"its other nodes {others:.1f} s after it")
+    if end_budget_s is not None:
+        assert idle <= end_budget_s, f"the job ended {idle:.0f} s after its last step"
+        assert others <= end_budget_s, f"another node exited {others:.0f} s after the last step"
+
+    # 3. the result names a complete checkpoint in S3: the newest one, the final step's
+    checkpoint = done.result["outputs"]["checkpoint"]
+    assert checkpoint.startswith(uri.rstrip("/") + "/"), (checkpoint, uri)
+    bucket, _, key = checkpoint[len("s3://"):].partition("/")
+    moto(server, "s3").head_object(Bucket=bucket, Key=f"{key}/manifest.json")
+    assert checkpoint.endswith(f"step_{max_steps:06d}") and newest_complete_step(server, uri) == max_steps
+    assert done.result["metrics"]["step"] == max_steps
+    return handle, summary
+
+
 def download(server: FakeAws, uri: str, local: Path) -> Path:
     """Every object under s3 `uri` (a folder) into `local`; `local`."""
     bucket, _, prefix = uri[len("s3://"):].partition("/")
@@ -260,7 +374,7 @@ def aws_platform(server: FakeAws, backend: Any, staging: str, group: str, instan
 
     return Platform(backend, staging, events, lambda h: chaos.job(h["job_name"])["ended_at"],
                     lambda h: chaos.job(h["job_name"])["node_ended_at"],
-                    lambda h: chaos.lose_host(h["job_name"], node=1), continue_after_loss,
+                    lambda h, node: chaos.lose_host(h["job_name"], node=node), continue_after_loss,
                     instance_type, server=server, chaos=chaos, group=group,
                     create_operation=create_operation)
 
@@ -304,7 +418,7 @@ def platform(server: FakeAws, name: str, workdir: Path, **hyperpod_settings: Any
     return Platform(backend, staging,
                     lambda h: [(t, line) for t, _, line in eks.logs(h["k8s_name"])], ended_at,
                     lambda h: eks.pod_ends(h["k8s_name"]),
-                    lambda h: eks.lose_host(h["k8s_name"], 1, heal_env=("LLMOPS_FAULTS",)),
+                    lambda h, node: eks.lose_host(h["k8s_name"], node, heal_env=("LLMOPS_FAULTS",)),
                     lambda spec, first: first, eks=eks,
                     create_operation="create_namespaced_custom_object")
 

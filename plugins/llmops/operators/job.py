@@ -378,7 +378,7 @@ class JobOperator(JobCache, JobChain, JobWait, JobBooks, JobPause, BaseOperator)
         was_paused, step = paused(status)
         if was_paused and not self._job_stopped:
             # paused on request (tasks/train/pause.py): skipped, no retry, no further attempt
-            self._end_paused(context, stage, name, step)
+            self._end_paused(context, stage, name, step, status.result)
         if why:
             if not stop:
                 return self._continue(context, status, why)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import copy
 import logging
 import os
-import re
 import tempfile
 from typing import Any
 
@@ -61,7 +60,7 @@ def start_ladder(params: dict[str, Any], *, dag_id: str, run_id: str) -> dict[st
              estimate.detail, cfg.ladder.budget_hours or "unlimited")
     storage_root = paths.check_storage_root(params.get("storage_root"))
     lifecycle.check_lane(params, cfg, backends, storage_root)  # the default team's lane and budget
-    root = os.path.join(storage_root, dag_id, re.sub(r"[^A-Za-z0-9_.-]+", "_", run_id))
+    root = paths.run_root(storage_root, dag_id, run_id)
     config = configs.to_dict(cfg)
     parent = _parent_run(dag_id, run_id, {"data": config["data"], "ladder": config["ladder"],
                                           "pretrain": config["pretrain"], "backends": backends,

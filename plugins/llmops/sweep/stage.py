@@ -12,11 +12,8 @@ saved. The best config also goes downstream as XCom and as an event of the Asset
 
 from __future__ import annotations
 
-import json
 import logging
 import math
-import os
-import tempfile
 from typing import Any
 
 from llmops import reuse, tracking
@@ -146,13 +143,8 @@ def _log_outcome(run: Run, ref: dict[str, Any], best: dict[str, Any],
             client.log_metric(parent, key, value)
     client.set_tag(parent, "sweep.best_trial", str(best["trial"]))
     client.set_tag(parent, "sweep.best_run_id", best["mlflow_run_id"])
-    with tempfile.TemporaryDirectory() as tmp:
-        for name, data in (("best_config.json", {k: v for k, v in best.items() if k != "trials"}),
-                           ("trials.json", trials)):
-            path = os.path.join(tmp, name)
-            with open(path, "w") as fh:
-                json.dump(data, fh, indent=2, sort_keys=True, default=str)
-            client.log_artifact(parent, path, artifact_path="sweep")
+    tracking.log_json(parent, {k: v for k, v in best.items() if k != "trials"}, "sweep/best_config.json")
+    tracking.log_json(parent, trials, "sweep/trials.json")
 
 
 def latest_extra(events: Any) -> dict[str, Any] | None:

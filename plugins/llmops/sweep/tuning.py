@@ -13,8 +13,11 @@ trial (image, role, channels, resources, environment), so both run the same job.
     objective                   -> the loop's `| val_loss X` log line, minimised
 
 Differences from one CreateTrainingJob, on purpose: no CheckpointConfig (the trials would share one
-checkpoint prefix and resume from each other), no warm pool, and the result file is the tuning
-job's own record (DescribeHyperParameterTuningJob: BestTrainingJob), not a result.json.
+checkpoint prefix and resume from each other); instead each trial writes its checkpoints through
+to a prefix of its own, `<checkpoints>/trials/<training job name>` (the entry expands
+$TRAINING_JOB_NAME, which SageMaker sets in the container), so a trial SageMaker retries on a new
+instance resumes; no warm pool; and the result file is the tuning job's own record
+(DescribeHyperParameterTuningJob: BestTrainingJob), not a result.json.
 
 Every request is checked against botocore's service model before it is sent: botocore's own
 validation (types, required fields, unknown keys) and llmops.aws.validation (lengths, patterns,
@@ -42,6 +45,7 @@ OPERATION = "CreateHyperParameterTuningJob"
 OBJECTIVE = {"Name": "validation:loss", "Regex": r"\| val_loss ([0-9.eE+-]+)"}
 STRATEGIES = {"tpe": "Bayesian", "random": "Random", "grid": "Grid"}
 TUNED_PREFIX = "tune."  # the job strips it: tasks/sweep.py TUNED_PREFIX
+TRIAL_NAME_ENV = "TRAINING_JOB_NAME"   # SageMaker's, in every training container
 # CreateTrainingJob fields a training job definition of a tuning job takes as they are.
 DEFINITION_FIELDS = ("RoleArn", "InputDataConfig", "OutputDataConfig", "ResourceConfig",
                      "StoppingCondition", "EnableManagedSpotTraining", "VpcConfig", "RetryStrategy",
@@ -108,6 +112,10 @@ def tuning_request(training: dict[str, Any], ref: dict[str, Any], *, max_paralle
     tuned = {TUNED_PREFIX + p for p in ref["space"]}
     static = {k: v for k, v in training["HyperParameters"].items()
               if k not in tuned and k != "sagemaker_job_name"}  # each trial gets its own name
+    # Nothing syncs a trial's /opt/ml/checkpoints: the entry writes through to the trial's own
+    # prefix instead (docker/job_entry.py expands the variable SageMaker sets).
+    static["checkpoint-uri"] = json.dumps(
+        f"{json.loads(static['checkpoint-uri']).rstrip('/')}/trials/${{{TRIAL_NAME_ENV}}}")
     algorithm = training["AlgorithmSpecification"]
     metrics = [m for m in algorithm.get("MetricDefinitions", []) if m["Name"] != OBJECTIVE["Name"]]
     definition: dict[str, Any] = {
@@ -119,6 +127,8 @@ def tuning_request(training: dict[str, Any], ref: dict[str, Any], *, max_paralle
     }
     definition["ResourceConfig"] = {k: v for k, v in definition["ResourceConfig"].items()
                                     if k != "KeepAlivePeriodInSeconds"}
+    definition["Environment"] = {k: v for k, v in definition.get("Environment", {}).items()
+                                 if k != "LLMOPS_CHECKPOINT_DIR"}   # no synced dir to link
     request = {"HyperParameterTuningJobName": tuning_job_name(ref["name"]),
                "HyperParameterTuningJobConfig": config, "TrainingJobDefinition": definition}
     if training.get("Tags"):

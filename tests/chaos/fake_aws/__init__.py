@@ -62,6 +62,12 @@ What is simulated here, because moto does not do it:
 - Service-side events: `/_chaos/jobs/<name>/fail` (the container crashes), `/stop` (stopped from
   the console), `/host` (node N's host dies: its container killed, the attempt failed),
   `fail_first_attempt` (the host of a job's first attempt dies).
+- S3's link (`s3_mb_per_s_per_connection`, `s3_first_byte_ms`, config): every S3 request and
+  answer body moves at most that fast over its connection (as S3 serves each connection), and
+  each answer's first byte leaves that long after its request, so that reading a corpus whole
+  and reading a few blocks of it pay what they would (benchmarks/pretrain_first_step.py). The
+  proxy logs every S3 request it answers (`FakeAws.s3_log`: when, which port, the operation,
+  path, Range and bytes), so a test can say what a job fetched before its first step.
 - Disks: every node of a job (Batch node, SageMaker instance) has its own work dir and TMPDIR,
   and every new attempt starts on empty ones: only S3 (and MLflow) outlive a node.
 The containers' own AWS calls (their checkpoint uploads, result writes) go through a second proxy

@@ -18,7 +18,7 @@ import urllib.error
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 from urllib.parse import urlsplit
 
 from tests.aws_fixtures import REGION, free_port
@@ -30,8 +30,20 @@ log = logging.getLogger("fake_aws")
 
 # -- the proxy -----------------------------------------------------------------------------------
 
+PACE_CHUNK = 64 << 10   # bytes written between the bandwidth cap's waits
 HOP_HEADERS = {"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "trailer",
                "upgrade", "expect", "content-length"}
+
+
+class S3Request(NamedTuple):
+    """One S3 request the proxy answered (FakeAws.s3_log): when its answer was sent, from which
+    port, the operation, the path (/bucket/key?query), its Range header and its body's bytes."""
+    at: float
+    origin: str
+    operation: str
+    path: str
+    range: str
+    bytes: int
 
 
 class ProxyHandler(BaseHTTPRequestHandler):
@@ -44,6 +56,7 @@ class ProxyHandler(BaseHTTPRequestHandler):
         log.debug(fmt, *args)
 
     def do_any(self) -> None:
+        self.rate = 0.0   # bytes/s of this answer's body; 0 = unpaced (see _s3_link)
         body = self._read_body()
         if body is None:
             # The client went away mid-request (a task runner SIGKILLed while it sent): the
@@ -55,10 +68,17 @@ class ProxyHandler(BaseHTTPRequestHandler):
             return self._send(self._control(url.path, body))
         call = identify(self.command, url.path, url.query, self.headers, body)
         self.fake.count(call, self.origin)
+        if call.service == "s3":
+            self._s3_link(len(body))
         rule = self.fake.faults.pick(call, lambda: self.fake.sim.keys(call, body, url.path), self.origin)
         if rule is None:
             answer = self.fake.sim.handle(call, body, self._forward, self.headers.get("User-Agent", ""))
-            return self._send(answer)
+            self._send(answer)
+            if call.service == "s3":
+                self.fake.s3_log.append(S3Request(time.time(), self.origin, call.operation,
+                                                  self.path, self.headers.get("Range", ""),
+                                                  len(answer[2]) if self.command != "HEAD" else 0))
+            return
         if rule.kind == "lost":
             # AWS accepted the request (moto and the simulator act on it); its answer never
             # reaches the client, which sees a reset and resends it.
@@ -99,6 +119,20 @@ class ProxyHandler(BaseHTTPRequestHandler):
             pass
         return b"".join(chunks)
 
+    def _s3_link(self, sent: int) -> None:
+        """S3 as a node sees it over one connection: a request body of `sent` bytes took
+        len/rate to arrive (it came at the proxy's speed: the difference is waited here), and the
+        answer starts `s3_first_byte_ms` later; _send paces the answer's body at the same rate.
+        So a download of the whole corpus and a stream of a few blocks pay the same per byte."""
+        config = self.fake.sim.config
+        self.rate = float(config["s3_mb_per_s_per_connection"]) * 1e6
+        wait = (sent / self.rate if self.rate else 0.0) - (time.monotonic() - self.started)
+        time.sleep(max(0.0, wait) + float(config["s3_first_byte_ms"]) / 1000)
+
+    def parse_request(self) -> bool:
+        self.started = time.monotonic()   # the request line arrived: its body follows
+        return super().parse_request()
+
     def _forward(self, body: bytes) -> Answer:
         conn = http.client.HTTPConnection("127.0.0.1", self.fake.moto_port, timeout=300)
         try:
@@ -127,8 +161,18 @@ class ProxyHandler(BaseHTTPRequestHandler):
         if not length_sent:
             self.send_header("Content-Length", str(len(data)))
         self.end_headers()
-        if self.command != "HEAD":
+        if self.command == "HEAD":
+            return
+        rate = getattr(self, "rate", 0.0)
+        if not rate:
             self.wfile.write(data)
+            return
+        t0 = time.monotonic()
+        for start in range(0, len(data), PACE_CHUNK):
+            self.wfile.write(data[start:start + PACE_CHUNK])
+            ahead = (start + PACE_CHUNK) / rate - (time.monotonic() - t0)
+            if ahead > 0:
+                time.sleep(ahead)
 
     def _control(self, path: str, body: bytes) -> Answer:
         call = Call("chaos", path, "rest-json")
@@ -197,6 +241,7 @@ class FakeAws:
         self.faults = Faults()
         self.operations: collections.Counter[str] = collections.Counter()
         self.job_operations: collections.Counter[str] = collections.Counter()   # the containers' calls
+        self.s3_log: collections.deque[S3Request] = collections.deque(maxlen=200_000)   # what moved
         self.jobs_port = free_port()
         self.lock = threading.Lock()
         self.releasing = threading.Event()   # set at stop: held connections let go

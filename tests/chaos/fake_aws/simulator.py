@@ -34,7 +34,11 @@ DEFAULT_CONFIG = {"pending_seconds": 2.0,      # Starting / RUNNABLE before a co
                   # benchmark's hundreds of jobs, which one process per node could not hold.
                   "timed_jobs": False,
                   "timed_run_seconds": 60.0,   # how long a timed job runs (its SIM_RUN_SECONDS wins)
-                  "timed_line_seconds": 0.0}   # a timed job's log line this often (0: start and end only)
+                  "timed_line_seconds": 0.0,   # a timed job's log line this often (0: start and end only)
+                  # S3's link as one connection sees it (the proxy, tests/chaos/fake_aws/proxy.py):
+                  # object bytes move at most this fast each way, 0 = as fast as the proxy goes
+                  "s3_mb_per_s_per_connection": 0.0,
+                  "s3_first_byte_ms": 0.0}  # an S3 answer's first byte leaves this long after its request
 
 
 class Simulator(SageMakerApi, BatchApi):

@@ -33,7 +33,7 @@ from typing import Any, Callable
 from llmops.aws import s3
 from llmops.jobs import env_secrets
 from llmops.jobs.spec import JobSpec, JobSpecError, cost_allocation_tags
-from tasks.configs import to_dict
+from tasks.configs import CHECKPOINTED_STAGES, to_dict
 
 MAX_ATTEMPTS = 99
 LOG_INTERVAL = 10.0   # see log_due
@@ -323,12 +323,42 @@ def plan(spec: JobSpec, job_name: str, staging_uri: str) -> Staged:
         output_uri = output_dir or s3.join(root, "output")
     if "output_dir" in config:
         config["output_dir"] = output_uri
-    checkpoint_uri = spec.checkpoint_uri if "://" in spec.checkpoint_uri else (
-        s3.join(root, "checkpoints") if copy_back else s3.join(output_uri, "checkpoints"))
+    checkpoint_uri = checkpoint_place(spec, s3.join(root, "checkpoints") if copy_back
+                                      else s3.join(output_uri, "checkpoints"))
     return Staged(config=config, inputs=find_inputs(config), output_uri=output_uri,
                   checkpoint_uri=checkpoint_uri, result_uri=s3.join(prefix, "result.json"),
                   config_uri=s3.join(prefix, "llmops", "config.json"), prefix=prefix,
                   copy_back=copy_back, uploads={local: uri for local, uri in uploads.items()})
+
+
+def checkpoint_place(spec: JobSpec, default: str) -> str:
+    """Where the job's checkpoints live, the same for every attempt: JobSpec.checkpoint_uri, else
+    the config's own `checkpoint_uri` (the stage writes through there: the handle, the pause
+    marker and the chain's progress must look there too), else `default`, beside the outputs.
+
+    A stage that keeps its progress in checkpoints (tasks.configs.CHECKPOINTED_STAGES, or any
+    config naming the key) has them taken off the node by the image's entry: synced (SageMaker) or
+    written through to this URI (Batch, HyperPod). A place that cannot hold them is refused here,
+    before any job, naming the field and the fix."""
+    own = str(spec.config.get("checkpoint_uri") or "")
+    given = spec.checkpoint_uri if "://" in spec.checkpoint_uri else ""
+    if given and not s3.is_s3(given):
+        raise JobSpecError(f"JobSpec.checkpoint_uri is {given!r}: a remote job's checkpoints go to "
+                           "S3. Set it to an s3://bucket/prefix, or leave it empty for the run's "
+                           f"storage ({default}); a shared file system belongs in output_dir.")
+    if spec.entrypoint in CHECKPOINTED_STAGES or "checkpoint_uri" in spec.config:
+        if own and not s3.is_s3(own):
+            raise JobSpecError(
+                f"JobSpec.config.checkpoint_uri is {own!r}: the {spec.stage} stage's checkpoints "
+                "must leave the node, and only an s3:// prefix takes them there. Set it to "
+                f"s3://bucket/prefix, or leave it out: every checkpoint is then written through "
+                f"to {given or default}.")
+        if own and given and own.rstrip("/") != given.rstrip("/"):
+            raise JobSpecError(
+                f"JobSpec.checkpoint_uri ({given}) and JobSpec.config.checkpoint_uri ({own}) name "
+                "two places for one job's checkpoints: the job would write to one and its next "
+                "attempt look in the other. Set one of them.")
+    return given or own or default
 
 
 def upload(staged: Staged, hook: Any, log: Any) -> None:

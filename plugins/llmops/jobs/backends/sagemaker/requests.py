@@ -15,6 +15,7 @@ from llmops.jobs.backends import remote
 from llmops.jobs.backends.fabric import fabric_env, is_gpu
 from llmops.jobs.backends.sagemaker.settings import ProcessingSettings, SageMakerSettings
 from llmops.jobs.spec import JobSpec, JobSpecError
+from tasks.uris import STREAMED_INPUTS
 
 CHECKPOINT_DIR = "/opt/ml/checkpoints"
 WORKDIR = "/opt/ml/llmops"            # on the job's volume, not the small root disk
@@ -111,6 +112,15 @@ def _channel(ref: remote.InputRef, input_mode: str, vpc: bool, shard: bool = Fal
                 "S3DataDistributionType": "ShardedByS3Key" if shard else "FullyReplicated"}}}
 
 
+def input_mode(settings: SageMakerSettings, spec: JobSpec, ref: remote.InputRef) -> str:
+    """The channel's InputMode: the settings', or for `auto` FastFile where the stage streams
+    the input (its token shards: read block by block, never whole before the first step) and
+    File elsewhere."""
+    if settings.input_mode != "auto":
+        return settings.input_mode
+    return "FastFile" if ref.field in STREAMED_INPUTS.get(spec.entrypoint, ()) else "File"
+
+
 def _channels(staged: remote.Staged) -> list[remote.InputRef]:
     seen, out = set(), []
     for ref in staged.inputs:
@@ -188,7 +198,7 @@ def training_request(spec: JobSpec, settings: SageMakerSettings, staged: remote.
              "DataSource": {"S3DataSource": {"S3DataType": "S3Prefix",
                                              "S3Uri": s3.join(staged.prefix, "llmops") + "/",
                                              "S3DataDistributionType": "FullyReplicated"}}},
-            *(_channel(ref, settings.input_mode, vpc) for ref in channels)],
+            *(_channel(ref, input_mode(settings, spec, ref), vpc) for ref in channels)],
         "OutputDataConfig": output,
         "ResourceConfig": resource,
         "StoppingCondition": stopping,

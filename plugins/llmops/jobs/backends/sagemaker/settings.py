@@ -8,6 +8,9 @@ from dataclasses import dataclass, field
 from llmops.jobs.backends.remote_settings import BackendSettingsError, RemoteSettings
 
 
+INPUT_MODES = ("auto", "File", "FastFile")
+
+
 @dataclass(kw_only=True)
 class SageMakerSettings(RemoteSettings):
     role_arn: str = ""
@@ -18,7 +21,11 @@ class SageMakerSettings(RemoteSettings):
     mp_parameters: dict = field(default_factory=dict)  # smdistributed model parallel parameters
     mpi_processes_per_host: int = 0                     # 0 = the spec's nproc_per_node
     mpi_custom_options: str = ""
-    input_mode: str = "File"            # File (copied before start) or FastFile (streamed from S3)
+    # How S3 channels reach the container: File (copied before start), FastFile (streamed from S3
+    # as read), or auto: FastFile for the inputs the stage streams (tasks.uris.STREAMED_INPUTS:
+    # pretraining's token shards, so a new attempt does not copy the corpus before its first
+    # step), File for the rest (configs, models, SFT files: read whole at start anyway).
+    input_mode: str = "auto"
     volume_size_gb: int = 100
     volume_kms_key_id: str = ""
     output_kms_key_id: str = ""
@@ -33,6 +40,9 @@ class SageMakerSettings(RemoteSettings):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.input_mode not in INPUT_MODES:
+            raise BackendSettingsError(f"SageMakerSettings.input_mode must be one of {INPUT_MODES}, "
+                                       f"got {self.input_mode!r}.")
         if self.spot_wait_factor < 1:
             raise BackendSettingsError(
                 f"SageMakerSettings.spot_wait_factor must be at least 1 (SageMaker needs "
