@@ -45,10 +45,11 @@ def world(tmp_path, monkeypatch):
         world.stop()
 
 
-def watch(world, run: tuple[float, float], fail_share: float = 0.25, seed: int = 3):
+def watch(world, run: tuple[float, float], fail_share: float = 0.25, seed: int = 3, submitted=lambda: None):
     """Submit JOBS timed jobs, each running a time drawn from `run` (s), and run a trigger for
     each as its job is submitted (a task defers right after its submit), all in one loop until
-    every trigger fired; (handles, events per job, polls per backend, calls of the triggers)."""
+    every trigger fired; (handles, events per job, polls per backend, calls of the triggers).
+    `submitted()` is called once every job is submitted and its trigger started."""
     from llmops.jobs import watch as watch_module
 
     rng = random.Random(seed)
@@ -76,6 +77,7 @@ def watch(world, run: tuple[float, float], fail_share: float = 0.25, seed: int =
             handles.append(handle)
             watching.append(asyncio.create_task(bench.watch_job(handle, POLL, events[handle["name"]].append)))
         await submitting
+        submitted()
         await asyncio.wait_for(asyncio.gather(*watching), run[1] + 60)
 
     watch_module.JobWatch.poll = counted
@@ -125,12 +127,16 @@ def test_a_throttling_storm_on_the_shared_reads_misses_no_job_and_stops_none(wor
     ThrottlingException, the Kubernetes API's 429) for the jobs' whole run: the clients' retries
     and the triggers' backoff ride it out; each job's end is still noticed once, none stopped."""
     storm = {"operations": ["DescribeJobs", "ListJobs", "DescribeTrainingJob", "ListTrainingJobs",
-                            "GetLogEvents", "DescribeLogStreams"], "kind": "throttle", "rate": 0.5,
-             "seconds": 45, "seed": 1}
+                            "GetLogEvents", "DescribeLogStreams"], "kind": "throttle", "rate": 0.5, "seed": 1}
     world.aws.faults.set([storm])
     world.eks.inject("429", ["list_namespaced_custom_object", "list_namespaced_pod",
                              "get_namespaced_custom_object", "read_namespaced_pod_log"], rate=0.5, seconds=45)
-    handles, events, polls, calls = watch(world, run=(15, 25), seed=5)
+    # From the first submission to 45 s after the last, whenever that is: on a loaded machine the
+    # 18 submissions alone take 10-50 s, and a storm of a fixed 45 s could end before the last
+    # jobs' first SageMaker read (no SageMaker fault landed). The Kubernetes rule's window opens
+    # at its first hit.
+    handles, events, polls, calls = watch(world, run=(15, 25), seed=5,
+                                          submitted=lambda: world.aws.faults.set([{**storm, "seconds": 45}]))
     check_every_end_noticed_once(world, handles, events)
     injected = collections.Counter(i["operation"] for i in world.aws.faults.injections)
     assert injected["DescribeJobs"] and injected["ListTrainingJobs"] + injected["DescribeTrainingJob"]
