@@ -19,6 +19,16 @@ if not os.environ.get("MLFLOW_TRACKING_URI"):
     os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{_mlflow_dir}/mlflow.db"
 
 
+@pytest.fixture(autouse=True)
+def _own_shared_reads():
+    """A test's triggers share reads among themselves only (llmops.jobs.backends.shared keeps
+    them per process): values read in one test never answer another's."""
+    yield
+    from llmops.jobs.backends import shared
+
+    shared.clear()
+
+
 @pytest.fixture(scope="session")
 def tiny_data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Output dir of the real data prep on the tiny recipe (demo corpus and demo SFT task):

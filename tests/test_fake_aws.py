@@ -818,3 +818,37 @@ def test_a_reclaimed_managed_spot_job_is_interrupted_and_restarts_inside_the_sam
     # managed spot bills less than the time it ran (the simulator's share), and the backend says so
     assert described["BillableTimeInSeconds"] < described["TrainingTimeInSeconds"]
     assert status.details["billed_seconds"] == described["BillableTimeInSeconds"]
+
+
+def test_a_timed_job_runs_no_container_writes_its_result_and_the_list_says_what_changed(fake, chaos):
+    """The triggerer benchmark's jobs (benchmarks/triggerer_watch.py): with `timed_jobs` a job
+    runs no process, only its SIM_RUN_SECONDS, logging into its stream and writing the result its
+    entry would; LastModifiedTime moves only when its status does, and ListTrainingJobs filtered
+    by it lists the jobs that changed since, as SageMaker's does (what a trigger's shared read
+    relies on: llmops.jobs.backends.shared.ChangedSince)."""
+    chaos.config(timed_jobs=True, timed_line_seconds=1.0)
+    try:
+        backend = sagemaker_backend()
+        quick = backend.submit(sample("sm-timed-quick").replace(env={"SIM_RUN_SECONDS": "2"}))
+        failing = backend.submit(sample("sm-timed-fail").replace(env={"SIM_RUN_SECONDS": "30", "SIM_EXIT_CODE": "3"}))
+        status, _ = wait_state(backend, quick, {JobState.SUCCEEDED, JobState.FAILED})
+        assert status.state is JobState.SUCCEEDED and status.result["timed"] is True
+        lines, _ = backend.read_logs(quick, None)
+        assert lines[0].endswith("started: runs 2 s") and lines[-1].endswith("exit code 0")
+        sm = client(fake, "sagemaker")
+        running = sm.describe_training_job(TrainingJobName=failing["job_name"])
+        assert running["SecondaryStatus"] == "Training" and not chaos.job(failing["job_name"])["exit_code"]
+        time.sleep(1.5)   # botocore sends the filter's time in whole seconds
+        assert sm.describe_training_job(TrainingJobName=failing["job_name"])["LastModifiedTime"] == \
+            running["LastModifiedTime"]   # still training: unchanged
+        since = time.time()
+        assert sm.list_training_jobs(LastModifiedTimeAfter=since, MaxResults=100)["TrainingJobSummaries"] == []
+        listed = sm.list_training_jobs(MaxResults=100)["TrainingJobSummaries"]
+        assert {quick["job_name"], failing["job_name"]} <= {s["TrainingJobName"] for s in listed}
+        backend.stop(failing)
+        wait_state(backend, failing, {JobState.STOPPED, JobState.FAILED})
+        changed = sm.list_training_jobs(LastModifiedTimeAfter=since, MaxResults=100)["TrainingJobSummaries"]
+        assert [(s["TrainingJobName"], s["TrainingJobStatus"]) for s in changed] == [(failing["job_name"], "Stopped")]
+        assert chaos.job(failing["job_name"])["timed"] and chaos.job(failing["job_name"])["stopped_by"] == "client"
+    finally:
+        chaos.config(timed_jobs=False)

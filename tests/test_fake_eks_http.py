@@ -13,7 +13,7 @@ from typing import Any, Iterator
 import pytest
 import urllib3.exceptions
 
-from llmops.jobs.backends import JobState
+from llmops.jobs.backends import JobState, shared
 from llmops.jobs.backends.hyperpod import backend as hyperpod
 from llmops.jobs.backends.hyperpod import hook as hyperpod_hook
 from llmops.jobs.spec import JobSpec, job_name
@@ -188,3 +188,28 @@ def test_pods_waiting_for_nodes_say_why_through_the_pod_list(server, eks):
     status = hp.status(hp.submit(sample("http-nodes")))
     assert status.state is JobState.PENDING
     assert status.message.startswith("1 of 1 pods unschedulable: 0/3 nodes are available"), status.message
+
+
+def test_a_trigger_reads_its_runs_jobs_and_pods_with_one_list_each(server, eks):
+    """Shared reads (llmops.jobs.backends.shared): three jobs of one DAG run, polled as a
+    triggerer's triggers poll them, read through one list of the run's jobs (by the labels the
+    backend puts on them) and one of their pods, through the REST front into the client's models;
+    a job someone deleted, gone from the list, is read on its own and told as deleted."""
+    eks.time_pods(run_seconds=60)
+    hp = backend()
+    hp.shared_max_age = shared.max_age_for(3.0)   # as a trigger polling every 3 s sets it
+    run = {"dag_id": "sweep", "run_id": "manual__2026-12-01T00:00:00+00:00"}
+    handles = [hp.submit(sample(f"http-shared-{i}").replace(tags=run)) for i in range(3)]
+    assert handles[0]["run_selector"] == ("app.kubernetes.io/managed-by=llmops,llmops/dag-id=sweep,"
+                                          "llmops/run-id=manual__2026-12-01T00_00_00_00_00,llmops/stage=sample")
+    before = dict(server.counts)
+    statuses = [hp.status(h) for h in handles]
+    pods = [hp._first_pod(hyperpod_hook.kube_client(h), h) for h in handles]
+    calls = {k: v - before.get(k, 0) for k, v in server.counts.items() if v - before.get(k, 0)}
+    assert [s.state for s in statuses] == [JobState.RUNNING] * 3
+    assert pods == [f"{h['k8s_name']}-master-0" for h in handles]
+    assert calls == {"list_namespaced_custom_object": 1, "list_namespaced_pod": 1}, calls
+    eks.delete(handles[1]["k8s_name"])
+    time.sleep(1.5)   # past the listed value's freshness for a 3 s poll (a third of it)
+    deleted = hp.status(handles[1])
+    assert deleted.state is JobState.FAILED and "no longer exists" in deleted.message

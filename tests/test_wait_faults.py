@@ -587,6 +587,33 @@ def test_a_saved_cursor_means_a_triggerer_killed_at_any_poll_shows_no_line_twice
     assert len(job_lines(after)) > 0
 
 
+def test_a_trigger_recreated_on_another_triggerer_keeps_its_attempt_counts_and_its_clock(
+        use_backend, clock):
+    """Airflow stores a trigger as its classpath and kwargs (the Trigger row) and another
+    triggerer rebuilds it from them when the first one stops heartbeating. Everything the wait
+    counts rides in those kwargs: the job's attempt (its `-r<N>` name) in the handle, the chain of
+    attempts so far in the context, when the job was submitted and started (its queue bound and
+    deadline), its waiting state and log cursor, so nothing restarts from zero (the amazon
+    provider's triggers counted their attempts in memory and began them again)."""
+    from airflow.models.trigger import Trigger
+
+    handle = {"backend": "fake", "name": "job-1", "job_name": "job-1-r3", "attempt": 3}
+    chain = {"attempts": 3, "since": clock.now - 7200, "capacity_waits": 2}
+    start = clock.now - 600
+    original = trigger(handle=handle, context={"stage": "pretrain", "chain": chain}, started_at=start,
+                       submitted_at=clock.now - 900, max_queue_seconds=1800, log_cursor={"s": "t-42"},
+                       waiting="RUNNABLE CAPACITY:INSUFFICIENT_INSTANCE_CAPACITY")
+    row = Trigger.from_object(original)        # what the deferring task writes
+    moved = job_trigger.JobTrigger(**row.kwargs)  # what the next triggerer runs
+    assert row.classpath == "llmops.triggers.job.JobTrigger"
+    assert moved.serialize() == original.serialize()
+    assert moved.handle["attempt"] == 3 and moved.context["chain"] == chain
+    use_backend(ScriptedBackend([JobStatus(JobState.RUNNING), SUCCEEDED]))   # reports no start itself
+    [payload] = run_trigger(moved)
+    assert payload["state"] == "succeeded" and payload["chain"] == chain and payload["handle"]["attempt"] == 3
+    assert payload["started_at"] == start   # the deadline still counts from the real start
+
+
 def test_checkpoints_are_rare_when_nothing_is_logged(use_backend, clock):
     backend = use_backend(ScriptedBackend([RUNNING] * 100 + [SUCCEEDED], lines=0))
     [event] = run_trigger(trigger(started_at=clock.now))

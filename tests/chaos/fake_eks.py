@@ -93,6 +93,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from tests.aws_fixtures import CONTAINER_ENV, ENTRY, ROOT, free_port, image_root, kill_container
+from tests.chaos.fake_aws.jobs import run_seconds
 
 log = logging.getLogger("fake_eks")
 AUTO_RESUME = "sagemaker.amazonaws.com/enable-job-auto-resume"
@@ -116,11 +117,36 @@ def _now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="microseconds").replace("+00:00", "Z")
 
 
+def _stamp(epoch: float) -> str:
+    return datetime.fromtimestamp(epoch, timezone.utc).isoformat(timespec="microseconds").replace("+00:00", "Z")
+
+
+def selects(selector: str, labels: dict[str, str]) -> bool:
+    """Whether a Kubernetes label selector of equality terms (`k=v`, `k==v`, `k!=v`) and
+    existence terms (`k`, `!k`), comma-separated, selects these labels ("" selects all)."""
+    for term in filter(None, (t.strip() for t in (selector or "").split(","))):
+        if "!=" in term:
+            key, value = term.split("!=", 1)
+            if labels.get(key.strip()) == value.strip():
+                return False
+        elif "=" in term:
+            key, value = term.replace("==", "=").split("=", 1)
+            if labels.get(key.strip()) != value.strip():
+                return False
+        elif term.startswith("!"):
+            if term[1:] in labels:
+                return False
+        elif term not in labels:
+            return False
+    return True
+
+
 class Pod:
     def __init__(self, name: str, proc: subprocess.Popen, workdir: Path, marker: str,
-                 generation: int = 1):
+                 generation: int = 1, labels: dict[str, str] | None = None):
         self.name, self.proc, self.workdir, self.marker = name, proc, workdir, marker
         self.generation = generation
+        self.labels = dict(labels or {})   # its template's, as the API server lists them
         self.lines: list[tuple[str, str]] = []   # (RFC 3339 timestamp, line)
         self.ended_at: float | None = None
         self.pump = threading.Thread(target=self._read, daemon=True, name=f"pod-{name}")
@@ -143,6 +169,51 @@ class Pod:
         self.pump.join(5)
 
 
+class TimedPod:
+    """A pod whose container is only a timer (FakeEks.time_pods): it runs `seconds`, then exits
+    with `exit_code`; its log is a start line, a line every `line_seconds` (0: none) and an end
+    line, made from the clock when read (no process, no thread: hundreds fit on this machine).
+    Killed (a deletion, a deadline, a lost host), it exits -9 then and logs no more."""
+
+    def __init__(self, name: str, seconds: float, exit_code: int, line_seconds: float,
+                 generation: int, labels: dict[str, str]):
+        self.name, self.generation, self.labels = name, generation, dict(labels)
+        self.seconds, self.code, self.line_seconds = seconds, exit_code, line_seconds
+        self.started_at = time.time()
+        self.killed_at: float | None = None
+        self.proc = self   # what the simulator asks a container: poll()
+
+    def poll(self) -> int | None:
+        if self.killed_at is not None:
+            return -9
+        return self.code if time.time() >= self.started_at + self.seconds else None
+
+    @property
+    def ended_at(self) -> float | None:
+        if self.killed_at is not None:
+            return self.killed_at
+        end = self.started_at + self.seconds
+        return end if time.time() >= end else None
+
+    @property
+    def lines(self) -> list[tuple[str, str]]:
+        until = self.ended_at or time.time()
+        out = [(_stamp(self.started_at), f"[timed pod {self.name}] started: runs {self.seconds:g} s")]
+        if self.line_seconds > 0:
+            step = 1
+            while self.started_at + step * self.line_seconds < until:
+                at = self.started_at + step * self.line_seconds
+                out.append((_stamp(at), f"step {step} | {step * self.line_seconds:g} s of {self.seconds:g} s"))
+                step += 1
+        if self.killed_at is None and self.ended_at is not None:
+            out.append((_stamp(self.ended_at), f"[timed pod {self.name}] exit code {self.code}"))
+        return out
+
+    def kill(self) -> None:
+        if self.ended_at is None:
+            self.killed_at = time.time()
+
+
 class Job:
     def __init__(self, body: dict[str, Any]):
         self.body = body
@@ -160,6 +231,7 @@ class Job:
         self.schedule_at: float | None = None   # its pods wait for nodes until then (hold_nodes)
         self.workload: dict[str, Any] | None = None
         self.preemptions = 0
+        self.timed: dict[str, float] | None = None   # FakeEks.time_pods when it was created
         meta = self.body["metadata"]
         meta.update(uid=str(uuid.uuid4()), creationTimestamp=_now())
 
@@ -223,6 +295,8 @@ class FakeEks:
         self.history: list[Job] = []             # every job created, deleted ones too
         self.capacity_wait_seconds = 0.0         # Kueue holds jobs created from now on this long
         self.node_wait_seconds = 0.0             # ... and the scheduler those without a queue
+        self.timed: dict[str, float] | None = None   # time_pods: pods of new jobs run no process
+        self._s3: Any = None   # the timed jobs' result writer
         self.bin = self.workdir / "bin"
         self.bin.mkdir(parents=True, exist_ok=True)
         agent = self.bin / "hyperpodrun"   # HyperPod's elastic agent, simulated by torchrun
@@ -242,14 +316,14 @@ class FakeEks:
             raise _connection_dropped(method)
         return answer
 
-    def _hit(self, method: str, about: tuple[str, str], before: bool) -> str:
+    def _hit(self, method: str, about: tuple[str, set[str]], before: bool) -> str:
         """The kind of the first armed rule that hits this call ("" when none): those that
         answer instead of the call (`before`), or "lost", which drops the answer after it."""
         now = time.time()
         with self.lock:
             for rule in self.rules:
                 if ((rule["kind"] != "lost") != before or method not in rule["methods"]
-                        or (rule["run_id"] and rule["run_id"] != about[1])
+                        or (rule["run_id"] and rule["run_id"] not in about[1])
                         or (rule["count"] is not None and rule["hits"] >= rule["count"])
                         or (rule["until"] is not None and now >= rule["until"])
                         or self.random.random() >= rule["rate"]):
@@ -258,25 +332,34 @@ class FakeEks:
                     rule["until"] = now + rule["seconds"]
                 rule["hits"] += 1
                 self.injections.append({"kind": rule["kind"], "operation": method, "at": now,
-                                        "about": about[0], "run_id": about[1]})
+                                        "about": about[0],
+                                        "run_id": rule["run_id"] or next(iter(sorted(about[1])), "")})
                 return rule["kind"]
         return ""
 
-    def _about(self, method: str, kw: dict[str, Any]) -> tuple[str, str]:
-        """(job name, its DAG run id) the call is about, ("", "") when none."""
+    def _about(self, method: str, kw: dict[str, Any]) -> tuple[str, set[str]]:
+        """(the job names, comma-separated, and their DAG run ids) the call is about: the job it
+        names, or every job (or pod's job) a list's label selector selects; ("", set()) when none."""
         with self.lock:
             if method == "create_namespaced_custom_object":
                 meta = (kw.get("body") or {}).get("metadata") or {}
-                return meta.get("name", ""), (meta.get("annotations") or {}).get(RUN_ID, "")
-            if method == "list_namespaced_pod":
-                name = (kw.get("label_selector") or "").partition("=")[2]
-            elif method == "read_namespaced_pod_log":
+                return meta.get("name", ""), {(meta.get("annotations") or {}).get(RUN_ID, "")}
+            if method in ("list_namespaced_pod", "list_namespaced_custom_object"):
+                selector = kw.get("label_selector") or ""
+                jobs = [j for (ns, _), j in self.jobs.items() if ns == kw.get("namespace") and (
+                    selects(selector, j.workload["metadata"]["labels"]) if (
+                        kw.get("group"), kw.get("version"), kw.get("plural")) == KUEUE and j.workload
+                    else selects(selector, (self._replicas(j)[0][1].get("metadata") or {}).get("labels") or {})
+                    if method == "list_namespaced_pod"
+                    else selects(selector, j.body["metadata"].get("labels") or {}))]
+                return ",".join(j.name for j in jobs), {j.run_id for j in jobs}
+            if method == "read_namespaced_pod_log":
                 name = next((j.name for j in self.history for p in j.finished_pods + j.pods
                              if p.name == kw.get("name")), "")
             else:
                 name = kw.get("name") or ""
             job = self._newest(name)
-        return name, job.run_id if job else ""
+        return name, {job.run_id} if job else set()
 
     def _answer(self, api: str, method: str, **kw: Any) -> Any:
         self.calls.append((method, kw))
@@ -292,6 +375,7 @@ class FakeEks:
                 if job is not None:
                     raise ApiError(409)
                 job = Job(copy.deepcopy(kw["body"]))
+                job.timed = self.timed
                 job.condition("Created", f"{job.kind} {job.name} is created.")
                 self.jobs[key] = job
                 self.history.append(job)
@@ -310,19 +394,24 @@ class FakeEks:
                 self._delete(key)
                 return {}
             if method == "list_namespaced_custom_object":
-                if (kw["group"], kw["version"], kw["plural"]) != KUEUE:
-                    raise ApiError(404)
-                label, _, value = (kw.get("label_selector") or "").partition("=")
-                return {"items": [copy.deepcopy(j.workload) for (ns, _), j in self.jobs.items()
-                                  if ns == kw["namespace"] and j.workload is not None
-                                  and (not label or j.workload["metadata"]["labels"].get(label) == value)]}
+                selector = kw.get("label_selector") or ""
+                if (kw["group"], kw["version"], kw["plural"]) == KUEUE:
+                    return {"items": [copy.deepcopy(j.workload) for (ns, _), j in self.jobs.items()
+                                      if ns == kw["namespace"] and j.workload is not None
+                                      and selects(selector, j.workload["metadata"]["labels"])]}
+                # the job resources of one kind in the namespace, as the API server lists them
+                api_version, plural = f"{kw['group']}/{kw['version']}", kw["plural"]
+                return {"apiVersion": api_version, "kind": f"{plural}List", "items": [
+                    copy.deepcopy(j.body) for (ns, _), j in self.jobs.items()
+                    if ns == kw["namespace"] and j.body.get("apiVersion") == api_version
+                    and f"{j.kind.lower()}s" == plural and selects(selector, j.body["metadata"].get("labels") or {})]}
             if method == "list_namespaced_pod":
-                label, _, value = kw["label_selector"].partition("=")
-                jobs = [j for (ns, _), j in self.jobs.items()
-                        if ns == kw["namespace"] and label == "llmops/job" and j.name == value]
-                return SimpleNamespace(items=[SimpleNamespace(metadata=SimpleNamespace(name=p.name))
-                                              for j in jobs for p in j.pods]
-                                       + [p for j in jobs for p in self._unscheduled(j)])
+                selector = kw.get("label_selector") or ""
+                jobs = [j for (ns, _), j in self.jobs.items() if ns == kw["namespace"]]
+                return SimpleNamespace(items=[SimpleNamespace(metadata=SimpleNamespace(name=p.name, labels=dict(p.labels)))
+                                              for j in jobs for p in j.pods if selects(selector, p.labels)]
+                                       + [p for j in jobs for p in self._unscheduled(j)
+                                          if selects(selector, p.metadata.labels)])
             if method == "read_namespaced_pod_log":
                 if any(kw["name"] == p.metadata.name for j in self.jobs.values()
                        for p in self._unscheduled(j)):
@@ -346,6 +435,16 @@ class FakeEks:
         """Kueue admits the queued jobs created from now on only after `seconds` (0: at once)."""
         with self.lock:
             self.capacity_wait_seconds = float(seconds)
+
+    def time_pods(self, run_seconds: float | None = 60.0, line_seconds: float = 0.0) -> None:
+        """Pods of jobs created from now on run no process (TimedPod): each runs its container's
+        SIM_RUN_SECONDS, or until its SIM_END_AT (else `run_seconds`), and exits with its
+        SIM_EXIT_CODE (else 0); a job all
+        of whose pods exit 0 first gets the result JSON its entry would write at its `--result`
+        URI (through `aws_env`'s S3 endpoint). None: real processes again."""
+        with self.lock:
+            self.timed = None if run_seconds is None else {"run_seconds": float(run_seconds),
+                                                           "line_seconds": float(line_seconds)}
 
     def hold_nodes(self, seconds: float) -> None:
         """Jobs without a queue name created from now on have their pods Pending, unschedulable,
@@ -523,6 +622,18 @@ class FakeEks:
     def _start_pods(self, job: Job) -> None:
         job.generation += 1
         replicas = self._replicas(job)
+        if job.timed is not None:
+            pods = []
+            for pod_name, template in replicas:
+                (container,) = template["spec"]["containers"]
+                env = {e["name"]: e["value"] for e in container.get("env", [])}
+                pods.append(TimedPod(pod_name, run_seconds(env, job.timed["run_seconds"]),
+                                     int(env.get("SIM_EXIT_CODE", 0)), job.timed["line_seconds"],
+                                     job.generation, (template.get("metadata") or {}).get("labels") or {}))
+            with self.lock:
+                job.pods = pods
+            job.condition("Running", startTime=job.body.get("status", {}).get("startTime") or _now())
+            return
         port, nproc = free_port(), job.body["spec"].get("nprocPerNode", "1")
         pods = []
         for node, (pod_name, template) in enumerate(replicas):
@@ -553,7 +664,8 @@ class FakeEks:
                                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                     stderr=subprocess.STDOUT, text=True, errors="replace",
                                     bufsize=1, start_new_session=True)
-            pods.append(Pod(pod_name, proc, disk, marker, job.generation))
+            pods.append(Pod(pod_name, proc, disk, marker, job.generation,
+                            (template.get("metadata") or {}).get("labels") or {}))
         with self.lock:
             job.pods = pods
         job.condition("Running", startTime=job.body.get("status", {}).get("startTime") or _now())
@@ -569,10 +681,11 @@ class FakeEks:
         message = (f"0/{nodes} nodes are available: {nodes} Insufficient {resource}. preemption: "
                    f"0/{nodes} nodes are available: {nodes} No preemption victims found for "
                    "incoming pod.")
-        return [SimpleNamespace(metadata=SimpleNamespace(name=name), status=SimpleNamespace(
-            phase="Pending", conditions=[SimpleNamespace(type="PodScheduled", status="False",
-                                                         reason="Unschedulable", message=message)]))
-                for name, _ in replicas]
+        return [SimpleNamespace(metadata=SimpleNamespace(
+            name=name, labels=dict((template.get("metadata") or {}).get("labels") or {})),
+            status=SimpleNamespace(phase="Pending", conditions=[SimpleNamespace(
+                type="PodScheduled", status="False", reason="Unschedulable", message=message)]))
+                for name, template in replicas]
 
     # -- Kueue ----------------------------------------------------------------------------------
     def _enqueue(self, job: Job) -> None:
@@ -652,6 +765,8 @@ class FakeEks:
                     continue
             failed = job.lost.is_set() or any(c not in (None, 0) for c in codes)
             if not failed and all(c == 0 for c in codes):
+                if job.timed is not None:
+                    self._write_result(job)
                 self._end(job, "Succeeded", "every pod exited 0")
                 return
             if failed:
@@ -671,13 +786,39 @@ class FakeEks:
                          why, job.restarts, job.max_retries())
                 job.condition("Restarting", why)
                 self._start_pods(job)
-            job.deleted.wait(0.2)
+            job.deleted.wait(0.2 if job.timed is None else 1.0)
         with self.lock:   # deleted: its pods go first (foreground)
             pods, job.pods = list(job.pods), []
             job.finished_pods += pods
         for pod in pods:
             pod.kill()
         job.pods_gone_at = time.time()
+
+    def _write_result(self, job: Job) -> None:
+        """What a timed job's entry would have written on success: its result JSON at the
+        `--result` URI of its first pod's command."""
+        (_, template), *_ = self._replicas(job)
+        (container,) = template["spec"]["containers"]
+        args = [*container.get("command", []), *container.get("args", [])]
+        if "--result" not in args[:-1]:
+            return
+        import json
+
+        import boto3
+
+        from tests.chaos.fake_aws.jobs import timed_result
+
+        uri = args[args.index("--result") + 1]
+        bucket, _, key = uri[len("s3://"):].partition("/")
+        with self.lock:
+            if self._s3 is None:   # one client for every timed job (a client costs ~50 ms to make)
+                env = self.aws_env
+                self._s3 = boto3.client("s3", endpoint_url=env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL"),
+                                        region_name=env.get("AWS_DEFAULT_REGION", "us-east-1"),
+                                        aws_access_key_id=env.get("AWS_ACCESS_KEY_ID", "testing"),
+                                        aws_secret_access_key=env.get("AWS_SECRET_ACCESS_KEY", "testing"))
+            seconds = max((getattr(p, "seconds", 0.0) for p in job.pods), default=0.0)
+        self._s3.put_object(Bucket=bucket, Key=key, Body=json.dumps(timed_result(seconds)).encode())
 
     def _end(self, job: Job, state: str, message: str, reason: str = "") -> None:
         with self.lock:

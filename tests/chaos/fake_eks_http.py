@@ -15,6 +15,7 @@ GET or DELETE by itself.
 
 from __future__ import annotations
 
+import collections
 import json
 import re
 import threading
@@ -69,8 +70,12 @@ class KubeApiServer:
 
     def __init__(self, eks: FakeEks):
         self.eks = eks
+        # Calls served through this front, by method: several fronts to one cluster tell apart
+        # whose calls they were (a benchmark's submitter from the triggers it measures).
+        self.counts: collections.Counter[str] = collections.Counter()
+        self.lock = threading.Lock()
         # port 0: the kernel picks a free one as it binds, so no other server can take it first
-        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), _handler(eks))
+        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), _handler(eks, self))
         self.port: int = self._httpd.server_address[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self._httpd.daemon_threads = True   # a keep-alive connection must not hold up stop()
@@ -99,7 +104,7 @@ class KubeApiServer:
         return {"conn_type": "kubernetes", "extra": {"kube_config": kubeconfig}}
 
 
-def _handler(eks: FakeEks) -> type[BaseHTTPRequestHandler]:
+def _handler(eks: FakeEks, front: "KubeApiServer") -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"   # keep-alive, as the API server: urllib3 reuses connections
 
@@ -170,6 +175,8 @@ def _handler(eks: FakeEks) -> type[BaseHTTPRequestHandler]:
 
         @staticmethod
         def _call(api: str, method: str, **kw: Any) -> Any:
+            with front.lock:
+                front.counts[method] += 1
             try:
                 return eks.call(api, method, **kw)
             except urllib3.exceptions.ProtocolError as exc:   # FakeEks lost this answer

@@ -32,6 +32,11 @@ Rules it implements, so both places keep them alike:
   later, when its backend's log service delivers lines late (CloudWatch: seconds after Describe*
   says the job ended); the task log then ends with the job's own last lines, and the failure
   message's log tail (read after the wait) has them too.
+- log reads cost what a queued job cannot repay: a job last seen waiting to start (PENDING) has
+  no container and no new lines, so its log is not read until it runs (or ends). Each read takes
+  a token from the backend's budget for the process (`Backend.log_budget`: CloudWatch's
+  account-wide rates, shared by every trigger of a triggerer); without one the read is skipped
+  and its lines come with a later read, from the cursor; the read after a job's end waits for one.
 - waiting is bounded: with `max_queue_seconds` (None or 0: no bound), a job that has not started
   that long after its submission (`JobStatus.details["submitted_at"]`, else the time the caller
   recorded, else this watch's first poll) is stopped and the wait ends with the service's last
@@ -101,6 +106,7 @@ class JobWatch:
         self._stopping = False
         self._cursor_loaded = False
         self._ended: JobStatus | None = None   # the job's end, held for one more log read
+        self._state: JobState | None = None    # the job's state at the last poll that read it
 
     @property
     def deadline(self) -> float | None:
@@ -130,28 +136,31 @@ class JobWatch:
     def _poll(self) -> Step:
         step = Step()
         if self._ended is not None:   # the read of the lines that arrived after the job's end
-            self._read_logs(step)
+            self._read_logs(step, final=True)
             step.status = self._ended
             return step
         if self._stopping:  # an earlier stop at the deadline hit a transient error: try again
             return self._stop(step)
-        self._read_logs(step)
+        # No container runs while the job waits to start: its log is read again once it runs.
+        if self._state is not JobState.PENDING:
+            self._read_logs(step)
         try:
             status = self.backend.status(self.handle)
         except Exception as exc:  # noqa: BLE001 - sorted into transient or not right here
             return self._status_error(step, exc)
         self.backoff.reset()
+        self._state = status.state
         self._note_start(step, status)
         self._note_waiting(step, status)
         if status.state.terminal:
-            self._read_logs(step)  # the last lines the job wrote before it ended
             lag = min(self.poll_interval, float(getattr(self.backend, "log_lag_seconds", 0.0)))
             if lag > 0:
                 # Its log service delivers the last lines seconds after the job's status says it
-                # ended (CloudWatch): one more read a little later, then the end.
+                # ended (CloudWatch): one read a little later, then the end.
                 self._ended = status
                 step.delay = lag
                 return step
+            self._read_logs(step, final=True)  # the last lines the job wrote before it ended
             step.status = status
             return step
         deadline = self.deadline
@@ -165,7 +174,15 @@ class JobWatch:
         return step
 
     # -- the pieces ------------------------------------------------------------------------------
-    def _read_logs(self, step: Step) -> None:
+    def _read_logs(self, step: Step, final: bool = False) -> None:
+        """The job's new lines into `step`. Within the backend's budget of log reads for the
+        process (CloudWatch's account-wide rates, llmops.jobs.backends.shared.RateBudget): a
+        poll without a token skips its read (the lines come with a later one, from the cursor);
+        the read after the job's end waits for one."""
+        budget_of = getattr(self.backend, "log_budget", None)   # a backend of any shape (tests')
+        budget = budget_of(self.handle) if budget_of else None
+        if budget is not None and not budget.take(wait=final):
+            return
         try:
             if not self._cursor_loaded:
                 # Newer than the cursor this watch was given whenever the last watcher died

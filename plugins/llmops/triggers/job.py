@@ -13,7 +13,7 @@ from airflow.triggers.base import BaseTrigger, TriggerEvent
 from llmops import tracking
 from llmops.jobs import env_secrets
 from llmops.jobs.alerts import JobAlerts, where_of
-from llmops.jobs.backends import get_backend
+from llmops.jobs.backends import get_backend, shared
 from llmops.jobs.errors import Backoff
 from llmops.jobs.watch import JobWatch, call_with_retries, log_cursor_uri
 
@@ -48,7 +48,11 @@ MIN_CHECKPOINT_SECONDS = 120
 class JobTrigger(BaseTrigger):
     """Polls a backend until the job ends, streaming its log lines into the task log.
 
-    Each poll is one `JobWatch.poll()` (llmops.jobs.watch), the same step the worker wait runs:
+    Each poll is one `JobWatch.poll()` (llmops.jobs.watch), the same step the worker wait runs,
+    its status read shared with every other trigger of this triggerer process where the service
+    answers for many jobs in one call (one DescribeJobs for up to 100 Batch jobs, one list of the
+    SageMaker jobs that changed, one Kubernetes list of a DAG run's HyperPod jobs and pods:
+    llmops.jobs.backends.shared), at most a third of a poll interval old;
     transient API errors are retried with backoff, log errors skipped, and the deadline
     (`max_run_seconds + grace_seconds` from `started_at`) stops the job, as does a wait in the queue
     past `max_queue_seconds` from `submitted_at`; each change of the job's waiting state and
@@ -62,6 +66,9 @@ class JobTrigger(BaseTrigger):
     trigger's kwargs with the current log cursor and start time, from which the task defers again.
     The first sight of the job's start is checkpointed at once, so a restarted trigger keeps the
     same deadline.
+
+    Every TASK_CHECK_SECONDS it asks Airflow whether its task still waits on it, in one question
+    per DAG for all the triggers of this triggerer (task_states_board).
 
     A user ending the task (mark failed or success) stops the job (`on_kill`). A clear does not:
     the next try reattaches to the running job (with `stop_on_clear`, set by force_rerun, it is
@@ -112,7 +119,12 @@ class JobTrigger(BaseTrigger):
     async def run(self) -> AsyncIterator[TriggerEvent]:
         # A local job inherits the worker's environment; what it prints of it shows as ***.
         await env_secrets.amask_in_task_logs(os.environ)
-        backend = get_backend(self.handle["backend"])
+        # Off the loop: the first trigger of a backend imports it (its provider hooks, seconds of
+        # CPU on a busy triggerer), which would stall every other trigger's poll meanwhile.
+        backend = await asyncio.to_thread(get_backend, self.handle["backend"])
+        # Every trigger of this triggerer reads its job's status through one shared read where
+        # the service answers for many jobs at once (llmops.jobs.backends.shared).
+        backend.shared_max_age = shared.max_age_for(self.poll_interval)
         watch = JobWatch(backend, self.handle, poll_interval=self.poll_interval,
                          max_run_seconds=self.max_run_seconds, grace_seconds=self.grace_seconds,
                          log_cursor=self.log_cursor, started_at=self.started_at,
@@ -160,7 +172,7 @@ class JobTrigger(BaseTrigger):
                 return
             if time.monotonic() - checked_at >= TASK_CHECK_SECONDS:
                 checked_at = time.monotonic()
-                known, state = await self._task_state()
+                known, state = await self._task_state(shared_read=True)
                 if known and state in ENDED:
                     self.log.warning("The task is %s in Airflow, yet this trigger was not cancelled "
                                      "(Airflow did not call on_kill).", state)
@@ -264,8 +276,10 @@ class JobTrigger(BaseTrigger):
                 _ON_KILL_THREADS, lambda: ledger.record_job("ended", job,
                                                             **ledger.end_fields(status, self.started_at)))
 
-    async def _task_state(self) -> tuple[bool, str | None]:
-        """(True, the task instance's state in Airflow now), or (False, None) if it cannot be asked."""
+    async def _task_state(self, shared_read: bool = False) -> tuple[bool, str | None]:
+        """(True, the task instance's state in Airflow now), or (False, None) if it cannot be
+        asked. `shared_read` (the periodic check): one question per DAG for every trigger of this
+        triggerer that asks within TASK_CHECK_SECONDS / 3 (task_states_board); on_kill asks alone."""
         ti = getattr(self, "task_instance", None)
         if ti is None:
             return False, None
@@ -273,6 +287,12 @@ class JobTrigger(BaseTrigger):
             from airflow.sdk.execution_time.task_runner import RuntimeTaskInstance
 
             started = time.monotonic()
+            if shared_read:
+                key = (ti.dag_id, ti.run_id, ti.task_id, ti.map_index)
+                state = await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(
+                    _ON_KILL_THREADS, lambda: task_states_board().get(key, TASK_CHECK_SECONDS / 3)),
+                    timeout=STATE_TIMEOUT)
+                return True, getattr(state, "value", state)
             states = await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(
                 _ON_KILL_THREADS, lambda: RuntimeTaskInstance.get_task_states(
                     dag_id=ti.dag_id, task_ids=[ti.task_id], run_ids=[ti.run_id],
@@ -282,6 +302,29 @@ class JobTrigger(BaseTrigger):
         except Exception as exc:  # noqa: BLE001 - unknown: a user's action is what Airflow says
             self.log.warning("Could not ask Airflow for the task's state (%s): %r", type(exc).__name__, exc)
             return False, None
-        key = ti.task_id if ti.map_index < 0 else f"{ti.task_id}_{ti.map_index}"
-        state = states.get(ti.run_id, {}).get(key)
+        state = states.get(ti.run_id, {}).get(_state_key(ti.task_id, ti.map_index))
         return True, getattr(state, "value", state)
+
+
+def _state_key(task_id: str, map_index: int) -> str:
+    """How get_task_states names a task instance: its task id, `<task id>_<map index>` if mapped."""
+    return task_id if map_index < 0 else f"{task_id}_{map_index}"
+
+
+def task_states_board() -> shared.SharedReads:
+    """The triggerer's one question per DAG for the states of every task instance its triggers
+    ask about: get_task_states(dag_id, task_ids, run_ids) answers for all their runs and map
+    indexes at once (a sweep's 100 trials: one call every TASK_CHECK_SECONDS / 3, not 100)."""
+    def read(keys: list[tuple]) -> dict[tuple, Any]:
+        from airflow.sdk.execution_time.task_runner import RuntimeTaskInstance
+
+        found = {}
+        for (dag_id,), members in shared.grouped(keys, 1).items():
+            states = RuntimeTaskInstance.get_task_states(
+                dag_id=dag_id, task_ids=sorted({k[2] for k in members}), run_ids=sorted({k[1] for k in members}))
+            for key in members:
+                _, run_id, task_id, map_index = key
+                found[key] = (states.get(run_id) or {}).get(_state_key(task_id, map_index))
+        return found
+
+    return shared.board(("airflow-task-states",), lambda: shared.SharedReads(read, 10_000))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 import time
 from typing import Any
 
@@ -18,10 +19,17 @@ from tests.chaos.fake_aws.jobs import BATCH_GROUP, Job, LogSink
 class BatchApi:
     """The `_batch_<Operation>` handlers Simulator.handle dispatches to, and the containers a job
     runs; mixed into Simulator, whose state (jobs, lock) and helpers (unseen, end, _start,
-    _jobdir, _sink, _aws_env) they use."""
+    _jobdir, _sink, _aws_env) they use.
+
+    Moto's Batch is not thread-safe (a DescribeJobs iterating its jobs while a SubmitJob adds one
+    raises "dictionary changed size during iteration": a 500 AWS would not send), so these calls
+    reach moto one at a time (`_moto_batch`)."""
+
+    _moto_batch = threading.Lock()
 
     def _batch_SubmitJob(self, call, body, forward, user_agent):
-        answer = forward(body)
+        with self._moto_batch:
+            answer = forward(body)
         if answer[0] == 200:
             request, submitted = json.loads(body), json.loads(answer[2])
             self._start(Job("batch", request["jobName"], submitted["jobId"], request,
@@ -38,7 +46,8 @@ class BatchApi:
         if not rest:
             status, headers, described = 200, json_answer(call, {})[1], {"jobs": []}
         else:
-            status, headers, data = forward(json.dumps({**request, "jobs": rest}).encode())
+            with self._moto_batch:
+                status, headers, data = forward(json.dumps({**request, "jobs": rest}).encode())
             if status != 200:
                 return status, headers, data
             described = json.loads(data)
@@ -75,7 +84,8 @@ class BatchApi:
     def _batch_ListJobs(self, call, body, forward, user_agent):
         request = json.loads(body or b"{}")
         wanted = request.pop("jobStatus", None) if not request.get("filters") else None
-        status, headers, data = forward(json.dumps(request).encode())
+        with self._moto_batch:
+            status, headers, data = forward(json.dumps(request).encode())
         if status != 200:
             return status, headers, data
         listed = json.loads(data)
@@ -88,7 +98,8 @@ class BatchApi:
         return status, headers, json.dumps(listed).encode()
 
     def _batch_TerminateJob(self, call, body, forward, user_agent, cancel: bool = False):
-        answer = forward(body)   # moto checks the job and the reason
+        with self._moto_batch:
+            answer = forward(body)   # moto checks the job and the reason
         request = json.loads(body)
         job = self.jobs.get(request.get("jobId", ""))
         if answer[0] == 200 and job is not None:

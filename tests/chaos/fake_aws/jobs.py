@@ -5,6 +5,7 @@ the containers' credentials, a create request's tags (`tag_pairs`), a container'
 from __future__ import annotations
 
 import collections
+import json
 import math
 import os
 import signal
@@ -55,9 +56,16 @@ class Job:
     synced: dict = field(default_factory=dict)   # checkpoint files already synced to S3 (SageMaker)
     node_ended_at: dict = field(default_factory=dict)   # node index -> when its container exited
     reclaims: int = 0                    # spot interruptions (SageMaker: the job restarted inside)
+    modified_at: float = 0.0             # SageMaker's LastModifiedTime: the last change of its status
+    timed: bool = False                  # runs no container (the simulator's `timed_jobs`)
+
+    def __post_init__(self) -> None:
+        self.modified_at = self.modified_at or self.created_at
 
     def move(self, status: str, secondary: str = "") -> None:
         """Change the status (the simulator's lock held), keeping SecondaryStatusTransitions."""
+        if status != self.status or (self.service == "sagemaker" and secondary != self.secondary):
+            self.modified_at = time.time()
         self.status = status
         if self.service == "sagemaker" and secondary != self.secondary:
             now = time.time()
@@ -84,6 +92,7 @@ class Job:
 
     def report(self) -> dict[str, Any]:
         return {"service": self.service, "name": self.name, "job_id": self.job_id, "status": self.status,
+                "timed": self.timed,
                 "secondary": self.secondary, "reason": self.reason, "created_at": self.created_at,
                 "started_at": self.started_at, "ended_at": self.ended_at, "exit_code": self.exit_code,
                 "stop_requests": list(self.stop_requests), "stopped_by": self.stopped_by,
@@ -118,6 +127,39 @@ class LogSink:
         for start in range(0, len(events), 1000):
             self.logs.put_log_events(logGroupName=self.group, logStreamName=self.stream,
                                      logEvents=events[start:start + 1000])
+
+def timed_plan(service: str, request: dict[str, Any], default_seconds: float) -> tuple[float, int, str]:
+    """What a timed job (no container) does, from its own request, as it starts now: (seconds it
+    runs, its exit code, the s3:// URI its result JSON goes to, "" when the request names none).
+    The seconds and exit code come from the job's environment: SIM_RUN_SECONDS, or SIM_END_AT
+    (epoch seconds: it runs until then, at least 1 s), else the simulator's `timed_run_seconds`;
+    SIM_EXIT_CODE, else 0. The result URI from the entry's `--result` argument, as
+    docker/job_entry.py would read it (SageMaker: the `result` hyperparameter)."""
+    if service == "sagemaker":
+        env = dict(request.get("Environment") or {})
+        hyper = request.get("HyperParameters") or {}
+        result = json.loads(hyper["result"]) if "result" in hyper else ""
+    else:
+        overrides = [request.get("containerOverrides") or {}] + [
+            o.get("containerOverrides") or {}
+            for o in (request.get("nodeOverrides") or {}).get("nodePropertyOverrides") or []]
+        env = {e["name"]: e["value"] for o in overrides for e in o.get("environment") or []}
+        command = [a for o in overrides for a in o.get("command") or []]
+        result = command[command.index("--result") + 1] if "--result" in command[:-1] else ""
+    return run_seconds(env, default_seconds), int(env.get("SIM_EXIT_CODE", 0)), str(result)
+
+
+def run_seconds(env: dict[str, str], default: float) -> float:
+    """How long a timed job (or pod) starting now runs: SIM_RUN_SECONDS, or until SIM_END_AT."""
+    if "SIM_END_AT" in env:
+        return max(1.0, float(env["SIM_END_AT"]) - time.time())
+    return float(env.get("SIM_RUN_SECONDS", default))
+
+
+def timed_result(seconds: float) -> dict[str, Any]:
+    """The result JSON a timed job's entry would have written (nothing but its own record)."""
+    return {"metrics": {"timed_seconds": seconds}, "outputs": {}, "timed": True}
+
 
 def tag_pairs(request: dict[str, Any]) -> set[str]:
     """`key=value` for each tag of a create request (SageMaker's list of Key/Value, Batch's map)."""

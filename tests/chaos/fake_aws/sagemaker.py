@@ -41,7 +41,7 @@ class SageMakerApi:
         described = json.loads(data)
         with self.lock:
             described.update(TrainingJobStatus=job.status, SecondaryStatus=job.secondary,
-                             LastModifiedTime=time.time(),
+                             LastModifiedTime=job.modified_at,
                              SecondaryStatusTransitions=[dict(t) for t in job.transitions])
             for key, value in (("TrainingStartTime", job.started_at), ("TrainingEndTime", job.ended_at),
                                ("FailureReason", job.reason)):
@@ -54,10 +54,12 @@ class SageMakerApi:
         return status, headers, json.dumps(described, default=str).encode()
 
     def _sagemaker_ListTrainingJobs(self, call, body, forward, user_agent):
-        # moto filters by its own status (Completed): filter by the simulated one instead.
+        """Moto's summaries with the simulated status, secondary status and times; the filters
+        (status, name, creation and last-modified times), the sort and the pages are applied here
+        to those (moto filters by its own status and times, and pages before it filters). A job
+        too new to be seen (`consistency_seconds`) is not listed."""
         request = json.loads(body or b"{}")
-        wanted = request.pop("StatusEquals", None)
-        status, headers, data = forward(json.dumps(request).encode())
+        status, headers, data = forward(b"{}")   # every job moto has, unfiltered and unpaged
         if status != 200:
             return status, headers, data
         listed = json.loads(data)
@@ -67,15 +69,22 @@ class SageMakerApi:
                 if self.unseen(job := self.jobs.get(summary["TrainingJobName"])):
                     continue
                 if job:
-                    summary.update(TrainingJobStatus=job.status, SecondaryStatus=job.secondary)
+                    summary.update(TrainingJobStatus=job.status, SecondaryStatus=job.secondary,
+                                   CreationTime=job.created_at, LastModifiedTime=job.modified_at)
                     if job.ended_at:
                         summary["TrainingEndTime"] = job.ended_at
                     else:
                         summary.pop("TrainingEndTime", None)
-                if wanted is None or summary["TrainingJobStatus"] == wanted:
+                if _listed(summary, request):
                     summaries.append(summary)
-        listed["TrainingJobSummaries"] = summaries
-        return status, headers, json.dumps(listed, default=str).encode()
+        order = {"Name": "TrainingJobName", "Status": "TrainingJobStatus"}.get(request.get("SortBy"),
+                                                                                "CreationTime")
+        summaries.sort(key=lambda s: s.get(order) or 0, reverse=request.get("SortOrder", "Descending") == "Descending")
+        start, size = int(request.get("NextToken") or 0), int(request.get("MaxResults") or 10)
+        page = {"TrainingJobSummaries": summaries[start:start + size]}
+        if start + size < len(summaries):
+            page["NextToken"] = str(start + size)
+        return status, headers, json.dumps(page, default=str).encode()
 
     def _sagemaker_StopTrainingJob(self, call, body, forward, user_agent):
         name = json.loads(body).get("TrainingJobName", "")
@@ -107,3 +116,15 @@ class SageMakerApi:
             stream = f"{job.name}/algo-{host + 1}-{epoch}"
             out.append((cmd, env, self._sink(job, SM_GROUP, stream)))
         return out
+
+
+def _listed(summary: dict, request: dict) -> bool:
+    """Whether a ListTrainingJobs request's filters keep this summary (times are epoch seconds,
+    as botocore sends and moto answers them)."""
+    created, modified = float(summary.get("CreationTime") or 0), float(summary.get("LastModifiedTime") or 0)
+    return ((request.get("StatusEquals") is None or summary["TrainingJobStatus"] == request["StatusEquals"])
+            and (not request.get("NameContains") or request["NameContains"] in summary["TrainingJobName"])
+            and (request.get("CreationTimeAfter") is None or created > float(request["CreationTimeAfter"]))
+            and (request.get("CreationTimeBefore") is None or created < float(request["CreationTimeBefore"]))
+            and (request.get("LastModifiedTimeAfter") is None or modified > float(request["LastModifiedTimeAfter"]))
+            and (request.get("LastModifiedTimeBefore") is None or modified < float(request["LastModifiedTimeBefore"])))

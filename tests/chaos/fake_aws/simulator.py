@@ -17,8 +17,8 @@ from typing import Any, Callable
 from tests.aws_fixtures import CONTAINER_ENV, REGION, sync_checkpoints
 from tests.chaos.fake_aws.batch import BatchApi
 from tests.chaos.fake_aws.faults import Answer, Call
-from tests.chaos.fake_aws.jobs import (BATCH_CAPACITY, CREDENTIALS, SM_CAPACITY, Job, LogSink, kill_group,
-                                       tag_pairs)
+from tests.chaos.fake_aws.jobs import (BATCH_CAPACITY, BATCH_GROUP, CREDENTIALS, SM_CAPACITY, SM_GROUP, Job,
+                                       LogSink, kill_group, tag_pairs, timed_plan, timed_result)
 from tests.chaos.fake_aws.sagemaker import SageMakerApi
 
 log = logging.getLogger("fake_aws")
@@ -30,6 +30,11 @@ DEFAULT_CONFIG = {"pending_seconds": 2.0,      # Starting / RUNNABLE before a co
                   "capacity_wait_seconds": 0.0,  # queued this long first, held for capacity
                   "consistency_seconds": 0.0,  # Describe*/List* do not see a new job this long
                   "log_delay_seconds": 0.0,  # a log line reaches CloudWatch this long after it was printed
+                  # Jobs created from then on run no container (see _run_timed): for the triggerer
+                  # benchmark's hundreds of jobs, which one process per node could not hold.
+                  "timed_jobs": False,
+                  "timed_run_seconds": 60.0,   # how long a timed job runs (its SIM_RUN_SECONDS wins)
+                  "timed_line_seconds": 0.0,   # a timed job's log line this often (0: start and end only)
                   # S3's link as one connection sees it (the proxy, tests/chaos/fake_aws/proxy.py):
                   # object bytes move at most this fast each way, 0 = as fast as the proxy goes
                   "s3_mb_per_s_per_connection": 0.0,
@@ -194,8 +199,10 @@ class Simulator(SageMakerApi, BatchApi):
         (job.workdir / "request.json").write_text(json.dumps(job.request, indent=2))
         with self.lock:
             self.jobs[job.name if job.service == "sagemaker" else job.job_id] = job
+            job.timed = bool(self.config["timed_jobs"])
         log.info("%s job %s (%s) registered", job.service, job.name, job.job_id)
-        threading.Thread(target=self._run, args=(job,), daemon=True, name=f"job-{job.name}").start()
+        threading.Thread(target=self._run_timed if job.timed else self._run, args=(job,), daemon=True,
+                         name=f"job-{job.name}").start()
 
     def _set(self, job: Job, status: str, secondary: str = "") -> None:
         with self.lock:
@@ -204,18 +211,24 @@ class Simulator(SageMakerApi, BatchApi):
             job.move(status, secondary)
         log.info("%s job %s: %s %s", job.service, job.name, status, secondary)
 
+    def _queued(self, job: Job) -> bool:
+        """A new job's wait in the queue (Batch: RUNNABLE), held `capacity_wait_seconds` for want
+        of instances as the service says; True when it was asked to end meanwhile."""
+        if job.service != "sagemaker":
+            job.wake.wait(0.2)
+            self._set(job, "RUNNABLE")
+        held = self.config["capacity_wait_seconds"]
+        if held <= 0:
+            return False
+        self._hold_for_capacity(job, True)   # no capacity for it yet: the service says so
+        woke = job.wake.wait(held)
+        self._hold_for_capacity(job, False)
+        return woke
+
     def _run(self, job: Job) -> None:
         sagemaker = job.service == "sagemaker"
         try:
-            if not sagemaker:
-                job.wake.wait(0.2)
-                self._set(job, "RUNNABLE")
-            held = self.config["capacity_wait_seconds"]
-            woke = False
-            if held > 0:   # no capacity for it yet: the service says so and keeps it queued
-                self._hold_for_capacity(job, True)
-                woke = job.wake.wait(held)
-                self._hold_for_capacity(job, False)
+            woke = self._queued(job)
             while not woke and not job.wake.wait(self.config["pending_seconds"]):
                 self._set(job, *(("InProgress", "Downloading") if sagemaker else ("STARTING",)))
                 commands = self._prepare_sagemaker(job) if sagemaker else self._prepare_batch(job)
@@ -234,6 +247,72 @@ class Simulator(SageMakerApi, BatchApi):
                 sync_checkpoints(self.s3, job.request, job.workdir, job.synced)
             except Exception:
                 log.exception("checkpoint sync of %s failed", job.name)
+        self._finish(job)
+
+    def _run_timed(self, job: Job) -> None:
+        """A job without a container: queued as any job (pending_seconds, capacity_wait_seconds),
+        then RUNNING (SageMaker InProgress/Training) for its SIM_RUN_SECONDS, logging a start
+        line, a line every `timed_line_seconds` and an end line into its CloudWatch stream (the
+        main node's; a Batch job has a stream per node, as its node containers would), then it
+        ends with its SIM_EXIT_CODE, writing first, on success, the result JSON its entry would
+        have written at its `--result` URI. Stops, deadlines and service-side ends (fail, stop)
+        end it as they end any job; a host loss or spot reclaim needs a container (refused)."""
+        sagemaker = job.service == "sagemaker"
+        try:
+            woke = self._queued(job)
+            if not woke and not job.wake.wait(self.config["pending_seconds"]):
+                self._set(job, *(("InProgress", "Downloading") if sagemaker else ("STARTING",)))
+                seconds, code, result_uri = timed_plan(job.service, job.request, self.config["timed_run_seconds"])
+                if sagemaker:
+                    sinks = [self._sink(job, SM_GROUP, f"{job.name}/algo-1-{int(time.time())}")]
+                else:
+                    definition = job.request["jobDefinition"].rsplit("/", 1)[-1].split(":")[0]
+                    sinks = [self._sink(job, BATCH_GROUP, f"{definition}/default/{job.job_id}-node{i}")
+                             for i in range(self._nodes(job))]
+
+                def say(line: str) -> None:   # on the main node's stream, as rank 0 prints
+                    sinks[0].add(line)
+                    with self.lock:
+                        job.log_lines += 1
+                        job.tail.append(line)
+
+                job.started_at = time.time()
+                self._set(job, *(("InProgress", "Training") if sagemaker else ("RUNNING",)))
+                say(f"[timed job {job.name}] started: runs {seconds:g} s")
+                runtime = (job.request.get("StoppingCondition", {}).get("MaxRuntimeInSeconds") if sagemaker
+                           else job.request.get("timeout", {}).get("attemptDurationSeconds"))
+                deadline = job.started_at + runtime if runtime else float("inf")
+                every = self.config["timed_line_seconds"]
+                end, step = job.started_at + seconds, 0
+                while not self.closing.is_set():
+                    now = time.time()
+                    wake_at = min(end, deadline, job.started_at + (step + 1) * every if every > 0 else end)
+                    if job.wake.wait(max(0.0, wake_at - now)):
+                        break   # asked to end (a stop, a service-side failure)
+                    now = time.time()
+                    if now >= deadline:
+                        self.end(job, "deadline")
+                        break
+                    if now >= end:
+                        break
+                    step += 1
+                    say(f"step {step} | {now - job.started_at:.0f} s of {seconds:g} s")
+                if job.end_request:
+                    code = 143 if job.end_request[0] in ("client", "service", "deadline") else 137
+                else:
+                    if code == 0 and result_uri:
+                        bucket, _, key = result_uri[len("s3://"):].partition("/")
+                        self.s3.put_object(Bucket=bucket, Key=key, Body=json.dumps(timed_result(seconds)).encode())
+                    say(f"[timed job {job.name}] exit code {code}")
+                job.exit_code = code
+                job.node_ended_at = {i: time.time() for i in range(len(sinks))}
+        except Exception as exc:  # noqa: BLE001 - a broken request: the job fails, the server lives
+            log.exception("timed %s job %s could not run", job.service, job.name)
+            job.tail.append(f"{type(exc).__name__}: {exc}")
+            job.exit_code = job.exit_code if job.exit_code is not None else 1
+        if sagemaker:
+            with self.lock:
+                job.move(job.status, "Uploading")
         self._finish(job)
 
     def _restart_after_reclaim(self, job: Job) -> bool:
@@ -262,6 +341,7 @@ class Simulator(SageMakerApi, BatchApi):
             if job.service == "sagemaker":
                 if job.transitions:
                     job.transitions[-1]["StatusMessage"] = SM_CAPACITY if held else "Starting"
+                    job.modified_at = time.time()
             elif not job.end_request:
                 job.reason = BATCH_CAPACITY if held else ""
 

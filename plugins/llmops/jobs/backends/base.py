@@ -49,6 +49,11 @@ class Backend(abc.ABC):
     # Seconds between two polls of a job's status and log, unless the operator or the handle says
     # otherwise. Remote services rate-limit describe and log calls per account.
     poll_interval: float = 30.0
+    # Set by a trigger (llmops.triggers.job): its status reads go through the one read the
+    # process's triggers share where the service answers for many jobs at once
+    # (llmops.jobs.backends.shared), and a value read that many seconds ago still serves. 0: the
+    # job is read on its own (a worker watching its one job).
+    shared_max_age: float = 0.0
 
     @abc.abstractmethod
     def submit(self, spec: JobSpec) -> dict[str, Any]:
@@ -63,6 +68,12 @@ class Backend(abc.ABC):
     def read_logs(self, handle: dict[str, Any], cursor: Any = None) -> tuple[list[str], Any]:
         """New log lines since `cursor`, and the cursor to pass next time."""
         return [], cursor
+
+    def log_budget(self, handle: dict[str, Any]) -> Any:
+        """The process's budget of log reads for the handle's log service (a RateBudget of
+        llmops.jobs.backends.shared, which JobWatch takes a token from before each read), or None
+        where the service publishes no rate to stay under."""
+        return None
 
     def log_tail(self, handle: dict[str, Any], lines: int = 40) -> list[str]:
         """The last `lines` lines of the job's log (shown when it fails).

@@ -43,7 +43,7 @@ from typing import Any
 from llmops.aws import s3
 from llmops.aws.logs import follow, tail
 from llmops.aws.validation import validate_request
-from llmops.jobs.backends import remote
+from llmops.jobs.backends import remote, shared
 from llmops.jobs.backends.base import Backend, JobState, JobStatus
 from llmops.jobs.backends.batch.requests import job_definition, submit_request
 from llmops.jobs.backends.batch.settings import BatchSettings
@@ -84,6 +84,28 @@ class BatchBackend(Backend):
         from llmops.jobs.backends.batch.hook import jobs_hook
 
         return jobs_hook(aws_conn_id, region_name)   # one per process (llmops.aws.clients)
+
+    def _board(self, handle: dict[str, Any]) -> shared.SharedReads:
+        """The process's shared DescribeJobs for the handle's connection and region."""
+        conn, region = handle["aws_conn_id"], handle.get("region_name", "")
+
+        def describe(ids: list[str]) -> dict[str, dict[str, Any]]:
+            found = self._hook(conn, region).client.describe_jobs(jobs=ids).get("jobs", [])
+            return {j["jobId"]: j for j in found if j.get("jobId") in ids}
+
+        return shared.board(("batch", conn, region), lambda: shared.SharedReads(describe, DESCRIBE_BATCH))
+
+    def _described(self, handle: dict[str, Any], hook: Any, ids: list[str]) -> list[dict[str, Any]]:
+        """DescribeJobs for `ids`: through the process's shared read when this is a trigger's
+        (a value at most a third of a poll interval old), what it lacks read here."""
+        found: list[dict[str, Any]] = []
+        if self.shared_max_age:
+            board = self._board(handle)
+            found = [job for job in (board.get(i, self.shared_max_age) for i in ids) if job is not None]
+            ids = [i for i in ids if i not in {j["jobId"] for j in found}]
+        for start in range(0, len(ids), DESCRIBE_BATCH):
+            found += hook.client.describe_jobs(jobs=ids[start:start + DESCRIBE_BATCH]).get("jobs", [])
+        return found
 
     def _find(self, hook: Any, queue: str, name: str) -> dict[str, Any] | None:
         """The newest job of this name in the queue (Batch names are not unique), or None."""
@@ -364,7 +386,10 @@ class BatchBackend(Backend):
                                                           handle["submit_token"]), keep=handle["job_id"])
             except Exception as exc:  # noqa: BLE001 - the job's own status matters more
                 log.warning("Could not look for copies of Batch job %s: %s", handle["job_id"], exc)
-        job = self._describe(hook, handle["job_id"])
+        job = None
+        if self.shared_max_age:   # not listed yet (a new job): asked on its own, with its retries
+            job = self._board(handle).get(handle["job_id"], self.shared_max_age)
+        job = job or self._describe(hook, handle["job_id"])
         if job is None:
             return remote.not_visible_yet(handle, f"Batch job {handle['job_id']}") or JobStatus(
                 JobState.FAILED, f"AWS Batch has no job {handle['job_id']}")
@@ -405,6 +430,10 @@ class BatchBackend(Backend):
         return JobStatus(JobState.FAILED, f"Batch job {handle['job_name']} failed: {reason or state}"
                          + (f" (exit code {exit_code})" if exit_code is not None else ""),
                          result=result, details=details)
+
+    def log_budget(self, handle: dict[str, Any]) -> shared.RateBudget:
+        """CloudWatch Logs' reads of the process (its account-wide rates: shared.RateBudget)."""
+        return shared.cloudwatch_budget(handle["aws_conn_id"], handle.get("region_name", ""))
 
     def stop(self, handle: dict[str, Any]) -> None:
         hook = self._hook(handle["aws_conn_id"], handle.get("region_name", ""))
@@ -467,12 +496,10 @@ class BatchBackend(Backend):
             return follow(logs, group, streams, tokens) if streams else ([], tokens)
         hook = self._hook(handle["aws_conn_id"], handle.get("region_name", ""))
         nodes = {}
-        ids = [f"{handle['job_id']}#{i}" for i in range(count)]
-        for start in range(0, len(ids), DESCRIBE_BATCH):
-            for job in hook.client.describe_jobs(jobs=ids[start:start + DESCRIBE_BATCH]).get("jobs", []):
-                index = (job.get("nodeDetails") or {}).get("nodeIndex")
-                if index is not None:
-                    nodes[int(index)] = job
+        for job in self._described(handle, hook, [f"{handle['job_id']}#{i}" for i in range(count)]):
+            index = (job.get("nodeDetails") or {}).get("nodeIndex")
+            if index is not None:
+                nodes[int(index)] = job
         main = (nodes.get(MAIN_NODE) or {}).get("container") or {}
         config = main.get("logConfiguration") or {}
         if not main.get("logStreamName") or config.get("logDriver", "awslogs") != "awslogs":

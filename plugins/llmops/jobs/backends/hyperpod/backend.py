@@ -73,11 +73,12 @@ from datetime import datetime
 from typing import Any
 
 from llmops.aws import s3
-from llmops.jobs.backends import remote
+from llmops.jobs.backends import remote, shared
 from llmops.jobs.backends.base import Backend, JobState, JobStatus
 from llmops.jobs.backends.hyperpod.crds import group_version_plural
-from llmops.jobs.backends.hyperpod.hook import KubeClient, kube_client, pod_log
-from llmops.jobs.backends.hyperpod.manifest import JOB_LABEL, MAX_NAME, k8s_name, manifest, namespace_of
+from llmops.jobs.backends.hyperpod.hook import KubeClient, client_key, kube_client, pod_log
+from llmops.jobs.backends.hyperpod.manifest import (JOB_LABEL, MAX_NAME, k8s_name, manifest, namespace_of,
+                                                    run_selector)
 from llmops.jobs.backends.hyperpod.settings import HyperPodSettings
 from llmops.jobs.backends.settings import load
 from llmops.jobs.spec import JobSpec, JobSpecError
@@ -154,15 +155,20 @@ def _model_field(obj: Any, name: str) -> Any:
 
 
 def unschedulable_reason(kube: "KubeClient", handle: dict[str, Any]) -> str:
-    """Why the job's pods wait for nodes, in the scheduler's words: "<n> of <m> pods
-    unschedulable: <its message>" from the PodScheduled condition (False, reason Unschedulable)
-    of the first such pod; "" when none is (or the pods cannot be listed)."""
+    """Why the job's pods wait for nodes, in the scheduler's words (pods_unschedulable); "" when
+    none does or the pods cannot be listed."""
     try:
         pods = kube.call("core", "list_namespaced_pod", namespace=handle["namespace"],
                          label_selector=f"{JOB_LABEL}={handle['k8s_name']}").items
     except Exception as exc:  # noqa: BLE001 - the operator's own words stand in
         log.debug("Could not list the pods of %s: %s", handle["k8s_name"], exc)
         return ""
+    return pods_unschedulable(pods)
+
+
+def pods_unschedulable(pods: list[Any]) -> str:
+    """"<n> of <m> pods unschedulable: <its message>" from the PodScheduled condition (False,
+    reason Unschedulable) of the first such pod; "" when none is."""
     get = _model_field
     messages = []
     for pod in sorted(pods or [], key=lambda p: str(get(get(p, "metadata") or {}, "name"))):
@@ -213,6 +219,61 @@ class HyperPodBackend(Backend):
 
     def __init__(self, settings: dict[str, Any] | None = None):
         self._settings = settings
+
+    # -- reads: a job's own, or (a trigger's) one list for every job of its DAG run --------------
+    def _resource(self, kube: KubeClient, handle: dict[str, Any]) -> dict[str, Any] | None:
+        """The job resource; None where the API server has none. A trigger's comes from one list
+        by label of its run's jobs, shared by the process's triggers; a job the list lacks (gone,
+        or not listed yet) is read on its own, so a deletion is told as before."""
+        selector = handle.get("run_selector")
+        if self.shared_max_age and selector:
+            key = (*client_key(handle), handle["namespace"], handle["kind"], selector, handle["k8s_name"])
+            found = self._jobs_board(handle).get(key, self.shared_max_age)
+            if found is not None:
+                return found
+        return read_job(kube, handle["kind"], handle["k8s_name"], handle["namespace"])
+
+    def _pods(self, kube: KubeClient, handle: dict[str, Any]) -> list[Any]:
+        """The job's pods (by its `llmops/job` label): a trigger's from one list of every pod of
+        its run's jobs in the namespace, shared by the process's triggers."""
+        selector = handle.get("run_selector")
+        if self.shared_max_age and selector:
+            key = (*client_key(handle), handle["namespace"], selector, handle["k8s_name"])
+            pods = self._pods_board(handle).get(key, self.shared_max_age)
+            if pods is not None:
+                return pods
+        return kube.call("core", "list_namespaced_pod", namespace=handle["namespace"],
+                         label_selector=f"{JOB_LABEL}={handle['k8s_name']}").items or []
+
+    def _jobs_board(self, handle: dict[str, Any]) -> shared.SharedReads:
+        def read(keys: list[tuple]) -> dict[tuple, Any]:
+            found = {}
+            for head, _ in shared.grouped(keys, len(keys[0]) - 1).items():
+                *_, namespace, kind, selector = head
+                group, version, plural = group_version_plural(kind)
+                listed = kube_client(handle).call("custom", "list_namespaced_custom_object", group=group,
+                                                  version=version, plural=plural, namespace=namespace,
+                                                  label_selector=selector)
+                found.update({(*head, item["metadata"]["name"]): item for item in (listed or {}).get("items") or []})
+            return found
+
+        return shared.board(("hyperpod-jobs", *client_key(handle)), lambda: shared.SharedReads(read, 10_000))
+
+    def _pods_board(self, handle: dict[str, Any]) -> shared.SharedReads:
+        def read(keys: list[tuple]) -> dict[tuple, Any]:
+            found: dict[tuple, list[Any]] = {}
+            for head, members in shared.grouped(keys, len(keys[0]) - 1).items():
+                *_, namespace, selector = head
+                pods = kube_client(handle).call("core", "list_namespaced_pod", namespace=namespace,
+                                                label_selector=f"{selector},{JOB_LABEL}").items
+                for key in members:
+                    found[key] = []
+                for pod in pods or []:
+                    labels = _model_field(_model_field(pod, "metadata") or {}, "labels") or {}
+                    found.setdefault((*head, labels.get(JOB_LABEL)), []).append(pod)
+            return found
+
+        return shared.board(("hyperpod-pods", *client_key(handle)), lambda: shared.SharedReads(read, 10_000))
 
     def _settings_for(self, spec: JobSpec) -> HyperPodSettings:
         return load("hyperpod", HyperPodSettings, self._settings).for_job(spec)
@@ -313,7 +374,7 @@ class HyperPodBackend(Backend):
                 "result_uri": staged.result_uri, "staging_prefix": staged.prefix,
                 "checkpoint_uri": staged.checkpoint_uri,
                 "copy_back": staged.copy_back, "reattached": reattached,
-                "kms_key_id": settings.kms_key_id,
+                "kms_key_id": settings.kms_key_id, "run_selector": run_selector(spec),
                 **remote.resource_fields(spec, settings), **remote.watch_fields(settings)}
 
     def _s3(self, handle: dict[str, Any]) -> Any:
@@ -321,7 +382,7 @@ class HyperPodBackend(Backend):
 
     def status(self, handle: dict[str, Any]) -> JobStatus:
         kube = kube_client(handle)
-        resource = read_job(kube, handle["kind"], handle["k8s_name"], handle["namespace"])
+        resource = self._resource(kube, handle)
         what = f"{handle['kind']} {handle['k8s_name']}"
         if resource is None or (resource.get("metadata") or {}).get("deletionTimestamp"):
             stopped = s3.read_json(self._s3(handle), _stop_uri(_prefix(handle)))
@@ -362,7 +423,11 @@ class HyperPodBackend(Backend):
         if state in ("Running", "Restarting"):
             return JobStatus(JobState.RUNNING, f"{state} {message}".strip(), details=details)
         # Created: its pods may wait for nodes; the scheduler says why, the operator does not.
-        why = unschedulable_reason(kube, handle)
+        try:
+            why = pods_unschedulable(self._pods(kube, handle))
+        except Exception as exc:  # noqa: BLE001 - the operator's own words stand in
+            log.debug("Could not list the pods of %s: %s", handle["k8s_name"], exc)
+            why = ""
         return JobStatus(JobState.PENDING, why or state or "waiting for the operator", details=details)
 
     def stop(self, handle: dict[str, Any]) -> None:
@@ -389,9 +454,7 @@ class HyperPodBackend(Backend):
     # -- logs --------------------------------------------------------------------------------
     def _first_pod(self, kube: KubeClient, handle: dict[str, Any]) -> str | None:
         """Node 0's pod (the master of a PyTorchJob): the one with the job's label, first by name."""
-        pods = kube.call("core", "list_namespaced_pod", namespace=handle["namespace"],
-                         label_selector=f"{JOB_LABEL}={handle['k8s_name']}").items
-        names = sorted(p.metadata.name for p in pods)
+        names = sorted(_model_field(_model_field(p, "metadata"), "name") for p in self._pods(kube, handle))
         masters = [n for n in names if "-master-" in n]
         return (masters or names or [None])[0]
 

@@ -82,6 +82,12 @@ def _field(source: Any) -> Callable[[str], str]:
     return lambda key: str(getattr(source, key, "") or "")
 
 
+def client_key(source: Any) -> tuple[str, str, str, str]:
+    """Which cluster and connection `source` (settings or a handle) reaches its jobs through."""
+    get = _field(source)
+    return (get("eks_cluster_name"), get("kubernetes_conn_id"), get("aws_conn_id"), get("region_name"))
+
+
 def kube_client(source: Any) -> KubeClient:
     """The process's client for the cluster of `source` (settings or a handle), made once and
     made again when its connection's definition changes (llmops.aws.clients); its token renews
@@ -89,7 +95,7 @@ def kube_client(source: Any) -> KubeClient:
     from llmops.aws import clients
 
     get = _field(source)
-    key = (get("eks_cluster_name"), get("kubernetes_conn_id"), get("aws_conn_id"), get("region_name"))
+    key = client_key(source)
     return clients.cached(("kube", *key), lambda: connect(*key),
                           (get("kubernetes_conn_id") or get("aws_conn_id"),), store=_CLIENTS)
 

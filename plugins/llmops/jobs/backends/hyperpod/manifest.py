@@ -16,6 +16,7 @@ from llmops.jobs.spec import JobSpec, JobSpecError, cost_allocation_tags
 
 MAX_NAME = 48   # pods and services are named <job>-worker-<i>: keep those within 63
 JOB_LABEL = "llmops/job"        # on every pod of a job, so its pods are listed by selector
+MANAGED_BY = "app.kubernetes.io/managed-by"   # "llmops" on every job and pod of ours
 NODE_HEALTH = "sagemaker.amazonaws.com/node-health-status"
 DEEP_HEALTH = "sagemaker.amazonaws.com/deep-health-check-status"
 AUTO_RESUME = "sagemaker.amazonaws.com/enable-job-auto-resume"
@@ -40,6 +41,22 @@ def namespace_of(spec: JobSpec, settings: HyperPodSettings) -> str:
 
 def label_value(value: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", str(value))[:63].strip("_.-") or "none"
+
+
+def cost_labels(spec: JobSpec) -> dict[str, str]:
+    """The labels every job and pod of ours carries: who made it (`managed-by`) and the cost
+    allocation (dag_id, run_id, team, stage). Label values are at most 63 of [A-Za-z0-9_.-]
+    (run ids have ':' and '+'), so the exact values are annotations too."""
+    return {MANAGED_BY: "llmops", **{f"llmops/{key.replace('_', '-')}": label_value(value)
+                                     for key, value in cost_allocation_tags(spec).items() if value}}
+
+
+def run_selector(spec: JobSpec) -> str:
+    """A label selector for the jobs of the spec's DAG run (of its DAG and stage outside one):
+    what a trigger lists to read every job of its run with one call, a run's jobs and no others'."""
+    labels = cost_labels(spec)
+    return ",".join(f"{key}={labels[key]}" for key in (MANAGED_BY, "llmops/dag-id", "llmops/run-id",
+                                                        "llmops/stage") if key in labels)
 
 
 def priority_class(priority: str, classes: dict[str, str]) -> str:
@@ -108,11 +125,7 @@ def manifest(spec: JobSpec, settings: HyperPodSettings, staged: remote.Staged, n
                 {"weight": 100, "preference": {"matchExpressions": [
                     {"key": DEEP_HEALTH, "operator": "In", "values": ["Passed"]}]}}]}}
     cost = cost_allocation_tags(spec)
-    # Cost allocation (dag_id, run_id, team, stage): label values are at most 63 of
-    # [A-Za-z0-9_.-] (run ids have ':' and '+'), so the exact values are annotations too.
-    labels = {"app.kubernetes.io/managed-by": "llmops",
-              **{f"llmops/{key.replace('_', '-')}": label_value(value)
-                 for key, value in cost.items() if value}}
+    labels = cost_labels(spec)
     if settings.queue_name:
         labels["kueue.x-k8s.io/queue-name"] = settings.queue_name.format(team=team)
     klass = priority_class(spec.tags.get("priority", ""), settings.priority_classes)

@@ -53,7 +53,7 @@ from typing import Any
 
 from llmops.aws import s3
 from llmops.aws.validation import validate_request
-from llmops.jobs.backends import remote
+from llmops.jobs.backends import remote, shared
 from llmops.jobs.backends.base import Backend, JobState, JobStatus
 from llmops.jobs.backends.sagemaker.requests import (
     processing_request,
@@ -105,6 +105,23 @@ class _SageMakerBackend(Backend):
         from llmops.jobs.backends.sagemaker.hook import jobs_hook
 
         return jobs_hook(aws_conn_id, region_name, kms_key_id)   # one per process (llmops.aws.clients)
+
+    def _description(self, handle: dict[str, Any], hook: Any, name: str) -> dict[str, Any] | None:
+        """The job's description: a trigger's through the process's shared list of changed jobs."""
+        if not self.shared_max_age:
+            return hook.describe_job(self.kind, name)
+        conn, region, kind = handle["aws_conn_id"], handle.get("region_name", ""), self.kind
+
+        def changes() -> shared.ChangedSince:
+            def current() -> Any:   # the process's hook for the connection as it is now
+                return self._hook(conn, region)
+
+            return shared.ChangedSince(lambda since: current().changed_since(kind, since),
+                                       lambda job: current().describe_job(kind, job),
+                                       lambda summary, seen: current().still_describes(kind, summary, seen))
+
+        board = shared.board(("sagemaker", kind, conn, region), changes)
+        return board.get(name, self.shared_max_age)
 
     def render(self, spec: JobSpec, settings: Any, staged: remote.Staged, job_name: str,
                region: str) -> tuple[dict[str, Any], dict[str, str]]:
@@ -206,7 +223,7 @@ class _SageMakerBackend(Backend):
     # -- observe -----------------------------------------------------------------------------
     def status(self, handle: dict[str, Any]) -> JobStatus:
         hook = self._hook(handle["aws_conn_id"], handle.get("region_name", ""))
-        description = hook.describe_job(self.kind, handle["job_name"])
+        description = self._description(handle, hook, handle["job_name"])
         if description is None:
             return remote.not_visible_yet(handle, f"SageMaker {self.kind} job {handle['job_name']}") or JobStatus(
                 JobState.FAILED, f"SageMaker has no {self.kind} job {handle['job_name']}")
@@ -255,6 +272,10 @@ class _SageMakerBackend(Backend):
         tokens = ({k: v for k, v in cursor.items() if not k.startswith("_")}
                   if isinstance(cursor, dict) else None)
         return hook.log_lines(self.kind, handle["job_name"], tokens)
+
+    def log_budget(self, handle: dict[str, Any]) -> shared.RateBudget:
+        """CloudWatch Logs' reads of the process (its account-wide rates: shared.RateBudget)."""
+        return shared.cloudwatch_budget(handle["aws_conn_id"], handle.get("region_name", ""))
 
     def log_tail(self, handle: dict[str, Any], lines: int = 40) -> list[str]:
         """The job's last `lines` log lines, reading only the end of each instance's stream."""

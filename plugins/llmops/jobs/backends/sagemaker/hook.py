@@ -34,6 +34,11 @@ KINDS = {
     "processing": ("describe_processing_job", "ProcessingJobName", "ProcessingJobStatus",
                    "stop_processing_job", "/aws/sagemaker/ProcessingJobs"),
 }
+# kind: (list call, its summaries' key); a summary has the name, status and LastModifiedTime
+# fields of the description (and a training job's SecondaryStatus)
+LISTS = {"training": ("list_training_jobs", "TrainingJobSummaries"),
+         "processing": ("list_processing_jobs", "ProcessingJobSummaries")}
+LIST_PAGE = 100   # MaxResults: the most either list call returns a page
 RUNNING = {"InProgress"}
 # How SageMaker (and moto) word a missing job: "Requested resource not found.",
 # "Could not find training job 'arn:...'".
@@ -65,6 +70,29 @@ class SageMakerJobsHook(with_retries(SageMakerHook)):
             if is_not_found(exc):
                 return None
             raise
+
+    def changed_since(self, kind: str, since: float) -> dict[str, dict[str, Any]]:
+        """{name: summary} of every job of `kind` modified after `since` (epoch s), across all
+        pages: one call a page, whatever the number of jobs that did not change."""
+        from datetime import datetime, timezone
+
+        call, key = LISTS[kind]
+        name_field = KINDS[kind][1]
+        kwargs: dict[str, Any] = {"LastModifiedTimeAfter": datetime.fromtimestamp(since, timezone.utc),
+                                  "MaxResults": LIST_PAGE}
+        found: dict[str, dict[str, Any]] = {}
+        while True:
+            page = getattr(self.get_conn(), call)(**kwargs)
+            found.update({s[name_field]: s for s in page.get(key, [])})
+            if not page.get("NextToken"):
+                return found
+            kwargs["NextToken"] = page["NextToken"]
+
+    @staticmethod
+    def still_describes(kind: str, summary: dict[str, Any], description: dict[str, Any]) -> bool:
+        """Whether a listed job's summary says nothing its description does not already say."""
+        fields = [KINDS[kind][2], "LastModifiedTime"] + (["SecondaryStatus"] if kind == "training" else [])
+        return all(summary.get(f) == description.get(f) for f in fields)
 
     def job_tags(self, arn: str) -> dict[str, str]:
         """The tags of a job (DescribeTrainingJob does not return them)."""
