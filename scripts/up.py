@@ -134,16 +134,57 @@ def main() -> int:
     except KeyboardInterrupt:
         pass
     finally:
+        print("Stopping Airflow and MLflow ...", flush=True)
         for proc in (airflow, mlflow):
             if proc.poll() is None:
                 proc.send_signal(signal.SIGINT)
+        # One deadline for both (they stop side by side), then whatever is left of their
+        # sessions: the caller (a terminal, a test) may not wait much longer than that.
+        deadline = time.time() + 30
         for proc in (airflow, mlflow):
             try:
-                proc.wait(timeout=30)
+                proc.wait(timeout=max(0.1, deadline - time.time()))
             except subprocess.TimeoutExpired:
-                proc.kill()
+                pass
+        _stop_sessions([airflow.pid, mlflow.pid])
+        for proc in (airflow, mlflow):
+            proc.wait()
     log.close()
     return 0
+
+
+def _stop_sessions(sids: list[int], grace_s: float = 10.0) -> list[int]:
+    """Stop every process left in the servers' sessions (SIGTERM, SIGKILL after `grace_s`);
+    returns the pids it had to stop.
+
+    `airflow standalone` stops its components with SIGTERM and waits for their output to end,
+    but its scheduler waits for the LocalExecutor's running tasks, and each task's supervisor
+    runs in a process group of its own: stopped while a task ran, standalone would wait for that
+    task, and killed, it left the scheduler and the supervisor running after `make up` returned.
+    Everything the servers started stays in their sessions (start_new_session above), so this
+    finds it all. A local job's runner starts a session of its own, so running jobs are left
+    alone and a later `make up` reattaches to them."""
+    import psutil  # Airflow's dependency; imported here to keep the script's start light
+
+    left = []
+    for proc in psutil.process_iter():
+        try:
+            if os.getsid(proc.pid) in sids:
+                left.append(proc)
+        except (ProcessLookupError, PermissionError, psutil.Error):
+            continue
+    for proc in left:
+        try:
+            proc.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(left, timeout=grace_s)
+    for proc in alive:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+    return [proc.pid for proc in left]
 
 
 def _dag_lines(dags: list[dict] | None) -> list[str]:

@@ -22,6 +22,8 @@ on 8080), and a CLI trigger of a paused DAG waited in "queued" for ever. Both se
   SageMaker's own StatusMessage, and a first attempt whose host dies): the page shows the
   service's reason and the time queued, then why attempt 1 ended; the run's note too.
 
+Last, Ctrl-C while a task runs: nothing of Airflow is left running, the local job is.
+
 SETUP: a fake AWS in this process; `make up` with AIRFLOW_PORT / MLFLOW_PORT on free ports,
 LLMOPS_HOME in the test's tmp dir (so AIRFLOW_HOME and the step cache are fresh), the session's
 MLflow store, free log-server ports (other Airflows may run on this machine), an AWS connection
@@ -513,6 +515,39 @@ def test_fork_from_the_form_and_watch_both_curves(airflow, cli_run, browser, sho
     assert len(parent_train["points"]) == len(parent_points)
     assert len(fork_train["points"]) == len(fork_points) + 1
     assert float(fork_train["last"]) == max(m.step for m in fork_points) == 20
+
+
+def test_ctrl_c_while_a_task_runs_stops_airflow_and_leaves_the_job_running(airflow):
+    """Last, as it ends the deployment: Ctrl-C while a pretraining task runs. Every Airflow
+    process of this deployment is gone once `make up` returns (a LocalExecutor task supervisor
+    used to outlive it, in a process group of its own), while the local job keeps running in
+    its own session, so a later `make up` reattaches to it instead of training again."""
+    import psutil
+
+    run_id = airflow.trigger_cli({**CONF, "pretrain_steps": 4000})
+    airflow.wait_for("pretraining's first logged steps", lambda: next(
+        (r for r in (summary(airflow, run_id) or {}).get("live") or []
+         if r["task_id"] == "pretrain" and (r["step"] or 0) >= 5), None), 600)
+    airflow.stop()
+    assert airflow.proc.returncode is not None
+
+    def of_this_deployment(proc: psutil.Process) -> bool:
+        try:
+            home = proc.environ().get("AIRFLOW_HOME")
+            return bool(home) and Path(home).resolve() == airflow.home.resolve()
+        except psutil.Error:
+            return False
+
+    left = [p for p in psutil.process_iter(["pid", "cmdline"]) if of_this_deployment(p)]
+    job_sessions = {os.getsid(p.pid) for p in left if "local_runner" in " ".join(p.info["cmdline"] or [])}
+    try:
+        assert job_sessions, "the pretraining job did not survive Ctrl-C: a later make up would train again"
+        stray = [(p.pid, " ".join(p.info["cmdline"] or [])[:120]) for p in left
+                 if os.getsid(p.pid) not in job_sessions]
+        assert stray == [], f"make up returned, but these of its processes still run: {stray}"
+    finally:
+        for sid in job_sessions:  # the 4,000-step job would otherwise train on under the suite
+            os.killpg(sid, 9)
 
 
 def check_numbers_against_mlflow(figures: dict[str, str], run_id: str) -> None:
