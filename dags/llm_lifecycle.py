@@ -11,8 +11,10 @@ from llmops import lifecycle, notify, promotion, run_summary, specs
 from llmops.operators.job import JobOperator
 from llmops.params import lifecycle_params
 from llmops.run import Run
-from llmops.sweep import LADDER_RECOMMENDATION_URI, POOL, SWEEP_BEST_URI
 from llmops.sweep import stage as sweep
+from llmops.sweep.ladder import LADDER_RECOMMENDATION_URI
+from llmops.sweep.pool import POOL
+from llmops.sweep.stage import SWEEP_BEST_URI
 from llmops.sweep.trial_operator import TrialOperator
 
 CHAMPION = Asset("llmops://models/champion")

@@ -10,8 +10,9 @@ from airflow.sdk import Asset, dag, get_current_context, task
 from llmops import specs
 from llmops.operators.job import JobOperator
 from llmops.params import ladder_params
-from llmops.sweep import LADDER_RECOMMENDATION_URI, POOL
 from llmops.sweep import ladder
+from llmops.sweep.ladder import LADDER_RECOMMENDATION_URI
+from llmops.sweep.pool import POOL
 
 RECOMMENDATION = Asset(LADDER_RECOMMENDATION_URI)
 

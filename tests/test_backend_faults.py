@@ -413,8 +413,7 @@ def test_a_changed_deployment_setting_changes_the_fingerprint_without_network(mo
 def test_the_sweep_pool_counts_deferred_trials_and_an_old_pool_is_fixed(airflow_db, caplog):
     from airflow.models.pool import Pool
 
-    from llmops.sweep import POOL
-    from llmops.sweep.pool import ensure_pool
+    from llmops.sweep.pool import POOL, ensure_pool
 
     assert Pool.get_pool(POOL).include_deferred, "set-up (python -m llmops.sweep.pool) counts them"
     name = "llmops_sweep_old"

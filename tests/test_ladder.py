@@ -154,7 +154,7 @@ def test_pretraining_takes_its_size_from_the_ladders_recommendation():
 def test_trials_and_rungs_run_in_the_experiments_pool():
     from airflow.dag_processing.dagbag import DagBag
 
-    from llmops.sweep import POOL
+    from llmops.sweep.pool import POOL
 
     bag = DagBag(dag_folder=str(Path(__file__).resolve().parents[1] / "dags"))
     lifecycle_dag, ladder_dag = bag.dags["llm_lifecycle"], bag.dags["scaling_ladder"]

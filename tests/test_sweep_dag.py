@@ -26,7 +26,8 @@ from airflow.sdk import dag, get_current_context, task
 
 from llmops import lifecycle, specs
 from llmops.params import lifecycle_params
-from llmops.sweep import POOL, stage
+from llmops.sweep import stage
+from llmops.sweep.pool import POOL
 from llmops.sweep.trial_operator import TrialOperator
 
 DATA = {data!r}

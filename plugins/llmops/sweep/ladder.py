@@ -26,6 +26,10 @@ from llmops.sweep import budget
 from tasks import configs
 from tasks.scaling.ladder import rungs
 
+# The Asset of the scaling ladder's latest recommendation: its event's `extra` holds the law and
+# the compute-optimal N and D.
+LADDER_RECOMMENDATION_URI = "llmops://scaling/recommendation"
+
 log = logging.getLogger(__name__)
 
 PARENT_KIND = "ladder"

@@ -26,9 +26,15 @@ import argparse
 import logging
 import sys
 
-from llmops.sweep import POOL, POOL_DEFAULT_SLOTS, POOL_DESCRIPTION
-
 log = logging.getLogger(__name__)
+
+# The Airflow pool every trial and ladder rung runs in: its slots are the team's accelerator quota
+# for experiments. Created by `make demo` / `make up` (scripts/) and the tests; on MWAA create it
+# once with `airflow pools set llmops_sweep <slots> "..."` (README, "Sweeps and scaling ladders").
+POOL = "llmops_sweep"
+POOL_DEFAULT_SLOTS = 2
+POOL_DESCRIPTION = ("Accelerator quota for sweep trials and scaling-ladder rungs (llmops); "
+                    "one slot per concurrent trial job.")
 
 
 def ensure_pool(name: str = POOL, slots: int = POOL_DEFAULT_SLOTS,

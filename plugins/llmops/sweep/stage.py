@@ -22,6 +22,9 @@ from llmops.sweep import study as studies
 from tasks import configs
 from tasks.scaling.ladder import recommend
 
+# The Asset of a DAG's sweep: its event's `extra` holds the best trial's config.
+SWEEP_BEST_URI = "llmops://sweeps/{dag_id}/best"
+
 log = logging.getLogger(__name__)
 
 
