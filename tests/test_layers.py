@@ -25,37 +25,19 @@ TOPS = ("plugins/llmops", "tasks", "docker", "dags", "scripts")
 # The packages "tasks" and "llmops" name their __init__ only, so a new module gets a layer.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # the workload's config schema and small stdlib helpers: the only tasks the layers above use
-    ("tasks.schema", ("tasks.configs", "tasks.hardware", "tasks.common", "tasks.scaling",
-                      "tasks.uris")),
+    ("tasks.schema", ("tasks.configs", "tasks.common", "tasks.scaling")),
     # model code, the data pipeline, training, post-training and evaluation libraries
-    ("tasks.library", ("tasks.model", "tasks.causal_lm", "tasks.data", "tasks.train",
-                       "tasks.posttrain", "tasks.eval")),
+    ("tasks.library", ("tasks.model", "tasks.data", "tasks.train", "tasks.posttrain", "tasks.eval")),
     # `python -m tasks.<stage>` and the container's entry
     ("tasks.entrypoints", ("tasks", "tasks.pretrain", "tasks.finetune", "tasks.distill",
                            "tasks.distill_cache", "tasks.evaluate", "tasks.sweep", "tasks.ladder",
                            "docker")),
-    # where things live, which paths a run may use, which code ran, a run's shape (llmops.run)
-    ("llmops.core", ("llmops", "llmops.settings", "llmops.paths", "llmops.provenance",
-                     "llmops.run")),
-    # AWS clients, MLflow, the job ledger, the step cache, alerts (SNS)
-    ("llmops.infra", ("llmops.aws", "llmops.tracking", "llmops.ledger", "llmops.step_cache",
-                      "llmops.notify")),
-    # the backend-neutral spec, watching a job, the backends: their hooks, requests and settings
+    ("llmops.core", ("llmops", "llmops.core")),
+    ("llmops.infra", ("llmops.infra",)),
     ("llmops.jobs", ("llmops.jobs",)),
-    # what a run may ask for and may use: the Param table, teams, budgets, the sweep's size,
-    # model references, the promotion gate
-    ("llmops.policy", ("llmops.params", "llmops.teams", "llmops.sweep", "llmops.sweep.budget",
-                       "llmops.sweep.study", "llmops.model_refs", "llmops.promotion",
-                       "llmops.paired")),
-    # a run: its checks and stage specs, reuse, replay, retraining, the sweep and the ladder
-    ("llmops.stages", ("llmops.lifecycle", "llmops.specs", "llmops.retraining", "llmops.reuse", "llmops.replay",
-                       "llmops.run_summary", "llmops.run_summary_text", "llmops.sweep.stage",
-                       "llmops.sweep.ladder", "llmops.sweep.tuning")),
-    # Airflow's side: operators, triggers, the run page (its charts) and note, the pause page,
-    # the sweep's pool
-    ("llmops.airflow", ("llmops.operators", "llmops.triggers", "llmops.run_note", "llmops.run_page",
-                        "llmops.run_charts", "llmops.pause_api", "llmops.sweep.trial_operator",
-                        "llmops.sweep.pool")),
+    ("llmops.policy", ("llmops.policy",)),
+    ("llmops.stages", ("llmops.stages",)),
+    ("llmops.airflow", ("llmops.airflow",)),
     # wiring only
     ("dags", ("dags", "scripts")),
 ]
@@ -211,21 +193,21 @@ def write(root: Path, files: dict[str, str]) -> Path:
 def test_an_upward_import_a_circle_and_a_private_name_are_caught(tmp_path):
     root = write(tmp_path, {
         "plugins/llmops/__init__.py": "",
-        "plugins/llmops/settings.py": """
+        "plugins/llmops/core/settings.py": """
             def home():
-                from llmops import lifecycle  # upward, hidden in a function
+                from llmops.stages import lifecycle  # upward, hidden in a function
                 return lifecycle
             """,
-        "plugins/llmops/lifecycle.py": "from llmops import settings\nfrom llmops.teams import _under\n",
-        "plugins/llmops/teams.py": "def _under(): pass\n",
+        "plugins/llmops/stages/lifecycle.py": "from llmops.core import settings\nfrom llmops.policy.teams import _under\n",
+        "plugins/llmops/policy/teams.py": "def _under(): pass\n",
         "tasks/__init__.py": "",
         "tasks/configs.py": "",
     })
     found = problems(root)
-    assert "plugins/llmops/settings.py:3: llmops.settings (llmops.core) imports llmops.lifecycle " \
+    assert "plugins/llmops/core/settings.py:3: llmops.core.settings (llmops.core) imports llmops.stages.lifecycle " \
            "(llmops.stages), a layer above it" in found
-    assert "import circle of 2: llmops.lifecycle, llmops.settings" in found
-    assert "plugins/llmops/lifecycle.py:2: llmops.lifecycle imports llmops.teams._under, a private " \
+    assert "import circle of 2: llmops.core.settings, llmops.stages.lifecycle" in found
+    assert "plugins/llmops/stages/lifecycle.py:2: llmops.stages.lifecycle imports llmops.policy.teams._under, a private " \
            "name" in found
     assert len(found) == 3, found
 
@@ -233,19 +215,19 @@ def test_an_upward_import_a_circle_and_a_private_name_are_caught(tmp_path):
 def test_the_workload_stays_free_of_airflow_and_the_plugins_use_only_its_schema(tmp_path):
     root = write(tmp_path, {
         "plugins/llmops/__init__.py": "",
-        "plugins/llmops/lifecycle.py": "from tasks.configs import LifecycleConfig\n"
+        "plugins/llmops/stages/lifecycle.py": "from tasks.configs import LifecycleConfig\n"
                                        "from tasks.data import prep\n",
         "tasks/__init__.py": "",
         "tasks/configs.py": "",
         "tasks/data/__init__.py": "",
-        "tasks/data/prep.py": "def main():\n    import airflow\n    from llmops import lifecycle\n",
+        "tasks/data/prep.py": "def main():\n    import airflow\n    from llmops.stages import lifecycle\n",
         "tasks/newthing.py": "",
     })
     found = problems(root)
     assert found == [
-        "plugins/llmops/lifecycle.py:2: llmops.lifecycle (llmops.stages) imports tasks.data.prep "
+        "plugins/llmops/stages/lifecycle.py:2: llmops.stages.lifecycle (llmops.stages) imports tasks.data.prep "
         "(tasks.library): above the workload only tasks.schema may be used",
         "tasks/data/prep.py:2: tasks.data.prep (run inside jobs) imports airflow",
-        "tasks/data/prep.py:3: tasks.data.prep (run inside jobs) imports llmops.lifecycle",
+        "tasks/data/prep.py:3: tasks.data.prep (run inside jobs) imports llmops.stages.lifecycle",
         "tasks.newthing has no layer: add it to LAYERS in tests/test_layers.py",
     ]

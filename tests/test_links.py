@@ -1,5 +1,5 @@
-"""Extra links of job tasks (plugins/llmops/operators/links.py): the URL of every backend, and a
-real DAG run whose links are read back the way Airflow's API server reads them. Also how runs
+"""Extra links of job tasks (plugins/llmops/airflow/operators/links.py): the URL of every backend,
+and a real DAG run whose links are read back the way Airflow's API server reads them. Also how runs
 read in MLflow (training view, run names, chart names, the Airflow run's URL) and the progress
 lines (share, elapsed, ETA; MFU only on a GPU whose peak is known)."""
 
@@ -13,9 +13,9 @@ from unittest import mock
 
 import pytest
 
-from llmops import tracking
-from llmops.operators import links
-from llmops.operators.job import JobOperator
+from llmops.airflow.operators import links
+from llmops.airflow.operators.job_operator import JobOperator
+from llmops.infra import tracking
 
 REGION = "eu-west-1"
 CONSOLE = "https://console.aws.amazon.com"
@@ -110,7 +110,7 @@ def test_get_link_reads_its_entry_of_the_pushed_links():
 
 
 def test_every_job_task_has_the_links():
-    from llmops.sweep.trial_operator import TrialOperator
+    from llmops.airflow.operators.trial_operator import TrialOperator
 
     names = {link.name for link in JobOperator.operator_extra_links}
     assert names == {"MLflow run", "SageMaker job", "CloudWatch logs", "Batch job",
@@ -193,7 +193,7 @@ def test_the_parent_run_links_to_its_airflow_run_and_children_are_named_by_stage
 
 
 def test_trials_are_named_by_number_and_learning_rate():
-    from llmops.sweep.trial_operator import trial_run_name
+    from llmops.airflow.operators.trial_operator import trial_run_name
 
     assert trial_run_name({"number": 3, "params": {"optim.lr": 0.0025}}) == "trial-3 lr=2.50e-03"
     assert trial_run_name({"number": 0, "params": {}}) == "trial-0"
@@ -202,7 +202,7 @@ def test_trials_are_named_by_number_and_learning_rate():
 def test_progress_lines_keep_what_sagemaker_parses_and_add_share_elapsed_eta():
     import re
 
-    from llmops.jobs.backends.sagemaker.requests import METRICS
+    from llmops.jobs.backends.sagemaker.sagemaker_requests import METRICS
     from tasks.train.telemetry import Progress
 
     now = [0.0]
@@ -216,7 +216,7 @@ def test_progress_lines_keep_what_sagemaker_parses_and_add_share_elapsed_eta():
 
 
 def test_training_metrics_are_named_for_the_charts():
-    from tasks.common.tracking import chart_metrics
+    from tasks.common.job_tracking import chart_metrics
 
     assert chart_metrics({"loss": 1, "val_loss": 2, "lr": 3, "grad_norm": 4, "tokens_per_s": 5,
                           "mfu": 6, "event.rollback": 7, "params": 8}) == {

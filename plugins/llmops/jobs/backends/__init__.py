@@ -7,12 +7,12 @@ import importlib
 from llmops.jobs.backends.base import Backend, JobState, JobStatus
 
 BACKENDS = {
-    "local": "llmops.jobs.backends.local.LocalBackend",
-    "sagemaker": "llmops.jobs.backends.sagemaker.backend.SageMakerTrainingBackend",
-    "sagemaker_processing": "llmops.jobs.backends.sagemaker.backend.SageMakerProcessingBackend",
-    "hyperpod": "llmops.jobs.backends.hyperpod.backend.HyperPodBackend",
-    "batch": "llmops.jobs.backends.batch.backend.BatchBackend",
-    "ray": "llmops.jobs.backends.ray.backend.RayBackend",
+    "local": "llmops.jobs.backends.local.local_backend.LocalBackend",
+    "sagemaker": "llmops.jobs.backends.sagemaker.sagemaker_backend.SageMakerTrainingBackend",
+    "sagemaker_processing": "llmops.jobs.backends.sagemaker.sagemaker_backend.SageMakerProcessingBackend",
+    "hyperpod": "llmops.jobs.backends.hyperpod.hyperpod_backend.HyperPodBackend",
+    "batch": "llmops.jobs.backends.batch.batch_backend.BatchBackend",
+    "ray": "llmops.jobs.backends.ray.ray_backend.RayBackend",
 }
 
 

@@ -49,8 +49,8 @@ class Backend(abc.ABC):
     # Seconds between two polls of a job's status and log, unless the operator or the handle says
     # otherwise. Remote services rate-limit describe and log calls per account.
     poll_interval: float = 30.0
-    # Set by a trigger (llmops.triggers.job): its status reads go through the one read the
-    # process's triggers share where the service answers for many jobs at once
+    # Set by a trigger (llmops.airflow.triggers.job_trigger): its status reads go through the one
+    # read the process's triggers share where the service answers for many jobs at once
     # (llmops.jobs.backends.shared), and a value read that many seconds ago still serves. 0: the
     # job is read on its own (a worker watching its one job).
     shared_max_age: float = 0.0
@@ -88,13 +88,14 @@ class Backend(abc.ABC):
         shares; NO_CHECKPOINT when there is none yet; None when the handle names no storage (a
         local job, a handle from before the field). Raises when the storage cannot be read.
 
-        The chain of attempts compares it at an attempt's start and end (llmops.operators.job_chain).
+        The chain of attempts compares it at an attempt's start and end
+        (llmops.airflow.operators.job_chain).
         """
         uri = str(handle.get("checkpoint_uri") or "")
         if not uri:
             return None
         if uri.startswith("s3://"):
-            from llmops.aws import s3
+            from llmops.infra.aws import s3
 
             hook = s3.s3_hook(handle.get("aws_conn_id"), handle.get("region_name") or None,
                               handle.get("kms_key_id"))

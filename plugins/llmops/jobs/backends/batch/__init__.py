@@ -1,2 +1,2 @@
-"""AWS Batch: the hook (hook.py), the requests as pure functions (requests.py), the backend
-(backend.py) and its settings block (settings.py)."""
+"""AWS Batch: the hook (batch_hook.py), the requests as pure functions (batch_requests.py),
+the backend (batch_backend.py) and its settings block (batch_settings.py)."""

@@ -1,3 +1,3 @@
-"""SageMaker HyperPod on EKS: the Kubernetes client (hook.py), the job resource as pure functions
-(manifest.py, validated against crds/), the backend (backend.py) and its settings block
-(settings.py)."""
+"""SageMaker HyperPod on EKS: the Kubernetes client (hyperpod_hook.py), the job resource as pure
+functions (hyperpod_manifest.py, validated against crds/), the backend (hyperpod_backend.py) and
+its settings block (hyperpod_settings.py)."""

@@ -1,2 +1,2 @@
-"""A Ray cluster through the Ray Jobs REST API: the client (hook.py), the backend (backend.py) and
-its settings block (settings.py)."""
+"""A Ray cluster through the Ray Jobs REST API: the client (ray_hook.py), the backend (ray_backend.py)
+and its settings block (ray_settings.py)."""

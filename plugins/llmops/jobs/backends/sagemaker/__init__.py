@@ -1,2 +1,3 @@
-"""SageMaker Training and Processing: the hook (hook.py), the requests as pure functions
-(requests.py), the backends (backend.py) and their settings blocks (settings.py)."""
+"""SageMaker Training and Processing: the hook (sagemaker_hook.py), the requests as pure
+functions (sagemaker_requests.py), the backends (sagemaker_backend.py) and their settings blocks
+(sagemaker_settings.py)."""
