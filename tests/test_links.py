@@ -16,13 +16,14 @@ import pytest
 from llmops.airflow.operators import links
 from llmops.airflow.operators.job_operator import JobOperator
 from llmops.infra import tracking
+from llmops.jobs.backends import consoles
 
 REGION = "eu-west-1"
 CONSOLE = "https://console.aws.amazon.com"
 
 
-def _links(handle, **kwargs):
-    return links.backend_links(handle, region=REGION, **kwargs)
+def _links(handle):
+    return links.backend_links(handle, REGION)
 
 
 def test_sagemaker_training_job_links_to_its_console_page_and_log_streams():
@@ -68,17 +69,17 @@ def test_ray_job_links_to_the_dashboard_of_its_connection():
 
 
 def test_other_partitions_and_a_missing_region():
-    got = links.backend_links({"backend": "batch", "job_id": "j"}, region="cn-north-1")
+    got = links.backend_links({"backend": "batch", "job_id": "j"}, "cn-north-1")
     assert got["Batch job"].startswith("https://console.amazonaws.cn/batch/home?region=cn-north-1")
-    assert links.backend_links({"backend": "sagemaker", "job_name": "j"}, region="") == {}
+    assert links.backend_links({"backend": "sagemaker", "job_name": "j"}, "") == {}
     assert links.links_for({"backend": "local", "job_name": "j"}, "http://mlflow/#/r") == {
         "MLflow run": "http://mlflow/#/r"}
 
 
 def test_region_comes_from_the_aws_connection_when_the_settings_have_none(monkeypatch):
     monkeypatch.setenv("AIRFLOW_CONN_AWS_LINKS", '{"conn_type": "aws", "extra": {"region_name": "ap-south-1"}}')
-    assert links.handle_region({"aws_conn_id": "aws_links", "region_name": ""}) == "ap-south-1"
-    assert links.handle_region({"aws_conn_id": "aws_links", "region_name": "us-west-2"}) == "us-west-2"
+    assert consoles.handle_region({"aws_conn_id": "aws_links", "region_name": ""}) == "ap-south-1"
+    assert consoles.handle_region({"aws_conn_id": "aws_links", "region_name": "us-west-2"}) == "us-west-2"
 
 
 def test_mlflow_ui_url_prefers_the_setting_then_a_server_then_make_up(monkeypatch):
@@ -102,8 +103,8 @@ def test_get_link_reads_its_entry_of_the_pushed_links():
     pushed = {"MLflow run": "http://localhost:5000/#/experiments/1/runs/r", "Ray job": ""}
     with mock.patch.object(links.XCom, "get_value", return_value=pushed) as get_value:
         assert links.MLflowRunLink().get_link(None, ti_key=key) == pushed["MLflow run"]
-        assert links.RayJobLink().get_link(None, ti_key=key) == ""
-        assert links.BatchJobLink().get_link(None, ti_key=key) == ""
+        assert links.link_named("Ray job").get_link(None, ti_key=key) == ""
+        assert links.link_named("Batch job").get_link(None, ti_key=key) == ""
     get_value.assert_called_with(ti_key=key, key=links.LINKS_KEY)
     with mock.patch.object(links.XCom, "get_value", side_effect=RuntimeError("no XCom here")):
         assert links.MLflowRunLink().get_link(None, ti_key=key) == ""

@@ -32,6 +32,7 @@ from urllib.parse import parse_qs
 from llmops.airflow.run_page import LazyApp
 from llmops.core import paths, settings
 from llmops.infra.aws import s3
+from llmops.jobs import backends
 
 URL_PREFIX = "/llmops-pause"
 # Relative (no leading slash), like the run page's tab: resolved against the UI's base URL.
@@ -59,9 +60,8 @@ def marker_place(backend: str, output_dir: str, handle: dict[str, Any]) -> tuple
         if not output_dir or "://" in output_dir:
             return "", f"its config's output_dir {output_dir!r} is not a local directory"
         return os.path.join(output_dir, "checkpoints", MARKER), ""
-    if backend == "sagemaker":
-        return "", ("a SageMaker training job syncs its checkpoints one way (to S3), so it never "
-                    "sees a marker written there; stop it from the SageMaker console instead")
+    if backends.entry(backend).no_pause:
+        return "", backends.entry(backend).no_pause
     uri = str(handle.get("checkpoint_uri") or "")
     if s3.is_s3(uri):
         return s3.join(uri, MARKER), ""

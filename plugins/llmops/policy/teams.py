@@ -74,7 +74,7 @@ SHARE_IDENTIFIER = re.compile(r"^[A-Za-z0-9]{1,255}\*?$")   # AWS Batch's rule
 K8S_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 LISTS = ("image_prefixes", "storage_prefixes", "data_prefixes", "local_data_roots", "members")
 # A backend settings field -> the team key that replaces it
-# (plugins/llmops/jobs/backends/<backend>/settings.py).
+# (plugins/llmops/jobs/backends/<backend>/<backend>_settings.py).
 BACKEND_FIELDS: dict[str, dict[str, str]] = {
     "SageMakerSettings": {"role_arn": "role_arn"},
     "ProcessingSettings": {"role_arn": "role_arn"},

@@ -19,6 +19,7 @@ from typing import Any, get_type_hints
 
 from llmops.core import settings
 from llmops.infra import tracking
+from llmops.jobs.backends import entry as backend_entry
 from llmops.jobs.backends import backend_settings
 from llmops.jobs.backends import remote_settings
 from llmops.policy import model_refs, promotion, teams
@@ -208,15 +209,6 @@ def _s3_suites(name: str, uri: str) -> dict[str, str]:
     return found
 
 
-# The settings each remote backend cannot submit without, beyond what for_stage checks.
-REQUIRED_SETTINGS: dict[str, tuple[str, ...]] = {
-    "sagemaker": ("role_arn", "staging_uri", "image"),
-    "sagemaker_processing": ("role_arn", "staging_uri", "image", "instance_type"),
-    "batch": ("job_queue", "staging_uri", "image"),
-    "hyperpod": ("staging_uri", "image"),
-    "ray": ("staging_uri",),
-}
-AWS_BACKENDS = ("sagemaker", "sagemaker_processing", "batch", "hyperpod", "ray")
 CHECK_TIMEOUT_SECONDS = 5
 
 
@@ -227,7 +219,8 @@ def check_backends(backends: dict[str, str], params: dict[str, Any], storage_roo
     resources = params.get("stage_resources") or {}
     buckets: dict[str, set[str]] = {}   # aws_conn_id -> buckets to check through it
     for stage, backend in backends.items():
-        if backend == "local":
+        entry = backend_entry(backend)   # what it requires is in its folder (llmops.jobs.backends)
+        if not entry.settings:            # runs here: no settings block to check
             continue
         knob = f"backend_{stage}"
         try:
@@ -235,11 +228,11 @@ def check_backends(backends: dict[str, str], params: dict[str, Any], storage_roo
         except remote_settings.BackendSettingsError as exc:
             raise LifecycleParamError(f"Param '{knob}' = {backend!r}: {exc}") from None
         chosen = resources.get(stage) or {}
-        missing = [k for k in REQUIRED_SETTINGS[backend]
+        missing = [k for k in entry.required
                    if not (chosen.get(k) if k in ("image", "instance_type") else None)
                    and not getattr(block, k)]
-        if backend == "hyperpod" and not (block.eks_cluster_name or block.kubernetes_conn_id):
-            missing.append("eks_cluster_name")
+        if entry.one_of and not any(getattr(block, k) for k in entry.one_of):
+            missing.append(entry.one_of[0])
         if missing:
             example = {backend: {k: remote_settings.EXAMPLES.get(k, "...") for k in missing}}
             raise LifecycleParamError(
@@ -251,7 +244,7 @@ def check_backends(backends: dict[str, str], params: dict[str, Any], storage_roo
         if not block.staging_uri.startswith("s3://"):
             raise LifecycleParamError(f"Param '{knob}' = {backend!r}: the {backend} settings' "
                                       f"staging_uri must be an s3:// prefix, got {block.staging_uri!r}.")
-        if backend in AWS_BACKENDS:
+        if entry.aws:
             buckets.setdefault(block.aws_conn_id, set()).add(block.staging_uri[5:].split("/")[0])
     if storage_root.startswith("s3://"):
         conn = next(iter(buckets), settings.aws_conn_id())

@@ -1,8 +1,8 @@
 """Deployment settings of the remote backends: one typed block per backend, read at submit time.
 
-Each block's class lives with its backend (`<backend>/settings.py`), on the shared base in
-`remote_settings.py`; this module is their registry (`settings_class`) and reads the Variable
-(`load`).
+Each block's class lives with its backend (`<backend>/<backend>_settings.py`), on the shared base
+in `remote_settings.py`, and the backend's entry (llmops.jobs.backends.BACKENDS) names it; this
+module finds it (`settings_class`) and reads the Variable (`load`).
 
 They live in the Airflow Variable `llmops_backends` (JSON; on MWAA a Variable or a Secrets Manager
 entry, locally `AIRFLOW_VAR_LLMOPS_BACKENDS`). Credentials are NOT here: AWS access comes from the
@@ -52,18 +52,18 @@ from __future__ import annotations
 from typing import Any
 
 from llmops.core import settings as deployment
-from llmops.jobs.backends.batch.batch_settings import BatchSettings
-from llmops.jobs.backends.hyperpod.hyperpod_settings import HyperPodSettings
-from llmops.jobs.backends.ray.ray_settings import RaySettings
-from llmops.jobs.backends.remote_settings import BackendSettingsError, RemoteSettings, S, VARIABLE
-from llmops.jobs.backends.sagemaker.sagemaker_settings import ProcessingSettings, SageMakerSettings
+from llmops.jobs import backends
+from llmops.jobs.backends.remote_settings import VARIABLE, BackendSettingsError, RemoteSettings, S
 from tasks.configs import ConfigError, from_dict
 
 
 def settings_class(backend: str) -> type[RemoteSettings]:
-    """The settings block class of a remote backend (its key in the Variable)."""
-    return {"sagemaker": SageMakerSettings, "sagemaker_processing": ProcessingSettings,
-            "batch": BatchSettings, "hyperpod": HyperPodSettings, "ray": RaySettings}[backend]
+    """The settings block class of a remote backend (its key in the Variable), as its entry in
+    llmops.jobs.backends.BACKENDS names it."""
+    dotted = backends.entry(backend).settings
+    if not dotted:
+        raise ValueError(f"Backend {backend!r} runs here and has no settings block.")
+    return backends.load(dotted)
 
 
 def load(backend: str, cls: type[S], settings: dict[str, Any] | None = None) -> S:

@@ -7,7 +7,7 @@ import enum
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from llmops.jobs.spec import JobSpec
 
@@ -36,6 +36,28 @@ class JobStatus:
     message: str = ""
     result: dict[str, Any] | None = None   # the job's result JSON, once it succeeded
     details: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class BackendEntry:
+    """Everything the rest of llmops reads of one backend, declared in its folder's __init__.py
+    (light: no SDK import) and registered by one line in llmops.jobs.backends.BACKENDS: lifecycle's
+    settings check, the settings block, the console links and the Param's choices read it here.
+
+    `backend` and `settings` are dotted paths, imported only when used. `host` finds where the
+    job's console or dashboard is (the AWS region, the Ray dashboard: "" when unknown) and
+    `links` turns a job handle and that host into {button name: URL}; `buttons` names the link
+    buttons it may fill, in order (a button shows on every job task, greyed out when empty)."""
+
+    backend: str                        # the Backend class
+    settings: str = ""                  # its settings block class; "" = none, the job runs here
+    required: tuple[str, ...] = ()      # settings it cannot submit without
+    one_of: tuple[str, ...] = ()        # at least one of these (the first is named when none is)
+    aws: bool = True                    # staging bucket checked through the block's AWS connection
+    host: Callable[[dict[str, Any]], str] | None = None
+    links: Callable[[dict[str, Any], str], dict[str, str]] | None = None
+    buttons: tuple[str, ...] = ()
+    no_pause: str = ""                  # why a running job cannot see a pause marker ("" = it can)
 
 
 class Backend(abc.ABC):

@@ -39,12 +39,7 @@ class RayJobsHook(BaseHook):
         if self._base is not None:
             return
         conn = self.get_connection(self.ray_conn_id)
-        host = conn.host or ""
-        if "://" not in host:
-            host = f"{conn.schema or 'http'}://{host}"
-        if conn.port and host.count(":") < 2:
-            host = f"{host}:{conn.port}"
-        self._base = host.rstrip("/")
+        self._base = address(conn)
         if conn.password:
             self._headers = {"Authorization": f"Bearer {conn.password}"}
 
@@ -102,3 +97,20 @@ class RayJobsHook(BaseHook):
             return ""
         response.raise_for_status()
         return response.json().get("logs", "")
+
+
+def address(conn: Any) -> str:
+    """A Ray connection's Jobs API (and dashboard) address: host, with the connection's scheme
+    (default http) and port when the host names none."""
+    host = conn.host or ""
+    if "://" not in host:
+        host = f"{conn.schema or 'http'}://{host}"
+    if conn.port and host.count(":") < 2:
+        host = f"{host}:{conn.port}"
+    return host.rstrip("/")
+
+
+def dashboard_url(ray_conn_id: str) -> str:
+    """The dashboard of a Ray connection; "" when it names no host."""
+    conn = BaseHook.get_connection(ray_conn_id)
+    return address(conn) if conn.host else ""
