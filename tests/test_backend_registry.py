@@ -58,13 +58,18 @@ FOLDER = {
 }
 
 
-@pytest.fixture()
-def toy(tmp_path, monkeypatch):
+def toy_folder(tmp_path, monkeypatch) -> None:
+    """The toy's folder, importable as `toy_backend`, outside the repository."""
     folder = tmp_path / "toy_backend"
     folder.mkdir()
     for name, text in FOLDER.items():
         (folder / name).write_text(textwrap.dedent(text))
     monkeypatch.syspath_prepend(str(tmp_path))
+
+
+@pytest.fixture()
+def toy(tmp_path, monkeypatch):
+    toy_folder(tmp_path, monkeypatch)
     monkeypatch.setitem(backends.BACKENDS, "toy", "toy_backend.ENTRY")   # its one line
     monkeypatch.delenv("AIRFLOW_VAR_LLMOPS_BACKENDS", raising=False)
     return "toy"
@@ -100,11 +105,7 @@ def test_a_toy_backend_from_one_folder_and_one_line_is_picked_up_everywhere(toy,
 
 def test_an_unregistered_folder_is_no_backend(tmp_path, monkeypatch):
     """The control: the same folder on sys.path without its line is refused by name."""
-    folder = tmp_path / "toy_backend"
-    folder.mkdir()
-    for name, text in FOLDER.items():
-        (folder / name).write_text(textwrap.dedent(text))
-    monkeypatch.syspath_prepend(str(tmp_path))
+    toy_folder(tmp_path, monkeypatch)
     with pytest.raises(ValueError, match=r"Unknown backend 'toy'"):
         backends.get_backend("toy")
     assert links.links_for({"backend": "toy", "job_name": "j", "toy_console": "https://t"}) == {}
