@@ -63,7 +63,7 @@ RDZV_PORT = "29500"
 PAUSED_EXIT = 77   # tasks.train.supervisor.PAUSED_EXIT: the stage paused on request
 CHECKPOINT_STEP = re.compile(r"^step_(\d{6,})$")   # tasks/train/checkpoint.py's layout
 CHECKPOINT_COMMIT = "manifest.json"                 # written last: a step without it is unfinished
-KMS_ENV = "LLMOPS_S3_KMS_KEY_ID"                    # llmops.infra.aws.s3.KMS_ENV, set by the backends
+KMS_ENV = "LLMOPS_S3_KMS_KEY_ID"                    # llmops.infra.aws.s3.KMS_ENV, set by backends
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:

@@ -33,7 +33,8 @@ TASKS_LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # the workload's config schema and small stdlib helpers: the only tasks the layers above use
     ("tasks.schema", ("tasks.configs", "tasks.common", "tasks.scaling")),
     # model code, the data pipeline, training, post-training and evaluation libraries
-    ("tasks.library", ("tasks.model", "tasks.data", "tasks.train", "tasks.posttrain", "tasks.eval")),
+    ("tasks.library", ("tasks.model", "tasks.data", "tasks.train", "tasks.posttrain",
+                       "tasks.eval")),
     # `python -m tasks.<stage>` and the container's entry
     ("tasks.entrypoints", ("tasks", "tasks.pretrain", "tasks.finetune", "tasks.distill",
                            "tasks.distill_cache", "tasks.evaluate", "tasks.sweep", "tasks.ladder",
@@ -88,8 +89,8 @@ def layer_of(module: str) -> str | None:
 def no_layer(module: str, where: str) -> str:
     if module.startswith("llmops."):
         if module.count(".") == 1 and Path(where).name != "__init__.py":
-            return (f"{where} sits at plugins/llmops's top, outside the layer folders: move it into "
-                    f"the folder of its layer ({RISE})")
+            return (f"{where} sits at plugins/llmops's top, outside the layer folders: move it "
+                    f"into the folder of its layer ({RISE})")
         folder = module.split(".")[1]
         return (f"{where}: plugins/llmops/{folder}/ is not a layer: move its modules into the "
                 f"folders {RISE}, or add it to LLMOPS_FOLDERS in tests/test_layers.py at its place")
@@ -108,7 +109,8 @@ def folder_rule(mine: str, theirs: str) -> str:
 
 def module_level_imports(tree: ast.Module) -> list[tuple[str, int]]:
     """(top-level package, line) of the imports run when the module is imported: its body, the
-    bodies of its classes and of its if/try/with blocks, but not functions nor `if TYPE_CHECKING`."""
+    bodies of its classes and of its if/try/with blocks, but not functions nor
+    `if TYPE_CHECKING`."""
     out, todo = [], list(tree.body)
     while todo:
         node = todo.pop(0)
@@ -292,8 +294,8 @@ def test_the_folder_a_module_sits_in_is_its_layer(tmp_path):
     assert problems(root) == [
         "plugins/llmops/airflow/page.py:2: llmops.airflow.page imports torch at module level: "
         "MWAA has no torch; import it inside the function that needs it",
-        "plugins/llmops/helpers.py sits at plugins/llmops's top, outside the layer folders: move it "
-        "into the folder of its layer (core/ < infra/ < jobs/ < policy/ < stages/ < airflow/)",
+        "plugins/llmops/helpers.py sits at plugins/llmops's top, outside the layer folders: move "
+        "it into the folder of its layer (core/ < infra/ < jobs/ < policy/ < stages/ < airflow/)",
         "plugins/llmops/jobs/backends/toy/toy_backend.py:2: llmops.jobs.backends.toy.toy_backend "
         "(llmops.jobs) imports llmops.policy.quota (llmops.policy), a layer above it: "
         "plugins/llmops/jobs/ may import only core/, infra/, jobs/ (the folders rise core/ < "
@@ -312,7 +314,8 @@ def test_the_workload_stays_free_of_airflow_and_the_plugins_use_only_its_schema(
         "tasks/__init__.py": "",
         "tasks/configs.py": "",
         "tasks/data/__init__.py": "",
-        "tasks/data/prep.py": "def main():\n    import airflow\n    from llmops.stages import lifecycle\n",
+        "tasks/data/prep.py": "def main():\n    import airflow\n"
+                              "    from llmops.stages import lifecycle\n",
         "tasks/newthing.py": "",
     })
     found = problems(root)

@@ -95,8 +95,8 @@ def peak_flops(device: torch.device) -> float:
         name = torch.cuda.get_device_name(device)
         found = hardware.for_device_name(name)
         if found is None:
-            log.warning("no known bf16 peak for %r (tasks/common/hardware.py): MFU is not reported; set "
-                        "LLMOPS_PEAK_TFLOPS to state one", name)
+            log.warning("no known bf16 peak for %r (tasks/common/hardware.py): MFU is not reported; "
+                        "set LLMOPS_PEAK_TFLOPS to state one", name)
             return 0.0
         return found.peak_tflops * 1e12
     return 0.0

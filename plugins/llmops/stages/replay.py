@@ -183,7 +183,8 @@ def run_here(conf: dict[str, Any], log_path: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m llmops.stages.replay", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m llmops.stages.replay",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("run", help="the original's MLflow parent run id, or its DAG run id")
     parser.add_argument("--start-at", default="sweep", choices=REPLAY_START_AT,
                         help="the first stage computed again (default sweep: all but data prep)")

@@ -156,7 +156,7 @@ class JobOperator(JobCache, JobChain, JobWait, JobBooks, JobPause, BaseOperator)
         self._parent_run_id = ""
         self._job_stopped = False
         self._forced = False   # force_rerun resolved for this try (set by _prepare)
-        self._ledger_job: dict[str, Any] = {}   # the job's fields in the ledger (llmops.infra.ledger)
+        self._ledger_job: dict[str, Any] = {}   # the job's ledger fields (llmops.infra.ledger)
         self._started_at: float | None = None
         self._cache_ctx: dict[str, Any] = {}    # index, key, identity of this job (step cache)
 

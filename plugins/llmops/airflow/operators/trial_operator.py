@@ -18,8 +18,8 @@ from llmops.policy import sweep_study as studies
 class TrialOperator(JobOperator):
     """A JobOperator for one slot of an Optuna study (op_kwargs carry `study` and `slot`).
 
-    Before the job: asks the study for the slot's trial, or finds it again (see sweep_study). A trial
-    that already finished (a rerun of the DAG run) is reported as it was, without a job. The
+    Before the job: asks the study for the slot's trial, or finds it again (see sweep_study). A
+    trial that already finished (a rerun of the DAG run) is reported as it was, without a job. The
     trial's number and parameters reach `build_spec` as `trial`.
 
     After the job: tells the study how the trial ended (its val_loss, or pruned) and tags the

@@ -16,7 +16,8 @@ import os
 from pathlib import Path
 from typing import Any, Iterable
 
-from tasks.common.uris import is_s3, split_s3  # noqa: F401 - one parser for every side (tasks/common/uris.py)
+# one parser for every side (tasks/common/uris.py)
+from tasks.common.uris import is_s3, split_s3  # noqa: F401
 
 SKIP_DIRS = ("checkpoints",)  # synced by the job itself (SageMaker CheckpointConfig), never copied back
 KMS_ENV = "LLMOPS_S3_KMS_KEY_ID"   # the key when no settings block names one; also the jobs' variable

@@ -1,5 +1,6 @@
 """AWS Batch: the hook (batch_hook.py), the requests as pure functions (batch_requests.py),
-the backend (batch_backend.py) and its settings block (batch_settings.py)."""
+the backend (batch_backend.py) and its settings block (batch_settings.py). Below, its entry
+(ENTRY, registered in llmops.jobs.backends.BACKENDS): what it requires, its console links."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """SageMaker HyperPod on EKS: the Kubernetes client (hyperpod_hook.py), the job resource as pure
 functions (hyperpod_manifest.py, validated against crds/), the backend (hyperpod_backend.py) and
-its settings block (hyperpod_settings.py)."""
+its settings block (hyperpod_settings.py). Below, its entry (ENTRY, registered in
+llmops.jobs.backends.BACKENDS): what it requires, its console links."""
 
 from __future__ import annotations
 
@@ -18,8 +19,8 @@ def console_links(handle: dict[str, Any], region: str) -> dict[str, str]:
     cluster = handle.get("eks_cluster_name")
     if not (region and cluster):
         return {}
-    return {"HyperPod (EKS) workload": (f"{aws_console(region)}/eks/home?region={region}"
-                                        f"#/clusters/{quote(cluster)}?selectedTab=cluster-resources-tab"),
+    eks = f"{aws_console(region)}/eks/home?region={region}#/clusters/{quote(cluster)}"
+    return {"HyperPod (EKS) workload": f"{eks}?selectedTab=cluster-resources-tab",
             "CloudWatch logs": cloudwatch_logs_url(
                 region, f"/aws/containerinsights/{cluster}/application",
                 handle.get("k8s_name") or handle.get("job_name", ""))}

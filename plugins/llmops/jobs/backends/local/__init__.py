@@ -1,5 +1,6 @@
 """The local backend: a job as processes on this machine (local_backend), each under a runner that
-outlives the Airflow worker and records how the job ended (local_runner)."""
+outlives the Airflow worker and records how the job ended (local_runner). Below, its entry
+(ENTRY, registered in llmops.jobs.backends.BACKENDS)."""
 
 from __future__ import annotations
 

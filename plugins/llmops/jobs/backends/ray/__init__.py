@@ -1,5 +1,6 @@
-"""A Ray cluster through the Ray Jobs REST API: the client (ray_hook.py), the backend (ray_backend.py)
-and its settings block (ray_settings.py)."""
+"""A Ray cluster through the Ray Jobs REST API: the client (ray_hook.py), the backend
+(ray_backend.py) and its settings block (ray_settings.py). Below, its entry (ENTRY, registered in
+llmops.jobs.backends.BACKENDS): what it requires, its dashboard and the job's link there."""
 
 from __future__ import annotations
 

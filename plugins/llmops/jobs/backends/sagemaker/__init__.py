@@ -1,6 +1,7 @@
 """SageMaker Training and Processing: the hook (sagemaker_hook.py), the requests as pure
 functions (sagemaker_requests.py), the backends (sagemaker_backend.py) and their settings blocks
-(sagemaker_settings.py)."""
+(sagemaker_settings.py). Below, their entries (TRAINING, PROCESSING, registered in
+llmops.jobs.backends.BACKENDS): what each requires, their console links."""
 
 from __future__ import annotations
 

@@ -101,7 +101,8 @@ class _SageMakerBackend(Backend):
     def _hook(self, aws_conn_id: str, region_name: str = "", kms_key_id: str = ""):
         from llmops.jobs.backends.sagemaker.sagemaker_hook import jobs_hook
 
-        return jobs_hook(aws_conn_id, region_name, kms_key_id)   # one per process (llmops.infra.aws.clients)
+        # one per process (llmops.infra.aws.clients)
+        return jobs_hook(aws_conn_id, region_name, kms_key_id)
 
     def _description(self, handle: dict[str, Any], hook: Any, name: str) -> dict[str, Any] | None:
         """The job's description: a trigger's through the process's shared list of changed jobs."""
