@@ -1,5 +1,5 @@
-"""Does the promotion gate promote noise? The paired gate (plugins/llmops/paired.py, on by default)
-beside the point-estimate gate it replaced, on the same challengers, in one run.
+"""Does the promotion gate promote noise? The paired gate (plugins/llmops/policy/paired.py, on by
+default) beside the point-estimate gate it replaced, on the same challengers, in one run.
 
     .venv/bin/python -m benchmarks.gate_noise [--recipes tiny demo] [--seeds 5] [--improved 5]
         [--work DIR] [--out benchmarks/results/gate_noise.json]
@@ -12,9 +12,9 @@ recipe's seeds; `--seeds` challengers that differ from it only in their seeds (P
 pretrain_seed, finetune_seed, distill_seed); `--improved` challengers with a real but modest
 improvement (RECIPE_IMPROVEMENT: more training steps, and their own seeds too, as any real
 challenger has). Each run's configs are resolved from Params by the DAG's own code
-(llmops.lifecycle.resolve) and its stages run as the DAG's local jobs do (`python -m tasks.<stage>
---config --result`). Every challenger is judged against the same champion (the model the gate
-promoted from the champion run: the student), on an evaluation that scores both on the same
+(llmops.stages.lifecycle.resolve) and its stages run as the DAG's local jobs do (`python -m
+tasks.<stage> --config --result`). Every challenger is judged against the same champion (the model
+the gate promoted from the champion run: the student), on an evaluation that scores both on the same
 data, as the DAG's evaluate does:
 
   paired gate        promotion.challenger + promotion.judge with the recipe's GateConfig
@@ -53,7 +53,7 @@ RECIPE_IMPROVEMENT: dict[str, dict[str, Any]] = {
     "demo": {"pretrain_steps": 900, "distill_steps": 5000},
 }
 SEED_STEP = 101   # challenger k adds k * SEED_STEP to each of the recipe's seeds
-# The point-estimate gate's defaults at a331722 (tasks/configs/gate.py then).
+# The point-estimate gate's defaults at a331722 (tasks/configs/gate_config.py then).
 OLD_MARGINS = {"task_accuracy": 0.02, "bits_per_byte": 0.02}
 
 
@@ -93,8 +93,8 @@ def _job(stage: str, config: dict[str, Any], work: Path, env: dict[str, str]) ->
 def _lifecycle(params: dict[str, Any], data_dir: str, out: Path, env: dict[str, str]
                ) -> dict[str, Any]:
     """pretrain -> finetune -> distill -> evaluate (teacher and student), configs resolved from
-    Params by the DAG's code and filled in as llmops.specs fills them."""
-    from llmops import lifecycle, specs
+    Params by the DAG's code and filled in as llmops.stages.specs fills them."""
+    from llmops.stages import lifecycle, specs
     from tasks import configs
 
     config = configs.to_dict(lifecycle.resolve(params))
@@ -132,7 +132,7 @@ def against(challenger: dict[str, Any], champion: dict[str, Any], name: str) -> 
 def point_estimate_gate(gate: Any, evaluation: dict[str, Any]) -> dict[str, Any]:
     """The gate as it was (a331722): thresholds, then no worse than the champion's point
     estimates beyond OLD_MARGINS, the preferred passing candidate promoted."""
-    from llmops import promotion
+    from llmops.policy import promotion
 
     metrics = evaluation["metrics"]
     reasons = {}
@@ -152,7 +152,7 @@ def point_estimate_gate(gate: Any, evaluation: dict[str, Any]) -> dict[str, Any]
 
 
 def paired_gate(gate: Any, evaluation: dict[str, Any]) -> dict[str, Any]:
-    from llmops import promotion
+    from llmops.policy import promotion
 
     reasons, comparisons = promotion.judge(gate, evaluation)
     chosen = promotion.challenger(gate, evaluation)
@@ -180,7 +180,7 @@ def bench_recipe(recipe: str, seeds: int, improved: int, work: Path, env: dict[s
                  save: Any = None) -> dict[str, Any]:
     """One recipe's champion and challengers; `save(partial)` after each challenger, so an
     interrupted run keeps what it measured (marked complete: false)."""
-    from llmops import lifecycle
+    from llmops.stages import lifecycle
     from tasks import configs
 
     started = time.monotonic()
@@ -228,7 +228,7 @@ def bench_recipe(recipe: str, seeds: int, improved: int, work: Path, env: dict[s
 
 def promotion_of_first(gate: Any, champion: dict[str, Any]) -> str:
     """The model the champion run's own gate promotes (no champion before it): the challenger."""
-    from llmops import promotion
+    from llmops.policy import promotion
 
     evaluation = champion["evaluation"]
     chosen = promotion.challenger(gate, evaluation)

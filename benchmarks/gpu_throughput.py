@@ -14,8 +14,8 @@ spare, checkpoints every quarter of the run, SIGKILL at 60% of it): seconds from
 first step after it, the steps redone, and the model it publishes.
 
 Tokens/s and MFU exclude the first step of every start (the compile) and the time spent saving;
-MFU is given against the data sheet's peak (tasks/hardware.py, by the device's exact name) and
-against a bf16 matmul measured here. Data are random token rows in data prep's format
+MFU is given against the data sheet's peak (tasks/common/hardware.py, by the device's exact name)
+and against a bf16 matmul measured here. Data are random token rows in data prep's format
 (throughput does not depend on what the tokens say) beside a real BPE tokenizer, so the script
 needs no corpus and no network.
 
@@ -130,10 +130,10 @@ def measure(name: str, model_cfg: ModelConfig, batch: int, work: Path, steps: in
     each save blocked training, the whole run's wall time, and peak memory."""
     import torch
 
-    from tasks.model import GPT
+    from tasks.model.gpt import GPT
     from tasks.train import checkpoint as ckpt
     from tasks.train import telemetry as tm
-    from tasks.train.data import DataDir, PretrainBatches
+    from tasks.train.prepared_data import DataDir, PretrainBatches
     from tasks.train.losses import cross_entropy
     from tasks.train.loop import LoopOptions, train
     from tasks.train.runtime import gpt_flops_per_token, peak_flops, pick_device, seed_everything

@@ -2,7 +2,7 @@
 
     python benchmarks/hf_models.py [--rounds 5] [--steps 20]
 
-Why the stages keep our GPT (tasks/model.py) for arch "gpt" and save it as the GPT-2 it is:
+Why the stages keep our GPT (tasks/model/gpt.py) for arch "gpt" and save it as the GPT-2 it is:
 forward + backward + AdamW step of the same model as our GPT and as transformers'
 GPT2LMHeadModel (same weights, logits equal), and of a LlamaForCausalLM of the same width and
 depth (for scale), at the demo recipe's size (2 layers, 128 wide, vocab 1024, 16 x 128 tokens)
@@ -32,7 +32,7 @@ from benchmarks.pretrain_common import machine  # noqa: E402 - at start: the loa
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from tasks.causal_lm import build_model, gpt_to_hf  # noqa: E402
+from tasks.model.causal_lm import build_model, gpt_to_hf  # noqa: E402
 from tasks.configs import ModelConfig  # noqa: E402
 
 SIZES = {

@@ -83,9 +83,9 @@ def measure(model_cfg: ModelConfig, data: Path, args: argparse.Namespace) -> dic
     """One model size: args.cycles cycles of paired adjacent segments (module docstring)."""
     import torch
 
-    from tasks.model import GPT
+    from tasks.model.gpt import GPT
     from tasks.train.checkpoint import Checkpointer
-    from tasks.train.data import DataDir, PretrainBatches
+    from tasks.train.prepared_data import DataDir, PretrainBatches
     from tasks.train.losses import cross_entropy
     from tasks.train.loop import build_optimizer
     from tasks.train.runtime import rng_state

@@ -59,7 +59,7 @@ def run_job(cfg: TrainConfig, name: str, *, faults: str = "", retries: int = 0,
     poll_s); on failure, wait retry_delay_s and submit again, as an Airflow task retry does
     (the backend restarts a failed job; the stage resumes from its newest valid checkpoint)."""
     from llmops.jobs.backends.base import JobState
-    from llmops.jobs.backends.local import LocalBackend
+    from llmops.jobs.backends.local.local_backend import LocalBackend
     from llmops.jobs.spec import JobSpec
 
     backend = LocalBackend(jobs_dir=Path(os.environ["LLMOPS_HOME"]) / "jobs")
@@ -151,8 +151,8 @@ def bare_loop(data_dir: Path, cfg: TrainConfig, steps: int, warmup: int = 20) ->
 
     import torch
 
-    from tasks.model import GPT
-    from tasks.train.data import DataDir, PretrainBatches
+    from tasks.model.gpt import GPT
+    from tasks.train.prepared_data import DataDir, PretrainBatches
     from tasks.train.losses import cross_entropy
     from tasks.train.loop import build_optimizer
     from tasks.train.runtime import seed_everything

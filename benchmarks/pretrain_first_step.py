@@ -6,7 +6,8 @@ Batch or HyperPod node does, with the fake AWS's proxy in front of moto as S3
 (tests/chaos/fake_aws: every connection capped at --mb-per-s, every answer's first byte held back
 --first-byte-ms). The two arms, interleaved per size and repetition:
 
-  streamed     job_entry leaves data_dir as its s3:// URI (tasks.uris.STREAMED_INPUTS) and the
+  streamed     job_entry leaves data_dir as its s3:// URI (tasks.common.uris.STREAMED_INPUTS) and
+  the
                stage reads the blocks of its first windows (tasks/train/stream.py)
   downloaded   what job_entry did before: `download` (its own function, s3transfer's parallel
                ranged GETs) copies the whole data prefix into the work dir, then the stage reads
@@ -154,8 +155,8 @@ def interleaved_rates(uri: str, local: Path, node: Path, fake_url: str, settings
     same model from its own data cursor; the first segment of each is warm-up."""
     import torch
 
-    from tasks.model import GPT
-    from tasks.train.data import DataDir, PretrainBatches
+    from tasks.model.gpt import GPT
+    from tasks.train.prepared_data import DataDir, PretrainBatches
     from tasks.train.losses import cross_entropy
     from tasks.train.loop import build_optimizer
     from tasks.train.runtime import seed_everything

@@ -92,7 +92,7 @@ def main() -> None:
     from tasks.configs import to_dict
 
     bare_file.write_text(json.dumps(to_dict(bare_cfg)))
-    from tasks.train.data import DataDir
+    from tasks.train.prepared_data import DataDir
 
     tokens_per_step = bare_cfg.batch_size * (DataDir(data).split("train").row_len - 1)
     variants = {"full harness": {}, "harness, no hot spare": {"hot_spare": False}}

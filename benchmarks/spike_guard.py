@@ -128,8 +128,8 @@ def prepared_data(work: Path) -> Path:
 def loop_run(data_dir: Path, out: Path, *, model: ModelConfig, seed: int, dropout: float,
              lr_factor: float, steps: int, faults: str = "") -> dict[str, Any]:
     """One in-process training run with the new guard at the aggressive settings."""
-    from tasks.model import GPT
-    from tasks.train.data import DataDir, PretrainBatches
+    from tasks.model.gpt import GPT
+    from tasks.train.prepared_data import DataDir, PretrainBatches
     from tasks.train.faults import FaultInjector, parse_faults
     from tasks.train.losses import cross_entropy
     from tasks.train.loop import LoopOptions, train

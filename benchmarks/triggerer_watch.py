@@ -16,10 +16,10 @@ success writing the result JSON its entry would write. The N jobs, one third eac
 training (1 instance), Batch multi-node (2 nodes) and HyperPodPyTorchJob (2 pods), are submitted
 through the backends' own submit() (the handles a deferred task carries), then one child process
 imports that side's `llmops` and runs the real trigger JobOperator defers to
-(llmops.triggers.job.JobTrigger) for every job at once in one asyncio loop, as Airflow's
-triggerer runs its triggers (their polls in the loop's default thread pool), each trigger started
-at a random moment within the first poll interval, until every trigger has fired or the jobs'
-longest run plus 4 poll intervals has passed.
+(llmops.airflow.triggers.job_trigger.JobTrigger) for every job at once in one asyncio loop, as
+Airflow's triggerer runs its triggers (their polls in the loop's default thread pool), each trigger
+started at a random moment within the first poll interval, until every trigger has fired or the
+jobs' longest run plus 4 poll intervals has passed.
 
 Measured, per side: the child's CPU time (getrusage: every thread) and its resident memory
 before the triggers and at its peak; each API's calls (the proxy's and the Kubernetes front's
@@ -147,13 +147,13 @@ def child(code: str, handles_file: str, out_file: str, poll: float, timeout: flo
     sys.path[:0] = [str(Path(code) / "plugins"), code]
     import logging
 
+    from llmops.airflow.triggers.job_trigger import JobTrigger
     from llmops.jobs import watch as watch_mod
-    from llmops.triggers.job import JobTrigger
 
     # Imported before the clock starts, on both sides: a one-off of any process.
-    import llmops.jobs.backends.batch.backend  # noqa: F401
-    import llmops.jobs.backends.hyperpod.backend  # noqa: F401
-    import llmops.jobs.backends.sagemaker.backend  # noqa: F401
+    import llmops.jobs.backends.batch.batch_backend  # noqa: F401
+    import llmops.jobs.backends.hyperpod.hyperpod_backend  # noqa: F401
+    import llmops.jobs.backends.sagemaker.sagemaker_backend  # noqa: F401
 
     warnings: list[str] = []
 
@@ -223,7 +223,7 @@ def child(code: str, handles_file: str, out_file: str, poll: float, timeout: flo
     cpu1, wall1 = cpu(), time.time()
     builds = {}
     try:
-        from llmops.aws import clients
+        from llmops.infra.aws import clients
 
         builds = dict(clients.builds)
     except ImportError:
@@ -241,9 +241,10 @@ def child(code: str, handles_file: str, out_file: str, poll: float, timeout: flo
 async def watch_job(handle: dict[str, Any], poll: float, record: Callable[[dict[str, Any]], None]) -> None:
     """Run the trigger JobOperator defers to for this job until it fires (again from a
     checkpoint, as the task defers again), recording each event with its time."""
-    from llmops.triggers.job import JobTrigger
+    from llmops.airflow.triggers.job_trigger import JobTrigger
 
-    # What JobOperator defers with (llmops.operators.job: _watch), for a job of the handle's.
+    # What JobOperator defers with (llmops.airflow.operators.job_operator: _watch), for a job of the
+    # handle's.
     trigger: Any = JobTrigger(handle=handle, poll_interval=poll, max_run_seconds=MAX_RUN_SECONDS,
                               grace_seconds=float(handle.get("deadline_grace_seconds", 1800)),
                               max_queue_seconds=handle.get("max_queue_seconds") or None,
@@ -386,8 +387,8 @@ def submit_each(settings: dict[str, Any], items: list[tuple[Any, float | None]],
     as each comes (under a lock)."""
     # Imported here, not in the pool's threads (concurrent first imports of airflow deadlock).
     import airflow.providers.cncf.kubernetes.hooks.kubernetes  # noqa: F401
-    import llmops.jobs.backends.batch.hook  # noqa: F401
-    import llmops.jobs.backends.sagemaker.hook  # noqa: F401
+    import llmops.jobs.backends.batch.batch_hook  # noqa: F401
+    import llmops.jobs.backends.sagemaker.sagemaker_hook  # noqa: F401
     from llmops.jobs.backends import get_backend
 
     backends = {name: type(get_backend(name))(settings={name: settings[name]}) for name in BACKENDS}

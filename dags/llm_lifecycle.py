@@ -7,13 +7,17 @@ import pendulum
 from airflow.sdk import Asset, dag, get_current_context, task
 from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
 
-from llmops import lifecycle, notify, promotion, run_summary, specs
-from llmops.operators.job import JobOperator
-from llmops.params import lifecycle_params
-from llmops.run import Run
-from llmops.sweep import LADDER_RECOMMENDATION_URI, POOL, SWEEP_BEST_URI
-from llmops.sweep import stage as sweep
-from llmops.sweep.trial_operator import TrialOperator
+from llmops.airflow.operators.job_operator import JobOperator
+from llmops.airflow.operators.trial_operator import TrialOperator
+from llmops.airflow.sweep_pool import POOL
+from llmops.core.run import Run
+from llmops.infra import notify
+from llmops.policy import promotion
+from llmops.policy.params import lifecycle_params
+from llmops.stages import lifecycle, run_summary, specs
+from llmops.stages import sweep_stage as sweep
+from llmops.stages.ladder_stage import LADDER_RECOMMENDATION_URI
+from llmops.stages.sweep_stage import SWEEP_BEST_URI
 
 CHAMPION = Asset("llmops://models/champion")
 SWEEP_BEST = Asset(SWEEP_BEST_URI.format(dag_id="llm_lifecycle"))
@@ -74,7 +78,7 @@ def llm_lifecycle():
         decision = promotion.promote(run, evaluation, data)
         ctx = get_current_context()
         # The run page's headline figures onto the MLflow parent run, and the DAG run's note line
-        # (a task cannot set notes: llmops.run_note copies this XCom when the run finishes).
+        # (a task cannot set notes: llmops.airflow.run_note copies this XCom when the run finishes).
         note = run_summary.record(ctx["dag"].dag_id, ctx["run_id"], recipe=ctx["params"].get("recipe"))
         if note:
             ctx["ti"].xcom_push(run_summary.NOTE_XCOM, note)

@@ -1,6 +1,7 @@
 """The daily platform report: the job ledger's last day (or `days` days) as tables and plots in
 the MLflow experiment `llmops-platform`: accelerator-hours and cost per team and stage, failure
-rates by reason, badput hours, queue times. Wiring only: plugins/llmops/ledger/report.py."""
+rates by reason, badput hours, queue times. Wiring only:
+plugins/llmops/infra/ledger/platform_report.py."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ def llm_platform_report():
     @task
     def report() -> dict:
         """Read the ledger for the period (Parquet on S3 when the storage root is there) and log it."""
-        from llmops.ledger import report as platform_report
+        from llmops.infra.ledger import platform_report
 
         ctx = get_current_context()
         end = ctx.get("logical_date") or pendulum.now("UTC")

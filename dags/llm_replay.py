@@ -1,5 +1,6 @@
 """Replay a recorded llm_lifecycle run from its MLflow record and say whether it reproduced: the
-same as `python -m llmops.replay RUN`, from the Airflow UI (see plugins/llmops/replay.py).
+same as `python -m llmops.stages.replay RUN`, from the Airflow UI (see
+plugins/llmops/stages/replay.py).
 
     check (refuses when the code or the data cannot be matched) -> replay (llm_lifecycle with the
     recorded conf, waited for) -> compare (loss curves and weights, on the replay's MLflow run)
@@ -12,7 +13,7 @@ from airflow.providers.standard.operators.trigger_dagrun import TriggerDagRunOpe
 from airflow.sdk import Param, dag, get_current_context, task
 from airflow.sdk.exceptions import AirflowFailException
 
-from llmops import replay, reuse
+from llmops.stages import replay, reuse
 
 RUN_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.:+-]{0,249}$"
 

@@ -1,8 +1,9 @@
 """Scheduled retraining: fine-tune the current champion on the newest curated data, evaluate the
 challenger against the champion on that data, and promote it only through the gate (optionally
 after a human approves). Runs weekly and whenever the curated-data Asset gets an event; no
-catch-up, one run at a time. Wiring only: what each step does lives in plugins/llmops/retraining.py,
-the gate in plugins/llmops/promotion.py, the jobs in tasks/.
+catch-up, one run at a time. Wiring only: what each step does lives in
+plugins/llmops/stages/retraining.py, the gate in plugins/llmops/policy/promotion.py, the jobs in
+tasks/.
 
 The curated-data Asset's producer sets the event's extra to {"data_dir": <data prep output>,
 "data_hash": <manifest content hash>}; the `data_dir` Param overrides it for a manual run.
@@ -16,10 +17,12 @@ from airflow.sdk import (Asset, AssetOrTimeSchedule, CronTriggerTimetable, dag,
                          get_current_context, task)
 from airflow.sdk.exceptions import AirflowSkipException
 
-from llmops import notify, promotion, retraining
-from llmops.operators.job import JobOperator
-from llmops.params import retrain_params
-from llmops.run import Run
+from llmops.airflow.operators.job_operator import JobOperator
+from llmops.core.run import Run
+from llmops.infra import notify
+from llmops.policy import promotion
+from llmops.policy.params import retrain_params
+from llmops.stages import retraining
 
 CURATED_DATA = Asset("llmops://data/curated")
 CHAMPION = Asset("llmops://models/champion")

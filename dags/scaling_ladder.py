@@ -1,17 +1,18 @@
 """A scaling ladder: small models across sizes N and token counts D, the law L(N, D) fitted to
 their losses, and the compute-optimal N and D for a FLOP budget. Wiring only: what each step does
-lives in plugins/llmops/sweep/ladder.py and tasks/ladder.py."""
+lives in plugins/llmops/stages/ladder_stage.py and tasks/ladder.py."""
 
 from __future__ import annotations
 
 import pendulum
 from airflow.sdk import Asset, dag, get_current_context, task
 
-from llmops import specs
-from llmops.operators.job import JobOperator
-from llmops.params import ladder_params
-from llmops.sweep import LADDER_RECOMMENDATION_URI, POOL
-from llmops.sweep import ladder
+from llmops.airflow.operators.job_operator import JobOperator
+from llmops.airflow.sweep_pool import POOL
+from llmops.policy.params import ladder_params
+from llmops.stages import ladder_stage as ladder
+from llmops.stages import specs
+from llmops.stages.ladder_stage import LADDER_RECOMMENDATION_URI
 
 RECOMMENDATION = Asset(LADDER_RECOMMENDATION_URI)
 

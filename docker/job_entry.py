@@ -9,7 +9,7 @@ and does around it what a container needs and a local process does not:
 1. reads the stage config (a file, an s3:// object, or mounted input channel);
 2. maps the config's input URIs to where the platform mounted them (SageMaker channels,
    Processing inputs: `--input-map`) and downloads any other s3:// input into the work dir,
-   except those the stage streams itself (tasks.uris.STREAMED_INPUTS: pretraining's token
+   except those the stage streams itself (tasks.common.uris.STREAMED_INPUTS: pretraining's token
    shards), which it passes on as s3:// URIs;
 3. gives the stage a local output_dir when the real one is an s3:// URI, and puts its
    checkpoints where a new attempt on a fresh machine finds them: linked to the platform's synced
@@ -55,7 +55,7 @@ from pathlib import Path
 from typing import Any
 
 from tasks.configs import CHECKPOINTED_STAGES   # the image puts tasks/ on PYTHONPATH (/opt/llmops)
-from tasks.uris import STREAMED_INPUTS, split_s3
+from tasks.common.uris import STREAMED_INPUTS, split_s3
 
 log = logging.getLogger("llmops.entry")
 FAILURE_FILE = "/opt/ml/output/failure"   # SageMaker reports its content as FailureReason
@@ -63,7 +63,7 @@ RDZV_PORT = "29500"
 PAUSED_EXIT = 77   # tasks.train.supervisor.PAUSED_EXIT: the stage paused on request
 CHECKPOINT_STEP = re.compile(r"^step_(\d{6,})$")   # tasks/train/checkpoint.py's layout
 CHECKPOINT_COMMIT = "manifest.json"                 # written last: a step without it is unfinished
-KMS_ENV = "LLMOPS_S3_KMS_KEY_ID"                    # llmops.aws.s3.KMS_ENV, set by the backends
+KMS_ENV = "LLMOPS_S3_KMS_KEY_ID"                    # llmops.infra.aws.s3.KMS_ENV, set by backends
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:

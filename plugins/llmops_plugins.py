@@ -9,8 +9,8 @@ normally (the plugins folder is on sys.path) and its plugins are registered here
 
 from airflow.plugins_manager import AirflowPlugin
 
-from llmops import pause_api, run_note, run_page
-from llmops.sweep import pool as sweep_pool
+from llmops.airflow import pause_api, run_note, run_page
+from llmops.airflow import sweep_pool
 
 
 class SweepPoolPlugin(AirflowPlugin):

@@ -23,7 +23,8 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "plugins"))
-from llmops import run_summary, tracking  # noqa: E402
+from llmops.stages import run_summary  # noqa: E402
+from llmops.infra import tracking  # noqa: E402
 from up import airflow_server_env  # noqa: E402  (scripts/up.py: the port's other places too)
 
 DAG_ID = "llm_lifecycle"
@@ -143,7 +144,7 @@ def main() -> int:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     conf = {"recipe": "demo", **json.loads(os.environ.get("DEMO_CONF") or "{}")}
     # The pool the sweep's trials run in (their accelerator quota) must exist before the run.
-    subprocess.run([sys.executable, "-m", "llmops.sweep.pool"], check=True)
+    subprocess.run([sys.executable, "-m", "llmops.airflow.sweep_pool"], check=True)
     started = time.time()
     mode = os.environ.get("DEMO_MODE", "standalone")
     code = run_dags_test(conf) if mode == "dags-test" else run_standalone(conf)

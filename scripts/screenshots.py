@@ -53,7 +53,8 @@ def training_now(airflow: MakeUp, run_id: str, task: str = "pretrain", min_step:
 
 
 def pause(airflow: MakeUp, run_id: str) -> dict:
-    """What the pause page's button does (llmops.pause_api): the job checkpoints and stops."""
+    """What the pause page's button does (llmops.airflow.pause_api): the job checkpoints and
+    stops."""
     return airflow.request("POST", f"/llmops-pause/runs/{DAG_ID}/{run_id}", {})
 
 

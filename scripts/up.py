@@ -33,7 +33,7 @@ DEFAULT_MLFLOW_PORT = 5000
 DEFAULT_HOST = "127.0.0.1"
 DAG_ID = "llm_lifecycle"
 # The MLflow UI's experiments in its training view (MLflow 3.17 opens its GenAI view unless the
-# link says otherwise: llmops.tracking.UI_VIEW_QUERY).
+# link says otherwise: llmops.infra.tracking.UI_VIEW_QUERY).
 MLFLOW_UI_PATH = "/#/experiments?workflowType=machine_learning"
 
 
@@ -91,7 +91,7 @@ def main() -> int:
     # where this script reaches the API server: the host it listens on, or loopback for "any"
     base = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::', '') else host}:{port}"
     # The pool sweep trials and ladder rungs run in (their accelerator quota), before any run.
-    subprocess.run([sys.executable, "-m", "llmops.sweep.pool"], check=True)
+    subprocess.run([sys.executable, "-m", "llmops.airflow.sweep_pool"], check=True)
     env = {**airflow_server_env(os.environ, port), "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
     log_path = home / "up.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)

@@ -25,13 +25,13 @@ from pathlib import Path
 from typing import Any
 
 from tasks.common.entry import run_stage
-from tasks.common.tracking import log_json_artifact, stage_run
+from tasks.common.job_tracking import log_json_artifact, stage_run
 from tasks.configs import DistillConfig, to_dict
 
 log = logging.getLogger("tasks.distill")
 
 # The final scores' MLflow names: grouped for the charts as the training curves are
-# (tasks.common.tracking.CHART_NAMES); the result keeps the plain keys.
+# (tasks.common.job_tracking.CHART_NAMES); the result keeps the plain keys.
 FINAL_NAMES = {"val_loss": "loss/val", "prose_perplexity": "prose/perplexity",
                "task_accuracy": "task/accuracy", "teacher_val_loss": "teacher/val_loss",
                "teacher_prose_perplexity": "teacher/prose_perplexity",
@@ -65,7 +65,7 @@ def check_student_tokenizer(student_dir: Path, teacher_dir: Path, student_ref: s
 def build_student(cfg: DistillConfig, teacher_dir: Path, device):
     """The student: cfg.student_model (tokenizer checked against the teacher's), else a fresh
     model of cfg.student with the teacher's vocabulary and context."""
-    from tasks.causal_lm import build_model
+    from tasks.model.causal_lm import build_model
     from tasks.posttrain.sources import resolve_model_dir, student_config
     from tasks.train.export import load_model
 
@@ -201,7 +201,7 @@ def quantize_student(student, sft, cfg: DistillConfig, model_dir: Path, device) 
     import mlflow
     import torch
 
-    from tasks.common.tracking import log_json_artifact
+    from tasks.common.job_tracking import log_json_artifact
     from tasks.posttrain.quantize import compare_int8, export_int8, quantize_int8
     from tasks.train.export import read_meta
     from tasks.train.scoring import answer_budget, exact_match, shard_loss

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from tasks.common.entry import run_stage
-from tasks.common.tracking import stage_run
+from tasks.common.job_tracking import stage_run
 from tasks.configs import ConfigError, DistillConfig
 
 log = logging.getLogger("tasks.distill_cache")

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from tasks.common.entry import run_stage
-from tasks.common.tracking import stage_run
+from tasks.common.job_tracking import stage_run
 from tasks.configs import EvalConfig
 
 log = logging.getLogger("tasks.evaluate")
@@ -64,7 +64,7 @@ def evaluate_model(name: str, ref: str, cfg: EvalConfig, suites: list, device,
     from tasks.eval.suites import (item_id, item_results, score_suite_items, suite_item_ids,
                                    suite_passages)
     from tasks.posttrain.sources import resolve_model_dir
-    from tasks.train.data import DataDir, load_sft, load_tokenizer
+    from tasks.train.prepared_data import DataDir, load_sft, load_tokenizer
     from tasks.train.export import load_model
     from tasks.train.scoring import exact_match
 
@@ -93,7 +93,7 @@ def evaluate_model(name: str, ref: str, cfg: EvalConfig, suites: list, device,
     metrics["task_accuracy"] = task["accuracy"]
     metrics.update({f"task_accuracy.{skill}": acc for skill, acc in task["per_skill"].items()})
     # Per-item results of every item-level metric: the gate compares two models item by item
-    # (plugins/llmops/paired.py), which needs both scored on the same items.
+    # (plugins/llmops/policy/paired.py), which needs both scored on the same items.
     per_item = {HELD_OUT: held_out_documents(language["documents"]),
                 "task_accuracy": item_results(
         [item_id(ex.prompt + "\x00" + ex.completion) for ex in examples], task["correct"])}
@@ -179,7 +179,7 @@ def main(cfg: EvalConfig) -> dict[str, Any]:
 
     from tasks.common.io import write_json
     from tasks.eval.harness import INSTALL_HINT, available
-    from tasks.eval.report import log_report
+    from tasks.eval.eval_report import log_report
     from tasks.train.runtime import pick_device
 
     if cfg.lm_eval and not available():

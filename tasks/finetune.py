@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from tasks.common.entry import run_stage
-from tasks.common.tracking import log_json_artifact, stage_run
+from tasks.common.job_tracking import log_json_artifact, stage_run
 from tasks.configs import FinetuneConfig, to_dict
 
 log = logging.getLogger("tasks.finetune")

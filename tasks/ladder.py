@@ -24,7 +24,7 @@ log = logging.getLogger("tasks.ladder")
 
 def fit_ladder(cfg: LadderFitConfig) -> dict[str, Any]:
     """The fit and the recommendation as plain JSON (no MLflow, no files)."""
-    from tasks.scaling.ladder import recommend, split_held_out
+    from tasks.scaling.rungs import recommend, split_held_out
     from tasks.scaling.law import fit
 
     points = [p for p in cfg.points if p["loss"] == p["loss"]]  # NaN: a rung that reported none
@@ -121,7 +121,7 @@ def plot(report: dict[str, Any]):
 def main(cfg: LadderFitConfig) -> dict[str, Any]:
     import mlflow
 
-    from tasks.common.tracking import log_figure, log_json_artifact, stage_run
+    from tasks.common.job_tracking import log_figure, log_json_artifact, stage_run
 
     with stage_run("ladder", cfg) as run:
         report = fit_ladder(cfg)

@@ -3,13 +3,13 @@
     python -m tasks.sweep --config CONFIG.json --result RESULT.json   (a TrainConfig)
 
 In a study (LLMOPS_STUDY_STORAGE, LLMOPS_STUDY_NAME and LLMOPS_TRIAL_NUMBER, set by the Airflow
-side, plugins/llmops/sweep/study.py) the trial reports its validation loss to the Optuna study after
-every evaluation, and stops as soon as the study's pruner says it cannot win: the result then says
-`"state": "pruned"` and the step it stopped at. Without a study it trains to the end.
+side, plugins/llmops/policy/sweep_study.py) the trial reports its validation loss to the Optuna
+study after every evaluation, and stops as soon as the study's pruner says it cannot win: the result
+then says `"state": "pruned"` and the step it stopped at. Without a study it trains to the end.
 
 A tuning service's choice of hyperparameters overrides the config first: SageMaker hands a tuning
 job's values to every training job in SM_HPS, named `tune.<config path>` (see
-plugins/llmops/sweep/tuning.py).
+plugins/llmops/stages/sweep_tuning.py).
 
 Trials skip the model directory and the MLflow model: only their numbers are needed.
 """

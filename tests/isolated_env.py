@@ -49,8 +49,9 @@ def airflow_db() -> Path:
         home.mkdir(parents=True, exist_ok=True)
         subprocess.run([sys.executable, "-m", "airflow", "db", "migrate"], check=True,
                        capture_output=True, env=os.environ)
-        # The accelerator pool sweep trials and ladder rungs run in (plugins/llmops/sweep/pool.py).
-        subprocess.run([sys.executable, "-m", "llmops.sweep.pool"], check=True,
+        # The accelerator pool sweep trials and ladder rungs run in
+        # (plugins/llmops/airflow/sweep_pool.py).
+        subprocess.run([sys.executable, "-m", "llmops.airflow.sweep_pool"], check=True,
                        capture_output=True, env=os.environ)
     return home
 

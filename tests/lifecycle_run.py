@@ -32,7 +32,7 @@ def run_lifecycle(conf: dict, timeout: int = 900) -> dict:
 
 
 def mlflow_runs(run_id: str) -> dict:
-    from llmops import tracking
+    from llmops.infra import tracking
 
     client = tracking.client()
     exp = client.get_experiment_by_name(DAG_ID)

@@ -16,7 +16,7 @@ from datetime import datetime, timezone
 import pytest
 from airflow.sdk.exceptions import TaskDeferred
 
-import llmops.operators.job as job_op
+import llmops.airflow.operators.job_operator as job_op
 from llmops.jobs import continuation
 from llmops.jobs.backends import JobState, JobStatus
 from tests.test_wait_faults import (RUNNING, SUCCEEDED, Clock, FakeStore, FakeTI, ScriptedBackend, context,
@@ -170,7 +170,9 @@ def test_the_wait_and_the_attempts_reach_the_run_page_and_the_note(use_backend, 
     which the run page reads, and the attempts are the task's XCom, which the run's note quotes.
     The backend is scripted (each attempt first queued for capacity, the first one's host lost);
     the operator, MLflow, the summary and the page are real."""
-    from llmops import run_note, run_page, run_summary, tracking
+    from llmops.airflow import run_note, run_page
+    from llmops.infra import tracking
+    from llmops.stages import run_summary
 
     client = tracking.client()
     experiment = tracking.ensure_experiment("llm_lifecycle")

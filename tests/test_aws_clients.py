@@ -1,4 +1,4 @@
-"""One AWS client per connection and region in a process (llmops.aws.clients), and bounded log
+"""One AWS client per connection and region in a process (llmops.infra.aws.clients), and bounded log
 reads per poll: polls and triggers reuse the clients, an edited connection gets new ones, a
 role's credentials refresh inside a cached client, and a Batch poll reads the main node's stream
 plus the end of a node that failed, never every node's."""
@@ -15,9 +15,9 @@ from concurrent.futures import ThreadPoolExecutor
 import botocore.session
 import pytest
 
-from llmops.aws import clients, s3
+from llmops.infra.aws import clients, s3
 from llmops.jobs.backends import JobState, get_backend
-from llmops.jobs.backends.batch.backend import BatchBackend
+from llmops.jobs.backends.batch.batch_backend import BatchBackend
 from tests.aws_fixtures import REGION
 
 CONN = "llmops_clients"
@@ -90,7 +90,7 @@ def test_polls_and_triggers_share_one_client_per_service_and_an_edited_connectio
     conn(config_kwargs={"connect_timeout": 7})   # an admin edits the connection
     assert poll(0).state is JobState.SUCCEEDED
     assert sorted(constructions) == sorted(first * 2), "the edited connection got new clients"
-    from llmops.jobs.backends.sagemaker.hook import jobs_hook
+    from llmops.jobs.backends.sagemaker.sagemaker_hook import jobs_hook
 
     assert jobs_hook(CONN, REGION).get_conn().meta.config.connect_timeout == 7
 
@@ -175,7 +175,7 @@ def test_a_batch_poll_reads_the_main_node_and_the_end_of_a_failed_node_only(moto
     logs.get_log_events = lambda **kw: reads.append(kw["logStreamName"]) or real_get(**kw)
     nodes = NodeJobs("job-1", streams)
     monkeypatch.setattr(BatchBackend, "_hook", lambda self, *a, **k: type("Hook", (), {"client": nodes}))
-    monkeypatch.setattr("llmops.jobs.backends.batch.hook.logs_client", lambda conn_id, region=None: logs)
+    monkeypatch.setattr("llmops.jobs.backends.batch.batch_hook.logs_client", lambda conn_id, region=None: logs)
     handle = {"backend": "batch", "job_id": "job-1", "job_name": "clients-batch", "aws_conn_id": CONN,
               "region_name": REGION, "instance_count": 4}
 
@@ -195,9 +195,9 @@ def test_a_batch_poll_reads_the_main_node_and_the_end_of_a_failed_node_only(moto
 
 
 def test_a_sagemaker_poll_reads_algo_1_with_one_call_and_lists_streams_only_when_quiet(conn, moto_server):
-    from llmops.jobs.backends.batch.hook import logs_client
-    from llmops.jobs.backends.sagemaker.backend import SageMakerTrainingBackend
-    from llmops.jobs.backends.sagemaker.hook import KINDS
+    from llmops.jobs.backends.batch.batch_hook import logs_client
+    from llmops.jobs.backends.sagemaker.sagemaker_backend import SageMakerTrainingBackend
+    from llmops.jobs.backends.sagemaker.sagemaker_hook import KINDS
 
     group, name = KINDS["training"][4], "clients-sm-logs"
     direct = moto_server.client("logs")

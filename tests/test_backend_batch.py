@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from llmops.aws.validation import validate_request
+from llmops.infra.aws.validation import validate_request
 from llmops.jobs.backends import JobState, remote
-from llmops.jobs.backends.batch.backend import BatchBackend
-from llmops.jobs.backends.batch.requests import job_definition, submit_request
-from llmops.jobs.backends.batch.settings import BatchSettings
+from llmops.jobs.backends.batch.batch_backend import BatchBackend
+from llmops.jobs.backends.batch.batch_requests import job_definition, submit_request
+from llmops.jobs.backends.batch.batch_settings import BatchSettings
 from llmops.jobs.spec import JobSpec, JobSpecError, job_name
 from tests.aws_fixtures import CONN_ID, ENTRY, IMAGE, ROOT, Moto, free_port, stop_process_group, wait_http
 
@@ -225,7 +225,7 @@ class LaggyBatch:
 
 @pytest.fixture()
 def laggy(aws, monkeypatch):
-    from llmops.jobs.backends.batch import backend as batch
+    from llmops.jobs.backends.batch import batch_backend as batch
 
     real = BatchBackend._hook
     client = {}
@@ -270,7 +270,7 @@ def test_a_worker_killed_right_after_submit_job_does_not_lead_to_a_second_job(aw
 
 
 def test_a_worker_killed_between_its_claim_and_submit_job_is_resubmitted_once(aws, laggy, monkeypatch):
-    from llmops.jobs.backends.batch import backend as batch
+    from llmops.jobs.backends.batch import batch_backend as batch
 
     monkeypatch.setattr(batch, "SUBMIT_WINDOW_SECONDS", 0.5)
     backend = BatchBackend(settings=settings())
@@ -293,7 +293,7 @@ def test_a_worker_killed_between_its_claim_and_submit_job_is_resubmitted_once(aw
 
 def test_only_one_try_can_claim_an_attempt(aws):
     """The claim is PutObject with If-None-Match: * (botocore and moto's server both honour it)."""
-    from llmops.aws import s3 as s3_mod
+    from llmops.infra.aws import s3 as s3_mod
 
     backend = BatchBackend(settings=settings())
     hook = s3_mod.s3_hook(CONN_ID)
@@ -362,7 +362,7 @@ def test_a_claim_whose_response_was_lost_is_still_this_tries(aws):
     """botocore resends a PutObject whose response was lost; the resend fails its If-None-Match
     against the record the first send wrote. That record holds this try's token: the claim is
     its own (it used to read as another try's, and the task waited out the submit window)."""
-    from llmops.aws import s3 as s3_mod
+    from llmops.infra.aws import s3 as s3_mod
 
     hook = s3_mod.s3_hook(CONN_ID)
     client = hook.get_conn()

@@ -19,15 +19,17 @@ from typing import Any, Iterator
 import pytest
 from airflow.providers.amazon.aws.hooks.batch_client import BatchClientHook
 
-from llmops.aws.validation import validate_request
+from llmops.infra.aws.validation import validate_request
 from llmops.jobs.backends import JobState, remote
-from llmops.jobs.backends.batch.backend import BatchBackend
+from llmops.jobs.backends.batch.batch_backend import BatchBackend
 from llmops.jobs.backends.remote_settings import BackendSettingsError
-from llmops.jobs.backends.sagemaker.backend import SageMakerProcessingBackend, SageMakerTrainingBackend
-from llmops.jobs.backends.sagemaker.hook import KINDS, SageMakerJobsHook
-from llmops.jobs.backends.sagemaker.requests import SPOT_MAX_WAIT, stopping_condition, training_request
-from llmops.jobs.backends.sagemaker.settings import SageMakerSettings
-from llmops.jobs.backends.settings import load
+from llmops.jobs.backends.sagemaker.sagemaker_backend import (SageMakerProcessingBackend,
+                                                              SageMakerTrainingBackend)
+from llmops.jobs.backends.sagemaker.sagemaker_hook import KINDS, SageMakerJobsHook
+from llmops.jobs.backends.sagemaker.sagemaker_requests import (SPOT_MAX_WAIT, stopping_condition,
+                                                               training_request)
+from llmops.jobs.backends.backend_settings import load
+from llmops.jobs.backends.sagemaker.sagemaker_settings import SageMakerSettings
 from llmops.jobs.spec import JobSpec, job_name
 from tests.aws_fixtures import CONN_ID, IMAGE, REGION, ROLE, sagemaker_settings
 
@@ -70,7 +72,7 @@ def _aws_connection(monkeypatch, conn_id: str, endpoint: str = "", **extra: Any)
 def test_every_client_of_the_backends_retries_adaptively(monkeypatch):
     conn = _aws_connection(monkeypatch, "llmops_plain")
     sm = SageMakerJobsHook(aws_conn_id=conn, region_name="eu-west-1")
-    from llmops.aws import s3
+    from llmops.infra.aws import s3
 
     clients = {"sagemaker": sm.get_conn(), "sagemaker logs": sm.logs_hook.get_conn(),
                "sagemaker s3": sm.s3_hook.get_conn(), "batch": BatchBackend()._hook(conn).client,
@@ -413,13 +415,12 @@ def test_a_changed_deployment_setting_changes_the_fingerprint_without_network(mo
 def test_the_sweep_pool_counts_deferred_trials_and_an_old_pool_is_fixed(airflow_db, caplog):
     from airflow.models.pool import Pool
 
-    from llmops.sweep import POOL
-    from llmops.sweep.pool import ensure_pool
+    from llmops.airflow.sweep_pool import POOL, ensure_pool
 
-    assert Pool.get_pool(POOL).include_deferred, "set-up (python -m llmops.sweep.pool) counts them"
+    assert Pool.get_pool(POOL).include_deferred, "set-up (python -m llmops.airflow.sweep_pool) counts them"
     name = "llmops_sweep_old"
     Pool.create_or_update_pool(name, 3, "made by an older release", include_deferred=False)
-    with caplog.at_level(logging.WARNING, logger="llmops.sweep.pool"):
+    with caplog.at_level(logging.WARNING, logger="llmops.airflow.sweep_pool"):
         assert ensure_pool(name, slots=2) == (3, False)
     pool = Pool.get_pool(name)
     assert pool.include_deferred and pool.slots == 3 and pool.description == "made by an older release"

@@ -10,12 +10,12 @@ import json
 import pytest
 
 from llmops.jobs.backends import JobState, remote
-from llmops.jobs.backends.hyperpod.backend import HyperPodBackend
+from llmops.jobs.backends.backend_settings import load
 from llmops.jobs.backends.hyperpod.crds import ManifestError, crd, validate_manifest
-from llmops.jobs.backends.hyperpod.manifest import k8s_name, manifest, priority_class
-from llmops.jobs.backends.hyperpod.settings import HyperPodSettings
+from llmops.jobs.backends.hyperpod.hyperpod_backend import HyperPodBackend
+from llmops.jobs.backends.hyperpod.hyperpod_manifest import k8s_name, manifest, priority_class
+from llmops.jobs.backends.hyperpod.hyperpod_settings import HyperPodSettings
 from llmops.jobs.backends.remote_settings import BackendSettingsError
-from llmops.jobs.backends.settings import load
 from llmops.jobs.spec import JobSpec, JobSpecError, job_name
 from tests.aws_fixtures import CONN_ID, IMAGE
 
@@ -210,7 +210,7 @@ class FakeCluster:
 
 @pytest.fixture()
 def cluster(monkeypatch, moto_server):
-    from llmops.jobs.backends.hyperpod import hook as hyperpod
+    from llmops.jobs.backends.hyperpod import hyperpod_hook as hyperpod
 
     moto_server.bucket("llmops-test")
     fake = FakeCluster()
@@ -269,7 +269,7 @@ def test_a_conflict_on_create_reattaches(cluster, moto_server):
 
 
 def test_started_at_falls_back_to_the_running_condition():
-    from llmops.jobs.backends.hyperpod.backend import started_at
+    from llmops.jobs.backends.hyperpod.hyperpod_backend import started_at
 
     resource = {"status": {"conditions": [{"type": "Created", "status": "True",
                                            "lastTransitionTime": "2026-01-01T00:00:00Z"},
@@ -280,7 +280,7 @@ def test_started_at_falls_back_to_the_running_condition():
 
 
 def test_logs_are_read_by_label_and_since_the_last_line(cluster, monkeypatch):
-    from llmops.jobs.backends.hyperpod import backend as hyperpod
+    from llmops.jobs.backends.hyperpod import hyperpod_backend as hyperpod
 
     backend = HyperPodBackend(settings=hp_settings())
     handle = backend.submit(spec())
@@ -308,7 +308,7 @@ def test_logs_are_read_by_label_and_since_the_last_line(cluster, monkeypatch):
 
 
 def test_the_token_is_renewed_before_it_expires_and_on_401(monkeypatch):
-    from llmops.jobs.backends.hyperpod import hook as hyperpod
+    from llmops.jobs.backends.hyperpod import hyperpod_hook as hyperpod
 
     tokens, clock = iter(f"t{i}" for i in range(10)), [1000.0]
     monkeypatch.setattr(hyperpod.time, "monotonic", lambda: clock[0])
@@ -334,7 +334,7 @@ def test_the_token_is_renewed_before_it_expires_and_on_401(monkeypatch):
 
 def test_an_eks_client_is_made_in_process_from_describe_cluster(moto_server):
     """DescribeCluster (moto's EKS) and a signed token; no kubeconfig file, no exec plugin."""
-    from llmops.jobs.backends.hyperpod import hook as hyperpod
+    from llmops.jobs.backends.hyperpod import hyperpod_hook as hyperpod
 
     eks = moto_server.client("eks")
     eks.create_cluster(name="hp-moto", roleArn="arn:aws:iam::123456789012:role/eks",
@@ -493,7 +493,7 @@ def test_every_object_the_backend_writes_is_encrypted_with_the_kms_key(cluster, 
 
 @pytest.fixture()
 def eks(monkeypatch, moto_server, tmp_path):
-    from llmops.jobs.backends.hyperpod import hook as hyperpod
+    from llmops.jobs.backends.hyperpod import hyperpod_hook as hyperpod
     from tests.chaos.fake_eks import FakeEks
 
     moto_server.bucket("llmops-test")
@@ -539,7 +539,7 @@ def test_a_failed_job_that_paused_on_request_is_told_by_its_published_result(clu
     """The operator says a replica failed, not with which code: a job whose entry published a
     paused result (docker/job_entry.py, PAUSED_EXIT) carries it, so its task can say "paused at
     step N"; a plain failure has none."""
-    from llmops.operators.job_pause import paused
+    from llmops.airflow.operators.job_pause import paused
 
     backend = HyperPodBackend(settings=hp_settings())
     handle = backend.submit(spec())

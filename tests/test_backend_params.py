@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from llmops import specs
 from llmops.jobs.spec import JobSpec
-from llmops.params import lifecycle_params
+from llmops.policy.params import lifecycle_params
+from llmops.stages import specs
 
 
 @pytest.fixture()

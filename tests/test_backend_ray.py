@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from llmops.jobs.backends import JobState
-from llmops.jobs.backends.ray.backend import RayBackend
+from llmops.jobs.backends.ray.ray_backend import RayBackend
 from llmops.jobs.spec import JobSpec, job_name
 from tests.aws_fixtures import ENTRY, ROOT
 
@@ -118,7 +118,7 @@ def test_the_deferred_wait_follows_the_jobs_deadline_not_a_poll_count(backend, t
     cap: here 0.02 s polls for 4 s), then stops the job."""
     import asyncio
 
-    from llmops.triggers.job import JobTrigger
+    from llmops.airflow.triggers.job_trigger import JobTrigger
 
     spec = sample(job_name("ray-deadline", prefix="ray-deadline"), seconds=120, marker_dir=str(tmp_path))
     handle = backend.submit(spec)

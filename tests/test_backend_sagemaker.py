@@ -10,16 +10,14 @@ import json
 import pytest
 from botocore.validate import ParamValidator
 
-from llmops.aws.validation import AwsRequestError, service_model, validate_request
+from llmops.infra.aws.validation import AwsRequestError, service_model, validate_request
 from llmops.jobs.backends import JobState, get_backend, remote
 from llmops.jobs.backends.fabric import fabric_env
-from llmops.jobs.backends.sagemaker.backend import SageMakerProcessingBackend, SageMakerTrainingBackend
-from llmops.jobs.backends.sagemaker.requests import (
-    distribution_hyperparameters,
-    processing_request,
-    training_request,
-)
-from llmops.jobs.backends.sagemaker.settings import ProcessingSettings, SageMakerSettings
+from llmops.jobs.backends.sagemaker.sagemaker_backend import (SageMakerProcessingBackend,
+                                                              SageMakerTrainingBackend)
+from llmops.jobs.backends.sagemaker.sagemaker_requests import (distribution_hyperparameters,
+                                                               processing_request, training_request)
+from llmops.jobs.backends.sagemaker.sagemaker_settings import ProcessingSettings, SageMakerSettings
 from llmops.jobs.spec import JobSpec, JobSpecError, job_name
 from tests.aws_fixtures import IMAGE, ROLE, run_training_container, sagemaker_settings
 
@@ -55,7 +53,7 @@ def test_pretraining_streams_its_token_shards_fastfile_and_the_rest_is_copied():
     as read: a new attempt does not copy the corpus before its first step), any other input is
     File; the request is valid for botocore's model. An explicit mode applies to every channel,
     and a mode SageMaker does not have is refused before any request."""
-    from llmops.jobs.backends.settings import BackendSettingsError
+    from llmops.jobs.backends.backend_settings import BackendSettingsError
 
     spec = pretrain_spec(config={**pretrain_spec().config, "fork_from": "s3://data-bucket/runs/r0/ckpt"})
     request, _ = render(spec)
@@ -319,7 +317,7 @@ def test_processing_job_stop_and_a_new_attempt_after_it(aws):
 
 
 def test_backends_are_registered_for_the_stage_params():
-    from llmops.params import lifecycle_params
+    from llmops.policy.params import lifecycle_params
 
     choices = set(lifecycle_params()["backend_pretrain"].schema["enum"])
     assert {"local", "sagemaker", "sagemaker_processing", "hyperpod", "batch", "ray"} <= choices
@@ -329,7 +327,7 @@ def test_backends_are_registered_for_the_stage_params():
 def test_backends_poll_every_30_seconds_by_default():
     """AWS's describe calls are rate-limited per account: SageMaker and Batch are polled every
     30 s (the settings' poll_interval_seconds, carried in the handle), not every 2 s."""
-    from llmops.jobs.backends.batch.backend import BatchBackend
+    from llmops.jobs.backends.batch.batch_backend import BatchBackend
 
     assert SageMakerTrainingBackend.poll_interval == SageMakerProcessingBackend.poll_interval == 30.0
     assert BatchBackend.poll_interval == 30.0
@@ -342,7 +340,8 @@ def test_max_queue_seconds_becomes_max_pending_time_within_sagemakers_range():
     """Issue 21.3: SageMaker stops a job pending past MaxPendingTimeInSeconds (1800 s - 28 days,
     botocore's model); outside that range only Airflow's own check bounds the wait."""
     from llmops.jobs.backends.remote_settings import BackendSettingsError
-    from llmops.jobs.backends.sagemaker.requests import MAX_PENDING_RANGE, stopping_condition
+    from llmops.jobs.backends.sagemaker.sagemaker_requests import (MAX_PENDING_RANGE,
+                                                                   stopping_condition)
 
     model = __import__("botocore.session").session.get_session().get_service_model("sagemaker")
     bounds = model.shape_for("StoppingCondition").members["MaxPendingTimeInSeconds"].metadata
@@ -421,7 +420,7 @@ def test_only_not_found_means_the_job_is_absent(monkeypatch, message, absent):
     again, or skip to a new attempt beside a running one."""
     from botocore.exceptions import ClientError
 
-    from llmops.jobs.backends.sagemaker.hook import SageMakerJobsHook
+    from llmops.jobs.backends.sagemaker.sagemaker_hook import SageMakerJobsHook
 
     hook = SageMakerJobsHook(aws_conn_id="llmops_aws")
     monkeypatch.setattr(hook, "get_conn", lambda: _Refusing(message))
@@ -469,7 +468,7 @@ def test_a_created_jobs_token_tells_a_lost_response_from_another_try(aws, monkey
     resent create is refused, and the job is this try's own (its token tag), not a reattach."""
     backend = SageMakerTrainingBackend(settings={"sagemaker": sagemaker_settings("llmops-test")})
     spec = sample(job_name("sm-lost", prefix="sm-lost"))
-    from llmops.jobs.backends.sagemaker.hook import SageMakerJobsHook
+    from llmops.jobs.backends.sagemaker.sagemaker_hook import SageMakerJobsHook
 
     real = SageMakerJobsHook.create_training_job
 

@@ -22,7 +22,7 @@ import sys
 
 import pytest
 
-from llmops.aws.validation import validate_request
+from llmops.infra.aws.validation import validate_request
 from tests.aws_fixtures import run_training_container, sagemaker_settings
 
 BUCKET = "llmops-e2e"
@@ -107,7 +107,8 @@ def test_lifecycle_with_pretraining_on_sagemaker(airflow_db, sagemaker_deploymen
     code, output = run_dag(conf)
     assert code == 0 and "state=success" in output, output[-6000:]
     # The job ended already: the reattaching task finishes it in the worker, without deferring
-    # (Airflow's scheduler can fail a task whose trigger fires at once: llmops.operators.job_wait)
+    # (Airflow's scheduler can fail a task whose trigger fires at once:
+    # llmops.airflow.operators.job_wait)
     assert "has already ended (succeeded): finishing here rather than in the triggerer" in output, output[-6000:]
     assert re.search(r"Reattached to pretrain job pretrain-[0-9a-f]{12}", output)
     assert re.search(r"pretrain job pretrain-[0-9a-f]{12} succeeded: .*val_loss=", output)
@@ -116,7 +117,7 @@ def test_lifecycle_with_pretraining_on_sagemaker(airflow_db, sagemaker_deploymen
     models = list(pretrain_dir.glob("*/pretrain/model/meta.json"))
     assert models, "the SageMaker job's model was copied to the run's local storage"
 
-    from llmops import tracking
+    from llmops.infra import tracking
 
     client = tracking.client()
     exp = client.get_experiment_by_name("llm_lifecycle")

@@ -113,7 +113,7 @@ def test_loop_refuses_a_model_sharded_outside_it(tmp_path):
     from torch.distributed.fsdp import fully_shard
 
     from tasks.configs import ModelConfig, TrainConfig
-    from tasks.model import GPT
+    from tasks.model.gpt import GPT
     from tasks.train.loop import train
 
     model_cfg = ModelConfig(vocab_size=64, block_size=8, n_layer=1, n_head=2, n_embd=16)

@@ -223,7 +223,8 @@ def first_chunk_then_rest(airflow: MakeUp, run_id: str) -> tuple[float, str, flo
 
 def mlflow_run(run_id: str):
     """What MLflow holds for DAG run `run_id`: the parent run and its child runs by task."""
-    from llmops import run_summary, tracking
+    from llmops.infra import tracking
+    from llmops.stages import run_summary
 
     client = tracking.client()
     parent = run_summary.find_parent(client, DAG_ID, run_id)
@@ -507,7 +508,7 @@ def test_fork_from_the_form_and_watch_both_curves(airflow, cli_run, browser, sho
     assert parent_train["last"] == fork_train["first"] == f"{FORK_STEP}.0", drawn["series"]
     assert parent_train["points"][-1] == fork_train["points"][0], "the fork's curve does not start where its parent's ends"
     # as many points as MLflow holds: the parent's to the fork step, the fork's after it (+ the one taken over)
-    from llmops import run_summary
+    from llmops.stages import run_summary
 
     key = run_summary.metric_key(pretrain.data.metrics, "train_loss")
     parent_points = [m for m in client.get_metric_history(parent_pretrain.info.run_id, key) if m.step <= FORK_STEP]
@@ -552,7 +553,7 @@ def test_ctrl_c_while_a_task_runs_stops_airflow_and_leaves_the_job_running(airfl
 
 def check_numbers_against_mlflow(figures: dict[str, str], run_id: str) -> None:
     """The page's numbers are the ones MLflow holds, read here straight from MLflow."""
-    from llmops import run_summary
+    from llmops.stages import run_summary
 
     client, parent, by_task = mlflow_run(run_id)
     assert figures["mlflow_run_id"] == parent.info.run_id

@@ -17,8 +17,8 @@ from types import SimpleNamespace
 import pytest
 from airflow.sdk.exceptions import AirflowFailException, TaskDeferred
 
-import llmops.operators.job as job_op
-from llmops.aws import s3
+import llmops.airflow.operators.job_operator as job_op
+from llmops.infra.aws import s3
 from llmops.jobs.backends import JobState, JobStatus
 from llmops.jobs.backends.base import NO_CHECKPOINT
 from tests.test_attempt_chain import (CAPACITY, MAX_RUNTIME, Attempts, clock,  # noqa: F401

@@ -18,13 +18,13 @@ import pytest
 import torch
 
 from tasks.configs import TrainConfig, from_dict, tiny, to_dict
-from tasks.model import GPT
+from tasks.model.gpt import GPT
 from tasks.train import checkpoint as ckpt
-from tasks.train.data import DataDir, PretrainBatches
+from tasks.train.prepared_data import DataDir, PretrainBatches
 from tasks.train.losses import cross_entropy
 from tasks.train.loop import LoopOptions, train
 from tasks.train.runtime import seed_everything
-from tasks.train.s3 import S3Mirror
+from tasks.train.checkpoint_s3 import S3Mirror
 from tasks.train.scoring import shard_loss
 
 SLOW_DOWN = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code>'

@@ -71,7 +71,7 @@ def test_a_checkpoint_place_that_cannot_hold_them_is_refused_before_any_job(
         moto_server, where, value, message):
     """Through the Batch backend's submit, against moto: refused by name, nothing staged and no
     job submitted."""
-    from llmops.jobs.backends.batch.backend import BatchBackend
+    from llmops.jobs.backends.batch.batch_backend import BatchBackend
     from tests.chaos.multinode import batch_queue
 
     moto_server.bucket("llmops-wt")

@@ -1,7 +1,8 @@
 """The contamination audit (tasks/data/contamination.py) on a real data prep output, and what the
-gate does with it (plugins/llmops/promotion.py): items seen in training are found, named and left
-out of the scores; past the allowed share every candidate is refused. It counts as the published
-definition does: a planted set is audited item for item against lm-evaluation-harness's own code."""
+gate does with it (plugins/llmops/policy/promotion.py): items seen in training are found, named and
+left out of the scores; past the allowed share every candidate is refused. It counts as the
+published definition does: a planted set is audited item for item against lm-evaluation-harness's
+own code."""
 
 from __future__ import annotations
 
@@ -77,7 +78,7 @@ def _results(correct: str, seen: str = "") -> dict:
 
 
 def test_the_gate_scores_without_seen_items_and_refuses_past_the_share():
-    from llmops import promotion
+    from llmops.policy import promotion
     from tasks.configs import GateConfig
 
     # 10 items; the challenger is right on 3 items the training data holds, and on 4 of the other 7
@@ -299,7 +300,7 @@ def test_the_audit_agrees_item_for_item_with_lm_evaluation_harness_on_a_planted_
     short to check), yet misses 3 planted items whose `os.stat` reads `osstat` (one word to the
     definition, two to `\\w+`): 118 of 340 items (35%), and the gate would refuse every
     candidate; the definition flags the 80 planted (24%, under the 25% allowed)."""
-    from llmops import promotion
+    from llmops.policy import promotion
     from tasks.configs import GateConfig
 
     docs, items = _planted_set()

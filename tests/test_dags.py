@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from llmops import lifecycle
-from llmops.params import KNOBS, field_of, knob_schema, lifecycle_params, schema_bounds
+from llmops.policy.params import KNOBS, field_of, knob_schema, lifecycle_params, schema_bounds
+from llmops.stages import lifecycle
 from tasks import configs
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -328,8 +328,8 @@ def test_engine_is_chosen_by_input_size(tmp_path, monkeypatch, caplog):
 
 
 def test_engine_param_reaches_the_config():
-    from llmops.lifecycle import LifecycleParamError, resolve
-    from llmops.params import lifecycle_params
+    from llmops.policy.params import lifecycle_params
+    from llmops.stages.lifecycle import LifecycleParamError, resolve
 
     assert lifecycle_params()["data_engine"].schema["enum"] == [None, "auto", "processes", "ray", "local"]
     assert resolve({"recipe": "tiny"}).data.engine == "auto"

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from llmops.jobs.backends.remote_settings import RemoteSettings
-from llmops.jobs.backends.sagemaker.requests import CODE_DIR
+from llmops.jobs.backends.sagemaker.sagemaker_requests import CODE_DIR
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKERFILES = sorted(p for p in (ROOT / "docker").glob("Dockerfile.*") if p.suffix != ".dockerignore")

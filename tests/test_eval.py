@@ -13,8 +13,8 @@ import torch.nn.functional as F
 
 from tasks.configs import ModelConfig
 from tasks.eval import suites as suite_lib
-from tasks.model import GPT
-from tasks.train.data import DataDir, load_tokenizer
+from tasks.model.gpt import GPT
+from tasks.train.prepared_data import DataDir, load_tokenizer
 
 CPU = torch.device("cpu")
 
@@ -67,7 +67,7 @@ def test_generation_is_scored_by_exact_match_of_the_greedy_answer(tiny_data_dir,
     from tasks.configs import FinetuneConfig
     from tasks.posttrain.batches import SFTSteps
     from tasks.posttrain.objectives import next_token_loss
-    from tasks.train.data import load_sft
+    from tasks.train.prepared_data import load_sft
     from tasks.train.loop import train
     from tasks.train.runtime import pick_device
 
@@ -161,7 +161,7 @@ def test_bits_per_byte_does_not_depend_on_the_tokenizer(tiny_data_dir, tmp_path)
 
 
 def test_report_table_has_a_row_per_model_and_a_column_per_metric(tmp_path):
-    from tasks.eval.report import markdown, table
+    from tasks.eval.eval_report import markdown, table
 
     models = {"teacher": {"metrics": {"params": 100, "perplexity": 50.123, "bits_per_byte": 1.5,
                                       "task_accuracy": 0.9, "suite.x.accuracy": 0.5}},

@@ -28,8 +28,8 @@ from botocore.config import Config
 from botocore.exceptions import ClientError, ConnectionClosedError, EndpointConnectionError, ReadTimeoutError
 
 from llmops.jobs.backends import JobState
-from llmops.jobs.backends.batch.backend import STOP_REASON, BatchBackend
-from llmops.jobs.backends.sagemaker.backend import SageMakerTrainingBackend
+from llmops.jobs.backends.batch.batch_backend import BatchBackend, STOP_REASON
+from llmops.jobs.backends.sagemaker.sagemaker_backend import SageMakerTrainingBackend
 from llmops.jobs.spec import JobSpec, job_name
 from llmops.jobs.watch import JobWatch
 from tests.aws_fixtures import IMAGE, REGION, ROOT, free_port, sagemaker_settings, wait_http
@@ -382,8 +382,8 @@ def test_a_batch_job_runs_with_torchrun_and_a_terminate_fails_it(fake, chaos, ba
 def test_a_batch_job_paused_on_request_tells_its_step(fake, chaos, batch_queue):
     """A stage that paused on request (rank 0's result says so; torchrun exits 1 for it) ends the
     Batch job with PAUSED_EXIT, and the backend reads the result the entry published: the task
-    can say "paused at step N" on Batch as it does locally (llmops.operators.job_pause)."""
-    from llmops.operators.job_pause import paused
+    can say "paused at step N" on Batch as it does locally (llmops.airflow.operators.job_pause)."""
+    from llmops.airflow.operators.job_pause import paused
 
     backend = batch_backend()
     handle = backend.submit(sample("batch-pause", pause_at_step=6).replace(instance_type="m5.xlarge"))
@@ -542,7 +542,7 @@ def unseen_jobs(chaos, monkeypatch):
     DescribeJobs, and missing from ListTrainingJobs / ListJobs. Long here (100 s) so that the
     whole test runs inside the window; Batch's submit stops looking for its job after 1 s instead
     of 60 (what is under test is what comes after)."""
-    from llmops.jobs.backends.batch import backend as batch
+    from llmops.jobs.backends.batch import batch_backend as batch
 
     monkeypatch.setattr(batch, "SETTLE_SECONDS", 1.0)
     chaos.config(consistency_seconds=100)
@@ -586,8 +586,8 @@ def test_a_job_not_visible_yet_is_waited_for_not_failed_nor_submitted_again(fake
 def eks_backend(fake, tmp_path, monkeypatch):
     """(the simulated EKS cluster, a HyperPod backend on it) with the fake AWS for S3; the
     backend's settings are the test's (`make(staging prefix, **settings)`)."""
-    from llmops.jobs.backends.hyperpod import backend as hyperpod
-    from llmops.jobs.backends.hyperpod import hook as hyperpod_hook
+    from llmops.jobs.backends.hyperpod import hyperpod_backend as hyperpod
+    from llmops.jobs.backends.hyperpod import hyperpod_hook
     from tests.chaos.fake_aws import CREDENTIALS
     from tests.chaos.fake_eks import FakeEks
 
@@ -657,8 +657,8 @@ def test_a_sustained_outage_on_reads_neither_fails_nor_stops_the_job_and_the_wat
         fake, chaos, batch_queue, no_backoff, which):
     """Simulated: for OUTAGE_SECONDS every Describe* / List* call of SageMaker and Batch answers 503
     and every CloudWatch Logs call has its connection reset; the job ends in the
-    middle of it. Compression: botocore's own budget (11 attempts, llmops.aws.retry) is spent in
-    milliseconds here (its backoff zeroed), so a 20 s outage outlasts it dozens of times, as 10
+    middle of it. Compression: botocore's own budget (11 attempts, llmops.infra.aws.retry) is spent
+    in milliseconds here (its backoff zeroed), so a 20 s outage outlasts it dozens of times, as 10
     minutes outlast its 20 s-capped backoff on AWS; the watch's own backoff is capped at 2 s (300
     s in production) so the test polls through the outage about as often. The real JobWatch (what
     the worker and the trigger run) must keep waiting without stopping the job, then report the
@@ -760,14 +760,14 @@ def test_slow_down_on_a_jobs_own_writes_is_waited_out_and_touches_only_the_job(f
 
 def test_slow_down_on_checkpoint_uploads_loses_no_checkpoint_and_blocks_no_step(fake, chaos, monkeypatch,
                                                                                   tmp_path):
-    """The container's checkpoint mirror (tasks/train/s3.py) through the jobs' port, with every
-    upload answered SlowDown for 30 s, longer than its fixed 8 tries (about 19 s of backoff): the
-    save returns at once (the upload runs beside training), the upload waits the storm out, and
+    """The container's checkpoint mirror (tasks/train/checkpoint_s3.py) through the jobs' port, with
+    every upload answered SlowDown for 30 s, longer than its fixed 8 tries (about 19 s of backoff):
+    the save returns at once (the upload runs beside training), the upload waits the storm out, and
     the checkpoint is complete in S3 afterwards."""
     import torch
 
     from tasks.train import checkpoint as ckpt
-    from tasks.train.s3 import S3Mirror
+    from tasks.train.checkpoint_s3 import S3Mirror
 
     monkeypatch.setenv("AWS_ENDPOINT_URL_S3", fake.jobs_url)
     monkeypatch.setenv("AWS_DEFAULT_REGION", REGION)

@@ -14,8 +14,8 @@ import pytest
 import urllib3.exceptions
 
 from llmops.jobs.backends import JobState, shared
-from llmops.jobs.backends.hyperpod import backend as hyperpod
-from llmops.jobs.backends.hyperpod import hook as hyperpod_hook
+from llmops.jobs.backends.hyperpod import hyperpod_backend as hyperpod
+from llmops.jobs.backends.hyperpod import hyperpod_hook
 from llmops.jobs.spec import JobSpec, job_name
 from tests.aws_fixtures import CONN_ID, DUMMY_CREDENTIALS, IMAGE
 from tests.chaos.fake_eks import FakeEks

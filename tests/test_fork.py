@@ -83,7 +83,7 @@ def test_a_fork_with_nothing_changed_ends_bitwise_where_its_parent_ended(parent,
 def test_a_fork_with_a_new_learning_rate_starts_from_the_parents_checkpoint(parent, tmp_path):
     from mlflow import MlflowClient
 
-    from tasks.common.tracking import chart_name
+    from tasks.common.job_tracking import chart_name
     from tasks.train.schedule import lr_at
 
     lr = parent["cfg"].optim.lr * 3

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tasks import hardware
+from tasks.common import hardware
 from tasks.configs import ModelConfig
-from tasks.model import GPT
+from tasks.model.gpt import GPT
 from tasks.train.runtime import gpt_flops_per_token, peak_flops
 
 
@@ -42,7 +42,7 @@ def test_an_unlisted_device_gets_no_peak_and_so_no_mfu(monkeypatch):
 
 
 def test_the_budget_estimator_reads_the_same_table():
-    from llmops.sweep import budget
+    from llmops.policy import budget
 
     for instance_type, name in (("ml.g5.2xlarge", "A10G"), ("ml.g6e.12xlarge", "L40S"),
                                 ("ml.p4d.24xlarge", "A100 40GB"), ("ml.p4de.24xlarge", "A100 80GB"),

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from tasks.configs import ModelConfig
-from tasks.model import GPT, IGNORE_INDEX
-from tasks.train.data import DataDir, collate_sft, load_sft, load_tokenizer
+from tasks.model.gpt import GPT, IGNORE_INDEX
+from tasks.train.prepared_data import DataDir, collate_sft, load_sft, load_tokenizer
 
 PROMPT = "Q: What number comes after 41?\nA:"
 
@@ -52,7 +52,7 @@ def test_our_gpt_is_saved_as_exactly_the_gpt2_transformers_loads(tiny_data_dir, 
 
 
 def test_a_transformers_llama_packs_examples_like_the_builtin_gpt(tiny_llama_dir, tiny_data_dir):
-    from tasks.causal_lm import HFCausalLM, decoder_layers, linear_layer_names
+    from tasks.model.causal_lm import HFCausalLM, decoder_layers, linear_layer_names
     from tasks.posttrain.batches import collate_packed
     from tasks.posttrain.packing import packed_logits
     from tasks.train.export import load_model
@@ -137,7 +137,7 @@ def _variant(src: Path, out: Path, *, drop: tuple[str, ...] = (), config: dict |
 
 
 def _start(params: dict, run_id: str) -> dict:
-    from llmops import lifecycle
+    from llmops.stages import lifecycle
 
     return lifecycle.start_run({"recipe": "tiny", **params}, dag_id="hf_models_test", run_id=run_id)
 
@@ -158,7 +158,8 @@ def _start(params: dict, run_id: str) -> dict:
 ])
 def test_a_model_no_job_could_load_is_refused_naming_the_param(case, patterns, tiny_llama_dir,
                                                                tmp_path):
-    from llmops import lifecycle, tracking
+    from llmops.infra import tracking
+    from llmops.stages import lifecycle
 
     llama = str(tiny_llama_dir)
     params = {
@@ -201,7 +202,7 @@ def _other_tokenizer(src: Path, out: Path) -> str:
 
 
 def test_a_base_model_replaces_sweep_and_pretraining_and_sets_the_datas_tokenizer(tiny_llama_dir):
-    from llmops import lifecycle, specs
+    from llmops.stages import lifecycle, specs
 
     run = _start({"base_model": str(tiny_llama_dir), "student_arch": "llama"}, "manual__base")
     assert run["base_model"] == str(tiny_llama_dir)

@@ -10,10 +10,10 @@ from types import SimpleNamespace
 
 import pytest
 
-import llmops.operators.job as job_op
+import llmops.airflow.operators.job_operator as job_op
 from llmops.jobs import watch as watch_mod
 from llmops.jobs.backends import JobState, JobStatus
-from llmops.jobs.backends.hyperpod.backend import HyperPodBackend, unschedulable_reason
+from llmops.jobs.backends.hyperpod.hyperpod_backend import HyperPodBackend, unschedulable_reason
 from llmops.jobs.spec import job_name
 from llmops.jobs.watch import JobWatch
 from tests.test_backend_hyperpod import eks, hp_settings, spec  # noqa: F401 - fixture

@@ -43,7 +43,7 @@ S3_ACTIONS = {
     "list_keys": "s3:ListBucket", "list_prefixes": "s3:ListBucket",
 }
 # The amazon provider's notifiers and hook methods that make an AWS call of their own, by the name
-# the code uses (llmops.notify publishes alerts through SnsNotifier).
+# the code uses (llmops.infra.notify publishes alerts through SnsNotifier).
 PROVIDER_ACTIONS = {"SnsNotifier": "sns:Publish", "publish_to_target": "sns:Publish"}
 # Method names that are also AWS operations but are not AWS calls where this code makes them.
 NOT_AWS = {
@@ -175,7 +175,7 @@ def test_hyperpod_rbac_grants_every_kubernetes_call():
             needed.add(("", "pods/log", KUBE_VERBS[verb]))
         else:
             needed.add(("", rest + "s", KUBE_VERBS[verb]))
-    from llmops.jobs.backends.hyperpod.backend import KUEUE_WORKLOADS
+    from llmops.jobs.backends.hyperpod.hyperpod_backend import KUEUE_WORKLOADS
 
     # a custom-object list whose resource is Kueue's Workloads (kueue_reason), not a job kind
     needed.add((KUEUE_WORKLOADS[0], KUEUE_WORKLOADS[2], "list"))

@@ -1,13 +1,14 @@
-"""One identity, two projections (plugins/llmops/operators/job_identity.py): a fixed spec's job
-name, ledger spec_hash and step-cache key are pinned to the values the code gave before the
+"""One identity, two projections (plugins/llmops/airflow/operators/job_identity.py): a fixed spec's
+job name, ledger spec_hash and step-cache key are pinned to the values the code gave before the
 operator was split (issue 22, point 3), so existing job names and cache records stay valid."""
 
 from __future__ import annotations
 
-from llmops import provenance, step_cache
+from llmops.airflow.operators.job_identity import JobIdentity
+from llmops.airflow.operators.job_operator import job_identity
+from llmops.core import provenance
+from llmops.infra import step_cache
 from llmops.jobs.spec import JobSpec, job_name
-from llmops.operators.job import job_identity
-from llmops.operators.job_identity import JobIdentity
 
 SETTINGS = "settings-fingerprint"
 TASK = ("llm_lifecycle", "manual__1", "finetune", "-1")

@@ -13,7 +13,7 @@ import pendulum
 import pytest
 
 from llmops.jobs.backends import JobState, get_backend
-from llmops.jobs.backends.local import LocalBackend
+from llmops.jobs.backends.local.local_backend import LocalBackend
 from llmops.jobs.spec import JobSpec, JobSpecError, job_name
 
 SAGEMAKER_NAME = re.compile(r"^[a-zA-Z0-9](-*[a-zA-Z0-9]){0,62}$")

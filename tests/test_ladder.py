@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from tasks import configs
-from tasks.scaling.ladder import recommend, rungs, split_held_out
+from tasks.scaling.rungs import recommend, rungs, split_held_out
 from tasks.scaling.law import Law, fit
 
 # Hoffmann et al. (2022), approach 3's published fit
@@ -117,8 +117,9 @@ def test_a_fit_that_cannot_pin_the_law_down_says_so():
 
 
 def test_a_ladder_over_budget_is_refused_before_anything_starts():
-    from llmops import tracking
-    from llmops.sweep import budget, ladder
+    from llmops.infra import tracking
+    from llmops.policy import budget
+    from llmops.stages import ladder_stage as ladder
 
     with pytest.raises(budget.BudgetError) as refused:
         ladder.start_ladder({"recipe": "demo", "budget_hours": 0.01}, dag_id="scaling_ladder",
@@ -134,8 +135,8 @@ def test_a_ladder_over_budget_is_refused_before_anything_starts():
 
 
 def test_pretraining_takes_its_size_from_the_ladders_recommendation():
-    from llmops import lifecycle
-    from llmops.sweep import stage
+    from llmops.stages import lifecycle
+    from llmops.stages import sweep_stage as stage
 
     cfg = lifecycle.resolve({"recipe": "demo", "pretrain_size_from_ladder": True})
     lifecycle_config = configs.to_dict(cfg)
@@ -154,7 +155,7 @@ def test_pretraining_takes_its_size_from_the_ladders_recommendation():
 def test_trials_and_rungs_run_in_the_experiments_pool():
     from airflow.dag_processing.dagbag import DagBag
 
-    from llmops.sweep import POOL
+    from llmops.airflow.sweep_pool import POOL
 
     bag = DagBag(dag_folder=str(Path(__file__).resolve().parents[1] / "dags"))
     lifecycle_dag, ladder_dag = bag.dags["llm_lifecycle"], bag.dags["scaling_ladder"]
@@ -169,7 +170,7 @@ def test_trials_and_rungs_run_in_the_experiments_pool():
 @pytest.mark.skipif(not os.environ.get("LLMOPS_SLOW_TESTS"),
                     reason="the whole ladder DAG (~2 min on 2 cores): make test-slow runs it (LLMOPS_SLOW_TESTS=1)")
 def test_the_ladder_dag_publishes_a_recommendation(airflow_db):
-    from llmops import tracking
+    from llmops.infra import tracking
     from tests.isolated_env import airflow_cli
 
     proc = airflow_cli("dags", "test", "scaling_ladder", "-c", json.dumps({"recipe": "tiny"}))

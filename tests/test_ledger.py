@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 from airflow.sdk.exceptions import AirflowException
 
-from llmops import ledger
-from llmops.ledger import report, store
-from llmops.ledger.events import FIELDS, JobEvent, arrow_schema, price_table, with_usage
-from llmops.operators.job import JobOperator
+from llmops.airflow.operators.job_operator import JobOperator
+from llmops.infra import ledger
+from llmops.infra.ledger import platform_report as report, store
+from llmops.infra.ledger.events import FIELDS, JobEvent, arrow_schema, price_table, with_usage
 from tests.test_wait_faults import FakeStore, FakeTI
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -210,7 +210,7 @@ def test_the_report_builds_its_tables_and_plots_from_several_teams_and_states(ho
     queue = {(q["backend"], q["stage"]): q for q in tables["queue_by_backend_stage"]}
     assert queue[("sagemaker", "finetune")]["mean_s"] == 200 and queue[("sagemaker", "finetune")]["max_s"] == 300
     assert result["metrics"]["platform/failure_rate"] == pytest.approx(3 / 6)
-    from llmops import tracking
+    from llmops.infra import tracking
 
     client = tracking.client()
     run = client.get_run(result["run_id"])

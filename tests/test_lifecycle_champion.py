@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from llmops import lifecycle, promotion, specs, tracking
+from llmops.infra import tracking
+from llmops.policy import promotion
+from llmops.stages import lifecycle, specs
 
 NAME = "lifecycle-champion-test"
 

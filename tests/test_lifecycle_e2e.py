@@ -106,7 +106,7 @@ def test_no_planted_secret_reaches_disk_logs_or_mlflow(lifecycle_run):
 def test_the_job_ledger_holds_every_job_of_the_run_with_its_times_and_state(lifecycle_run):
     """Issue 14: every job the run started is in the ledger (SQLite under LLMOPS_HOME), ended
     and succeeded, with submit <= start <= end, the run's dag_id / run_id, and local cost 0."""
-    from llmops import ledger
+    from llmops.infra import ledger
 
     run_id = lifecycle_run["parent"].data.tags["run_id"]
     rows = [r for r in ledger.read_events(0, source="sqlite") if r["run_id"] == run_id]

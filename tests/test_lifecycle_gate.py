@@ -29,7 +29,7 @@ CONF = {"recipe": "tiny", **SEEDS, "max_contaminated_share": 0.05}
 
 
 def test_noise_never_replaces_the_champion_and_a_contaminated_suite_refuses(tiny_lifecycle_run):
-    from llmops import promotion
+    from llmops.policy import promotion
 
     client = tiny_lifecycle_run["client"]
     before = client.get_model_version_by_alias("llm-lifecycle", "champion")

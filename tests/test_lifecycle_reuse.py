@@ -9,7 +9,8 @@ in the step cache under the session's storage root).
 - one fine-tuning knob changed: fine-tune and everything after it run, nothing before;
 - a run that starts at fine-tune from the first run's outputs (from_run + start_at), checked
   before any job, with lineage tags naming the first run's MLflow runs;
-- a replay of the first run from its MLflow record (python -m llmops.replay): pretraining's loss
+- a replay of the first run from its MLflow record (python -m llmops.stages.replay): pretraining's
+loss
   curves and weights bitwise equal; a tampered data manifest or another code version refused.
 
 The runs here register their models as `llm-reuse`, so the `llm-lifecycle` champion that
@@ -40,7 +41,7 @@ def by_task(run: dict) -> dict[tuple[str, str], object]:
 
 def ledger_events(run: dict) -> dict[str, set[tuple[str, str]]]:
     """event -> {(stage, job_name)} of the DAG run's tasks in the job ledger."""
-    from llmops import ledger
+    from llmops.infra import ledger
 
     out: dict[str, set] = {}
     for row in ledger.read_events(0, source="sqlite"):
@@ -89,7 +90,7 @@ def new_lr(third):
 
 
 def registered_versions() -> list[str]:
-    from llmops import tracking
+    from llmops.infra import tracking
 
     found = tracking.client().search_model_versions(f"name = '{CONF['registered_model_name']}'")
     return sorted(str(mv.version) for mv in found)
@@ -141,7 +142,7 @@ def test_a_third_identical_run_submits_no_job_at_all_and_registers_nothing(again
     """Issue 24: `again` registered its model as version 1 of llm-reuse and crowned it, so this
     run starts with a champion: the weights its own student (or teacher) holds. Evaluation keys
     on the champion's content, not its version, so it is `again`'s evaluation, reused."""
-    from llmops import tracking
+    from llmops.infra import tracking
 
     client = tracking.client()
     champion = client.get_model_version_by_alias(CONF["registered_model_name"], "champion")
@@ -192,7 +193,7 @@ def from_first(first, new_lr):
 
 
 def test_a_run_started_at_finetune_takes_the_earlier_outputs_with_lineage(first, new_lr, from_first):
-    from llmops import reuse
+    from llmops.stages import reuse
 
     parent = from_first["parent"].data.tags
     assert (parent["from_run"], parent["from_parent_run_id"], parent["start_at"]) == \
@@ -221,7 +222,7 @@ def test_a_run_started_at_finetune_takes_the_earlier_outputs_with_lineage(first,
 
 
 def _start(params: dict, run_id: str) -> dict:
-    from llmops import lifecycle
+    from llmops.stages import lifecycle
 
     return lifecycle.start_run({"registered_model_name": "llm-reuse", **params},
                                dag_id="llm_lifecycle", run_id=run_id)
@@ -229,7 +230,7 @@ def _start(params: dict, run_id: str) -> dict:
 
 def test_from_run_is_checked_before_any_job_and_refused_naming_the_param(first):
     """Every refusal comes from start_run before the parent run exists: no MLflow run, no job."""
-    from llmops import reuse
+    from llmops.stages import reuse
 
     cases = [({"recipe": "tiny", "from_run": first["run_id"]}, "'from_run' and 'start_at' go together"),
              ({"recipe": "tiny", "from_run": "manual__1999", "start_at": "finetune"},
@@ -248,8 +249,8 @@ def test_from_run_is_checked_before_any_job_and_refused_naming_the_param(first):
             _start({"recipe": "tiny", "from_run": first["run_id"], "start_at": "distill"}, "refused__3")
     finally:
         aside.rename(model)
-    from llmops import tracking
-    from llmops.run_summary import find_parent
+    from llmops.infra import tracking
+    from llmops.stages.run_summary import find_parent
 
     assert all(find_parent(tracking.client(), "llm_lifecycle", f"refused__{i}") is None for i in range(4))
 
@@ -261,8 +262,9 @@ FORK = {"recipe": "tiny", "start_at": "pretrain", "fork_step": 10}
 
 def test_a_fork_is_checked_before_any_job_and_refused_naming_the_param(first):
     """The tiny pretraining (20 steps, a checkpoint every 10, the newest 2 kept) keeps 10 and 20."""
-    from llmops import lifecycle, reuse, specs, tracking
-    from llmops.run_summary import find_parent
+    from llmops.infra import tracking
+    from llmops.stages import lifecycle, reuse, specs
+    from llmops.stages.run_summary import find_parent
 
     ours = {**FORK, "from_run": first["run_id"]}
     cases = [({**ours, "start_at": "finetune"}, "Param 'fork_step' forks from_run's pretraining"),
@@ -302,7 +304,7 @@ def test_a_dag_run_forks_the_pretraining_at_a_kept_step_and_ends_bitwise_where_i
     optimizer, RNG, data cursor) and its step 20 is the first run's, tensor by tensor."""
     import torch
 
-    from llmops import reuse
+    from llmops.stages import reuse
     from tasks.train import checkpoint as ckpt
 
     earlier, now = by_task(first), by_task(forked)
@@ -322,7 +324,7 @@ def test_a_dag_run_forks_the_pretraining_at_a_kept_step_and_ends_bitwise_where_i
         assert all(torch.equal(flat_ours[k], flat_theirs[k]) for k in flat_theirs), part
     assert ours["trainer"]["data_cursor"] == theirs["trainer"]["data_cursor"]
     # the run page: the parent's curve to step 10, the fork's from there; the steps it kept
-    from llmops import run_summary
+    from llmops.stages import run_summary
 
     kept = [int(s) for s in pretrain.data.tags["checkpoints.kept"].split(",")]
     assert 10 in kept and kept[-1] == 20
@@ -350,13 +352,13 @@ def _tensors(state: object, prefix: str = "") -> dict:
 
 @pytest.fixture(scope="module")
 def replayed(first):
-    """`python -m llmops.replay` of the first run (from pretrain on: the recorded sweep outcome
-    is kept, to spare the suite two trials; the default also recomputes the sweep)."""
-    proc = subprocess.run([sys.executable, "-m", "llmops.replay", first["parent"].info.run_id,
+    """`python -m llmops.stages.replay` of the first run (from pretrain on: the recorded sweep
+    outcome is kept, to spare the suite two trials; the default also recomputes the sweep)."""
+    proc = subprocess.run([sys.executable, "-m", "llmops.stages.replay", first["parent"].info.run_id,
                            "--start-at", "pretrain"], capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
-    from llmops import reuse
+    from llmops.stages import reuse
 
     run_id = reuse.find_parent(report["replay"], "llm_lifecycle").data.tags["run_id"]
     return {"report": report, "stdout": proc.stdout, **mlflow_runs(run_id), "run_id": run_id}
@@ -381,7 +383,8 @@ def test_a_replay_reproduces_pretraining_bitwise_on_cpu(first, replayed):
 
 
 def test_a_replay_is_refused_when_the_data_or_the_code_cannot_be_matched(first, monkeypatch):
-    from llmops import provenance, replay, reuse
+    from llmops.core import provenance
+    from llmops.stages import replay, reuse
 
     record = reuse.stage_record(first["parent"], "data_prep")
     manifest = Path(record["outputs"]["data_dir"]["uri"]) / "manifest.json"
@@ -390,7 +393,7 @@ def test_a_replay_is_refused_when_the_data_or_the_code_cannot_be_matched(first, 
     tampered["counts"]["kept_documents"] += 1
     manifest.write_text(json.dumps(tampered))
     try:
-        proc = subprocess.run([sys.executable, "-m", "llmops.replay", first["parent"].info.run_id],
+        proc = subprocess.run([sys.executable, "-m", "llmops.stages.replay", first["parent"].info.run_id],
                               capture_output=True, text=True, timeout=300)
     finally:
         manifest.write_bytes(original)

@@ -1,5 +1,5 @@
-"""Extra links of job tasks (plugins/llmops/operators/links.py): the URL of every backend, and a
-real DAG run whose links are read back the way Airflow's API server reads them. Also how runs
+"""Extra links of job tasks (plugins/llmops/airflow/operators/links.py): the URL of every backend,
+and a real DAG run whose links are read back the way Airflow's API server reads them. Also how runs
 read in MLflow (training view, run names, chart names, the Airflow run's URL) and the progress
 lines (share, elapsed, ETA; MFU only on a GPU whose peak is known)."""
 
@@ -13,16 +13,17 @@ from unittest import mock
 
 import pytest
 
-from llmops import tracking
-from llmops.operators import links
-from llmops.operators.job import JobOperator
+from llmops.airflow.operators import links
+from llmops.airflow.operators.job_operator import JobOperator
+from llmops.infra import tracking
+from llmops.jobs.backends import consoles
 
 REGION = "eu-west-1"
 CONSOLE = "https://console.aws.amazon.com"
 
 
-def _links(handle, **kwargs):
-    return links.backend_links(handle, region=REGION, **kwargs)
+def _links(handle):
+    return links.backend_links(handle, REGION)
 
 
 def test_sagemaker_training_job_links_to_its_console_page_and_log_streams():
@@ -68,17 +69,17 @@ def test_ray_job_links_to_the_dashboard_of_its_connection():
 
 
 def test_other_partitions_and_a_missing_region():
-    got = links.backend_links({"backend": "batch", "job_id": "j"}, region="cn-north-1")
+    got = links.backend_links({"backend": "batch", "job_id": "j"}, "cn-north-1")
     assert got["Batch job"].startswith("https://console.amazonaws.cn/batch/home?region=cn-north-1")
-    assert links.backend_links({"backend": "sagemaker", "job_name": "j"}, region="") == {}
+    assert links.backend_links({"backend": "sagemaker", "job_name": "j"}, "") == {}
     assert links.links_for({"backend": "local", "job_name": "j"}, "http://mlflow/#/r") == {
         "MLflow run": "http://mlflow/#/r"}
 
 
 def test_region_comes_from_the_aws_connection_when_the_settings_have_none(monkeypatch):
     monkeypatch.setenv("AIRFLOW_CONN_AWS_LINKS", '{"conn_type": "aws", "extra": {"region_name": "ap-south-1"}}')
-    assert links.handle_region({"aws_conn_id": "aws_links", "region_name": ""}) == "ap-south-1"
-    assert links.handle_region({"aws_conn_id": "aws_links", "region_name": "us-west-2"}) == "us-west-2"
+    assert consoles.handle_region({"aws_conn_id": "aws_links", "region_name": ""}) == "ap-south-1"
+    assert consoles.handle_region({"aws_conn_id": "aws_links", "region_name": "us-west-2"}) == "us-west-2"
 
 
 def test_mlflow_ui_url_prefers_the_setting_then_a_server_then_make_up(monkeypatch):
@@ -102,15 +103,15 @@ def test_get_link_reads_its_entry_of_the_pushed_links():
     pushed = {"MLflow run": "http://localhost:5000/#/experiments/1/runs/r", "Ray job": ""}
     with mock.patch.object(links.XCom, "get_value", return_value=pushed) as get_value:
         assert links.MLflowRunLink().get_link(None, ti_key=key) == pushed["MLflow run"]
-        assert links.RayJobLink().get_link(None, ti_key=key) == ""
-        assert links.BatchJobLink().get_link(None, ti_key=key) == ""
+        assert links.link_named("Ray job").get_link(None, ti_key=key) == ""
+        assert links.link_named("Batch job").get_link(None, ti_key=key) == ""
     get_value.assert_called_with(ti_key=key, key=links.LINKS_KEY)
     with mock.patch.object(links.XCom, "get_value", side_effect=RuntimeError("no XCom here")):
         assert links.MLflowRunLink().get_link(None, ti_key=key) == ""
 
 
 def test_every_job_task_has_the_links():
-    from llmops.sweep.trial_operator import TrialOperator
+    from llmops.airflow.operators.trial_operator import TrialOperator
 
     names = {link.name for link in JobOperator.operator_extra_links}
     assert names == {"MLflow run", "SageMaker job", "CloudWatch logs", "Batch job",
@@ -193,7 +194,7 @@ def test_the_parent_run_links_to_its_airflow_run_and_children_are_named_by_stage
 
 
 def test_trials_are_named_by_number_and_learning_rate():
-    from llmops.sweep.trial_operator import trial_run_name
+    from llmops.airflow.operators.trial_operator import trial_run_name
 
     assert trial_run_name({"number": 3, "params": {"optim.lr": 0.0025}}) == "trial-3 lr=2.50e-03"
     assert trial_run_name({"number": 0, "params": {}}) == "trial-0"
@@ -202,7 +203,7 @@ def test_trials_are_named_by_number_and_learning_rate():
 def test_progress_lines_keep_what_sagemaker_parses_and_add_share_elapsed_eta():
     import re
 
-    from llmops.jobs.backends.sagemaker.requests import METRICS
+    from llmops.jobs.backends.sagemaker.sagemaker_requests import METRICS
     from tasks.train.telemetry import Progress
 
     now = [0.0]
@@ -216,7 +217,7 @@ def test_progress_lines_keep_what_sagemaker_parses_and_add_share_elapsed_eta():
 
 
 def test_training_metrics_are_named_for_the_charts():
-    from tasks.common.tracking import chart_metrics
+    from tasks.common.job_tracking import chart_metrics
 
     assert chart_metrics({"loss": 1, "val_loss": 2, "lr": 3, "grad_norm": 4, "tokens_per_s": 5,
                           "mfu": 6, "event.rollback": 7, "params": 8}) == {

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tasks.configs import ModelConfig, tiny
-from tasks.model import GPT, IGNORE_INDEX
+from tasks.model.gpt import GPT, IGNORE_INDEX
 
 
 @pytest.fixture

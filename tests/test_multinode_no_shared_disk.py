@@ -43,7 +43,7 @@ def fake(tmp_path_factory, tiny_data_dir):
 
 @pytest.mark.parametrize("backend", ("HyperPodPyTorchJob", "PyTorchJob"))
 def test_two_nodes_no_shared_disk(fake, backend, tmp_path, monkeypatch):
-    from llmops.jobs.backends.hyperpod import hook as hyperpod
+    from llmops.jobs.backends.hyperpod import hyperpod_hook as hyperpod
 
     monkeypatch.setattr(hyperpod, "connect", hyperpod.connect)   # restored after a HyperPod case
     platform = mn.platform(fake, backend, tmp_path)

@@ -50,9 +50,9 @@ import time
 import pytest
 import torch
 
-import llmops.operators.job as job_op
-from llmops import ledger
-from llmops.operators.job import JobOperator
+import llmops.airflow.operators.job_operator as job_op
+from llmops.airflow.operators.job_operator import JobOperator
+from llmops.infra import ledger
 from tasks.configs import TrainConfig, from_dict
 from tasks.train import checkpoint as ckpt
 from tests.chaos import multinode as mn
@@ -181,7 +181,7 @@ def step_lines(events) -> list[int]:
 
 @pytest.mark.parametrize("backend", ["sagemaker", "batch", "hyperpod"])
 def test_compressed_multiweek_pretraining(fake, uninterrupted, backend, tmp_path, monkeypatch):
-    from llmops.jobs.backends.hyperpod import hook as hyperpod
+    from llmops.jobs.backends.hyperpod import hyperpod_hook as hyperpod
 
     monkeypatch.setenv("LLMOPS_HOME", str(tmp_path / "home"))    # this test's own ledger
     monkeypatch.delenv("LLMOPS_STORAGE_ROOT", raising=False)

@@ -40,13 +40,13 @@ def bundle(tmp_path_factory) -> Path:
 def test_bundle_has_what_mwaa_takes(bundle):
     assert sorted(p.name for p in (bundle / "dags").iterdir()) == sorted(p.name for p in (ROOT / "dags").glob("*.py"))
     names = zipfile.ZipFile(bundle / "plugins.zip").namelist()
-    assert "llmops/__init__.py" in names and "llmops/jobs/backends/sagemaker/backend.py" in names
+    assert "llmops/__init__.py" in names and "llmops/jobs/backends/sagemaker/sagemaker_backend.py" in names
     assert "llmops/jobs/backends/hyperpod/crds/pytorchjobs.kubeflow.org.json" in names
     # Only the job-side modules the Airflow side imports, each standard-library only.
     shipped = [n for n in names if n.startswith("tasks/")]
     assert shipped == mwaa_bundle.tasks_modules()
     assert {"tasks/__init__.py", "tasks/configs/__init__.py", "tasks/configs/fields.py"} <= set(shipped)
-    assert not {"tasks/pretrain.py", "tasks/model.py", "tasks/data/prep.py"} & set(shipped)
+    assert not {"tasks/pretrain.py", "tasks/model/gpt.py", "tasks/data/prep.py"} & set(shipped)
     assert not any("__pycache__" in n for n in names)
     lines = (bundle / "requirements.txt").read_text().splitlines()
     assert lines[0] == ('--constraint "https://raw.githubusercontent.com/apache/airflow/'
@@ -177,14 +177,14 @@ for name in ("local", "sagemaker", "sagemaker_processing", "batch", "hyperpod", 
     from llmops.jobs.backends import get_backend
     get_backend(name)
 # Every remote request rendered and checked against THIS botocore's model (MWAA's).
-from llmops.aws.validation import validate_request
+from llmops.infra.aws.validation import validate_request
 from llmops.jobs.backends import remote
-from llmops.jobs.backends.sagemaker.requests import training_request, processing_request
-from llmops.jobs.backends.batch.requests import job_definition, submit_request
-from llmops.jobs.backends.hyperpod.manifest import manifest
-from llmops.jobs.backends.sagemaker.settings import SageMakerSettings, ProcessingSettings
-from llmops.jobs.backends.batch.settings import BatchSettings
-from llmops.jobs.backends.hyperpod.settings import HyperPodSettings
+from llmops.jobs.backends.batch.batch_requests import job_definition, submit_request
+from llmops.jobs.backends.batch.batch_settings import BatchSettings
+from llmops.jobs.backends.hyperpod.hyperpod_manifest import manifest
+from llmops.jobs.backends.hyperpod.hyperpod_settings import HyperPodSettings
+from llmops.jobs.backends.sagemaker.sagemaker_requests import processing_request, training_request
+from llmops.jobs.backends.sagemaker.sagemaker_settings import ProcessingSettings, SageMakerSettings
 from llmops.jobs.spec import JobSpec
 spec = JobSpec(stage="pretrain", entrypoint="tasks.pretrain", name="pretrain-0123456789ab",
                config={"data_dir": "s3://b/data", "output_dir": "s3://b/out"}, instance_type="ml.p4d.24xlarge",
@@ -202,7 +202,7 @@ for kind in ("HyperPodPyTorchJob", "PyTorchJob"):
 report["rendered"] = True
 # And submitted to moto through MWAA's provider hooks.
 if len(sys.argv) > 2:
-    from llmops.jobs.backends.sagemaker.backend import SageMakerTrainingBackend
+    from llmops.jobs.backends.sagemaker.sagemaker_backend import SageMakerTrainingBackend
     settings = json.loads(sys.argv[2])
     sample = JobSpec(stage="sample", entrypoint="tests.sample_job", name="mwaa-sample-0123456789ab",
                      config={"seconds": 0}, instance_type="ml.m5.xlarge")

@@ -63,7 +63,7 @@ def fake(tmp_path_factory, tiny_data_dir, tiny_llama_dir):
 
 @pytest.mark.parametrize(("stage", "backend"), CASES)
 def test_a_node_lost_mid_run_resumes_from_s3(fake, stage, backend, tmp_path, monkeypatch):
-    from llmops.jobs.backends.hyperpod import hook as hyperpod
+    from llmops.jobs.backends.hyperpod import hyperpod_hook as hyperpod
 
     monkeypatch.setattr(hyperpod, "connect", hyperpod.connect)   # restored after a HyperPod case
     platform = mn.platform(fake, backend, tmp_path)

@@ -1,6 +1,7 @@
-"""Alerts (llmops.notify, llmops.jobs.alerts) against a local SNS: moto's, read back through an SQS
-queue subscribed to the topic, so each test reads the subject and text a person would get; and the
-same through a local SMTP server (e-mail) and a local HTTP server standing in for Slack's webhook."""
+"""Alerts (llmops.infra.notify, llmops.jobs.alerts) against a local SNS: moto's, read back through
+an SQS queue subscribed to the topic, so each test reads the subject and text a person would get;
+and the same through a local SMTP server (e-mail) and a local HTTP server standing in for Slack's
+webhook."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ from typing import Any
 
 import pytest
 
-import llmops.triggers.job as job_trigger
-from llmops import notify
+import llmops.airflow.triggers.job_trigger as job_trigger
+from llmops.infra import notify
 from llmops.jobs.alerts import ALERTS_FILE, JobAlerts
 from llmops.jobs.backends import JobState, JobStatus
 from llmops.jobs.watch import JobWatch
@@ -260,7 +261,7 @@ FAILING_DAG = '''
 import pendulum
 from airflow.sdk import dag, task
 
-from llmops import notify
+from llmops.infra import notify
 
 
 @dag(dag_id="alerting", schedule=None, start_date=pendulum.datetime(2026, 1, 1, tz="UTC"),

@@ -1,4 +1,4 @@
-"""The gate's paired comparisons (plugins/llmops/paired.py): one test per kind of metric, its
+"""The gate's paired comparisons (plugins/llmops/policy/paired.py): one test per kind of metric, its
 interval and p-value from the same test, the minimum detectable effect, and the verdict by role.
 What a reviewer of a gate decision relies on: a decision can be recomputed, the interval and the
 p-value never disagree, and a comparison that cannot decide says so."""
@@ -11,7 +11,7 @@ import random
 import pytest
 from scipy import stats
 
-from llmops import paired
+from llmops.policy import paired
 
 
 def results(correct: list[int], items: str = "suite-a", passages: list[int] | None = None) -> dict:

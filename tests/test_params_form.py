@@ -14,7 +14,7 @@ import re
 
 import pytest
 
-from llmops import params as knobs
+from llmops.policy import params as knobs
 
 BUILDERS = {"llm_lifecycle": knobs.lifecycle_params, "scaling_ladder": knobs.ladder_params,
             "llm_retrain": knobs.retrain_params}

@@ -116,7 +116,7 @@ def test_the_marker_a_researcher_writes(tmp_path):
 
 def test_the_marker_on_s3(moto_s3, tmp_path):
     """With checkpoint_uri, the marker is <checkpoint_uri>/PAUSE: read, then deleted."""
-    from tasks.train.s3 import S3Mirror
+    from tasks.train.checkpoint_s3 import S3Mirror
 
     moto_s3.create_bucket(Bucket="ckpt")
     mirror = S3Mirror("s3://ckpt/runs/r1")

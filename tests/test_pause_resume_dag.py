@@ -70,8 +70,8 @@ class PauseMarker(threading.Thread):
         self.done = threading.Event()
 
     def run(self) -> None:
-        from llmops import settings
-        from llmops.paths import run_root
+        from llmops.core import settings
+        from llmops.core.paths import run_root
         from tasks.train.pause import marker_path
 
         while not self.done.wait(0.2):
@@ -101,7 +101,7 @@ def curve(client, run, key: str) -> list[tuple[int, float]]:
 
 def weights_sha256(run: dict) -> str:
     """The sha256 of the run's pretrained model.safetensors, read from the file itself."""
-    from llmops import reuse
+    from llmops.stages import reuse
 
     record = reuse.stage_record(run["parent"], "pretrain")
     path = Path(record["outputs"]["model_dir"]["uri"]) / "model.safetensors"
@@ -234,15 +234,16 @@ def check_an_unkept_fork_step_is_refused(paused: dict) -> float:
 # -- what cannot be resumed: start_run's refusals, before any job --------------------------------
 
 def _start(params: dict, run_id: str) -> dict:
-    from llmops import lifecycle
+    from llmops.stages import lifecycle
 
     return lifecycle.start_run(params, dag_id=DAG_ID, run_id=run_id)
 
 
 def check_what_cannot_be_resumed_is_refused(paused: dict) -> None:
     """start_run's refusals, before any job: a pause is never thrown away."""
-    from llmops import reuse, tracking
-    from llmops.run_summary import find_parent
+    from llmops.infra import tracking
+    from llmops.stages import reuse
+    from llmops.stages.run_summary import find_parent
 
     run_id = paused["run_id"]
     resume = {**CONF, "from_run": run_id, "start_at": "pretrain", "fork_step": PAUSE_AT}

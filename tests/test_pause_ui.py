@@ -1,9 +1,9 @@
 """Pause a running pretraining from the Airflow UI (issue 24, point 2), the Airflow side: the
-pretrain task's "Pause pretraining" page writes the job's PAUSE marker (llmops.pause_api, only for
-a running pretrain task, only where the operator recorded it, only for a caller Airflow lets edit
-the DAG's task instances); the job checkpoints and exits, and JobOperator ends the task skipped,
-its log saying "paused at step N" and how to resume, with no further attempt and no later stage.
-The job itself (checkpoint, exit code, bitwise resume) is tests/test_pause.py's."""
+pretrain task's "Pause pretraining" page writes the job's PAUSE marker (llmops.airflow.pause_api,
+only for a running pretrain task, only where the operator recorded it, only for a caller Airflow
+lets edit the DAG's task instances); the job checkpoints and exits, and JobOperator ends the task
+skipped, its log saying "paused at step N" and how to resume, with no further attempt and no later
+stage. The job itself (checkpoint, exit code, bitwise resume) is tests/test_pause.py's."""
 
 from __future__ import annotations
 
@@ -14,12 +14,13 @@ from pathlib import Path
 import pytest
 from airflow.sdk.exceptions import AirflowSkipException
 
-import llmops.operators.job as job_op
-from llmops import pause_api, specs
+import llmops.airflow.operators.job_operator as job_op
+from llmops.airflow import pause_api
+from llmops.airflow.operators import job_pause, links
+from llmops.airflow.operators.job_operator import JobOperator
 from llmops.jobs.backends import JobState, JobStatus
 from llmops.jobs.spec import NothingToRun
-from llmops.operators import job_pause, links
-from llmops.operators.job import JobOperator
+from llmops.stages import specs
 from tests.test_wait_faults import (RUNNING, FakeStore, FakeTI, ScriptedBackend, context,  # noqa: F401
                                     operator, runs_ended, use_backend)
 
@@ -68,12 +69,12 @@ def test_a_paused_job_ends_its_task_skipped_with_how_to_resume(use_backend, cloc
 
 def test_a_paused_job_leaves_the_runs_note_with_the_conf_that_resumes_it(use_backend, clock,
                                                                         runs_ended):
-    """The DAG run's note (the XCom llmops.run_note copies when the run ends): the step of how
-    many, and the run's own conf with the resume Params in place of any it had. Through the DAG:
+    """The DAG run's note (the XCom llmops.airflow.run_note copies when the run ends): the step of
+    how many, and the run's own conf with the resume Params in place of any it had. Through the DAG:
     tests/test_pause_resume_dag.py (make test-slow)."""
     from types import SimpleNamespace
 
-    from llmops.run_summary import NOTE_XCOM
+    from llmops.stages.run_summary import NOTE_XCOM
 
     status = JobStatus(PAUSED_LOCAL.state, PAUSED_LOCAL.message, details=PAUSED_LOCAL.details,
                        result={**PAUSED_LOCAL.result, "max_steps": 12})
@@ -95,7 +96,7 @@ def test_a_paused_job_leaves_the_runs_note_with_the_conf_that_resumes_it(use_bac
 def test_a_remote_pause_is_recorded_with_its_s3_checkpoints_and_refused_as_such():
     """A Batch or HyperPod job's checkpoints directory was the container's: its pause record
     points at the S3 mirror, and a resume through from_run says that is not supported yet."""
-    from llmops import reuse
+    from llmops.stages import reuse
 
     record = reuse.pause_record(
         {"paused_at_step": 6, "kept_steps": [4, 6], "outputs": {

@@ -14,8 +14,8 @@ import torch
 
 from tasks.configs import (DistillConfig, EvalConfig, FinetuneConfig, ModelConfig, from_dict, tiny,
                            to_dict)
-from tasks.model import GPT, IGNORE_INDEX
-from tasks.train.data import DataDir, collate_sft, load_sft, load_tokenizer
+from tasks.model.gpt import GPT, IGNORE_INDEX
+from tasks.train.prepared_data import DataDir, collate_sft, load_sft, load_tokenizer
 from tasks.train.losses import kd_loss, topk_kd_loss
 from tests.test_training import run_entrypoint, tiny_pretrain
 
@@ -554,7 +554,7 @@ def number_task(tiny_data_dir, tmp_path_factory):
     and a 2-layer, 64-wide model pretrained for 150 steps on the tiny corpus."""
     from tasks.configs import TrainConfig
     from tasks.data.instructions import generate_examples, write_examples
-    from tasks.train.data import PretrainBatches
+    from tasks.train.prepared_data import PretrainBatches
     from tasks.train.losses import cross_entropy
     from tasks.train.loop import train
     from tasks.train.runtime import pick_device, seed_everything

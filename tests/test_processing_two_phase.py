@@ -12,11 +12,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-from llmops.aws.validation import validate_request
+from llmops.infra.aws.validation import validate_request
 from llmops.jobs.backends import remote
-from llmops.jobs.backends.sagemaker.backend import finalize_name
-from llmops.jobs.backends.sagemaker.requests import processing_request
-from llmops.jobs.backends.sagemaker.settings import ProcessingSettings
+from llmops.jobs.backends.sagemaker.sagemaker_backend import finalize_name
+from llmops.jobs.backends.sagemaker.sagemaker_requests import processing_request
+from llmops.jobs.backends.sagemaker.sagemaker_settings import ProcessingSettings
 from llmops.jobs.spec import JobSpec, job_name
 from tasks.configs import to_dict
 from tests.aws_fixtures import ENTRY, IMAGE, ROLE, ROOT
@@ -101,7 +101,7 @@ def test_one_handle_runs_shards_then_finalize_against_moto(moto_server):
     """moto completes a processing job at creation: the shards job's result, then the finalize
     job's, are written as the hosts would write them."""
     from llmops.jobs.backends import JobState
-    from llmops.jobs.backends.sagemaker.backend import SageMakerProcessingBackend
+    from llmops.jobs.backends.sagemaker.sagemaker_backend import SageMakerProcessingBackend
     from tests.aws_fixtures import sagemaker_settings
 
     moto_server.bucket("llmops-test")

@@ -11,7 +11,9 @@ import json
 import pytest
 import torch
 
-from llmops import promotion, retraining, specs, tracking
+from llmops.infra import tracking
+from llmops.policy import promotion
+from llmops.stages import retraining, specs
 from tasks.configs import ConfigError, GateConfig, ModelConfig, to_dict
 
 NAME = "promotion-test"
@@ -162,8 +164,8 @@ def model_uri(tiny_data_dir) -> str:
 
     import mlflow
 
-    from tasks.model import GPT
-    from tasks.train.data import DataDir
+    from tasks.model.gpt import GPT
+    from tasks.train.prepared_data import DataDir
     from tasks.train.export import publish_model
 
     data = DataDir(tiny_data_dir)
@@ -306,8 +308,8 @@ def test_the_approver_sees_the_contamination_audit_beside_the_scores(model_uri):
 
 
 def test_a_published_model_carries_the_hash_of_its_weights_and_tokenizer(tiny_data_dir, tmp_path):
-    from tasks.model import GPT
-    from tasks.train.data import DataDir
+    from tasks.model.gpt import GPT
+    from tasks.train.prepared_data import DataDir
     from tasks.train.export import export_model, read_meta
 
     data = DataDir(tiny_data_dir)

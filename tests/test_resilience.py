@@ -22,11 +22,11 @@ import torch
 
 from tasks.common.io import read_json
 from tasks.configs import TrainConfig, from_dict, tiny, to_dict
-from tasks.model import GPT
+from tasks.model.gpt import GPT
 from tasks.train import checkpoint as ckpt
 from tasks.train import goodput
 from tasks.train import telemetry as tm
-from tasks.train.data import DataDir, PretrainBatches
+from tasks.train.prepared_data import DataDir, PretrainBatches
 from tasks.train.faults import Fault, FaultSpecError, parse_faults
 from tasks.train.guard import SpikeGuard
 from tasks.train.losses import cross_entropy

@@ -9,7 +9,7 @@ import pytest
 from tasks.configs import ConfigError, TrainConfig, from_dict, to_dict
 from tasks.train import checkpoint as ckpt
 from tasks.train.retention import prunable
-from tasks.train.s3 import S3Mirror
+from tasks.train.checkpoint_s3 import S3Mirror
 from tests.test_resilience import run_pretrain, tiny_cfg
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from llmops import retraining
+from llmops.stages import retraining
 
 ROOT = Path(__file__).resolve().parents[1]
 NAME = "retrain-test"
@@ -68,9 +68,9 @@ def champion(tiny_data_dir) -> str:
     import mlflow
     import torch
 
-    from tasks.causal_lm import build_model
+    from tasks.model.causal_lm import build_model
     from tasks.configs import ModelConfig
-    from tasks.train.data import DataDir
+    from tasks.train.prepared_data import DataDir
     from tasks.train.export import publish_model
 
     data = DataDir(tiny_data_dir)
@@ -148,7 +148,7 @@ def retrain_run(airflow_db, tiny_data_dir, champion, tmp_path_factory) -> dict:
 
 
 def test_the_champion_is_retrained_evaluated_gated_approved_and_promoted(retrain_run, tiny_data_dir):
-    from llmops import tracking
+    from llmops.infra import tracking
 
     client = tracking.client()
     mv = client.get_model_version_by_alias(NAME, "champion")

@@ -1,4 +1,4 @@
-"""The run a DAG's tasks hand each other (llmops.run.Run): its XCom is the dict start_run has
+"""The run a DAG's tasks hand each other (llmops.core.run.Run): its XCom is the dict start_run has
 always returned, and a dict that is not a run is refused by the key that is wrong, where it is
 read, rather than turning into a KeyError or a silent default stages later."""
 
@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from llmops import lifecycle, specs
-from llmops.run import Run
+from llmops.core.run import Run
+from llmops.stages import lifecycle, specs
 
 
 @pytest.fixture(scope="module")

@@ -90,7 +90,8 @@ def test_every_task_dying_names_start_run_first_not_by_name(dying_runs):
 def test_the_run_page_shows_the_failure_without_an_mlflow_run(dying_runs):
     from fastapi.testclient import TestClient
 
-    from llmops import run_page, run_summary
+    from llmops.airflow import run_page
+    from llmops.stages import run_summary
 
     run_id = dying_runs["start_run"]
     _, note, _, _ = _run(run_id)

@@ -35,7 +35,7 @@ def _child(client, exp_id, parent_id, run_id, stage, task_id, *, map_index=-1, t
 @pytest.fixture()
 def lifecycle_run():
     """A finished lifecycle run as MLflow holds it; returns (run_id, ids of its MLflow runs)."""
-    from llmops import tracking
+    from llmops.infra import tracking
 
     client = tracking.client()
     exp_id = tracking.ensure_experiment(DAG_ID)
@@ -85,7 +85,7 @@ def lifecycle_run():
 
 
 def test_collect_reads_every_section_and_both_metric_namings(lifecycle_run):
-    from llmops import run_summary
+    from llmops.stages import run_summary
 
     run_id, ids = lifecycle_run
     s = run_summary.collect(DAG_ID, run_id)
@@ -113,9 +113,9 @@ def test_collect_reads_every_section_and_both_metric_namings(lifecycle_run):
 
 
 def test_the_terminal_account_of_the_newest_run_shows_stages_figures_evaluation_and_model(lifecycle_run):
-    """What `make demo` prints at its end (and `python -m llmops.run_summary`): one reader of MLflow
-    for the run page, the parent run's summary and the terminal alike."""
-    from llmops import run_summary
+    """What `make demo` prints at its end (and `python -m llmops.stages.run_summary`): one reader of
+    MLflow for the run page, the parent run's summary and the terminal alike."""
+    from llmops.stages import run_summary
 
     run_id, ids = lifecycle_run
     assert run_summary.latest(DAG_ID) == run_id
@@ -136,7 +136,8 @@ def test_the_terminal_account_of_the_newest_run_shows_stages_figures_evaluation_
 
 
 def test_publish_mirrors_headline_figures_onto_the_parent_run(lifecycle_run):
-    from llmops import run_summary, tracking
+    from llmops.infra import tracking
+    from llmops.stages import run_summary
 
     run_id, ids = lifecycle_run
     note = run_summary.record(DAG_ID, run_id, recipe="tiny")
@@ -164,7 +165,8 @@ def test_the_page_shows_mlflows_numbers(lifecycle_run, airflow_db):
     # (airflow_db: the page also asks Airflow's metadata DB for the run, which it has not got)
     from fastapi.testclient import TestClient
 
-    from llmops import run_page, tracking
+    from llmops.airflow import run_page
+    from llmops.infra import tracking
 
     run_id, ids = lifecycle_run
     api = TestClient(run_page.make_app(authorize=lambda: None))
@@ -198,7 +200,7 @@ def test_the_page_shows_mlflows_numbers(lifecycle_run, airflow_db):
 
 def test_the_plugin_adds_a_tab_to_the_dag_run_page():
     import llmops_plugins
-    from llmops import run_note, run_page
+    from llmops.airflow import run_note, run_page
 
     plugin = llmops_plugins.RunPagePlugin
     assert plugin.external_views == [{"name": "LLM run", "href": "llmops/runs/{DAG_ID}/{RUN_ID}",
@@ -216,7 +218,7 @@ def forked_run(lifecycle_run):
     tags it (tasks/train/fork.py, tasks/train/pretraining.py): it logs from step 11 on, keeps
     steps 10, 20 and 30 (keep_checkpoints 2, keep_every 10), and its registered version names the
     parent."""
-    from llmops import tracking
+    from llmops.infra import tracking
 
     parent_run_id, first = lifecycle_run
     client = tracking.client()
@@ -246,7 +248,8 @@ def forked_run(lifecycle_run):
 def test_a_fork_s_curve_continues_its_parent_s_from_the_fork_step(forked_run, airflow_db):
     from fastapi.testclient import TestClient
 
-    from llmops import run_page, run_summary
+    from llmops.airflow import run_page
+    from llmops.stages import run_summary
 
     run_id, ids = forked_run
     s = run_summary.collect(DAG_ID, run_id)
@@ -293,7 +296,7 @@ def running_run():
     """A lifecycle run in the middle of its pretraining: data prep finished; the pretrain job
     started 60 s ago, has logged up to step 30 of its max_steps 100 (the param its config
     logged) and has not ended its MLflow run."""
-    from llmops import tracking
+    from llmops.infra import tracking
 
     client = tracking.client()
     exp_id = tracking.ensure_experiment(DAG_ID)
@@ -313,7 +316,7 @@ def running_run():
 def _page_for(run_id, state, failure=None):
     from fastapi.testclient import TestClient
 
-    from llmops import run_page
+    from llmops.airflow import run_page
 
     airflow = {"state": state, "note": None, "failure": failure}
     api = TestClient(run_page.make_app(authorize=lambda: None, airflow_run=lambda d, r: airflow))
@@ -329,7 +332,7 @@ def _visible(html: str) -> str:
 
 
 def test_a_running_pretraining_has_a_now_card_with_an_eta(running_run):
-    from llmops import run_summary
+    from llmops.stages import run_summary
 
     run_id, ids = running_run
     before = time.time()
@@ -380,7 +383,7 @@ def test_the_page_stops_refreshing_once_the_airflow_run_ended(running_run, lifec
     # a run queued before start_run: the page without MLflow refreshes too, until the run appears
     from fastapi.testclient import TestClient
 
-    from llmops import run_page
+    from llmops.airflow import run_page
 
     api = TestClient(run_page.make_app(authorize=lambda: None,
                                        airflow_run=lambda d, r: {"state": "queued", "failure": None}))
@@ -402,7 +405,8 @@ def test_in_a_browser_the_page_swaps_in_fresh_figures_and_stops_when_the_run_end
     sync_api = pytest.importorskip("playwright.sync_api")
     import uvicorn
 
-    from llmops import run_page, tracking
+    from llmops.airflow import run_page
+    from llmops.infra import tracking
 
     run_id, ids = running_run
     monkeypatch.setattr(run_page, "REFRESH_S", 1)

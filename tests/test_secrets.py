@@ -18,7 +18,7 @@ import pytest
 
 from llmops.jobs import env_secrets
 from llmops.jobs.backends import JobState
-from llmops.jobs.backends.local import LocalBackend
+from llmops.jobs.backends.local.local_backend import LocalBackend
 from llmops.jobs.backends.remote import check_environment
 from llmops.jobs.spec import JobSpec, JobSpecError
 from tests.test_jobs import wait_terminal

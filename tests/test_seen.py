@@ -20,7 +20,7 @@ from tokenizers import Tokenizer
 
 from tasks.train import checkpoint as ckpt
 from tasks.train import seen
-from tasks.train.data import DataDir, PretrainBatches
+from tasks.train.prepared_data import DataDir, PretrainBatches
 from tests.test_resilience import REPO, run_pretrain, tiny_cfg
 
 STEPS = 8

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from tasks.configs import TrainConfig, from_dict, tiny, to_dict
-from tasks.model import GPT
-from tasks.train.data import DataDir, PretrainBatches
+from tasks.model.gpt import GPT
+from tasks.train.prepared_data import DataDir, PretrainBatches
 from tasks.train.faults import Fault, FaultInjector, parse_faults
 from tasks.train.guard import MAX_ESCALATIONS, Anomaly, SpikeGuard, UnrecoverableAnomaly
 from tasks.train.losses import cross_entropy

@@ -16,8 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from llmops import lifecycle, promotion, tracking
-from llmops import params as knobs
+from llmops.infra import tracking
+from llmops.policy import params as knobs
+from llmops.policy import promotion
+from llmops.stages import lifecycle
 from tests.aws_fixtures import CONN_ID, sagemaker_settings
 
 DAG_ID = "validation_test"

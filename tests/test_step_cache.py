@@ -1,7 +1,7 @@
-"""The step cache's identity and index (plugins/llmops/step_cache.py), without a DAG run: every part
-of a stage's identity changes its key and nothing that only addresses a run does; the lifecycle's
-specs of two DAG runs key alike; a record is a hit only while its outputs still exist and match
-their hashes and manifests, in a local directory and on S3 (the moto server)."""
+"""The step cache's identity and index (plugins/llmops/infra/step_cache.py), without a DAG run:
+every part of a stage's identity changes its key and nothing that only addresses a run does; the
+lifecycle's specs of two DAG runs key alike; a record is a hit only while its outputs still exist
+and match their hashes and manifests, in a local directory and on S3 (the moto server)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from llmops import step_cache
+from llmops.infra import step_cache
 from llmops.jobs.spec import JobSpec
 
 RUN1, RUN2 = "/store/llm_lifecycle/manual__1", "/store/llm_lifecycle/manual__2"
@@ -71,7 +71,7 @@ def test_every_part_of_the_identity_changes_the_key(change):
 def test_code_version_and_backend_settings_change_the_key(monkeypatch):
     base = key(finetune_spec())
     assert key(finetune_spec(), settings="role-v2") != base
-    from llmops import provenance
+    from llmops.core import provenance
 
     monkeypatch.setattr(provenance, "code_version", lambda: "0123abc")
     assert key(finetune_spec()) != base
@@ -95,8 +95,8 @@ def _lifecycle_run(root: str, run_id: str) -> dict:
 
 
 def _lifecycle_keys(root: str, run_id: str, champion: dict | None = None) -> dict[str, str]:
-    from llmops import specs
-    from llmops.sweep import study as studies
+    from llmops.policy import sweep_study as studies
+    from llmops.stages import specs
 
     run = {**_lifecycle_run(root, run_id), "champion": champion}
     data = {"outputs": {"data_dir": f"{root}/data_prep"}, "data_hash": "d" * 64,
@@ -151,7 +151,7 @@ def test_an_evaluation_keys_on_the_champions_weights_not_on_its_version():
 
 
 def test_an_evaluation_scores_a_champion_that_is_one_of_its_models_once():
-    from llmops import specs
+    from llmops.stages import specs
 
     run = {**_lifecycle_run(RUN1, "manual__1"),
            "champion": {"version": "5", "uri": "models:/llm-lifecycle/5", "run_id": "r5",
@@ -277,7 +277,7 @@ def test_raw_inputs_hash_follows_their_content(tmp_path):
 
 
 def test_a_reused_job_is_ledgered_once_per_reusing_task_and_charged_nothing():
-    from llmops.ledger.events import JobEvent, with_usage
+    from llmops.infra.ledger.events import JobEvent, with_usage
 
     rows = [with_usage(JobEvent(event="cached", job_name="pretrain-abc", run_id=run, task_id="pretrain",
                                 instance_type="ml.p5.48xlarge", state="succeeded"))

@@ -1,5 +1,5 @@
 """Token shards streamed from S3 while training (tasks/train/stream.py) and the block-shuffled
-sample order that makes it sequential (tasks/train/data.py).
+sample order that makes it sequential (tasks/train/prepared_data.py).
 
 S3 is a local moto_server (the `moto_s3` fixture); every read goes through s3torchconnector's
 client as on AWS. What a user would notice: a pretraining whose data_dir is an s3:// prefix
@@ -22,7 +22,7 @@ import torch
 
 from tasks.configs import ConfigError, TrainConfig, from_dict, tiny, to_dict
 from tasks.train import checkpoint as ckpt
-from tasks.train.data import BlockShuffleSampler, DataDir, PretrainBatches, _block_starts
+from tasks.train.prepared_data import BlockShuffleSampler, DataDir, PretrainBatches, _block_starts
 from tasks.train.seen import consumed_rows
 from tests.test_resilience import run_pretrain
 from tests.test_training_scale import losses

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from llmops.sweep import budget, stage
-from llmops.sweep import study as studies
+from llmops.policy import budget
+from llmops.policy import sweep_study as studies
+from llmops.stages import sweep_stage as stage
 from tasks import configs
 from tasks.configs import OptimConfig, TrainConfig, from_dict, tiny, to_dict
 
@@ -167,8 +168,9 @@ def test_a_sweep_over_budget_is_refused_with_the_estimate_and_the_budget():
 
 def test_a_lifecycle_run_over_its_sweep_budget_fails_in_start_run():
     """What the DAG's first task calls: it raises before the MLflow parent run or any job."""
-    from llmops import lifecycle, tracking
-    from llmops.sweep import budget
+    from llmops.infra import tracking
+    from llmops.policy import budget
+    from llmops.stages import lifecycle
 
     with pytest.raises(budget.BudgetError, match=r"The sweep would use an estimated .* more than "
                                                  r"this run's budget of 1e-06 \(budget_hours\)"):

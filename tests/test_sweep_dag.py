@@ -24,10 +24,11 @@ SWEEP_DAG = '''
 import pendulum
 from airflow.sdk import dag, get_current_context, task
 
-from llmops import lifecycle, specs
-from llmops.params import lifecycle_params
-from llmops.sweep import POOL, stage
-from llmops.sweep.trial_operator import TrialOperator
+from llmops.airflow.operators.trial_operator import TrialOperator
+from llmops.airflow.sweep_pool import POOL
+from llmops.policy.params import lifecycle_params
+from llmops.stages import lifecycle, specs
+from llmops.stages import sweep_stage as stage
 
 DATA = {data!r}
 
@@ -58,7 +59,7 @@ sweep_only()
 
 @pytest.fixture(scope="module")
 def sweep_dags(airflow_db, tiny_data_dir, tmp_path_factory) -> Path:
-    from tasks.train.data import DataDir
+    from tasks.train.prepared_data import DataDir
 
     folder = tmp_path_factory.mktemp("sweep_dags")
     data = {"outputs": {"data_dir": str(tiny_data_dir)},
@@ -74,7 +75,7 @@ def storage() -> str:
 def trials_of(study_name: str) -> list:
     import optuna
 
-    from llmops.sweep.study import open_storage
+    from llmops.policy.sweep_study import open_storage
 
     # opened as the DAG's tasks open it: the test reads while the plan task may be creating it
     return optuna.load_study(study_name=study_name, storage=open_storage(storage())).get_trials()
@@ -95,7 +96,7 @@ def test_a_killed_sweep_resumes_keeping_finished_trials_and_survives_a_failing_o
     """One sweep, two slots of a grid over n_head: with 2 heads the trial completes; 3 heads
     cannot split the tiny model's 32 dimensions, so that trial's job fails on every try. The
     sweep is killed while the failing trial is running, then run again."""
-    from llmops import tracking
+    from llmops.infra import tracking
 
     study = "resume-test"
     conf = json.dumps({"recipe": "tiny", "sweep_sampler": "grid", "sweep_trials": 1,

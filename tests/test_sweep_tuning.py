@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from llmops import lifecycle
-from llmops.aws.validation import AwsRequestError
-from llmops.sweep import tuning
+from llmops.infra.aws.validation import AwsRequestError
+from llmops.stages import lifecycle
+from llmops.stages import sweep_tuning as tuning
 from tasks import configs
 
 ROLE = "arn:aws:iam::123456789012:role/llmops-sagemaker"

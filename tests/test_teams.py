@@ -1,5 +1,5 @@
-"""Teams in their lanes (plugins/llmops/teams.py) and a budget on every job
-(plugins/llmops/sweep/budget.py `run_estimate`, teams.check_team): each allowlist rule of the
+"""Teams in their lanes (plugins/llmops/policy/teams.py) and a budget on every job
+(plugins/llmops/policy/budget.py `run_estimate`, teams.check_team): each allowlist rule of the
 `llmops_teams` Variable refuses a run in start_run with the field, the team, the rule and the fix,
 before any job and before the MLflow parent run; the backends submit with the team's role, fair
 share, namespace and queue; a run over the team's monthly budget, counting the ledger's spend, is
@@ -15,13 +15,13 @@ import json
 
 import pytest
 
-from llmops import lifecycle, specs, teams
-from llmops.jobs.backends import settings as backend_settings
-from llmops.jobs.backends.batch.settings import BatchSettings
-from llmops.jobs.backends.hyperpod.settings import HyperPodSettings
-from llmops.jobs.backends.sagemaker.settings import SageMakerSettings
+from llmops.jobs.backends import backend_settings
+from llmops.jobs.backends.batch.batch_settings import BatchSettings
+from llmops.jobs.backends.hyperpod.hyperpod_settings import HyperPodSettings
+from llmops.jobs.backends.sagemaker.sagemaker_settings import SageMakerSettings
 from llmops.jobs.spec import JobSpec
-from llmops.sweep import budget
+from llmops.policy import budget, teams
+from llmops.stages import lifecycle, specs
 from tests.aws_fixtures import IMAGE, ROLE, sagemaker_settings
 from tests.test_start_run_validation import DAG_ID, mlflow_runs, refused, snapshot  # noqa: F401 (a fixture)
 
@@ -179,8 +179,8 @@ def spec_of(team: str, stage: str = "pretrain") -> JobSpec:
 
 def test_jobs_run_with_their_teams_role_share_namespace_and_queue(team_setup):
     from llmops.jobs.backends import remote
-    from llmops.jobs.backends.batch import requests as batch
-    from llmops.jobs.backends.sagemaker import requests as sagemaker
+    from llmops.jobs.backends.batch import batch_requests as batch
+    from llmops.jobs.backends.sagemaker import sagemaker_requests as sagemaker
 
     deployment = {"sagemaker": sagemaker_settings("llmops-validation"),
                   "batch": {"job_queue": "q", "staging_uri": "s3://llmops-validation/staging",
@@ -215,7 +215,7 @@ def test_without_teams_the_backend_settings_are_unchanged(monkeypatch):
     spec = spec_of("nlp")
     hp = backend_settings.load("hyperpod", HyperPodSettings, deployment).for_job(spec)
     assert hp.namespace == "hyperpod-ns-{team}"
-    from llmops.jobs.backends.batch import requests as batch
+    from llmops.jobs.backends.batch import batch_requests as batch
 
     b = backend_settings.load("batch", BatchSettings, deployment).for_job(spec)
     assert batch.scheduling(spec, b.share_identifier)["shareIdentifier"] == "nlp"
@@ -255,16 +255,16 @@ def test_a_broken_variable_refuses_the_run_before_any_job(refused, monkeypatch):
 
 
 # -- budgets on every job ---------------------------------------------------------------------------
-# The spend and the accelerators per instance come from the job ledger (plugins/llmops/ledger/,
-# its price table): without it installed these have nothing to read.
-needs_ledger = pytest.mark.skipif(importlib.util.find_spec("llmops.ledger") is None,
-                                  reason="the job ledger (llmops.ledger) is not installed")
+# The spend and the accelerators per instance come from the job ledger
+# (plugins/llmops/infra/ledger/, its price table): without it installed these have nothing to read.
+needs_ledger = pytest.mark.skipif(importlib.util.find_spec("llmops.infra.ledger") is None,
+                                  reason="the job ledger (llmops.infra.ledger) is not installed")
 
 def record_spend(team: str, instance_type: str, hours: float, ended: dt.datetime) -> None:
     """An attempt that ran `hours` and ended at `ended`, recorded in the job ledger as the
     JobOperator records it (its accelerator-hours from the ledger's price table)."""
-    from llmops import ledger
-    from llmops.ledger.events import JobEvent
+    from llmops.infra import ledger
+    from llmops.infra.ledger.events import JobEvent
 
     end = ended.timestamp()
     assert ledger.record(JobEvent(event="ended", job_name=f"{team}-{end}", team=team,
@@ -338,7 +338,7 @@ def test_every_stage_on_every_backend_has_an_estimate(team_setup, monkeypatch):
 def test_the_scaling_ladder_runs_in_the_default_teams_lane(team_setup):
     """start_ladder shares the checks (lifecycle.check_lane): the ladder DAG has no team Param, so
     its runs are the default team's, and its storage root must be under nlp's prefixes."""
-    from llmops.sweep import ladder
+    from llmops.stages import ladder_stage as ladder
 
     runs = len(mlflow_runs())
     with pytest.raises(teams.TeamError, match=r"Param 'storage_root' '.*/vision-out' is not under "

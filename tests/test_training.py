@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from tasks.configs import OptimConfig, TrainConfig, from_dict, tiny, to_dict
-from tasks.model import GPT
+from tasks.model.gpt import GPT
 from tasks.train import checkpoint as ckpt
-from tasks.train.data import DataDir, PretrainBatches
+from tasks.train.prepared_data import DataDir, PretrainBatches
 from tasks.train.losses import cross_entropy
 from tasks.train.loop import train
 from tasks.train.runtime import seed_everything
@@ -206,7 +206,7 @@ def test_pretrain_entrypoint(tiny_data_dir, tmp_path):
 
     client = mlflow.MlflowClient()
     run = client.get_run(result["mlflow_run_id"])
-    # MLflow names group the charts: the loss curves first (tasks.common.tracking.CHART_NAMES)
+    # MLflow names group the charts: the loss curves first (tasks.common.job_tracking.CHART_NAMES)
     for key in ("loss/train", "optim/lr", "optim/grad_norm", "perf/tokens_per_s", "loss/val"):
         assert key in run.data.metrics, key
     assert not {"loss", "val_loss", "mfu", "perf/mfu"} & set(run.data.metrics)  # no MFU on a CPU

@@ -21,12 +21,12 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from tasks.common.io import read_json
-from tasks.common.tracking import chart_name
-from tasks.causal_lm import build_model
+from tasks.common.job_tracking import chart_name
+from tasks.model.causal_lm import build_model
 from tasks.configs import ConfigError, TrainConfig, from_dict, tiny, to_dict
 from tasks.train import checkpoint as ckpt
 from tasks.train import telemetry as tm
-from tasks.train.data import DataDir, PretrainBatches
+from tasks.train.prepared_data import DataDir, PretrainBatches
 from tasks.train.losses import cross_entropy
 from tasks.train.loop import LoopOptions, train
 from tasks.train.runtime import pick_device, seed_everything

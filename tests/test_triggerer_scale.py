@@ -6,9 +6,9 @@ run's HyperPod jobs and their pods); and a throttling storm on those reads misse
 Simulated (tests/chaos/fake_aws/, tests/chaos/fake_eks.py over its HTTP front): the services and
 their jobs, timed jobs without a container (each runs its SIM_RUN_SECONDS and ends with its
 SIM_EXIT_CODE, as benchmarks/triggerer_watch.py runs hundreds); real: the backends' submit, the
-trigger JobOperator defers to (llmops.triggers.job.JobTrigger), all in one asyncio loop with its
-polls in the loop's thread pool, as Airflow's triggerer runs them, and botocore and the
-kubernetes client against the simulators over HTTP.
+trigger JobOperator defers to (llmops.airflow.triggers.job_trigger.JobTrigger), all in one asyncio
+loop with its polls in the loop's thread pool, as Airflow's triggerer runs them, and botocore and
+the kubernetes client against the simulators over HTTP.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ def world(tmp_path, monkeypatch):
     for key, value in world.env.items():
         monkeypatch.setenv(key, value)
     monkeypatch.setenv("AIRFLOW__LLMOPS__CLOUDWATCH_LOG_READS_PER_SECOND", "0")
-    from llmops.aws import clients
-    from llmops.jobs.backends.hyperpod import hook as hyperpod_hook
+    from llmops.infra.aws import clients
+    from llmops.jobs.backends.hyperpod import hyperpod_hook
 
     clients.clear()
     hyperpod_hook._CLIENTS.clear()
@@ -105,7 +105,7 @@ def check_every_end_noticed_once(world, handles, events) -> list[float]:
 def test_every_end_is_noticed_once_within_two_poll_intervals_with_shared_reads(world, monkeypatch):
     # A Batch submit's status looks for copies of a resent SubmitJob for 180 s (ListJobs and
     # DescribeJobs each poll: tests/test_backend_batch.py); 1 s here, so these polls show the rest.
-    monkeypatch.setattr("llmops.jobs.backends.batch.backend.SUBMIT_WINDOW_SECONDS", 1.0)
+    monkeypatch.setattr("llmops.jobs.backends.batch.batch_backend.SUBMIT_WINDOW_SECONDS", 1.0)
     handles, events, polls, calls = watch(world, run=(15, 25))
     delays = check_every_end_noticed_once(world, handles, events)
     # A third of an interval's staleness and the CloudWatch read after the end at most, on top
@@ -150,9 +150,10 @@ def test_a_deferred_sagemaker_wait_keeps_the_connections_botocore_config(world, 
     operator's botocore config. Here there is nothing to carry: a trigger, on whatever triggerer,
     builds its clients (the describe, the shared list, the log reads) from the connection the
     handle names, whose config_kwargs they keep (the connection's `retries` over our adaptive
-    default, llmops.aws.retry), so the deferred wait retries and times out as the operator's."""
-    from llmops.aws import clients
-    from llmops.jobs.backends.sagemaker.hook import jobs_hook
+    default, llmops.infra.aws.retry), so the deferred wait retries and times out as the
+    operator's."""
+    from llmops.infra.aws import clients
+    from llmops.jobs.backends.sagemaker.sagemaker_hook import jobs_hook
 
     connection = json.loads(world.env[f"AIRFLOW_CONN_{bench.CONN.upper()}"])
     connection["extra"]["config_kwargs"] = {"read_timeout": 11, "retries": {"mode": "standard", "max_attempts": 4}}

@@ -1,9 +1,9 @@
-"""tasks/uris.py: the one S3 URI parser the readers share; a malformed URI is refused by name
+"""tasks/common/uris.py: the one S3 URI parser the readers share; a malformed URI is refused by name
 before any S3 call (a missing bucket would otherwise surface as botocore's ParamValidationError)."""
 
 import pytest
 
-from tasks.uris import is_s3, split_s3
+from tasks.common.uris import is_s3, split_s3
 
 
 def test_a_uri_splits_into_bucket_and_key():

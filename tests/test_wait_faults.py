@@ -15,13 +15,13 @@ from typing import Any
 import pytest
 from botocore.exceptions import ClientError, EndpointConnectionError, ReadTimeoutError
 
-import llmops.operators.job as job_op
-import llmops.triggers.job as job_trigger
+import llmops.airflow.operators.job_operator as job_op
+import llmops.airflow.triggers.job_trigger as job_trigger
+from llmops.airflow.operators.job_operator import JobOperator, job_identity
 from llmops.jobs.backends import Backend, JobState, JobStatus
 from llmops.jobs.errors import Backoff, is_transient
 from llmops.jobs.spec import JobSpec
 from llmops.jobs.watch import JobWatch
-from llmops.operators.job import JobOperator, job_identity
 
 RUNNING, PENDING = JobStatus(JobState.RUNNING), JobStatus(JobState.PENDING)
 SUCCEEDED = JobStatus(JobState.SUCCEEDED, result={"metrics": {"answer": 42}})
@@ -337,7 +337,7 @@ def test_a_backend_that_reports_no_start_gets_the_first_running_poll_as_its_star
 
 
 def test_poll_interval_comes_from_the_operator_then_the_handle_then_the_backend():
-    from llmops.jobs.backends.local import LocalBackend
+    from llmops.jobs.backends.local.local_backend import LocalBackend
 
     backend = ScriptedBackend([RUNNING])
     op = operator()
@@ -524,7 +524,7 @@ def test_the_trigger_checkpoints_and_a_restart_does_not_repeat_lines(use_backend
         # What the triggerer keeps, and a restarted one rebuilds the trigger from: the kwargs of
         # the last checkpoint, which the task deferred again with.
         classpath, kwargs = job_trigger.JobTrigger(**payload["trigger"]).serialize()
-        assert classpath == "llmops.triggers.job.JobTrigger"
+        assert classpath == "llmops.airflow.triggers.job_trigger.JobTrigger"
         cursors.append(kwargs["log_cursor"])
         starts.append(kwargs["started_at"])
         resumed = job_trigger.JobTrigger(**kwargs)
@@ -605,7 +605,7 @@ def test_a_trigger_recreated_on_another_triggerer_keeps_its_attempt_counts_and_i
                        waiting="RUNNABLE CAPACITY:INSUFFICIENT_INSTANCE_CAPACITY")
     row = Trigger.from_object(original)        # what the deferring task writes
     moved = job_trigger.JobTrigger(**row.kwargs)  # what the next triggerer runs
-    assert row.classpath == "llmops.triggers.job.JobTrigger"
+    assert row.classpath == "llmops.airflow.triggers.job_trigger.JobTrigger"
     assert moved.serialize() == original.serialize()
     assert moved.handle["attempt"] == 3 and moved.context["chain"] == chain
     use_backend(ScriptedBackend([JobStatus(JobState.RUNNING), SUCCEEDED]))   # reports no start itself
@@ -899,7 +899,7 @@ def test_force_rerun_is_a_boolean_lifecycle_param_defaulting_to_false():
     from airflow.sdk.definitions.param import ParamsDict
     from airflow.sdk.exceptions import ParamValidationError
 
-    from llmops.params import lifecycle_params
+    from llmops.policy.params import lifecycle_params
 
     params = ParamsDict(lifecycle_params())
     assert params["force_rerun"] is False and params.get_param("force_rerun").schema["type"] == "boolean"

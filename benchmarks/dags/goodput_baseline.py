@@ -14,7 +14,7 @@ from datetime import timedelta
 import pendulum
 from airflow.sdk import DAG, Param
 
-from llmops.operators.job import JobOperator
+from llmops.airflow.operators.job_operator import JobOperator
 
 
 def _retry_delays() -> list[float]:

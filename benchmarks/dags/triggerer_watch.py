@@ -9,7 +9,7 @@ seconds: the simulators' SIM_END_AT) and its exit code (SIM_EXIT_CODE).
 import pendulum
 from airflow.sdk import DAG, Param, task
 
-from llmops.operators.job import JobOperator
+from llmops.airflow.operators.job_operator import JobOperator
 
 IMAGE = "123456789012.dkr.ecr.us-east-1.amazonaws.com/llmops:bench"
 INSTANCES = {"sagemaker": ("ml.m5.xlarge", 1), "batch": ("m5.xlarge", 2), "hyperpod": ("ml.g5.2xlarge", 2)}

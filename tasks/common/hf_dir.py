@@ -1,7 +1,7 @@
 """What a Hugging Face causal-LM directory must hold, checked from its JSON files alone.
 
-Standard library only: the Airflow side (plugins/llmops/model_refs.py, on MWAA without torch or
-transformers) refuses a bad model reference with these checks before any job starts, and the jobs
+Standard library only: the Airflow side (plugins/llmops/policy/model_refs.py, on MWAA without torch
+or transformers) refuses a bad model reference with these checks before any job starts, and the jobs
 use the same ones.
 """
 

@@ -4,14 +4,14 @@
 
 from __future__ import annotations
 
-from tasks.configs.data import DataPrepConfig
-from tasks.configs.evaluate import EvalConfig
+from tasks.configs.data_config import DataPrepConfig
+from tasks.configs.evaluate_config import EvalConfig
 from tasks.configs.fields import ConfigError
-from tasks.configs.gate import GateConfig
-from tasks.configs.lifecycle import LifecycleConfig
-from tasks.configs.model import ModelConfig
-from tasks.configs.sweep import LadderConfig, SweepConfig
-from tasks.configs.train import DistillConfig, FinetuneConfig, TrainConfig
+from tasks.configs.gate_config import GateConfig
+from tasks.configs.lifecycle_config import LifecycleConfig
+from tasks.configs.model_config import ModelConfig
+from tasks.configs.sweep_config import LadderConfig, SweepConfig
+from tasks.configs.train_config import DistillConfig, FinetuneConfig, TrainConfig
 
 
 _UNSET = "<set per run>"

@@ -104,7 +104,7 @@ import numpy as np
 
 from tasks.common.io import atomic_write, read_json, sha256_file, write_json
 from tasks.configs import ConfigError, DataPrepConfig, from_dict, to_dict
-from tasks.data import report
+from tasks.data import prep_report as report
 from tasks.data.manifest import LENGTH_BINS, pack_and_write_manifest
 from tasks.data.markers import DROPPED_COLUMNS, digest, finished, mark_finished, read_table, schemas, \
     shard_files, write_table
@@ -673,12 +673,12 @@ def prepare(config: DataPrepConfig, stage: str = "all") -> Prepared:
 
 
 # --------------------------------------------------------------------------------------------
-# The entrypoints (the MLflow report: tasks/data/report.py)
+# The entrypoints (the MLflow report: tasks/data/prep_report.py)
 
 
 def main(config: DataPrepConfig, stage: str = "all") -> dict[str, Any]:
     """Prepare and log to the stage's MLflow run (the one in MLFLOW_RUN_ID, or a new one)."""
-    from tasks.common.tracking import stage_run
+    from tasks.common.job_tracking import stage_run
 
     out_dir = Path(config.output_dir)
     if stage == "shards":  # one of several hosts: the finalize job logs the data set

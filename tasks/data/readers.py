@@ -39,7 +39,7 @@ from typing import Any, Iterator
 
 from tasks.data.markers import read_table
 from tasks.data.steps import Doc
-from tasks.uris import split_s3
+from tasks.common.uris import split_s3
 
 TEXT_SUFFIXES = (".txt", ".text", ".md")
 JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")

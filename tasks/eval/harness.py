@@ -68,7 +68,7 @@ def fit_to_context(path: str | Path, tokenizer, context: int, out_dir: Path,
     end), written to out_dir under the same name; and how many were left out."""
     import json
 
-    from tasks.train.data import read_jsonl
+    from tasks.train.prepared_data import read_jsonl
 
     items = read_jsonl(path)[:limit]
     fits = [item for item in items if "choices" not in item or all(
@@ -115,7 +115,7 @@ def run_harness(model, model_dir: str | Path, eos_id: int, suite_paths: list[Pat
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
 
-    from tasks.causal_lm import to_transformers
+    from tasks.model.causal_lm import to_transformers
 
     hf = to_transformers(model).to(device).eval()
     tokenizer = hf_tokenizer(model_dir, eos_id)
@@ -170,7 +170,7 @@ def run_harness(model, model_dir: str | Path, eos_id: int, suite_paths: list[Pat
 def _positions(path: str | Path, fitting: Path, limit: int | None) -> tuple[list[dict[str, Any]], list[int]]:
     """The items of the fitted file, and their positions in the suite (fit_to_context keeps the
     order and drops some)."""
-    from tasks.train.data import read_jsonl
+    from tasks.train.prepared_data import read_jsonl
 
     items, kept = read_jsonl(path)[:limit], read_jsonl(fitting)
     positions, at = [], 0

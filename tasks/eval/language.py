@@ -18,8 +18,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from tasks.model import IGNORE_INDEX
-from tasks.train.data import Batch, DataDir, shares_tokenizer
+from tasks.model.gpt import IGNORE_INDEX
+from tasks.train.prepared_data import Batch, DataDir, shares_tokenizer
 from tasks.train.runtime import autocast
 
 
@@ -64,7 +64,7 @@ def held_out_batches(data: DataDir, tokenizer, eos_id: int, tokenizer_path: str 
     batches = [rows.take(i) for i in rows.in_order(batch_size, max_batches)]
     if shares_tokenizer(data, tokenizer_path):
         return batches
-    from tasks.train.data import load_tokenizer
+    from tasks.train.prepared_data import load_tokenizer
 
     data_tokenizer = load_tokenizer(data.tokenizer_path)
     stream: list[int] = []
@@ -98,7 +98,7 @@ def language_scores(model, batches: list[Batch], byte_lengths: np.ndarray, devic
                     ) -> dict[str, Any]:
     """Summed next-token loss over the batches -> val_loss (nats/token), perplexity and
     bits_per_byte; with `eos_id`, also `documents`: each held-out document's bits and scored
-    bytes (what the gate pairs, plugins/llmops/paired.py).
+    bytes (what the gate pairs, plugins/llmops/policy/paired.py).
 
     The batches are consecutive rows of one token stream with EOS between documents; a target
     belongs to the document its position falls in (an EOS to the document it ends). Only

@@ -11,7 +11,7 @@ A suite is a JSONL file; its name is the file's stem. Each line is one item, of 
 
 Either kind may carry a `passage` (any string or number): items with the same passage share a
 text (several questions about one document), so the gate counts them as one cluster, not as
-independent items (plugins/llmops/paired.py).
+independent items (plugins/llmops/policy/paired.py).
 
 Nothing is downloaded: suites are files in the repo, made by data prep, or written by
 `write_demo_suites` from a prepared data dir (a multiple-choice version of the held-out SFT task
@@ -33,8 +33,8 @@ import torch
 import torch.nn.functional as F
 
 from tasks.common.io import atomic_write
-from tasks.configs.evaluate import suite_item_kind
-from tasks.train.data import SFTExample, read_jsonl
+from tasks.configs.evaluate_config import suite_item_kind
+from tasks.train.prepared_data import SFTExample, read_jsonl
 from tasks.train.runtime import autocast
 
 log = logging.getLogger(__name__)
@@ -80,7 +80,7 @@ def _from_s3(uri: str, into: Path) -> list[Path]:
     """The object `uri` (a .jsonl key) or every .jsonl object under the prefix `uri`/."""
     import boto3
 
-    from tasks.uris import split_s3
+    from tasks.common.uris import split_s3
 
     bucket, key = split_s3(uri)
     client = boto3.client("s3")
@@ -256,7 +256,7 @@ def write_demo_suites(data_dir: str | Path, out_dir: str | Path, n_items: int, s
                  held-out examples of the same skill;
     prose_cloze  the opening words of a held-out document, to be continued by its own next words
                  rather than the same span of 3 other documents."""
-    from tasks.train.data import DataDir, load_tokenizer
+    from tasks.train.prepared_data import DataDir, load_tokenizer
 
     data = DataDir(data_dir)
     rng = random.Random(seed)

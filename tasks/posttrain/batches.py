@@ -19,10 +19,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from tasks.model import IGNORE_INDEX
+from tasks.model.gpt import IGNORE_INDEX
 from tasks.posttrain.packing import PAD_SEGMENT, first_fit_decreasing
-from tasks.train.data import (Batch, EpochSampler, SFTExample, TokenRows, collate_sft, sft_sequence,
-                              trained_ranges)
+from tasks.train.prepared_data import (Batch, EpochSampler, SFTExample, TokenRows, collate_sft,
+                                       sft_sequence, trained_ranges)
 
 
 @dataclass

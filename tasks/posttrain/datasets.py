@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tasks.train.data import DataDir, SFTExample, TokenRows, load_sft, model_tokenizer
+from tasks.train.prepared_data import DataDir, SFTExample, TokenRows, load_sft, model_tokenizer
 
 log = logging.getLogger(__name__)
 

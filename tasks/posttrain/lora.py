@@ -56,12 +56,12 @@ class Adapters:
 def add_lora(model: nn.Module, rank: int, alpha: float, dropout: float,
              targets: list[str] | None = None) -> Adapters:
     """Inject adapters into `model` (in place). targets: leaf names of the layers to adapt;
-    empty = every linear layer of the decoder blocks (tasks.causal_lm.linear_layer_names)."""
+    empty = every linear layer of the decoder blocks (tasks.model.causal_lm.linear_layer_names)."""
     try:
         from peft import LoraConfig, get_peft_model
     except ImportError as exc:  # optional: full fine-tuning does not need it
         raise ImportError(PEFT_HINT) from exc
-    from tasks.causal_lm import linear_layer_names
+    from tasks.model.causal_lm import linear_layer_names
 
     available = linear_layer_names(model)
     targets = list(targets or available)

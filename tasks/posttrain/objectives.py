@@ -15,9 +15,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tasks.model import IGNORE_INDEX
+from tasks.model.gpt import IGNORE_INDEX
 from tasks.posttrain.packing import packed_logits
-from tasks.train.data import Batch
+from tasks.train.prepared_data import Batch
 from tasks.train.losses import LossFn, kd_loss, topk_kd_loss
 
 

@@ -2,9 +2,9 @@
 
 A packed row holds examples back to back. Each token carries its position inside its own example
 (so position embeddings match what the model sees at inference, where a prompt starts at 0) and a
-segment id; attention is causal *and* restricted to the token's own segment (tasks.model.
+segment id; attention is causal *and* restricted to the token's own segment (tasks.model.gpt.
 segment_mask). Padding has segment -1 and no loss. Every model takes positions and segments in its
-forward (tasks/causal_lm.py); tests/test_post_training.py checks that packed rows give every
+forward (tasks/model/causal_lm.py); tests/test_post_training.py checks that packed rows give every
 example exactly the logits it gets alone, for our GPT and for a transformers Llama.
 """
 

@@ -31,9 +31,9 @@ import torch
 import torch.nn as nn
 
 from tasks.common.io import publish_dir, read_json, write_json
-from tasks.causal_lm import HFCausalLM, decoder_layers
+from tasks.model.causal_lm import HFCausalLM, decoder_layers
 from tasks.configs import ModelConfig, from_dict, to_dict
-from tasks.model import GPT
+from tasks.model.gpt import GPT
 
 log = logging.getLogger(__name__)
 

@@ -34,7 +34,7 @@ import torch
 
 from tasks.common.hf_dir import CONFIG, config_problem, files_problem
 from tasks.common.io import read_json, write_json
-from tasks.uris import split_s3
+from tasks.common.uris import split_s3
 
 log = logging.getLogger(__name__)
 
@@ -248,7 +248,7 @@ def vocab_and_context(model_dir: Path) -> tuple[int, int]:
     if (model_dir / "config.json").is_file():
         from types import SimpleNamespace
 
-        from tasks.causal_lm import context_length
+        from tasks.model.causal_lm import context_length
 
         config = read_json(model_dir / "config.json")
         return config["vocab_size"], context_length(SimpleNamespace(**config))
@@ -283,10 +283,10 @@ def _from_checkpoint(path: Path, work_dir: Path) -> Path:
     model.pt (LoRA merged) into the architecture that trained them (the pretraining or student
     ModelConfig saved beside them, or the fine-tuned base model's), tokenizer from that stage's
     data or parent model."""
-    from tasks.causal_lm import build_model
+    from tasks.model.causal_lm import build_model
     from tasks.configs import ModelConfig, from_dict
     from tasks.train import checkpoint as ckpt
-    from tasks.train.data import DataDir
+    from tasks.train.prepared_data import DataDir
     from tasks.train.export import load_model, read_meta
 
     chosen = _checkpoint_path(path)

@@ -32,8 +32,8 @@ import torch
 import torch.nn as nn
 
 from tasks.common.io import publish_dir, read_json, sha256_file, write_json
-from tasks.train.data import SFTExample, TokenRows, collate_sft
-from tasks.model import IGNORE_INDEX
+from tasks.train.prepared_data import SFTExample, TokenRows, collate_sft
+from tasks.model.gpt import IGNORE_INDEX
 
 log = logging.getLogger(__name__)
 

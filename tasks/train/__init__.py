@@ -6,4 +6,4 @@ Resilient pretraining adds: pretraining.py (what `python -m tasks.pretrain` runs
 supervisor and worker sides, the training and its report), supervisor.py (the in-job supervisor,
 hang watchdog and hot spare), distributed.py (DDP/FSDP and process groups re-formed in place),
 guard.py (NaN and spike detection), faults.py (fault injection), telemetry.py (events, step times,
-heartbeat), goodput.py and s3.py (checkpoints mirrored to S3)."""
+heartbeat), goodput.py and checkpoint_s3.py (checkpoints mirrored to S3)."""

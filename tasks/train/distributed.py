@@ -264,7 +264,7 @@ class DistContext:
             from torch.distributed.fsdp import fully_shard
 
             on_meta = any(p.is_meta for p in model.parameters())
-            from tasks.causal_lm import decoder_layers
+            from tasks.model.causal_lm import decoder_layers
 
             units = decoder_layers(model)  # GPT blocks, LlamaDecoderLayer ...
             log.info("FSDP units: %d %s, then the rest of the model", len(units),

@@ -3,7 +3,8 @@
     <output_dir>/model/        a Hugging Face causal-LM directory:
         config.json, model.safetensors, generation_config.json
                                AutoModelForCausalLM.from_pretrained loads and generates with it
-                               (our GPT is saved as the GPT-2 it is exactly: tasks/causal_lm.py)
+                               (our GPT is saved as the GPT-2 it is exactly:
+                               tasks/model/causal_lm.py)
         tokenizer.json, tokenizer_config.json
                                AutoTokenizer loads it as a PreTrainedTokenizerFast; tokenizer.json
                                is byte for byte the file the data was prepared with (stages check
@@ -87,7 +88,7 @@ def _assemble(model: nn.Module, tmp: Path, tokenizer_path: str | Path, meta: dic
               eos_id: int) -> None:
     from transformers import GenerationConfig
 
-    from tasks.causal_lm import to_transformers
+    from tasks.model.causal_lm import to_transformers
 
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -157,15 +158,15 @@ def read_meta(model_dir: str | Path) -> dict[str, Any]:
 def load_model(model_dir: str | Path, device: str | torch.device = "cpu"
                ) -> tuple[nn.Module, dict[str, Any]]:
     """The model of a directory (our GPT when it is one, else a transformers model: see
-    tasks/causal_lm.py) and its meta. Weights from safetensors, or with weights_only for the
+    tasks/model/causal_lm.py) and its meta. Weights from safetensors, or with weights_only for the
     model.pt of directories written before the Hugging Face format."""
-    from tasks.causal_lm import from_pretrained
+    from tasks.model.causal_lm import from_pretrained
 
     model_dir = Path(model_dir)
     meta = read_meta(model_dir)
     if (model_dir / "model.pt").is_file() and (model_dir / "model_config.json").is_file():
         from tasks.configs import ModelConfig, from_dict
-        from tasks.model import GPT
+        from tasks.model.gpt import GPT
 
         model = GPT(from_dict(ModelConfig, read_json(model_dir / "model_config.json")))
         model.load_state_dict(torch.load(model_dir / "model.pt", map_location="cpu",
@@ -194,7 +195,7 @@ def log_mlflow_model(model_dir: str | Path, lineage: dict[str, Any], params: dic
 
     from mlflow.models import infer_signature
 
-    from tasks.causal_lm import context_length
+    from tasks.model.causal_lm import context_length
 
     model_dir = Path(model_dir)
     hf = AutoModelForCausalLM.from_pretrained(str(model_dir), trust_remote_code=False)

@@ -23,7 +23,7 @@ from typing import Any
 from tasks.common.io import publish_dir, read_json
 from tasks.configs import TrainConfig, fork_refusals, to_dict
 from tasks.train import checkpoint as ckpt
-from tasks.train.data import content_hash
+from tasks.train.prepared_data import content_hash
 
 log = logging.getLogger(__name__)
 

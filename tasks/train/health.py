@@ -174,7 +174,7 @@ def gather_hosts(world: int) -> list[str]:
 
 @dataclass(kw_only=True)
 class HealthSettings:
-    """TrainConfig's health fields (tasks/configs/train.py documents each)."""
+    """TrainConfig's health fields (tasks/configs/train_config.py documents each)."""
 
     burn_in: bool = True
     burn_in_min_gbps: float = 0.0

@@ -43,14 +43,14 @@ from tasks.common.io import read_json, write_json
 from tasks.configs import OptimConfig
 from tasks.train import checkpoint as ckpt
 from tasks.train import telemetry as tm
-from tasks.train.data import Batch
+from tasks.train.prepared_data import Batch
 from tasks.train.distributed import (DistContext, PeerFailure, is_peer_failure, load_full_state,
                                      load_sharded_state, sharded_state)
 from tasks.train.faults import FaultInjector
 from tasks.train.guard import DEFAULT_MIN_RATIO, Anomaly, SpikeGuard, UnrecoverableAnomaly
 from tasks.train.losses import LossFn
 from tasks.train.runtime import autocast, maybe_compile, rng_state, set_rng_state
-from tasks.train.s3 import mirror_for
+from tasks.train.checkpoint_s3 import mirror_for
 from tasks.train.schedule import lr_at
 
 log = logging.getLogger(__name__)
@@ -103,7 +103,7 @@ class LoopOptions:
     compile: bool = False
     # the global batch: get_batch(b) returns all of this rank's rows of global batch b, trained
     # as `accumulation` micro-batches; global_batch (sequences over all ranks, 0 = not stated)
-    # is checked at resume, which may then change the world size (tasks/train/data.py)
+    # is checked at resume, which may then change the world size (tasks/train/prepared_data.py)
     accumulation: int = 1
     global_batch: int = 0
     # FSDP of a model built on the meta device: its full initial weights (tasks/train/distributed.py)
@@ -581,8 +581,8 @@ class _Trainer:
                 self._log_metrics(metrics, done)
                 self.history.append({"step": done, **metrics})
                 # "step N/M | loss X" and "| T tok/s" are parsed by SageMaker's metric regexes
-                # (llmops.jobs.backends.sagemaker.requests.METRICS): keep them as they are. MFU only
-                # with a known peak (tasks.train.runtime.peak_flops).
+                # (llmops.jobs.backends.sagemaker.sagemaker_requests.METRICS): keep them as they
+                # are. MFU only with a known peak (tasks.train.runtime.peak_flops).
                 log.info("step %d/%d | loss %.4f | lr %.2e | grad_norm %.3f%s%s | %s",
                          done, cfg.max_steps, self.train_loss, lr, metrics["grad_norm"],
                          f" | {metrics['tokens_per_s']:.0f} tok/s" if "tokens_per_s" in metrics
@@ -658,9 +658,9 @@ class _Trainer:
             index += 1
         return index
 
-    # Batch b is a pure function of b (tasks/train/data.py), so the next one is read on a thread
-    # while this step computes (torch releases the GIL in its kernels): the step no longer waits
-    # for the gather from the memory-mapped shards, the tokenization of SFT examples or the
+    # Batch b is a pure function of b (tasks/train/prepared_data.py), so the next one is read on a
+    # thread while this step computes (torch releases the GIL in its kernels): the step no longer
+    # waits for the gather from the memory-mapped shards, the tokenization of SFT examples or the
     # teacher cache. At most one read is in flight; a batch sources are never read concurrently.
     def _prefetch(self, batch_index: int) -> None:
         if self._pending is not None and self._pending[0] == batch_index:
@@ -786,11 +786,12 @@ class _Trainer:
             self._log_metrics({f"event.{kind}": 1.0}, int(fields.get("step", self.step)))
 
     def _log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        """Log under the chart names (loss/train, loss/val, optim/lr...: tasks.common.tracking)."""
+        """Log under the chart names (loss/train, loss/val, optim/lr...:
+        tasks.common.job_tracking)."""
         if self.tracking:
             import mlflow
 
-            from tasks.common.tracking import chart_metrics
+            from tasks.common.job_tracking import chart_metrics
 
             # asynchronous: a metric write to the tracking store is a network or database round
             # trip that should not stall the training thread
@@ -829,7 +830,7 @@ def _log_loss_curve(history: list[dict[str, float]]) -> None:
     import matplotlib.pyplot as plt
     import mlflow
 
-    from tasks.common.tracking import chart_name, log_figure
+    from tasks.common.job_tracking import chart_name, log_figure
 
     client = mlflow.MlflowClient()
     run_id = mlflow.active_run().info.run_id

@@ -8,8 +8,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tasks.model import IGNORE_INDEX
-from tasks.train.data import Batch
+from tasks.model.gpt import IGNORE_INDEX
+from tasks.train.prepared_data import Batch
 
 LossFn = Callable[[nn.Module, Batch], torch.Tensor]
 

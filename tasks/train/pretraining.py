@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from tasks.common.io import read_json, write_json
-from tasks.common.tracking import stage_run
+from tasks.common.job_tracking import stage_run
 from tasks.configs import ModelConfig, TrainConfig, to_dict
 from tasks.train import telemetry as tm
 from tasks.train.supervisor import FATAL_EXIT, PAUSED_EXIT, Supervisor, WorkerEnv
@@ -34,7 +34,7 @@ from tasks.train.supervisor import FATAL_EXIT, PAUSED_EXIT, Supervisor, WorkerEn
 log = logging.getLogger("tasks.pretrain")   # the command's log, as before it moved here
 FORK_FILE = "fork.json"   # the fork's lineage (tasks/train/fork.py), for the worker's MLflow run
 # The checkpoint steps the retention policy left (tasks/train/retention.py), on the MLflow run
-# for the run page (llmops.run_summary): comma-separated, ascending; the count beside it.
+# for the run page (llmops.stages.run_summary): comma-separated, ascending; the count beside it.
 KEPT_TAG, KEPT_COUNT_TAG = "checkpoints.kept", "checkpoints.kept_count"
 KEPT_TAG_CHARS = 4000   # under MLflow's tag value limit; a longer list keeps its newest steps
 
@@ -79,8 +79,8 @@ def _setup(cfg: TrainConfig, env: WorkerEnv, *, warm: bool = False) -> _Setup:
     second."""
     import torch
 
-    from tasks.causal_lm import build_model
-    from tasks.train.data import DataDir
+    from tasks.model.causal_lm import build_model
+    from tasks.train.prepared_data import DataDir
     from tasks.train.runtime import peak_flops, pick_device, seed_everything
 
     device = pick_device(env.local_rank if env.world_size > 1 else None)
@@ -120,7 +120,7 @@ def _initial_weights(cfg: TrainConfig) -> dict[str, Any]:
     shards them."""
     import torch
 
-    from tasks.causal_lm import build_model
+    from tasks.model.causal_lm import build_model
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
@@ -137,16 +137,16 @@ def pretrain(cfg: TrainConfig, stage: str = "pretrain", publish: bool = True, *,
 
 def _train(cfg: TrainConfig, setup: _Setup, env: WorkerEnv, *, stage: str, publish: bool,
            on_eval: Callable[[int, dict[str, float]], None] | None) -> dict[str, Any]:
-    from tasks.train.data import PretrainBatches
+    from tasks.train.prepared_data import PretrainBatches
     from tasks.train.distributed import DistContext
     from tasks.train.export import publish_model, published
     from tasks.train.faults import FaultInjector
     from tasks.train.health import JobHealth, health_settings
     from tasks.train.losses import cross_entropy
     from tasks.train.loop import LoopOptions, train
-    from tasks.causal_lm import position_params
+    from tasks.model.causal_lm import position_params
     from tasks.train.runtime import gpt_flops_per_token
-    from tasks.train.s3 import mirror_for
+    from tasks.train.checkpoint_s3 import mirror_for
     from tasks.train.scoring import shard_loss
 
     device, data, model = setup.device, setup.data, setup.model
@@ -291,7 +291,7 @@ def record_kept_steps(cfg: TrainConfig) -> list[int]:
 
 
 def _from_checkpoint(cfg: TrainConfig, path: str) -> Any:
-    from tasks.causal_lm import build_model
+    from tasks.model.causal_lm import build_model
     from tasks.train.checkpoint import load_model_weights
 
     return load_model_weights(path, build_model(cfg.model))
@@ -302,7 +302,7 @@ def _log_new_events(run_dir: Path) -> None:
     the supervisor itself does not import MLflow (it must start in milliseconds)."""
     import mlflow
 
-    from tasks.common.tracking import chart_name
+    from tasks.common.job_tracking import chart_name
 
     marker = run_dir / "events_logged"
     done = int(marker.read_text()) if marker.exists() else 0
@@ -321,7 +321,7 @@ def _report(run_dir: Path, result: Any) -> dict[str, Any]:
     """Goodput and the job's resilience events, on the MLflow run and in the task log."""
     import mlflow
 
-    from tasks.common.tracking import log_figure, log_json_artifact
+    from tasks.common.job_tracking import log_figure, log_json_artifact
     from tasks.train import goodput
 
     report = goodput.compute(run_dir, until=result.trained_at)
@@ -333,7 +333,7 @@ def _report(run_dir: Path, result: Any) -> dict[str, Any]:
                                  ("rollback", "rollbacks"), ("peer_failure", "peer_failures"),
                                  ("anomaly", "anomalies"), ("straggler", "stragglers"),
                                  ("sdc_mismatch", "sdc_mismatches"))}
-    # one chart section, after the loss curves (see tasks.common.tracking.CHART_NAMES)
+    # one chart section, after the loss curves (see tasks.common.job_tracking.CHART_NAMES)
     metrics = {"resilience/goodput": report["goodput"],
                "resilience/goodput_excluding_hang_wait": report["goodput_excluding_hang_wait"],
                **{f"resilience/badput_{k}_s": v for k, v in report["buckets"].items()

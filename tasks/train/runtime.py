@@ -11,7 +11,7 @@ from typing import Any, ContextManager
 import numpy as np
 import torch
 
-from tasks import hardware
+from tasks.common import hardware
 
 log = logging.getLogger(__name__)
 
@@ -87,16 +87,16 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 def peak_flops(device: torch.device) -> float:
     """FLOP/s one device can do at best: $LLMOPS_PEAK_TFLOPS, else the data-sheet number of a
-    known accelerator (tasks/hardware.py, matched by its exact name); 0.0 when unknown, and then
-    MFU is neither logged nor printed."""
+    known accelerator (tasks/common/hardware.py, matched by its exact name); 0.0 when unknown, and
+    then MFU is neither logged nor printed."""
     if os.environ.get("LLMOPS_PEAK_TFLOPS"):
         return float(os.environ["LLMOPS_PEAK_TFLOPS"]) * 1e12
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         found = hardware.for_device_name(name)
         if found is None:
-            log.warning("no known bf16 peak for %r (tasks/hardware.py): MFU is not reported; set "
-                        "LLMOPS_PEAK_TFLOPS to state one", name)
+            log.warning("no known bf16 peak for %r (tasks/common/hardware.py): MFU is not reported; "
+                        "set LLMOPS_PEAK_TFLOPS to state one", name)
             return 0.0
         return found.peak_tflops * 1e12
     return 0.0

@@ -10,8 +10,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tasks.model import IGNORE_INDEX
-from tasks.train.data import Batch, SFTExample, TokenRows, collate_sft
+from tasks.model.gpt import IGNORE_INDEX
+from tasks.train.prepared_data import Batch, SFTExample, TokenRows, collate_sft
 from tasks.train.runtime import autocast
 
 

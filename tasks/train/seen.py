@@ -4,8 +4,8 @@ Every pretraining checkpoint's trainer state (trainer.pt, listed with its sha256
 checkpoint's manifest) holds `data_seen`: the sampler's seed, the global batch in rows, the
 split's row count, the data's content hash and the trained global batch ranges (the data cursor
 less any skipped batches). Batch order is a pure function of (seed, batch index)
-(tasks/train/data.py), so that record is exact; the rows are computed from it on demand here. An
-answer asked against another data dir than the one it trained on is refused (by the content
+(tasks/train/prepared_data.py), so that record is exact; the rows are computed from it on demand
+here. An answer asked against another data dir than the one it trained on is refused (by the content
 hash; by the row count for records without one).
 
 A document's rows are found by replaying data prep's packing (tasks/data/prep.py): per input
@@ -41,8 +41,8 @@ import numpy as np
 
 from tasks.common.io import read_json
 from tasks.train import checkpoint as ckpt
-from tasks.train.data import (BlockShuffleSampler, DataDir, EpochSampler, PretrainBatches,
-                              TokenRows, content_hash, read_jsonl, sampler_of)
+from tasks.train.prepared_data import (BlockShuffleSampler, DataDir, EpochSampler, PretrainBatches,
+                                       TokenRows, content_hash, read_jsonl, sampler_of)
 
 
 def record(checkpoint_dir: str | Path, data_dir: str | Path | None = None) -> dict[str, Any]:

@@ -1,9 +1,9 @@
 """Token shards read from S3 while training: blocks of rows, fetched ahead into a bounded cache.
 
 A pretraining whose `data_dir` is an s3:// prefix (on Batch and HyperPod docker/job_entry.py
-leaves it so: tasks/uris.py STREAMED_INPUTS) reads its token shards here instead of from a
+leaves it so: tasks/common/uris.py STREAMED_INPUTS) reads its token shards here instead of from a
 downloaded copy. The unit is a *block*: `block_rows` consecutive rows of one shard (the last block
-of a shard may be shorter), the same blocks the sample order shuffles (tasks/train/data.py
+of a shard may be shorter), the same blocks the sample order shuffles (tasks/train/prepared_data.py
 BlockShuffleSampler), so a block is one sequential ranged GET and every row of it is used.
 
 - The client is Amazon's S3 Connector for PyTorch (`s3torchconnector`, its CRT-based Mountpoint
@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from tasks.uris import split_s3
+from tasks.common.uris import split_s3
 
 log = logging.getLogger(__name__)
 

@@ -1,10 +1,10 @@
 """A Kubernetes API that runs the HyperPod backend's jobs: HyperPodPyTorchJob and Kubeflow
 PyTorchJob, one process per pod, each pod on its own disk.
 
-Plug it in where the backend makes its client (`llmops.jobs.backends.hyperpod.hook.connect`); it
-answers the calls the backend makes (`call(api, method, **kwargs)`), in the kubernetes client's
-shapes. Everything below is simulated, standing in for EKS, the HyperPod and Kubeflow training
-operators and HyperPod's elastic agent:
+Plug it in where the backend makes its client
+(`llmops.jobs.backends.hyperpod.hyperpod_hook.connect`); it answers the calls the backend makes
+(`call(api, method, **kwargs)`), in the kubernetes client's shapes. Everything below is simulated,
+standing in for EKS, the HyperPod and Kubeflow training operators and HyperPod's elastic agent:
 
 - Objects: get / create (409 if it exists) / delete of the job resources, 404 for a missing one;
   pods listed by label; a pod's log read with `timestamps`, `tail_lines` or `since_seconds`

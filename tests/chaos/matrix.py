@@ -110,10 +110,10 @@ machine information and load. What is simulated (and not): see tests/chaos/fake_
 KNOWN LIMITS  the control row marks a task failed once it is deferred and its trigger runs (its
           trigger log part shows a poll: a job line it forwarded), which is what a user does to a
           multi-day job. A running trigger whose task was ended without Airflow calling its
-          on_kill stops the job itself (llmops.triggers.job: it asks the task's state every 30
-          s). A mark-failed that lands while a task hands over from the worker to the triggerer,
-          before the triggerer has picked the trigger up, is seen by nobody (Airflow deletes
-          the unused trigger unrun; the worker has exited) and the job runs on until its
+          on_kill stops the job itself (llmops.airflow.triggers.job_trigger: it asks the task's
+          state every 30 s). A mark-failed that lands while a task hands over from the worker to the
+          triggerer, before the triggerer has picked the trigger up, is seen by nobody (Airflow
+          deletes the unused trigger unrun; the worker has exited) and the job runs on until its
           max_run_seconds: not exercised here.
 """
 
@@ -327,7 +327,7 @@ class Matrix:
                                      database=self.database, parallelism=PARALLELISM, heartbeat_timeout=60)
         self.dep.migrate()
         # The accelerator pool the lifecycle's sweep trials run in.
-        subprocess.run([sys.executable, "-m", "llmops.sweep.pool"], env=self.dep.env, check=True,
+        subprocess.run([sys.executable, "-m", "llmops.airflow.sweep_pool"], env=self.dep.env, check=True,
                        capture_output=True, timeout=120)
         self.dep.start()
         for dag_id in (SMALL_DAG, WORKER_DAG, HYPERPOD_DAG, HYPERPOD_WORKER_DAG, LIFECYCLE_DAG):
@@ -1311,9 +1311,9 @@ def hyperpod_outage(m: Matrix, run_id: str) -> None:
     from the first one (the job's create and the reads before it are not hit)."""
     m.eks.outage(KUBE_READS, OUTAGE_S, run_id=run_id)
 # S3's 503 SlowDown to the jobs' own writes (their checkpoints, their result) for 60 s: the jobs
-# retry with backoff (tasks/train/s3.py) and neither fail nor lose a checkpoint. The Batch and
-# HyperPod halves: a SageMaker job writes its checkpoints to local disk and the service syncs
-# them (its own traffic, which S3 may slow down without the job knowing), so no upload of the
+# retry with backoff (tasks/train/checkpoint_s3.py) and neither fail nor lose a checkpoint. The
+# Batch and HyperPod halves: a SageMaker job writes its checkpoints to local disk and the service
+# syncs them (its own traffic, which S3 may slow down without the job knowing), so no upload of the
 # job is slowed.
 SLOWDOWN = [{"operations": ["PutObject", "UploadPart", "CreateMultipartUpload", "CompleteMultipartUpload"],
              "services": ["s3"], "kind": "throttle", "origin": "jobs", "per_job_seconds": 60}]

@@ -384,7 +384,7 @@ def platform(server: FakeAws, name: str, workdir: Path, **hyperpod_settings: Any
     platform puts its FakeEks where the backend makes its Kubernetes client; `hyperpod_settings`
     go into its settings (a namespace, a Kueue queue_name)."""
     if name == "batch":
-        from llmops.jobs.backends.batch.backend import BatchBackend
+        from llmops.jobs.backends.batch.batch_backend import BatchBackend
 
         staging = f"s3://{BUCKET}/batch-staging"
         backend = BatchBackend(settings={"batch": {
@@ -392,14 +392,14 @@ def platform(server: FakeAws, name: str, workdir: Path, **hyperpod_settings: Any
             "staging_uri": staging}})
         return aws_platform(server, backend, staging, BATCH_GROUP, "m5.xlarge", "SubmitJob")
     if name == "sagemaker":
-        from llmops.jobs.backends.sagemaker.backend import SageMakerTrainingBackend
+        from llmops.jobs.backends.sagemaker.sagemaker_backend import SageMakerTrainingBackend
 
         backend = SageMakerTrainingBackend(settings={"sagemaker": sagemaker_settings(
             BUCKET, aws_conn_id=CONN, instance_type="ml.m5.xlarge")})
         return aws_platform(server, backend, f"s3://{BUCKET}/staging", SM_GROUP, "ml.m5.xlarge",
                             "CreateTrainingJob")
-    from llmops.jobs.backends.hyperpod import backend as hyperpod
-    from llmops.jobs.backends.hyperpod import hook as hyperpod_hook
+    from llmops.jobs.backends.hyperpod import hyperpod_backend as hyperpod
+    from llmops.jobs.backends.hyperpod import hyperpod_hook
 
     eks = FakeEks(workdir / "eks", {**CREDENTIALS, "AWS_ENDPOINT_URL": server.moto_url,
                                     "AWS_ENDPOINT_URL_S3": server.moto_url})

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tasks.common.entry import run_stage
-from tasks.train.s3 import MANIFEST, S3Mirror   # boto3 is imported on a mirror's first call
+from tasks.train.checkpoint_s3 import MANIFEST, S3Mirror   # boto3 is imported on a mirror's first call
 
 
 @dataclass(kw_only=True)

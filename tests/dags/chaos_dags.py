@@ -23,7 +23,7 @@ from datetime import timedelta
 import pendulum
 from airflow.sdk import DAG, Param
 
-from llmops.operators.job import JobOperator
+from llmops.airflow.operators.job_operator import JobOperator
 
 PARAMS = {"seconds": Param(40, type="number", minimum=0),
           "exit_code": Param(0, type="integer", minimum=0, maximum=255),

@@ -4,7 +4,7 @@
 import pendulum
 from airflow.sdk import DAG
 
-from llmops.operators.job import JobOperator
+from llmops.airflow.operators.job_operator import JobOperator
 
 with DAG("job_links_local", schedule=None, start_date=pendulum.datetime(2026, 1, 1, tz="UTC"),
          default_args={"retries": 0}) as job_links_local:

@@ -5,7 +5,7 @@ from datetime import timedelta
 import pendulum
 from airflow.sdk import DAG
 
-from llmops.operators.job import JobOperator
+from llmops.airflow.operators.job_operator import JobOperator
 
 PRINTED_SECRETS = ["AWS_SECRET_ACCESS_KEY", "WAREHOUSE_PASSWORD", "AIRFLOW_CONN_WAREHOUSE"]
 

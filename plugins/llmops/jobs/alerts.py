@@ -2,7 +2,7 @@
 
 `JobAlerts` is handed to a `JobWatch` (llmops.jobs.watch) by the worker wait and by the trigger;
 the watch calls it with every step, in the poll's own thread (the trigger runs polls off the
-event loop, so the SNS call is too). It sends (llmops.notify) one alert per job per kind:
+event loop, so the SNS call is too). It sends (llmops.infra.notify) one alert per job per kind:
 
   rollback   the loss guard rolled the job back (the job's log line
              `[worker rank 0] rollback from_step=N to_step=M anomaly=spike ...`, tasks/train/loop.py)
@@ -30,7 +30,7 @@ import re
 import time
 from typing import Any, Callable
 
-from llmops import notify
+from llmops.infra import notify
 from llmops.jobs.watch import Step, duration, read_beside_result, write_beside_result
 
 log = logging.getLogger(__name__)

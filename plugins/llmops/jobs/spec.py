@@ -49,8 +49,8 @@ class JobSpec:
     tags: dict = field(default_factory=dict)
     mlflow_experiment: str = ""
     mlflow_parent_run_id: str = ""
-    # The step cache (llmops.step_cache.for_spec): the index's root, each input's path and content
-    # hash, whether to look up, and a record taken from an earlier run. {}: never cached.
+    # The step cache (llmops.infra.step_cache.for_spec): the index's root, each input's path and
+    # content hash, whether to look up, and a record taken from an earlier run. {}: never cached.
     cache: dict = field(default_factory=dict)
     # Backend settings this job must run with, over the deployment's blocks and their stage
     # overrides (the run's policy decides them: its team's role, fair share, namespace, queue):

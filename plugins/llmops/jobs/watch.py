@@ -311,7 +311,7 @@ def read_beside_result(handle: dict[str, Any], name: str) -> Any:
     if not uri:
         return None
     if uri.startswith("s3://"):
-        from llmops.aws import s3
+        from llmops.infra.aws import s3
 
         return s3.read_json(s3.s3_hook(handle.get("aws_conn_id") or None,
                                        handle.get("region_name") or None), uri)
@@ -328,7 +328,7 @@ def write_beside_result(handle: dict[str, Any], name: str, data: Any) -> None:
     if not uri:
         return
     if uri.startswith("s3://"):
-        from llmops.aws import s3
+        from llmops.infra.aws import s3
 
         s3.write_json(s3.s3_hook(handle.get("aws_conn_id") or None,
                                  handle.get("region_name") or None), uri, data)

@@ -1,26 +1,42 @@
-"""Backends by name. Registered as dotted paths so a backend's SDK is imported only when used."""
+"""Backends by name: one line each in BACKENDS, naming the BackendEntry its folder declares
+(llmops/jobs/backends/<folder>/__init__.py). Registered as dotted paths so a backend's SDK is
+imported only when used; everything else about a backend (its settings block, what lifecycle
+requires of it, its console links) is read from its entry."""
 
 from __future__ import annotations
 
+import functools
 import importlib
+from typing import Any
 
-from llmops.jobs.backends.base import Backend, JobState, JobStatus
+from llmops.jobs.backends.base import Backend, BackendEntry, JobState, JobStatus
 
 BACKENDS = {
-    "local": "llmops.jobs.backends.local.LocalBackend",
-    "sagemaker": "llmops.jobs.backends.sagemaker.backend.SageMakerTrainingBackend",
-    "sagemaker_processing": "llmops.jobs.backends.sagemaker.backend.SageMakerProcessingBackend",
-    "hyperpod": "llmops.jobs.backends.hyperpod.backend.HyperPodBackend",
-    "batch": "llmops.jobs.backends.batch.backend.BatchBackend",
-    "ray": "llmops.jobs.backends.ray.backend.RayBackend",
+    "local": "llmops.jobs.backends.local.ENTRY",
+    "sagemaker": "llmops.jobs.backends.sagemaker.TRAINING",
+    "sagemaker_processing": "llmops.jobs.backends.sagemaker.PROCESSING",
+    "batch": "llmops.jobs.backends.batch.ENTRY",
+    "hyperpod": "llmops.jobs.backends.hyperpod.ENTRY",
+    "ray": "llmops.jobs.backends.ray.ENTRY",
 }
 
 
-def get_backend(name: str) -> Backend:
+@functools.cache
+def load(dotted: str) -> Any:
+    """The object a dotted path names (module.attribute), imported on first use."""
+    module, _, name = dotted.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+def entry(name: str) -> BackendEntry:
     if name not in BACKENDS:
         raise ValueError(f"Unknown backend {name!r}. Choose one of {sorted(BACKENDS)}.")
-    module, _, cls = BACKENDS[name].rpartition(".")
-    return getattr(importlib.import_module(module), cls)()
+    return load(BACKENDS[name])
 
 
-__all__ = ["BACKENDS", "Backend", "JobState", "JobStatus", "get_backend"]
+def get_backend(name: str) -> Backend:
+    return load(entry(name).backend)()
+
+
+__all__ = ["BACKENDS", "Backend", "BackendEntry", "JobState", "JobStatus", "entry", "get_backend",
+           "load"]

@@ -7,7 +7,7 @@ import enum
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from llmops.jobs.spec import JobSpec
 
@@ -38,6 +38,28 @@ class JobStatus:
     details: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class BackendEntry:
+    """Everything the rest of llmops reads of one backend, declared in its folder's __init__.py
+    (light: no SDK import) and registered by one line in llmops.jobs.backends.BACKENDS: lifecycle's
+    settings check, the settings block, the console links and the Param's choices read it here.
+
+    `backend` and `settings` are dotted paths, imported only when used. `host` finds where the
+    job's console or dashboard is (the AWS region, the Ray dashboard: "" when unknown) and
+    `links` turns a job handle and that host into {button name: URL}; `buttons` names the link
+    buttons it may fill, in order (a button shows on every job task, greyed out when empty)."""
+
+    backend: str                        # the Backend class
+    settings: str = ""                  # its settings block class; "" = none, the job runs here
+    required: tuple[str, ...] = ()      # settings it cannot submit without
+    one_of: tuple[str, ...] = ()        # at least one of these (the first is named when none is)
+    aws: bool = True                    # staging bucket checked through the block's AWS connection
+    host: Callable[[dict[str, Any]], str] | None = None
+    links: Callable[[dict[str, Any], str], dict[str, str]] | None = None
+    buttons: tuple[str, ...] = ()
+    no_pause: str = ""                  # why a running job cannot see a pause marker ("" = it can)
+
+
 class Backend(abc.ABC):
     """A handle is a small JSON-able dict, so it survives deferral to the triggerer.
 
@@ -49,8 +71,8 @@ class Backend(abc.ABC):
     # Seconds between two polls of a job's status and log, unless the operator or the handle says
     # otherwise. Remote services rate-limit describe and log calls per account.
     poll_interval: float = 30.0
-    # Set by a trigger (llmops.triggers.job): its status reads go through the one read the
-    # process's triggers share where the service answers for many jobs at once
+    # Set by a trigger (llmops.airflow.triggers.job_trigger): its status reads go through the one
+    # read the process's triggers share where the service answers for many jobs at once
     # (llmops.jobs.backends.shared), and a value read that many seconds ago still serves. 0: the
     # job is read on its own (a worker watching its one job).
     shared_max_age: float = 0.0
@@ -88,13 +110,14 @@ class Backend(abc.ABC):
         shares; NO_CHECKPOINT when there is none yet; None when the handle names no storage (a
         local job, a handle from before the field). Raises when the storage cannot be read.
 
-        The chain of attempts compares it at an attempt's start and end (llmops.operators.job_chain).
+        The chain of attempts compares it at an attempt's start and end
+        (llmops.airflow.operators.job_chain).
         """
         uri = str(handle.get("checkpoint_uri") or "")
         if not uri:
             return None
         if uri.startswith("s3://"):
-            from llmops.aws import s3
+            from llmops.infra.aws import s3
 
             hook = s3.s3_hook(handle.get("aws_conn_id"), handle.get("region_name") or None,
                               handle.get("kms_key_id"))

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from llmops.aws import s3
+from llmops.infra.aws import s3
 from llmops.jobs import env_secrets
 from llmops.jobs.spec import JobSpec, JobSpecError, cost_allocation_tags
 from tasks.configs import CHECKPOINTED_STAGES, to_dict
@@ -455,7 +455,8 @@ def merged(spec: JobSpec, settings: Any) -> dict[str, Any]:
 
 
 def resource_fields(spec: JobSpec, settings: Any) -> dict[str, Any]:
-    """The resolved image and instances, kept in the handle for the job ledger (llmops.ledger)."""
+    """The resolved image and instances, kept in the handle for the job ledger
+    (llmops.infra.ledger)."""
     res = merged(spec, settings)
     return {"image": res["image"], "instance_type": res["instance_type"],
             "instance_count": res["instance_count"]}

@@ -1,7 +1,7 @@
 """What every remote backend's settings block shares: RemoteSettings (connection, staging,
 resources, how a job is watched, encryption), BackendSettingsError, the examples a missing key's
 message shows. The Variable they are read from and what each field means:
-llmops.jobs.backends.settings.
+llmops.jobs.backends.backend_settings.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from llmops import settings as deployment
+from llmops.core import settings as deployment
 from tasks.configs import ConfigError, from_dict, to_dict
 
 VARIABLE = deployment.BACKENDS_VARIABLE

@@ -3,7 +3,7 @@
 Airflow's triggerer runs every deferred task's trigger in one process: a sweep of 100 trials is
 100 triggers polling the same services every 30 s, and one triggerer holds up to 1,000. Where an
 API answers for many jobs in one call, one call does (a backend's `shared` reads, turned on by
-llmops.triggers.job.JobTrigger; a worker watches one job and reads it directly):
+llmops.airflow.triggers.job_trigger.JobTrigger; a worker watches one job and reads it directly):
 
 - AWS Batch: DescribeJobs takes up to 100 job ids, parents and node jobs alike (`SharedReads`);
 - SageMaker: ListTrainingJobs (ListProcessingJobs) with LastModifiedTimeAfter says which jobs
