@@ -155,14 +155,7 @@ class BlockCache:
     def _evict(self, keep: set[str], incoming: int) -> int:
         """Delete least recently used blocks (never those in `keep`) until `incoming` more bytes
         fit the limit; the caller holds the lock. Returns the bytes freed."""
-        files = []
-        for entry in os.scandir(self.root):
-            if entry.name.endswith(".blk"):
-                try:
-                    st = entry.stat()
-                except FileNotFoundError:   # another rank evicted it a moment ago
-                    continue
-                files.append((st.st_mtime, st.st_size, entry.name[:-4]))
+        files = self._blocks()
         total = sum(size for _, size, _ in files)
         freed = 0
         for _, size, name in sorted(files):
@@ -179,7 +172,20 @@ class BlockCache:
         return freed
 
     def size(self) -> int:
-        return sum(e.stat().st_size for e in os.scandir(self.root) if e.name.endswith(".blk"))
+        return sum(size for _, size, _ in self._blocks())
+
+    def _blocks(self) -> list[tuple[float, int, str]]:
+        """(mtime, bytes, name) of every cached block. A block another rank or this process's
+        prefetch thread evicts between the listing and its stat is passed over: it is gone."""
+        blocks = []
+        for entry in os.scandir(self.root):
+            if entry.name.endswith(".blk"):
+                try:
+                    st = entry.stat()
+                except FileNotFoundError:
+                    continue
+                blocks.append((st.st_mtime, st.st_size, entry.name[:-4]))
+        return blocks
 
 
 def _touch(path: Path) -> None:
