@@ -153,9 +153,8 @@ def main() -> int:
     return 0
 
 
-def _stop_sessions(sids: list[int], grace_s: float = 10.0) -> list[int]:
-    """Stop every process left in the servers' sessions (SIGTERM, SIGKILL after `grace_s`);
-    returns the pids it had to stop.
+def _stop_sessions(sids: list[int], grace_s: float = 10.0) -> None:
+    """Stop every process left in the servers' sessions (SIGTERM, SIGKILL after `grace_s`).
 
     `airflow standalone` stops its components with SIGTERM and waits for their output to end,
     but its scheduler waits for the LocalExecutor's running tasks, and each task's supervisor
@@ -184,7 +183,6 @@ def _stop_sessions(sids: list[int], grace_s: float = 10.0) -> list[int]:
             proc.kill()
         except psutil.NoSuchProcess:
             pass
-    return [proc.pid for proc in left]
 
 
 def _dag_lines(dags: list[dict] | None) -> list[str]:
