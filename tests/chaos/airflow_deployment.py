@@ -213,7 +213,13 @@ class AirflowDeployment(StartStop):
             "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT": str(heartbeat_timeout),
             "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_SEC": "5",
             "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT_DETECTION_INTERVAL": "5",
-            "AIRFLOW__SCHEDULER__SCHEDULER_HEALTH_CHECK_THRESHOLD": "30",
+            # A scheduler whose loop stalls past this threshold on busy cores marks its own job
+            # failed at its next orphan check (every 30 s, below) and resets every task it
+            # queued: in a CI run at load 4 a 34 s stall reset 39 running tries at once, and
+            # three rows' waits ran out on the retries. The price: a restarted scheduler adopts
+            # (resets) the old one's tasks once its last heartbeat is this old, 60 s later than
+            # at 30 s.
+            "AIRFLOW__SCHEDULER__SCHEDULER_HEALTH_CHECK_THRESHOLD": "90",
             # A restarted scheduler fails a dead worker's task (heartbeat timeout) only once it has
             # adopted the task from the scheduler job before it, which it checks every
             # orphaned_tasks_check_interval (300 s by default): with LocalExecutor a scheduler's
