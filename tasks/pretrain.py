@@ -23,6 +23,7 @@ report are tasks/train/pretraining.py (which sweep trials also call, in-process)
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import sys
@@ -38,16 +39,18 @@ from tasks.train.supervisor import PAUSED_EXIT, WorkerEnv
 log = logging.getLogger("tasks.pretrain")
 
 
-def main(cfg: TrainConfig) -> dict[str, Any] | None:
+def main(cfg: TrainConfig, config_path: str) -> dict[str, Any] | None:
+    """`config_path`: the file `cfg` was read from, which the supervisor's workers read too."""
     env = WorkerEnv.from_env()
     if env.role is not None:
         return run_worker(cfg, env)
-    return supervise(cfg, env)
+    return supervise(cfg, env, config_path)
 
 
 if __name__ == "__main__":
     flags = argparse.ArgumentParser(add_help=False)
     flags.add_argument("--faults", default=None)
+    flags.add_argument("--config", default=None)
     known, rest = flags.parse_known_args()
     if known.faults is not None:
         try:
@@ -58,7 +61,11 @@ if __name__ == "__main__":
         os.environ[FAULTS_ENV] = known.faults  # workers inherit it
     worker = WorkerEnv.from_env().role is not None
     try:
-        outcome = run_stage("pretrain", TrainConfig, main, argv=rest)
+        # run_stage parses and validates the file; the path goes on to the supervisor, whose
+        # workers are started with the job's own config file, not a copy of it.
+        argv = rest if known.config is None else ["--config", known.config, *rest]
+        outcome = run_stage("pretrain", TrainConfig, functools.partial(main, config_path=known.config),
+                            argv=argv)
         code = PAUSED_EXIT if outcome and outcome.get("paused") else 0
     except Exception:
         if not worker:

@@ -393,10 +393,11 @@ def run_worker(cfg: TrainConfig, env: WorkerEnv) -> dict[str, Any]:
     return result
 
 
-def supervise(cfg: TrainConfig, env: WorkerEnv) -> dict[str, Any] | None:
+def supervise(cfg: TrainConfig, env: WorkerEnv, config_path: str) -> dict[str, Any] | None:
+    """Run this rank's worker (`config_path`: the job's config file, which `cfg` was read from
+    and every worker reads again) under the Supervisor, and return rank 0's result."""
     run_dir = tm.run_dir(cfg.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    config_path = write_json(run_dir / "worker_config.json", to_dict(cfg))
     result_path = run_dir / f"worker_result.rank{env.rank}.json"
     result_path.unlink(missing_ok=True)
     if env.rank == 0:
@@ -412,7 +413,7 @@ def supervise(cfg: TrainConfig, env: WorkerEnv) -> dict[str, Any] | None:
         run_dir=run_dir, rank=env.rank, max_restarts=cfg.max_restarts,
         hang_timeout_s=cfg.hang_timeout_s, phase_timeouts=phase_timeouts(cfg),
         hot_spare=cfg.hot_spare,
-        worker_cmd=[sys.executable, "-m", "tasks.pretrain", "--config", str(config_path),
+        worker_cmd=[sys.executable, "-m", "tasks.pretrain", "--config", os.path.abspath(config_path),
                     "--result", str(result_path)])
     code = supervisor.run()
     if code == PAUSED_EXIT:
