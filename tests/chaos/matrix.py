@@ -265,6 +265,7 @@ class Matrix:
         self.labels: dict[str, tuple[str, str] | None] = {}   # job id -> (label, token) it printed
         self.events: list[tuple[float, str]] = []  # what happened to the deployment on its own
         self._watching = threading.Event()
+        self._own_connections = iter(range(1, OWN_CONNECTIONS + 1))
 
     # -- setup -------------------------------------------------------------------------------
     def start(self) -> None:
@@ -309,6 +310,8 @@ class Matrix:
                          "max_retry_count": 2},
         }
         env = {f"AIRFLOW_CONN_{CONN_ID.upper()}": json.dumps(connection),
+               **{f"AIRFLOW_CONN_{CONN_ID.upper()}_ROW{i}": json.dumps(connection)
+                  for i in range(1, OWN_CONNECTIONS + 1)},
                f"AIRFLOW_CONN_{KUBE_CONN_ID.upper()}": json.dumps(self.kube.connection()),
                "AIRFLOW_VAR_LLMOPS_BACKENDS": json.dumps(backends),
                "AIRFLOW__OPERATORS__DEFAULT_DEFERRABLE": "true",
@@ -409,6 +412,20 @@ class Matrix:
 
     def conf(self, seconds: float | None = None, exit_code: int = 0) -> dict[str, Any]:
         return {"seconds": int(seconds if seconds is not None else self.seconds), "exit_code": exit_code}
+
+    def own_connection(self) -> dict[str, Any]:
+        """settings_overrides that send a run's jobs through an AWS connection of the row's own
+        (the same endpoint). A triggerer reads the status of every job of one connection in
+        shared calls (a DescribeJobs of up to 100 ids, one ListTrainingJobs), and AWS fails or
+        throttles a call, not a job: a fault rule narrowed to one row's jobs also hit every other
+        row's jobs in those calls. In a full run the 10-minute outage row's 503s held the Batch
+        jobs of five other rows unread for ten minutes (the lifecycle's fine-tuning noticed 13
+        minutes after its end) and their rows' waits ran out. A row of its own connection is
+        what two teams' accounts are on one MWAA environment."""
+        with self.lock:
+            conn_id = f"{CONN_ID}_row{next(self._own_connections)}"
+        return {"settings_overrides": {cls: {"aws_conn_id": conn_id}
+                                       for cls in ("SageMakerSettings", "BatchSettings", "HyperPodSettings")}}
 
     def trigger(self, row: Row, dag_id: str, conf: dict[str, Any], run_id: str | None = None) -> Run:
         assert self.dep is not None
@@ -806,6 +823,7 @@ def _agent(user_agent: str) -> str:
 # why not (Row.miss) for every half it claims, and returns when its runs have ended.
 
 PARALLELISM = 8   # the deployment's worker slots (see Matrix.start)
+OWN_CONNECTIONS = 8   # AWS connections for rows whose faults are narrowed to their jobs (Matrix.own_connection)
 HALVES = {"pretrain": "sagemaker", "finetune": "batch"}   # the chaos DAGs' AWS tasks and their service
 
 
@@ -829,8 +847,9 @@ def row_faults(rules: list[dict[str, Any]], both: bool = True, own_jobs: bool = 
                hyperpod: bool | Callable[[Matrix, str], None] = False,
                hyperpod_dags: tuple[str, ...] = (HYPERPOD_DAG,)) -> Callable[[Matrix, Row], None]:
     """Fault rules while a deferred run (and, with `both`, an in-worker one) runs. `own_jobs`:
-    the rules are narrowed to the calls about this row's jobs (by their run_id tag), so the row
-    can run beside others; otherwise they hit every call and the row runs alone. `halves`: the
+    the rules are narrowed to the calls about this row's jobs (by their run_id tag), and its runs
+    reach AWS through a connection of their own (Matrix.own_connection), so the row can run
+    beside others; otherwise they hit every call and the row runs alone. `halves`: the
     service each task's half must see the rules hit (HALVES by default); `wait`: how long the
     runs may take beyond twice the job's length. `hyperpod`: a run of each of `hyperpod_dags`
     too (the rules narrowed to its jobs as well: its pods' S3 calls); as `hyperpod(m, run_id)`,
@@ -848,10 +867,11 @@ def row_faults(rules: list[dict[str, Any]], both: bool = True, own_jobs: bool = 
             for dag_id, run_id in hyperpod_runs:
                 row.claim(f"{dag_id}/{HYPERPOD_TASKS[0]}")
                 hyperpod(m, run_id)
+        conf = {**m.conf(), **(m.own_connection() if own_jobs else {})}
         m.add_faults(row, applied)
         try:
             for dag_id, run_id in list(zip(dags, run_ids)) + hyperpod_runs:
-                m.trigger(row, dag_id, m.conf(), run_id)
+                m.trigger(row, dag_id, conf, run_id)
             m.wait_runs(row, timeout=wait + 2 * m.seconds)
         finally:
             m.remove_faults(row)
