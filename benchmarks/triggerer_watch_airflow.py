@@ -6,7 +6,8 @@ dag-processor and triggerer as processes of their own, PostgreSQL as MWAA's, Loc
 submitting a timed job to the simulators (SageMaker, Batch, HyperPod in turn) and deferring; the
 jobs end, each at its drawn moment, after all N are deferred and past a Batch submit's 180 s look
 for copies. Measured: the triggerer's CPU and resident memory (every process of its session, from
-/proc: the supervisor and its trigger runner), each API's calls in the window where only the
+/proc: the supervisor and its trigger runner), its CPU for IDLE_SECONDS before the run while it
+holds no trigger, each API's calls in the window where only the
 triggerer polls (every task deferred, no job ended), each job's end against its trigger's
 "Trigger fired event" (the triggerer's part of the task log) and against its task's end (REST).
 """
@@ -29,6 +30,7 @@ DAG_ID = "bench_triggerer_watch"
 FIRED = "Trigger fired event"
 STATE = re.compile(r"'state': '(\w+)'")
 TICKS = os.sysconf("SC_CLK_TCK")
+IDLE_SECONDS = 90.0   # the triggerer's CPU with no trigger, measured this long before the run
 
 
 def _cpu_and_rss(pids: list[int]) -> tuple[float, float]:
@@ -90,6 +92,11 @@ def run_airflow(count: int, args: Any, work: Path) -> dict[str, Any]:
     try:
         dep.start()
         dep.wait_dag(DAG_ID, timeout=240)
+        # The triggerer holding no trigger (its loop, heartbeats and queries): the part of its CPU
+        # that does not grow with the jobs it watches.
+        idle_cpu, idle_at = _cpu_and_rss(dep.pids("triggerer"))[0], time.time()
+        time.sleep(IDLE_SECONDS)
+        idle_cores = (_cpu_and_rss(dep.pids("triggerer"))[0] - idle_cpu) / (time.time() - idle_at)
         rng = random.Random(args.seed)
         t0 = time.time()
         first_end = t0 + count * args.airflow_submit_seconds + SETTLE_SECONDS + 2 * args.poll
@@ -153,6 +160,9 @@ def run_airflow(count: int, args: Any, work: Path) -> dict[str, Any]:
         "jobs": count, "task_states": states, "all_deferred_after_s": round(deferred_all - t0, 1) if deferred_all else None,
         "steady_window_s": [round(steady[0] - t0, 1), round(steady[1] - t0, 1)],
         "triggerer_cpu_cores_busy_steady": round(cpu_steady, 3) if cpu_steady is not None else None,
+        "triggerer_cpu_cores_idle": round(idle_cores, 3),
+        "triggerer_cpu_ms_per_job_per_second_above_idle":
+            round(1000 * (cpu_steady - idle_cores) / count, 3) if cpu_steady is not None else None,
         "triggerer_cpu_ms_per_job_per_poll_interval_steady":
             round(1000 * cpu_steady * args.poll / count, 2) if cpu_steady is not None else None,
         "triggerer_cpu_seconds_whole_run": round(samples[-1][1] - base_cpu, 1) if samples else None,
