@@ -7,9 +7,9 @@ submitting a timed job to the simulators (SageMaker, Batch, HyperPod in turn) an
 jobs end, each at its drawn moment, after all N are deferred and past a Batch submit's 180 s look
 for copies. Measured: the triggerer's CPU and resident memory (every process of its session, from
 /proc: the supervisor and its trigger runner), its CPU for IDLE_SECONDS before the run while it
-holds no trigger, each API's calls in the window where only the
-triggerer polls (every task deferred, no job ended), each job's end against its trigger's
-"Trigger fired event" (the triggerer's part of the task log) and against its task's end (REST).
+holds no trigger, each API's calls in the window where only the triggerer polls (every task
+deferred, no job ended), each job's end against its trigger's "Trigger fired event" (the
+triggerer's part of the task log) and against its task's end (REST).
 """
 
 from __future__ import annotations
