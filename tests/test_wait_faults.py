@@ -720,6 +720,44 @@ def test_a_trigger_whose_task_was_ended_without_on_kill_stops_the_job(use_backen
     assert next(answers, "asked no more") == "asked no more"   # stopped at the first "failed"
 
 
+
+@pytest.mark.parametrize("held_in", ["backoff", "poll"])
+def test_a_task_ended_without_on_kill_stops_the_job_while_the_poll_still_waits(use_backend, monkeypatch,
+                                                                               held_in):
+    """The fault matrix's read outage beside a user's mark-failed: after a failed read the next
+    poll is poll_interval plus a backoff of up to Backoff.cap away (330 s), and a read stuck in
+    its retries holds its poll as long. The task check runs beside the polls (real time here, not
+    the test clock): the job is stopped within a check of the mark, not at the next poll."""
+    import threading
+    import time
+
+    from airflow.sdk.execution_time.task_runner import RuntimeTaskInstance
+
+    monkeypatch.setattr(RuntimeTaskInstance, "get_task_states",
+                        staticmethod(lambda **query: {"manual__1": {"pretrain": "failed"}}))
+    monkeypatch.setattr(job_trigger, "TASK_CHECK_SECONDS", 0.2)
+    stopped = threading.Event()
+
+    class Outage(ScriptedBackend):
+        def status(self, handle):
+            if held_in == "poll":
+                stopped.wait(60)   # a status read still retrying through the outage's 503s
+            return super().status(handle)
+
+        def stop(self, handle):
+            super().stop(handle)
+            stopped.set()
+
+    backend = use_backend(Outage([unavailable()]))
+    running = trigger(started_at=time.time())
+    running.task_instance = FakeTI()
+    running._log = Recorder()
+    started = time.monotonic()
+    [event] = run_trigger(running)
+    assert event["state"] == "stopped" and backend.stops == ["job-1"]
+    assert time.monotonic() - started < 10, "the stop waited for the next poll"
+
+
 # -- execute_complete -----------------------------------------------------------------------------
 
 def event(state: str, **extra) -> dict[str, Any]:

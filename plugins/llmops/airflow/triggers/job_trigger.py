@@ -6,7 +6,7 @@ import asyncio
 import concurrent.futures
 import os
 import time
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Awaitable
 
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
@@ -32,6 +32,20 @@ FOLLOW_UP_EVERY = 10.0
 FOLLOW_UP_SECONDS = 300.0
 _FOLLOW_UPS: set[asyncio.Task] = set()   # held here: the loop keeps only weak references to tasks
 ENDED = {"failed", "success", "skipped", "upstream_failed", "removed"}   # no try will take our event
+_TASK_ENDED = object()
+
+
+async def _or_task_end(work: Awaitable[Any], ended: asyncio.Future | None) -> Any:
+    """`work`'s result, or _TASK_ENDED if `ended` (JobTrigger._until_task_ended) finished first.
+    A poll given up on runs on to its end in its thread; its result is not used."""
+    if ended is None:
+        return await work
+    job = asyncio.ensure_future(work)
+    done, _ = await asyncio.wait({job, ended}, return_when=asyncio.FIRST_COMPLETED)
+    if job in done:
+        return job.result()
+    job.cancel()
+    return _TASK_ENDED
 
 # A checkpoint hands the log cursor back to the task, which defers again from it at once: a
 # triggerer restart replays at most the lines since the last one. It costs the task a worker slot
@@ -68,7 +82,9 @@ class JobTrigger(BaseTrigger):
     same deadline.
 
     Every TASK_CHECK_SECONDS it asks Airflow whether its task still waits on it, in one question
-    per DAG for all the triggers of this triggerer (task_states_board).
+    per DAG for all the triggers of this triggerer (task_states_board), beside its polls: a poll
+    held up by an outage (its read's retries, then a backoff of up to Backoff.cap) does not delay
+    it.
 
     A user ending the task (mark failed or success) stops the job (`on_kill`). A clear does not:
     the next try reattaches to the running job (with `stop_on_clear`, set by force_rerun, it is
@@ -135,51 +151,67 @@ class JobTrigger(BaseTrigger):
                          alerts=JobAlerts.from_settings(
                              self.handle, where_of(getattr(self, "task_instance", None))))
         checkpoint_at, lines_since = time.monotonic(), 0
-        checked_at = time.monotonic()
         cursor_is_saved = bool(log_cursor_uri(self.handle))
-        while True:
-            step = await asyncio.to_thread(watch.poll)
-            for warning in step.warnings:
-                self.log.warning("[%s] %s", self.handle["name"], warning)
-            if step.waiting:
-                self.log.info("[%s] %s", self.handle["name"], step.waiting)
-                await asyncio.to_thread(self._mark_waiting, watch)
-            for line in env_secrets.redact_lines(step.lines):
-                self.log.info("[%s] %s", self.handle["name"], line)
-            if not cursor_is_saved:
-                lines_since += len(step.lines)
-            if step.error:
-                yield self._event(watch, "error", step.error)
-                return
-            if step.done:
-                state = "timeout" if step.stopped else step.status.state.value
-                yield self._event(watch, state, step.status.message)
-                return
-            if self.task_deadline is not None and time.time() > self.task_deadline:
-                await self._stop_quietly()
-                yield self._event(watch, "task_timeout",
-                                  f"the task's execution_timeout passed while it waited for job "
-                                  f"{self.handle['name']}, which was stopped")
-                return
-            since = time.monotonic() - checkpoint_at
-            if step.start_from_poll or (lines_since and since >= CHECKPOINT_SECONDS) or (
-                    lines_since >= CHECKPOINT_LINES and since >= MIN_CHECKPOINT_SECONDS):
-                yield self._event(watch, "progress", "checkpoint",
-                                  trigger=self._kwargs(log_cursor=watch.log_cursor,
-                                                       started_at=watch.started_at,
-                                                       submitted_at=watch.submitted_at,
-                                                       waiting=watch.waiting))
-                return
-            if time.monotonic() - checked_at >= TASK_CHECK_SECONDS:
-                checked_at = time.monotonic()
-                known, state = await self._task_state(shared_read=True)
-                if known and state in ENDED:
-                    self.log.warning("The task is %s in Airflow, yet this trigger was not cancelled "
-                                     "(Airflow did not call on_kill).", state)
-                    await self._end_for_user(state)
-                    yield self._event(watch, "stopped", f"the task was set to {state}")
+        # Beside the polls, not between them: a poll waits out an outage's retries and then up to
+        # poll_interval + Backoff.cap, and a user's mark-failed must not wait that long.
+        ended = (asyncio.ensure_future(self._until_task_ended())
+                 if getattr(self, "task_instance", None) is not None else None)
+        try:
+            while True:
+                step = await _or_task_end(asyncio.to_thread(watch.poll), ended)
+                if step is _TASK_ENDED:
+                    break
+                for warning in step.warnings:
+                    self.log.warning("[%s] %s", self.handle["name"], warning)
+                if step.waiting:
+                    self.log.info("[%s] %s", self.handle["name"], step.waiting)
+                    await asyncio.to_thread(self._mark_waiting, watch)
+                for line in env_secrets.redact_lines(step.lines):
+                    self.log.info("[%s] %s", self.handle["name"], line)
+                if not cursor_is_saved:
+                    lines_since += len(step.lines)
+                if step.error:
+                    yield self._event(watch, "error", step.error)
                     return
-            await asyncio.sleep(step.delay)
+                if step.done:
+                    state = "timeout" if step.stopped else step.status.state.value
+                    yield self._event(watch, state, step.status.message)
+                    return
+                if self.task_deadline is not None and time.time() > self.task_deadline:
+                    await self._stop_quietly()
+                    yield self._event(watch, "task_timeout",
+                                      f"the task's execution_timeout passed while it waited for job "
+                                      f"{self.handle['name']}, which was stopped")
+                    return
+                since = time.monotonic() - checkpoint_at
+                if step.start_from_poll or (lines_since and since >= CHECKPOINT_SECONDS) or (
+                        lines_since >= CHECKPOINT_LINES and since >= MIN_CHECKPOINT_SECONDS):
+                    yield self._event(watch, "progress", "checkpoint",
+                                      trigger=self._kwargs(log_cursor=watch.log_cursor,
+                                                           started_at=watch.started_at,
+                                                           submitted_at=watch.submitted_at,
+                                                           waiting=watch.waiting))
+                    return
+                if await _or_task_end(asyncio.sleep(step.delay), ended) is _TASK_ENDED:
+                    break
+            assert ended is not None
+            state = ended.result()
+            self.log.warning("The task is %s in Airflow, yet this trigger was not cancelled "
+                             "(Airflow did not call on_kill).", state)
+            await self._end_for_user(state)
+            yield self._event(watch, "stopped", f"the task was set to {state}")
+        finally:
+            if ended is not None:
+                ended.cancel()
+
+    async def _until_task_ended(self) -> str:
+        """The task's state once Airflow says a user ended it (asked every TASK_CHECK_SECONDS, in
+        the triggerer's one question per DAG); until then it keeps asking."""
+        while True:
+            await asyncio.sleep(TASK_CHECK_SECONDS)
+            known, state = await self._task_state(shared_read=True)
+            if known and state in ENDED:
+                return state
 
     def _mark_waiting(self, watch: JobWatch) -> None:
         """The job's wait in its service's queue (or its start after one) on its MLflow run,
