@@ -14,7 +14,6 @@ export AIRFLOW__CORE__DAGS_FOLDER := $(CURDIR)/dags
 export AIRFLOW__CORE__PLUGINS_FOLDER := $(CURDIR)/plugins
 export AIRFLOW__CORE__LOAD_EXAMPLES := False
 export AIRFLOW__CORE__PARALLELISM ?= 4
-export AIRFLOW__SCHEDULER__MIN_FILE_PROCESS_INTERVAL ?= 5
 export PYTHONPATH := $(CURDIR):$(CURDIR)/plugins
 # `airflow standalone` spawns `airflow <component>`: the venv's bin must be on PATH.
 export PATH := $(VENV)/bin:$(PATH)
@@ -23,7 +22,7 @@ export MPLBACKEND ?= Agg
 # Every setting above, for `make shell-env` (scripts/airflow): keep the two lists together.
 LOCAL_ENV := LLMOPS_HOME AIRFLOW_HOME MLFLOW_TRACKING_URI AIRFLOW__CORE__DAGS_FOLDER \
   AIRFLOW__CORE__PLUGINS_FOLDER AIRFLOW__CORE__LOAD_EXAMPLES AIRFLOW__CORE__PARALLELISM \
-  AIRFLOW__SCHEDULER__MIN_FILE_PROCESS_INTERVAL PYTHONPATH PATH RAY_AUTH_MODE MPLBACKEND
+  PYTHONPATH PATH RAY_AUTH_MODE MPLBACKEND
 
 .PHONY: help install browser demo test test-slow test-matrix chaos up shell-env airflow-db clean bench-data \
   mwaa-bundle mwaa-check screenshots
