@@ -41,7 +41,11 @@ async def _or_task_end(work: Awaitable[Any], ended: asyncio.Future | None) -> An
     if ended is None:
         return await work
     job = asyncio.ensure_future(work)
-    done, _ = await asyncio.wait({job, ended}, return_when=asyncio.FIRST_COMPLETED)
+    try:
+        done, _ = await asyncio.wait({job, ended}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:   # the triggerer cancelled this trigger: no sleep is left behind
+        job.cancel()
+        raise
     if job in done:
         return job.result()
     job.cancel()
