@@ -758,6 +758,33 @@ def test_a_task_ended_without_on_kill_stops_the_job_while_the_poll_still_waits(u
     assert time.monotonic() - started < 10, "the stop waited for the next poll"
 
 
+
+def test_a_trigger_cancelled_mid_wait_leaves_nothing_pending_on_the_loop(use_backend, monkeypatch):
+    """The triggerer cancels a trigger (a clear, a mark, a move) while it sleeps between polls:
+    its sleep and its task check end with it, not minutes later on the triggerer's loop."""
+    from airflow.sdk.execution_time.task_runner import RuntimeTaskInstance
+
+    monkeypatch.setattr(RuntimeTaskInstance, "get_task_states",
+                        staticmethod(lambda **query: {"manual__1": {"pretrain": "deferred"}}))
+    import time
+
+    use_backend(ScriptedBackend([RUNNING]))
+    running = trigger(started_at=time.time())   # its start known: no checkpoint at the first poll
+    running.task_instance = FakeTI()
+    running._log = Recorder()
+
+    async def cancel_mid_sleep():
+        waiting = asyncio.ensure_future(running.run().__anext__())
+        await asyncio.sleep(0.5)   # the first poll is done; it sleeps its 30 s poll interval
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        await asyncio.sleep(0)     # a cancelled task ends at the loop's next turn
+        return [t for t in asyncio.all_tasks() if t is not asyncio.current_task() and not t.done()]
+
+    assert asyncio.run(cancel_mid_sleep()) == []
+
+
 # -- execute_complete -----------------------------------------------------------------------------
 
 def event(state: str, **extra) -> dict[str, Any]:
