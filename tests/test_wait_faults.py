@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import threading
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -481,6 +483,15 @@ def trigger(**kwargs) -> job_trigger.JobTrigger:
                                      "grace_seconds": 1800, **kwargs})
 
 
+def task_trigger(**kwargs) -> job_trigger.JobTrigger:
+    """A trigger as the triggerer runs it: the triggerer sets its task instance (whose state it
+    asks) on every trigger; and a log to read back."""
+    running = trigger(**kwargs)
+    running.task_instance = FakeTI()
+    running._log = Recorder()
+    return running
+
+
 def test_the_trigger_survives_api_hiccups(use_backend, clock):
     backend = use_backend(ScriptedBackend([PENDING, throttled(), unavailable(),
                                            ConnectionResetError("reset"), SUCCEEDED],
@@ -657,9 +668,7 @@ def test_trigger_on_kill_stops_the_job_when_the_user_ended_the_task(use_backend,
 
     monkeypatch.setattr(RuntimeTaskInstance, "get_task_states", staticmethod(get_task_states))
     backend = use_backend(ScriptedBackend([RUNNING]))
-    killed = trigger(stop_on_clear=force)
-    killed.task_instance = FakeTI()  # set by the triggerer on every trigger it runs
-    killed._log = Recorder()
+    killed = task_trigger(stop_on_clear=force)
     asyncio.run(killed.on_kill())
     assert backend.stops == (["job-1"] if stopped else [])
 
@@ -687,9 +696,7 @@ def test_on_kill_that_cannot_read_the_state_asks_again_and_acts_on_the_answer(us
     monkeypatch.setattr(job_trigger, "FOLLOW_UP_EVERY", 0.01)
     monkeypatch.setattr(job_trigger, "FOLLOW_UP_SECONDS", 0.3)
     backend = use_backend(ScriptedBackend([RUNNING]))
-    killed = trigger()
-    killed.task_instance = FakeTI()
-    killed._log = Recorder()
+    killed = task_trigger()
 
     async def cancelled_by_a_user() -> None:
         await killed.on_kill()
@@ -712,13 +719,10 @@ def test_a_trigger_whose_task_was_ended_without_on_kill_stops_the_job(use_backen
                         staticmethod(lambda **query: {"manual__1": {"pretrain": next(answers)}}))
     monkeypatch.setattr(job_trigger, "TASK_CHECK_SECONDS", 0.0)
     backend = use_backend(ScriptedBackend([RUNNING]))
-    running = trigger(started_at=clock.now)
-    running.task_instance = FakeTI()
-    running._log = Recorder()
+    running = task_trigger(started_at=clock.now)
     [event] = run_trigger(running)
     assert event["state"] == "stopped" and backend.stops == ["job-1"]
     assert next(answers, "asked no more") == "asked no more"   # stopped at the first "failed"
-
 
 
 @pytest.mark.parametrize("held_in", ["backoff", "poll"])
@@ -728,9 +732,6 @@ def test_a_task_ended_without_on_kill_stops_the_job_while_the_poll_still_waits(u
     poll is poll_interval plus a backoff of up to Backoff.cap away (330 s), and a read stuck in
     its retries holds its poll as long. The task check runs beside the polls (real time here, not
     the test clock): the job is stopped within a check of the mark, not at the next poll."""
-    import threading
-    import time
-
     from airflow.sdk.execution_time.task_runner import RuntimeTaskInstance
 
     monkeypatch.setattr(RuntimeTaskInstance, "get_task_states",
@@ -749,14 +750,11 @@ def test_a_task_ended_without_on_kill_stops_the_job_while_the_poll_still_waits(u
             stopped.set()
 
     backend = use_backend(Outage([unavailable()]))
-    running = trigger(started_at=time.time())
-    running.task_instance = FakeTI()
-    running._log = Recorder()
+    running = task_trigger(started_at=time.time())
     started = time.monotonic()
     [event] = run_trigger(running)
     assert event["state"] == "stopped" and backend.stops == ["job-1"]
     assert time.monotonic() - started < 10, "the stop waited for the next poll"
-
 
 
 def test_a_trigger_cancelled_mid_wait_leaves_nothing_pending_on_the_loop(use_backend, monkeypatch):
@@ -766,12 +764,8 @@ def test_a_trigger_cancelled_mid_wait_leaves_nothing_pending_on_the_loop(use_bac
 
     monkeypatch.setattr(RuntimeTaskInstance, "get_task_states",
                         staticmethod(lambda **query: {"manual__1": {"pretrain": "deferred"}}))
-    import time
-
     use_backend(ScriptedBackend([RUNNING]))
-    running = trigger(started_at=time.time())   # its start known: no checkpoint at the first poll
-    running.task_instance = FakeTI()
-    running._log = Recorder()
+    running = task_trigger(started_at=time.time())   # its start known: no checkpoint at the first poll
 
     async def cancel_mid_sleep():
         waiting = asyncio.ensure_future(running.run().__anext__())
