@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 import time
 from typing import Any, Iterator
 
@@ -178,6 +179,30 @@ def test_a_lost_create_answer_leaves_one_job_and_a_handle(server, eks):
     assert [j["name"] for j in report["jobs"]] == [handle["k8s_name"]]
     assert [(i["kind"], i["operation"]) for i in report["injections"]] == [("lost", CREATE)]
     assert handle["reattached"] is False and handle["attempt"] == 1
+
+
+def test_a_lost_host_uses_one_retry_however_long_its_pod_takes_to_die(server, eks, monkeypatch):
+    """One host lost is one restart of the job. The simulator's own honesty: a pod slow to die
+    (a loaded machine: CI saw it) once let the watcher restart for the pod's -9, then again for
+    the loss flagged after it, so a test saw two retries used where the operator spends one."""
+    from tests.chaos import fake_eks
+
+    kill = fake_eks.Pod.kill
+
+    def slow_kill(pod: fake_eks.Pod) -> None:
+        kill(pod)
+        if threading.current_thread() is threading.main_thread():   # lose_host's kill, not the watcher's
+            time.sleep(1.0)   # five of the watcher's polls see the pod dead before lose_host goes on
+
+    monkeypatch.setattr(fake_eks.Pod, "kill", slow_kill)
+    hp = backend(kind="HyperPodPyTorchJob")
+    handle = hp.submit(sample("http-host", seconds=60))
+    wait_for(hp, handle, {JobState.RUNNING})
+    eks.lose_host(handle["k8s_name"], 0)
+    time.sleep(2.0)   # the watcher's ten polls after the loss
+    job = eks.job(handle["k8s_name"])
+    assert (job.restarts, len(job.pods)) == (1, 1), "one loss: one restart, its pod running"
+    hp.stop(handle)
 
 
 def test_pods_waiting_for_nodes_say_why_through_the_pod_list(server, eks):

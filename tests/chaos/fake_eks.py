@@ -534,8 +534,10 @@ class FakeEks:
             job.heal_env = heal_env
             pod = job.pods[node]
         log.info("%s: node %d's host lost (pod %s)", name, node, pod.name)
-        pod.kill()
+        # flagged before the kill: a watcher that sees the pod's -9 first would restart for it,
+        # then restart again for a flag set after its restart (one loss, two retries used)
         job.lost.set()
+        pod.kill()
 
     def crash(self, name: str, node: int) -> None:
         """Node `node`'s container dies (killed, exit -9): the job restarts its pods or fails, as
