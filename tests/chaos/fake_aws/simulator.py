@@ -101,8 +101,11 @@ class Simulator(SageMakerApi, BatchApi):
             procs = list(job.procs)
         if not 0 <= node < len(procs):
             raise ValueError(f"job {job.name} has {len(procs)} running nodes, not node {node}")
+        # asked before the kill: a job loop that saw the node die first would end the job as a
+        # container's exit (137), not as the service ends it for a lost host
+        asked = self.end(job, "host", f"node {node}'s host terminated")
         kill_group(procs[node], 0)
-        return self.end(job, "host", f"node {node}'s host terminated")
+        return asked
 
     def reclaim(self, job: Job) -> bool:
         """EC2 takes the job's spot capacity back now. SageMaker managed spot: the containers get
