@@ -141,9 +141,16 @@ def test_s3s_bandwidth_cap_and_first_byte_latency_apply_per_connection(fake, cha
         t0 = time.perf_counter()
         s3.head_object(Bucket=BUCKET, Key="link/obj")
         assert time.perf_counter() - t0 >= 0.15
-        t0 = time.perf_counter()
-        client(fake, "sts").get_caller_identity()
-        assert time.perf_counter() - t0 < 0.15
+        sts = client(fake, "sts")
+
+        def identity() -> float:
+            t0 = time.perf_counter()
+            sts.get_caller_identity()
+            return time.perf_counter() - t0
+
+        # the quickest of three: one call can take 0.3 s on a loaded machine (CI), but the delay
+        # under test would hold every one of them to 0.15 s or more
+        assert min(identity() for _ in range(3)) < 0.15
     finally:
         chaos.config(s3_mb_per_s_per_connection=0, s3_first_byte_ms=0)
     assert get() < capped / 3
