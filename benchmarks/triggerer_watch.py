@@ -621,6 +621,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--airflow", type=int, default=0, help="N for the run through a real triggerer (0: none)")
     parser.add_argument("--airflow-submit-seconds", type=float, default=3.0,
                         help="the real run: time allowed per task to submit and defer")
+    parser.add_argument("--airflow-quiet-seconds", type=float, default=60.0,
+                        help="the real run: from the submissions' budget (plus a Batch look for copies) "
+                             "to the first end, while only the triggerer polls: the window its CPU is read in")
     parser.add_argument("--out", default=str(ROOT / "benchmarks/results/triggerer_watch.json"))
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--child", help=argparse.SUPPRESS)

@@ -99,7 +99,7 @@ def run_airflow(count: int, args: Any, work: Path) -> dict[str, Any]:
         idle_cores = (_cpu_and_rss(dep.pids("triggerer"))[0] - idle_cpu) / (time.time() - idle_at)
         rng = random.Random(args.seed)
         t0 = time.time()
-        first_end = t0 + count * args.airflow_submit_seconds + SETTLE_SECONDS + 2 * args.poll
+        first_end = t0 + count * args.airflow_submit_seconds + SETTLE_SECONDS + args.airflow_quiet_seconds
         jobs = [{"backend": ("sagemaker", "batch", "hyperpod")[i % 3],
                  "end_at": first_end + rng.uniform(0, args.end_spread),
                  "exit_code": 1 if rng.random() < args.fail_share else 0} for i in range(count)]
@@ -157,7 +157,8 @@ def run_airflow(count: int, args: Any, work: Path) -> dict[str, Any]:
     cpu_steady = ((inside[-1][1] - inside[0][1]) / (inside[-1][0] - inside[0][0])) if len(inside) > 1 else None
     steady_calls = against_limits(rates(world.samples, *steady)) if steady[1] > steady[0] + 30 else None
     return {
-        "jobs": count, "task_states": states, "all_deferred_after_s": round(deferred_all - t0, 1) if deferred_all else None,
+        "jobs": count, "submit_seconds_per_task": args.airflow_submit_seconds,
+        "quiet_seconds": args.airflow_quiet_seconds, "end_spread_s": args.end_spread, "task_states": states, "all_deferred_after_s": round(deferred_all - t0, 1) if deferred_all else None,
         "steady_window_s": [round(steady[0] - t0, 1), round(steady[1] - t0, 1)],
         "triggerer_cpu_cores_busy_steady": round(cpu_steady, 3) if cpu_steady is not None else None,
         "triggerer_cpu_cores_idle": round(idle_cores, 3),
