@@ -68,11 +68,17 @@ def _fired(dep: Any, run_id: str) -> dict[int, list[dict[str, Any]]]:
     Airflow 3.3's triggerer closes a trigger's log file when the trigger runner reports it
     finished (on the runner's requests socket), while its log lines come on another socket: lines
     still in flight then (the fired event, the job's last lines) go to the triggerer's own log
-    (triggerer_job_runner.py's `fallback_log`). At 300 jobs 4 of 300 fired events went there; the
-    task resumed with the event all the same."""
+    (triggerer_job_runner.py's `fallback_log`). At 500 jobs 17 of 500 fired events went there
+    (benchmarks/results/triggerer_watch_airflow_500.json); each task resumed with its event all
+    the same."""
     from tests.chaos.airflow_deployment import _epoch
 
     out: dict[int, list[dict[str, Any]]] = collections.defaultdict(list)
+
+    def fired(index: int, timestamp: str, text: str, where: str) -> None:
+        state = STATE.search(text)
+        out[index].append({"at": _epoch(timestamp), "state": state.group(1) if state else "?", "where": where})
+
     for path in dep.log_dir(DAG_ID, run_id, "job").glob("map_index=*/attempt=*.log.trigger.*"):
         index = int(path.parent.name.split("=", 1)[1])
         for line in path.read_text(errors="replace").splitlines():
@@ -81,16 +87,12 @@ def _fired(dep: Any, run_id: str) -> dict[int, list[dict[str, Any]]]:
             except ValueError:
                 continue
             if record.get("event") == FIRED:
-                state = STATE.search(str(record.get("result", "")))
-                out[index].append({"at": _epoch(record["timestamp"]), "state": state.group(1) if state else "?",
-                                   "where": "task log"})
+                fired(index, record["timestamp"], str(record.get("result", "")), "task log")
     own = dep.workdir / "components" / "triggerer.log"
     for line in own.read_text(errors="replace").splitlines() if own.exists() else []:
         found = TRIGGERER_LOG_FIRED.match(line)
         if found and f"run_id={run_id}" in line:
-            state = STATE.search(line)
-            out[int(found.group(2))].append({"at": _epoch(found.group(1)), "state": state.group(1) if state else "?",
-                                             "where": "triggerer log"})
+            fired(int(found.group(2)), found.group(1), line, "triggerer log")
     return out
 
 
@@ -175,7 +177,8 @@ def run_airflow(count: int, args: Any, work: Path) -> dict[str, Any]:
     steady_calls = against_limits(rates(world.samples, *steady)) if steady[1] > steady[0] + 30 else None
     return {
         "jobs": count, "submit_seconds_per_task": args.airflow_submit_seconds,
-        "quiet_seconds": args.airflow_quiet_seconds, "end_spread_s": args.end_spread, "task_states": states, "all_deferred_after_s": round(deferred_all - t0, 1) if deferred_all else None,
+        "quiet_seconds": args.airflow_quiet_seconds, "end_spread_s": args.end_spread, "task_states": states,
+        "all_deferred_after_s": round(deferred_all - t0, 1) if deferred_all else None,
         "steady_window_s": [round(steady[0] - t0, 1), round(steady[1] - t0, 1)],
         "triggerer_cpu_cores_busy_steady": round(cpu_steady, 3) if cpu_steady is not None else None,
         "triggerer_cpu_cores_idle": round(idle_cores, 3),
